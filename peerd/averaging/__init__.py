@@ -1,0 +1,1 @@
+"""Data-parallel gradient averaging inside a stage group, compressed with error feedback."""

@@ -1,0 +1,1 @@
+"""Benchmarks behind ``peerd bench``: each module exposes a click ``command`` printing JSON."""

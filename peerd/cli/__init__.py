@@ -1,0 +1,88 @@
+"""The ``peerd`` command line: a thin click group over peerd's Python API.
+
+Each command lives in its own module under ``peerd/cli/`` and is imported only
+when invoked, so ``peerd --help`` stays fast and a broken optional feature
+cannot break the others. Exit codes: 0 ok, 1 the operation or job failed,
+2 usage or configuration error, 3 startup failure (daemon, bootstrap).
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+import click
+
+from peerd import __version__
+from peerd.errors import ConfigError, PeerdError
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_STARTUP = 0, 1, 2, 3
+
+# command name -> "module:attribute"; the modules are imported on first use.
+COMMANDS: dict[str, str] = {
+    "join": "peerd.cli.swarm:join",
+    "status": "peerd.cli.swarm:status",
+    "plan": "peerd.cli.plan:plan",
+    "bench": "peerd.cli.bench:bench",
+}
+
+
+class LazyGroup(click.Group):
+    """A click group whose subcommands are imported when used."""
+
+    def __init__(self, *args, lazy: dict[str, str], **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._lazy = lazy
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted(set(super().list_commands(ctx)) | set(self._lazy))
+
+    def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
+        if name in self._lazy:
+            module_name, attr = self._lazy[name].split(":")
+            return getattr(importlib.import_module(module_name), attr)
+        return super().get_command(ctx, name)
+
+
+@click.group(cls=LazyGroup, lazy=COMMANDS, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="peerd")
+@click.option(
+    "--log-level",
+    default="INFO",
+    show_default=True,
+    type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False),
+    help="Verbosity of peerd's log output (stderr).",
+)
+def cli(log_level: str) -> None:
+    """Train foundation models together on volunteer GPUs.
+
+    \b
+    Start a swarm:        peerd join
+    Join one:             peerd join --initial-peers /ip4/1.2.3.4/tcp/31337/p2p/Qm...
+    See who is there:     peerd status
+    Plan an allocation:   peerd plan configs/scenarios/dtfm-case0.yaml
+    """
+    from peerd.log import setup_logging
+
+    setup_logging(log_level.upper())
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Console-script entry point: maps peerd's expected failures to messages and exit codes."""
+    try:
+        cli.main(args=argv, prog_name="peerd", standalone_mode=False)
+    except click.exceptions.Exit as exc:
+        sys.exit(exc.exit_code)
+    except click.Abort:
+        click.echo("Aborted.", err=True)
+        sys.exit(EXIT_FAILED)
+    except click.ClickException as exc:
+        exc.show()
+        sys.exit(EXIT_USAGE if isinstance(exc, click.UsageError) else exc.exit_code)
+    except ConfigError as exc:
+        click.echo(f"error: {exc}", err=True)
+        sys.exit(EXIT_USAGE)
+    except PeerdError as exc:
+        click.echo(f"error: {exc}", err=True)
+        sys.exit(getattr(exc, "exit_code", EXIT_FAILED))
+    sys.exit(EXIT_OK)

@@ -1,0 +1,1 @@
+"""Datasets with a stable integer id per training example, deterministic shuffling and sharding."""

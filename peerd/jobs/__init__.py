@@ -1,0 +1,1 @@
+"""Jobs: spec, state machine, planner (drives consensus over the DHT), runner."""

@@ -1,0 +1,1 @@
+"""Model definitions that know nothing about parallelism."""

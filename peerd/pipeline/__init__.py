@@ -1,0 +1,1 @@
+"""Pipeline parallelism: stage partitioning, micro-batch schedules, stage workers, activation streams."""

@@ -1,0 +1,1 @@
+"""Pure, deterministic scheduling: cost models, evolutionary allocation search, ordering, consensus."""
