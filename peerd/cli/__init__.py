@@ -24,6 +24,7 @@ COMMANDS: dict[str, str] = {
     "status": "peerd.cli.swarm:status",
     "plan": "peerd.cli.plan:plan",
     "bench": "peerd.cli.bench:bench",
+    "demo": "peerd.cli.demo:demo",
 }
 
 
