@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import importlib
-import json
 
 import click
 
@@ -34,11 +33,3 @@ def bench() -> None:
     Report ratios, not absolute times: machines are shared and noisy.
     """
 
-
-def emit(result: dict, out: str | None) -> None:
-    """Print ``result`` as JSON and optionally write it to ``out``."""
-    text = json.dumps(result, indent=2, sort_keys=True)
-    click.echo(text)
-    if out:
-        with open(out, "w", encoding="utf-8") as fh:
-            fh.write(text + "\n")
