@@ -33,7 +33,9 @@ def load_mapping(path: str | Path) -> dict[str, Any]:
     try:
         data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
     except (json.JSONDecodeError, yaml.YAMLError) as exc:
-        raise ConfigError(str(path), f"not valid {'JSON' if path.suffix == '.json' else 'YAML'}: {exc}") from None
+        raise ConfigError(
+            str(path), f"not valid {'JSON' if path.suffix == '.json' else 'YAML'}: {exc}"
+        ) from None
     if not isinstance(data, dict):
         raise ConfigError(str(path), f"top level must be a mapping, got {type(data).__name__}")
     return data
@@ -107,7 +109,9 @@ def _convert(tp: Any, value: Any, path: str) -> Any:
         if origin is tuple and args and args[-1] is not Ellipsis:
             if len(args) != len(value):
                 raise ConfigError(path, f"must have exactly {len(args)} items, got {len(value)}")
-            return tuple(_convert(a, v, _join(path, i)) for i, (a, v) in enumerate(zip(args, value, strict=True)))
+            return tuple(
+                _convert(a, v, _join(path, i)) for i, (a, v) in enumerate(zip(args, value, strict=True))
+            )
         item = args[0] if args else Any
         items = [_convert(item, v, _join(path, i)) for i, v in enumerate(value)]
         return tuple(items) if origin is tuple else items
@@ -176,4 +180,3 @@ def _bare_message(exc: ConfigError) -> str:
     text = Exception.__str__(exc)
     prefix = f"{exc.field}: "
     return text[len(prefix) :] if text.startswith(prefix) else text
-

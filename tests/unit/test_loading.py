@@ -1,0 +1,119 @@
+"""Typed config loading: values are converted, and every mistake names its field."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+import pytest
+
+from peerd.errors import ConfigError, ErrorCode
+from peerd.loading import from_mapping, load_dataclass, load_mapping, to_mapping
+
+
+class Mode(enum.Enum):
+    FAST = "fast"
+    EXACT = "exact"
+
+
+@dataclass
+class Link:
+    src: str
+    dst: str
+    bandwidth_mbps: float
+
+    def validate(self) -> None:
+        if self.bandwidth_mbps <= 0:
+            raise ConfigError("bandwidth_mbps", f"must be > 0, got {self.bandwidth_mbps}")
+
+
+@dataclass
+class Root:
+    name: str
+    size: int
+    mode: Mode = Mode.FAST
+    shape: int | Literal["auto"] = "auto"
+    links: list[Link] = field(default_factory=list)
+    tags: dict[str, float] = field(default_factory=dict)
+    note: str | None = None
+
+
+def test_builds_nested_dataclasses_and_converts_values() -> None:
+    root = from_mapping(
+        Root,
+        {
+            "name": "x",
+            "size": 3,
+            "mode": "exact",
+            "shape": 4,
+            "links": [{"src": "a", "dst": "b", "bandwidth_mbps": 20}],
+            "tags": {"t": 1},
+        },
+    )
+    assert root.mode is Mode.EXACT
+    assert root.shape == 4
+    assert root.links == [Link("a", "b", 20.0)]
+    assert isinstance(root.links[0].bandwidth_mbps, float)
+    assert root.tags == {"t": 1.0}
+    assert to_mapping(root)["mode"] == "exact"
+    assert from_mapping(Root, to_mapping(root)) == root
+
+
+@pytest.mark.parametrize(
+    ("data", "field_path", "fragment"),
+    [
+        ({"name": "x"}, "size", "is required"),
+        ({"name": "x", "size": 1, "colour": 3}, "colour", "unknown key"),
+        ({"name": "x", "size": "3"}, "size", "must be an integer"),
+        ({"name": "x", "size": True}, "size", "must be an integer"),
+        ({"name": "x", "size": 1, "mode": "slow"}, "mode", "must be one of"),
+        ({"name": "x", "size": 1, "shape": "big"}, "shape", "matches none"),
+        (
+            {"name": "x", "size": 1, "links": [{"src": "a", "dst": "b"}]},
+            "links[0].bandwidth_mbps",
+            "is required",
+        ),
+        (
+            {"name": "x", "size": 1, "links": [{"src": "a", "dst": "b", "bandwidth_mbps": 0}]},
+            "links[0].bandwidth_mbps",
+            "must be > 0",
+        ),
+        ({"name": "x", "size": 1, "links": {"src": "a"}}, "links", "must be a list"),
+        ({"name": None, "size": 1}, "name", "must be a string"),
+        ({"name": "x", "size": 1, "note": 5}, "note", "matches none"),
+    ],
+)
+def test_errors_name_the_field(data: dict, field_path: str, fragment: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        from_mapping(Root, data)
+    assert info.value.field == field_path
+    assert fragment in str(info.value)
+    assert info.value.code is ErrorCode.CONFIG_INVALID
+
+
+def test_load_yaml_and_json_files(tmp_path: Path) -> None:
+    (tmp_path / "a.yaml").write_text("name: x\nsize: 2\n")
+    (tmp_path / "a.json").write_text('{"name": "y", "size": 5}')
+    assert load_dataclass(Root, tmp_path / "a.yaml").size == 2
+    assert load_dataclass(Root, tmp_path / "a.json").name == "y"
+
+
+@pytest.mark.parametrize(
+    ("name", "text", "fragment"),
+    [
+        ("bad.yaml", "a: [1, 2", "not valid YAML"),
+        ("list.yaml", "- 1\n- 2\n", "must be a mapping"),
+        ("bad.json", "{", "not valid JSON"),
+    ],
+)
+def test_bad_files_are_config_errors(tmp_path: Path, name: str, text: str, fragment: str) -> None:
+    (tmp_path / name).write_text(text)
+    with pytest.raises(ConfigError, match=fragment):
+        load_mapping(tmp_path / name)
+
+
+def test_missing_file_is_config_error(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="cannot read file"):
+        load_mapping(tmp_path / "nope.yaml")
