@@ -1,1 +1,20 @@
 """Datasets with a stable integer id per training example, deterministic shuffling and sharding."""
+
+from peerd.data.config import DataConfig, build_dataset, load_corpus
+from peerd.data.dataset import WindowDataset
+from peerd.data.sampler import EpochSampler, micro_batches, shard
+from peerd.data.sources import Corpus, builtin_corpus, hf_corpus, text_files_corpus
+
+__all__ = [
+    "Corpus",
+    "DataConfig",
+    "EpochSampler",
+    "WindowDataset",
+    "build_dataset",
+    "builtin_corpus",
+    "hf_corpus",
+    "load_corpus",
+    "micro_batches",
+    "shard",
+    "text_files_corpus",
+]

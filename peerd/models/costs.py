@@ -1,0 +1,93 @@
+"""Analytic per-layer sizes of a GPT (parameters, FLOPs, activation bytes) for the scheduler's cost model.
+
+Everything is computed from the ``GPTConfig`` alone, so the cost of a GPT-3 XL stage can be
+estimated without building it. Layer indices follow ``GPT.layers``: 0 = embedding,
+1..n_layer = blocks, n_layer + 1 = head.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from peerd.errors import ConfigError
+from peerd.models.gpt import GPTConfig
+
+
+@dataclass(frozen=True)
+class LayerCost:
+    """Sizes of one layer for sequences of ``seq_len`` tokens."""
+
+    params: int
+    """Trainable parameters the layer owns (a tied head owns none)."""
+    fwd_flops_per_token: float
+    """Forward FLOPs per token (multiply-add = 2 FLOPs); backward is about twice this."""
+    out_elems_per_token: int
+    """Elements of the layer's output per token: what crosses a stage boundary after it."""
+    saved_elems_per_token: int
+    """Elements autograd keeps per token for the backward pass (estimate; assumes a fused
+    attention kernel, so no T x T score matrix is stored)."""
+
+
+def _ln_params(cfg: GPTConfig) -> int:
+    return cfg.d_model * (2 if cfg.bias else 1)
+
+
+def _linear_params(cfg: GPTConfig, n_in: int, n_out: int) -> int:
+    return n_in * n_out + (n_out if cfg.bias else 0)
+
+
+def embedding_params(cfg: GPTConfig) -> int:
+    return (cfg.vocab_size + cfg.max_seq_len) * cfg.d_model
+
+
+def block_params(cfg: GPTConfig) -> int:
+    C, ff = cfg.d_model, cfg.ff
+    attn = _linear_params(cfg, C, 3 * C) + _linear_params(cfg, C, C)
+    mlp = _linear_params(cfg, C, ff) + _linear_params(cfg, ff, C)
+    return 2 * _ln_params(cfg) + attn + mlp
+
+
+def head_params(cfg: GPTConfig) -> int:
+    return _ln_params(cfg) + (0 if cfg.tie_weights else cfg.d_model * cfg.vocab_size)
+
+
+def param_count(cfg: GPTConfig) -> int:
+    """Total trainable parameters of ``GPT(cfg)`` (tied weights counted once)."""
+    return embedding_params(cfg) + cfg.n_layer * block_params(cfg) + head_params(cfg)
+
+
+def layer_costs(cfg: GPTConfig, seq_len: int | None = None) -> list[LayerCost]:
+    """One ``LayerCost`` per entry of ``GPT.layers``; ``seq_len`` defaults to ``max_seq_len``."""
+    T = seq_len or cfg.max_seq_len
+    C, ff, V = cfg.d_model, cfg.ff, cfg.vocab_size
+    # Matmul FLOPs: 2 per weight per token; attention adds QK^T and AV, 2 * T * C each per token
+    # (counted over the full T x T square as is customary, although the causal half is masked).
+    block_flops = 2.0 * (4 * C * C + 2 * C * ff) + 4.0 * T * C
+    # Saved by autograd per token: ln1 in, qkv out (3C), attention out, proj in, ln2 in, fc in,
+    # fc out, gelu out (ff each), plus the two residual adds' inputs are the same tensors.
+    block_saved = 8 * C + 2 * ff
+    costs = [LayerCost(embedding_params(cfg), 0.0, C, 0)]
+    costs += [LayerCost(block_params(cfg), block_flops, C, block_saved)] * cfg.n_layer
+    costs.append(LayerCost(head_params(cfg), 2.0 * C * V, V, C + V))
+    return costs
+
+
+def stage_costs(cfg: GPTConfig, layers_per_stage: list[int], seq_len: int | None = None) -> list[LayerCost]:
+    """Sum ``layer_costs`` over consecutive stages; ``out_elems_per_token`` is the stage's last layer's."""
+    costs = layer_costs(cfg, seq_len)
+    if sum(layers_per_stage) != len(costs) or min(layers_per_stage, default=0) < 1:
+        raise ConfigError("layers_per_stage", f"{layers_per_stage} does not cover {len(costs)} layers")
+    out: list[LayerCost] = []
+    start = 0
+    for n in layers_per_stage:
+        part = costs[start : start + n]
+        start += n
+        out.append(
+            LayerCost(
+                params=sum(c.params for c in part),
+                fwd_flops_per_token=sum(c.fwd_flops_per_token for c in part),
+                out_elems_per_token=part[-1].out_elems_per_token,
+                saved_elems_per_token=sum(c.saved_elems_per_token for c in part),
+            )
+        )
+    return out
