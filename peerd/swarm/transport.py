@@ -1,0 +1,434 @@
+"""Framed, authenticated, optionally shaped streams between peers, on hivemind's binary stream handlers.
+
+``Transport(p2p)`` serves named protocols and opens connections; a ``Connection`` is one
+libp2p stream bound to the authenticated remote peer id, carrying frames
+(``peerd.swarm.framing``; spec in protocols/transport.md). Every remote wait has a timeout;
+``connect`` retries within its deadline with capped, jittered backoff and bans a peer for a
+while after repeated failures (style.md principle 7). Errors a handler raises reach the
+remote as an ``error`` frame carrying the ErrorCode, and come out of its ``recv`` as the
+matching typed exception.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from contextlib import suppress
+from dataclasses import dataclass, field
+from typing import Any
+
+from hivemind.p2p import P2P, P2PDaemonError, PeerID
+
+from peerd.errors import ConfigError, ErrorCode, PeerdError, PeerUnavailable, ProtocolError
+from peerd.log import get_logger
+from peerd.swarm.framing import (
+    DEFAULT_LIMITS,
+    ERROR_KIND,
+    FrameLimits,
+    Header,
+    Payload,
+    StreamClosed,
+    error_from_header,
+    error_header,
+    read_body,
+    read_prefix,
+    write_frame,
+)
+from peerd.swarm.shaper import LinkShaper, ShapedChannel
+
+__all__ = ["Connection", "FrameLimits", "PeerBans", "RetryPolicy", "StreamClosed", "Traffic", "Transport"]
+
+logger = get_logger(__name__)
+
+Handler = Callable[["Connection"], Awaitable[None]]
+Allowed = Callable[[PeerID], bool]
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """How hard ``connect`` tries before giving up on a peer, and how long it then leaves the peer alone."""
+
+    attempts: int = 3
+    """Stream-open attempts per ``connect`` call (all within its timeout)."""
+    base_backoff_s: float = 0.2
+    """Pause after the first failed attempt; doubles per attempt (with jitter)."""
+    max_backoff_s: float = 2.0
+    """Cap on one pause."""
+    ban_after_failures: int = 3
+    """Consecutive failed ``connect`` calls before the peer is banned."""
+    ban_s: float = 15.0
+    """First ban length; doubles for each further ban."""
+    max_ban_s: float = 300.0
+    """Cap on one ban."""
+
+
+@dataclass
+class _PeerRecord:
+    failures: int = 0
+    bans: int = 0
+    banned_until: float = 0.0
+
+
+class PeerBans:
+    """Pure bookkeeping of failing peers: consecutive failures, temporary bans, backoff delays."""
+
+    def __init__(
+        self,
+        policy: RetryPolicy,
+        clock: Callable[[], float] = time.monotonic,
+        rng: random.Random | None = None,
+    ):
+        self.policy = policy
+        self._clock = clock
+        self._rng = rng or random.Random()
+        self._peers: dict[Any, _PeerRecord] = {}
+
+    def remaining(self, peer: Any) -> float:
+        """Seconds left on ``peer``'s ban (0 when not banned)."""
+        record = self._peers.get(peer)
+        return 0.0 if record is None else max(0.0, record.banned_until - self._clock())
+
+    def failed(self, peer: Any) -> None:
+        record = self._peers.setdefault(peer, _PeerRecord())
+        record.failures += 1
+        if record.failures >= self.policy.ban_after_failures:
+            length = min(self.policy.max_ban_s, self.policy.ban_s * 2**record.bans)
+            record.banned_until = self._clock() + length
+            record.bans += 1
+            record.failures = 0
+            logger.warning("peer %s banned for %.0f s after repeated connect failures", peer, length)
+
+    def succeeded(self, peer: Any) -> None:
+        self._peers.pop(peer, None)
+
+    def backoff(self, attempt: int) -> float:
+        """Pause after failed attempt number ``attempt`` (0-based): capped exponential, jittered to 50-100 %."""
+        cap = min(self.policy.max_backoff_s, self.policy.base_backoff_s * 2**attempt)
+        return cap * self._rng.uniform(0.5, 1.0)
+
+
+@dataclass
+class Traffic:
+    """Bytes and frames exchanged with one peer (all protocols), as seen by this process."""
+
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    frames_sent: int = 0
+    frames_received: int = 0
+
+
+class Connection:
+    """One framed stream to an authenticated peer. ``send``/``recv`` may run concurrently with each other."""
+
+    def __init__(
+        self,
+        peer_id: PeerID,
+        protocol: str,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        *,
+        channel: ShapedChannel | None,
+        limits: FrameLimits,
+        traffic: Traffic,
+        on_close: Callable[[Connection], None] | None = None,
+    ) -> None:
+        self.peer_id = peer_id
+        self.protocol = protocol
+        self.limits = limits
+        self.traffic = traffic
+        self._reader = reader
+        self._writer = writer
+        self._channel = channel
+        self._on_close = on_close
+        self._send_lock = asyncio.Lock()
+        self._recv_lock = asyncio.Lock()
+        self._closed = False
+        self._recv_broken: ProtocolError | None = None
+        self._send_timeout: float | None = None
+
+    def __repr__(self) -> str:
+        return f"<Connection {self.protocol} peer={self.peer_id} closed={self._closed}>"
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @property
+    def shaped(self) -> bool:
+        return self._channel is not None
+
+    async def send(
+        self, header: Mapping[str, Any], payload: Payload = b"", *, timeout: float | None = 60.0
+    ) -> None:
+        """Send one frame. ``timeout`` bounds each stall (the remote not reading), not the whole transfer."""
+        if self._closed:
+            raise PeerUnavailable(f"connection to {self.peer_id} is closed")
+        async with self._send_lock:
+            self._send_timeout = timeout
+            try:
+                nbytes = await write_frame(self._write, header, payload, chunk=self.limits.chunk)
+            except ProtocolError:
+                raise  # the header was not encodable: nothing was written
+            except TimeoutError:
+                self._abort()
+                raise PeerUnavailable(
+                    f"{self.peer_id} stopped reading for {timeout} s", code=ErrorCode.TIMEOUT
+                ) from None
+            except PeerUnavailable:
+                self._abort()
+                raise
+            except (ConnectionError, OSError, RuntimeError) as exc:
+                self._abort()
+                raise PeerUnavailable(f"stream to {self.peer_id} broke: {exc}") from None
+        self.traffic.bytes_sent += nbytes
+        self.traffic.frames_sent += 1
+
+    async def _write(self, data: memoryview) -> None:
+        async with asyncio.timeout(self._send_timeout):
+            if self._channel is not None:
+                await self._channel.write(data)
+            else:
+                self._writer.write(data)
+                await self._writer.drain()
+
+    async def send_error(self, code: ErrorCode, message: str) -> None:
+        """Tell the remote why its request failed (it raises the matching typed error)."""
+        await self.send(error_header(code, message), timeout=5.0)
+
+    async def recv(self, timeout: float | None = 30.0) -> tuple[Header, bytearray]:
+        """Receive one frame ``(header, payload)``.
+
+        Raises the typed error an ``error`` frame stands for; ``StreamClosed`` when the remote
+        closed cleanly; PeerUnavailable(TIMEOUT) when no frame starts within ``timeout``
+        (the connection stays usable) or a started frame stalls for ``timeout`` (it is closed).
+        """
+        if self._closed:
+            raise PeerUnavailable(f"connection to {self.peer_id} is closed")
+        if self._recv_broken is not None:
+            raise ProtocolError(f"stream from {self.peer_id} is out of sync: {self._recv_broken}")
+        async with self._recv_lock:
+            started = False  # a timeout before the prefix consumed nothing: the stream stays usable
+            try:
+                header_len, payload_len = await read_prefix(self._reader, limits=self.limits, timeout=timeout)
+                started = True
+                header, payload = await read_body(
+                    self._reader, header_len, payload_len, limits=self.limits, timeout=timeout
+                )
+            except PeerUnavailable as exc:
+                if exc.code != ErrorCode.TIMEOUT or started:
+                    self._abort()
+                raise
+            except ProtocolError as exc:
+                # The byte stream is out of sync and nothing after this can be trusted, but the
+                # send side stays open so the handler can still tell the remote what was wrong.
+                self._recv_broken = exc
+                raise
+        self.traffic.bytes_received += 16 + header_len + payload_len
+        self.traffic.frames_received += 1
+        if header["kind"] == ERROR_KIND:
+            raise error_from_header(header)
+        return header, payload
+
+    async def request(
+        self, header: Mapping[str, Any], payload: Payload = b"", *, timeout: float | None = 30.0
+    ) -> tuple[Header, bytearray]:
+        """``send`` then ``recv`` the reply (one outstanding request per connection)."""
+        await self.send(header, payload, timeout=timeout)
+        return await self.recv(timeout=timeout)
+
+    async def close(self, timeout: float = 5.0) -> None:
+        """Flush queued (shaped) bytes within ``timeout``, then close the stream."""
+        if self._closed:
+            return
+        if self._channel is not None:
+            with suppress(PeerdError, TimeoutError, ConnectionError, OSError):
+                async with asyncio.timeout(timeout):
+                    await self._channel.flush()
+        self._abort()
+        with suppress(Exception):
+            async with asyncio.timeout(1.0):
+                await self._writer.wait_closed()
+
+    def _abort(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._channel is not None:
+            self._channel.close()
+        self._writer.close()
+        if self._on_close is not None:
+            self._on_close(self)
+
+    async def __aenter__(self) -> Connection:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
+
+@dataclass
+class _Served:
+    handler: Handler
+    allowed: Allowed | None
+    limits: FrameLimits
+    tasks: set[asyncio.Task] = field(default_factory=set)
+
+
+class Transport:
+    """Serves and opens framed protocols over one hivemind ``P2P`` (shared with the DHT)."""
+
+    def __init__(
+        self,
+        p2p: P2P,
+        shaper: LinkShaper | None = None,
+        *,
+        limits: FrameLimits = DEFAULT_LIMITS,
+        retry: RetryPolicy = RetryPolicy(),
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.p2p = p2p
+        self.shaper = shaper
+        self.limits = limits
+        self.retry = retry
+        self.bans = PeerBans(retry, clock)
+        self.traffic: dict[PeerID, Traffic] = {}
+        self._served: dict[str, _Served] = {}
+        self._connections: set[Connection] = set()
+        self._closed = False
+
+    @property
+    def peer_id(self) -> PeerID:
+        return self.p2p.peer_id
+
+    async def serve(
+        self,
+        protocol: str,
+        handler: Handler,
+        allowed: Allowed | None = None,
+        *,
+        limits: FrameLimits | None = None,
+    ) -> None:
+        """Run ``handler(conn)`` for every stream a peer opens on ``protocol``; peers failing ``allowed`` are refused.
+
+        When the handler returns the stream is closed; a PeerdError it raises is sent to the
+        remote as an error frame with its code, anything else as INTERNAL.
+        """
+        if protocol in self._served:
+            raise ConfigError("protocol", f"{protocol!r} is already served")
+        served = self._served[protocol] = _Served(handler, allowed, limits or self.limits)
+
+        async def on_stream(info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            await self._handle_stream(protocol, served, info.peer_id, reader, writer)
+
+        await self.p2p.add_binary_stream_handler(protocol, on_stream)
+
+    async def stop_serving(self, protocol: str) -> None:
+        served = self._served.pop(protocol, None)
+        if served is None:
+            return
+        with suppress(P2PDaemonError, ConnectionError, OSError):
+            await self.p2p.remove_binary_stream_handler(protocol)
+        for task in list(served.tasks):
+            task.cancel()
+
+    async def connect(self, peer_id: PeerID, protocol: str, timeout: float = 10.0) -> Connection:
+        """Open a stream to ``peer_id`` speaking ``protocol``, retrying within ``timeout`` seconds."""
+        banned = self.bans.remaining(peer_id)
+        if banned > 0:
+            raise PeerUnavailable(f"{peer_id} is banned for {banned:.1f} s more after repeated failures")
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        last_error, code = "no attempt fit in the timeout", ErrorCode.TIMEOUT
+        for attempt in range(max(1, self.retry.attempts)):
+            left = deadline - loop.time()
+            if left <= 0:
+                break
+            try:
+                async with asyncio.timeout(left):
+                    _info, reader, writer = await self.p2p.call_binary_stream_handler(peer_id, protocol)
+            except TimeoutError:
+                last_error, code = f"no stream within {timeout:.3g} s", ErrorCode.TIMEOUT
+                break
+            except (P2PDaemonError, ConnectionError, OSError) as exc:
+                last_error, code = str(exc), ErrorCode.PEER_UNAVAILABLE
+                pause = self.bans.backoff(attempt)
+                if attempt + 1 >= self.retry.attempts or loop.time() + pause >= deadline:
+                    break
+                logger.debug("connect %s %s failed (%s); retry in %.2f s", peer_id, protocol, exc, pause)
+                await asyncio.sleep(pause)
+                continue
+            self.bans.succeeded(peer_id)
+            return self._connection(peer_id, protocol, reader, writer, self.limits)
+        self.bans.failed(peer_id)
+        raise PeerUnavailable(f"cannot open {protocol} to {peer_id}: {last_error}", code=code)
+
+    async def close(self) -> None:
+        """Stop serving, cancel running handlers and close every open connection."""
+        self._closed = True
+        for protocol in list(self._served):
+            await self.stop_serving(protocol)
+        for conn in list(self._connections):
+            await conn.close(timeout=1.0)
+
+    def _connection(
+        self,
+        peer_id: PeerID,
+        protocol: str,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        limits: FrameLimits,
+    ) -> Connection:
+        channel = self.shaper.channel(peer_id, writer) if self.shaper is not None else None
+        conn = Connection(
+            peer_id,
+            protocol,
+            reader,
+            writer,
+            channel=channel,
+            limits=limits,
+            traffic=self.traffic.setdefault(peer_id, Traffic()),
+            on_close=self._connections.discard,
+        )
+        self._connections.add(conn)
+        return conn
+
+    async def _handle_stream(
+        self,
+        protocol: str,
+        served: _Served,
+        peer_id: PeerID,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+    ) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        served.tasks.add(task)
+        conn = self._connection(peer_id, protocol, reader, writer, served.limits)
+        try:
+            if served.allowed is not None and not served.allowed(peer_id):
+                logger.info("refused %s stream from %s: not allowed", protocol, peer_id)
+                await conn.send_error(ErrorCode.NOT_ALLOWED, f"{protocol}: peer not allowed")
+                return
+            await served.handler(conn)
+        except PeerUnavailable as exc:  # the remote went away or stalled: nobody left to tell
+            logger.debug("%s stream from %s ended: %s", protocol, peer_id, exc)
+        except PeerdError as exc:
+            logger.info("%s stream from %s failed: %s", protocol, peer_id, exc)
+            await self._try_send_error(conn, exc.code, str(exc))
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            logger.exception("%s handler failed on a stream from %s", protocol, peer_id)
+            await self._try_send_error(conn, ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}")
+        finally:
+            served.tasks.discard(task)
+            await conn.close()
+
+    @staticmethod
+    async def _try_send_error(conn: Connection, code: ErrorCode, message: str) -> None:
+        if conn.closed:
+            return
+        with suppress(PeerdError):
+            await conn.send_error(code, message)
