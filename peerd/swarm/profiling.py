@@ -1,0 +1,308 @@
+"""Device profile: what the local device is and how fast it multiplies matrices, cached on disk.
+
+TFLOPS come from timing dense square matmuls (2·n³ flops each) per dtype the device
+supports; the measurement is cached in a JSON file under a key made of the hardware
+and software versions (CPU model / GPU name, device string, torch, peerd, CUDA), so a
+restart skips it and an upgrade re-measures. Free memory is always read live.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import platform
+import statistics
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from hivemind.utils import get_dht_time
+
+from peerd import __version__
+from peerd.errors import ConfigError
+from peerd.log import get_logger
+from peerd.swarm.records import DeviceKind, DeviceProfile
+
+logger = get_logger(__name__)
+
+CACHE_FORMAT = 1
+# Matrix side per device kind: big enough to reach steady-state throughput, small enough
+# that one matmul takes milliseconds (CPU 512: ~3 ms at 100 GFLOPS; H100-class 8192: ~2 ms in bf16).
+_MATMUL_N = {DeviceKind.CPU: 512, DeviceKind.CUDA: 8192, DeviceKind.MPS: 2048}
+# Time budget per dtype; CPU measures fp32 + bf16, so the whole profile stays under ~2 s there.
+_BUDGET_S = {DeviceKind.CPU: 0.6, DeviceKind.CUDA: 0.5, DeviceKind.MPS: 0.5}
+_WINDOWS = 3
+
+
+def resolve_device(device: str = "auto") -> torch.device:
+    """``auto`` picks cuda, then mps, then cpu; an explicit device must exist here (else ConfigError)."""
+    if device == "auto":
+        if torch.cuda.is_available():
+            return torch.device("cuda", torch.cuda.current_device())
+        if torch.backends.mps.is_available():
+            return torch.device("mps")
+        return torch.device("cpu")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise ConfigError("device", f"{device!r} is not a torch device string: {exc}") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError("device", f"{device!r} requested but CUDA is not available")
+        index = dev.index if dev.index is not None else torch.cuda.current_device()
+        if not 0 <= index < torch.cuda.device_count():
+            raise ConfigError("device", f"{device!r}: only {torch.cuda.device_count()} CUDA device(s) here")
+        return torch.device("cuda", index)
+    if dev.type == "mps":
+        if not torch.backends.mps.is_available():
+            raise ConfigError("device", f"{device!r} requested but MPS is not available")
+        return torch.device("mps")
+    if dev.type == "cpu":
+        return torch.device("cpu")
+    raise ConfigError("device", f"{device!r}: peerd supports cpu, cuda[:N] and mps")
+
+
+def device_kind(dev: torch.device) -> DeviceKind:
+    return DeviceKind(dev.type)
+
+
+def cpu_model() -> str:
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    if platform.system() == "Darwin":
+        with contextlib.suppress(OSError, subprocess.SubprocessError):
+            out = subprocess.run(["sysctl", "-n", "machdep.cpu.brand_string"], capture_output=True, timeout=2)
+            if out.returncode == 0 and out.stdout.strip():
+                return out.stdout.decode().strip()
+    return platform.processor() or platform.machine() or "unknown CPU"
+
+
+def device_name(dev: torch.device) -> str:
+    if dev.type == "cuda":
+        return torch.cuda.get_device_name(dev)
+    if dev.type == "mps":
+        return f"{cpu_model()} (MPS)"
+    return cpu_model()
+
+
+def _read_int(path: str) -> int | None:
+    try:
+        text = Path(path).read_text().strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None  # "max" means no limit
+
+
+def system_memory() -> tuple[int, int | None]:
+    """(total, available) bytes of host RAM, narrowed to this container's cgroup v2 limit if there is one."""
+    total: int | None = None
+    free: int | None = None
+    with contextlib.suppress(OSError, ValueError):
+        info = {}
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            name, _, rest = line.partition(":")
+            info[name] = int(rest.split()[0]) * 1024  # values are in kB
+        total, free = info.get("MemTotal"), info.get("MemAvailable")
+    if total is None:
+        total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        with contextlib.suppress(ValueError, OSError):
+            free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    limit = _read_int("/sys/fs/cgroup/memory.max")
+    if limit is not None and limit < total:
+        used = _read_int("/sys/fs/cgroup/memory.current") or 0
+        total = limit
+        free = max(0, limit - used) if free is None else min(free, max(0, limit - used))
+    return total, free
+
+
+def memory_info(dev: torch.device) -> tuple[int, int | None]:
+    """Live (total, free) bytes of the memory the device computes from; free is None if unknown."""
+    if dev.type == "cuda":
+        free, total = torch.cuda.mem_get_info(dev)
+        return int(total), int(free)
+    return system_memory()  # CPU, and MPS (unified memory)
+
+
+def _synchronize(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+    elif dev.type == "mps":
+        torch.mps.synchronize()
+
+
+def candidate_dtypes(dev: torch.device) -> dict[str, torch.dtype]:
+    """dtypes worth measuring; whether each really works is decided by trying it."""
+    if dev.type == "cuda":
+        dtypes = {"fp32": torch.float32, "fp16": torch.float16}
+        if torch.cuda.is_bf16_supported():
+            dtypes["bf16"] = torch.bfloat16
+        return dtypes
+    if dev.type == "mps":
+        return {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+    # CPU: fp16 matmul runs through slow reference kernels on most CPUs and nobody trains in it there.
+    return {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def measure_matmul_tflops(dev: torch.device, dtype: torch.dtype, *, n: int, budget_s: float) -> float:
+    """Median dense-matmul throughput (TFLOPS) over a few timed windows of an n×n @ n×n product."""
+    a_NN = torch.randn(n, n, device=dev, dtype=torch.float32).to(dtype)
+    b_NN = torch.randn(n, n, device=dev, dtype=torch.float32).to(dtype)
+    out_NN = torch.empty(n, n, device=dev, dtype=dtype)
+    flops = 2.0 * n**3
+    torch.matmul(a_NN, b_NN, out=out_NN)  # warm-up: library init, thread pools, kernel selection
+    _synchronize(dev)
+    start = time.perf_counter()
+    torch.matmul(a_NN, b_NN, out=out_NN)
+    _synchronize(dev)
+    single_s = time.perf_counter() - start
+    if single_s * 2 >= budget_s:  # too slow to repeat within budget (e.g. emulated bf16): one sample it is
+        return flops / single_s / 1e12
+    iters = max(1, int(budget_s / _WINDOWS / single_s))
+    rates = []
+    deadline = time.perf_counter() + budget_s
+    for _ in range(_WINDOWS):
+        start = time.perf_counter()
+        for _ in range(iters):
+            torch.matmul(a_NN, b_NN, out=out_NN)
+        _synchronize(dev)
+        elapsed = time.perf_counter() - start
+        rates.append(flops * iters / elapsed / 1e12)
+        if time.perf_counter() > deadline:
+            break
+    return statistics.median(rates)
+
+
+def measure_tflops(dev: torch.device, *, budget_s: float | None = None) -> dict[str, float]:
+    """TFLOPS per dtype name for every dtype the device actually runs; unsupported ones are left out."""
+    kind = device_kind(dev)
+    budget = _BUDGET_S[kind] if budget_s is None else budget_s
+    results: dict[str, float] = {}
+    # fp32 means true fp32 here, not TF32 tensor cores; restore the user's setting afterwards.
+    tf32 = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        for name, dtype in candidate_dtypes(dev).items():
+            try:
+                results[name] = measure_matmul_tflops(dev, dtype, n=_MATMUL_N[kind], budget_s=budget)
+            except (RuntimeError, TypeError, NotImplementedError) as exc:
+                logger.info("%s matmul not supported on %s: %s", name, dev, exc)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+    if "fp32" not in results:
+        raise RuntimeError(f"could not run an fp32 matmul on {dev}")
+    return results
+
+
+def hardware_fingerprint(dev: torch.device) -> dict[str, Any]:
+    """Everything that, when it changes, invalidates a cached measurement."""
+    return {
+        "device": str(dev),
+        "name": device_name(dev),
+        "cpu": cpu_model(),
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda or "",
+        "peerd": __version__,
+        "machine": platform.machine(),
+    }
+
+
+def cache_key(fingerprint: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(fingerprint, sort_keys=True).encode()).hexdigest()[:32]
+
+
+def default_cache_path() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "peerd" / "device_profiles.json"
+
+
+def _load_cache(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError) as exc:
+        logger.warning("ignoring unreadable device profile cache %s: %s", path, exc)
+        return {}
+    if (
+        not isinstance(data, dict)
+        or data.get("format") != CACHE_FORMAT
+        or not isinstance(data.get("entries"), dict)
+    ):
+        logger.warning("ignoring device profile cache %s: unknown format", path)
+        return {}
+    return data["entries"]
+
+
+def _cached_profile(entry: Any, fingerprint: dict[str, Any]) -> tuple[dict[str, float], float] | None:
+    """(tflops, measured_at) from a cache entry, or None if it is not a well-formed entry for this fingerprint."""
+    if not isinstance(entry, dict) or entry.get("fingerprint") != fingerprint:
+        return None
+    tflops, measured_at = entry.get("tflops"), entry.get("measured_at")
+    if not isinstance(tflops, dict) or not isinstance(measured_at, int | float) or "fp32" not in tflops:
+        return None
+    if not all(isinstance(k, str) and isinstance(v, int | float) and v > 0 for k, v in tflops.items()):
+        return None
+    return {k: float(v) for k, v in tflops.items()}, float(measured_at)
+
+
+def _store_cache(path: Path, entries: dict[str, Any]) -> None:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({"format": CACHE_FORMAT, "entries": entries}, indent=1, sort_keys=True))
+        os.replace(tmp, path)  # readers never see a half-written cache
+    except OSError as exc:
+        logger.warning("could not write device profile cache %s: %s", path, exc)
+
+
+def profile_device(
+    device: str = "auto",
+    *,
+    cache_path: str | Path | None = None,
+    refresh: bool = False,
+    budget_s: float | None = None,
+) -> DeviceProfile:
+    """Profile ``device`` (``auto``/``cpu``/``cuda[:N]``/``mps``), reusing a cached measurement when one matches.
+
+    ``cache_path=None`` disables the cache; ``refresh=True`` re-measures and overwrites it.
+    Blocking (~2 s on CPU when not cached): call it from a worker thread in async code.
+    """
+    dev = resolve_device(device)
+    fingerprint = hardware_fingerprint(dev)
+    key = cache_key(fingerprint)
+    path = Path(cache_path).expanduser() if cache_path is not None else None
+    entries = _load_cache(path) if path is not None else {}
+    cached = None if refresh else _cached_profile(entries.get(key), fingerprint)
+    if cached is not None:
+        tflops, measured_at = cached
+        logger.debug("device profile for %s from cache %s", dev, path)
+    else:
+        start = time.perf_counter()
+        tflops = measure_tflops(dev, budget_s=budget_s)
+        measured_at = get_dht_time()
+        logger.info(
+            "measured %s in %.1f s: %s",
+            dev,
+            time.perf_counter() - start,
+            ", ".join(f"{k} {v:.3g} TFLOPS" for k, v in tflops.items()),
+        )
+        if path is not None:
+            entries[key] = {"fingerprint": fingerprint, "tflops": tflops, "measured_at": measured_at}
+            _store_cache(path, entries)
+    total, free = memory_info(dev)
+    return DeviceProfile(
+        name=fingerprint["name"],
+        kind=device_kind(dev),
+        memory_total_bytes=total,
+        memory_free_bytes=free,
+        tflops=tflops,
+        measured_at=measured_at,
+    )
