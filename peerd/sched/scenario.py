@@ -1,0 +1,383 @@
+"""The scenario data model: these devices, these links, this model and training setup.
+
+One typed description shared by the scheduler, the link shaper and (later) the
+daemon, which builds the same object from DHT records. YAML/JSON shape::
+
+    name: two-regions
+    description: free text
+    regions:                      # optional: region-level matrices, indexed like ``names``
+      names: [ohio, virginia]
+      delay_ms: [[1, 11], [11, 1]]            # ONE-WAY delay; null = not measured
+      bandwidth_mbps: [[5000, 1120], [1120, 5000]]
+    devices:
+      - {id: a, region: ohio, tflops: 125, memory_gb: 16}
+      - {id: b, region: virginia, tflops: 125, memory_gb: 16, access_mbps: 1000}
+    links:                        # optional: device-level, directional, override regions
+      - {src: a, dst: b, delay_ms: 12.5, bandwidth_mbps: 900}
+    estimate_missing: false       # true: fill unmeasured pairs from two-hop relay paths
+    model: {...}                  # optional, see ModelSpec
+    training: {...}               # optional, see TrainingSpec
+
+Resolution of a directional pair (src, dst): a device-level link first; then the
+region matrix (bandwidth capped by both devices' ``access_mbps``); then, when
+``estimate_missing`` is set, the best two-hop relay estimate; else ``ConfigError``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+
+from peerd.errors import ConfigError
+from peerd.loading import from_mapping, load_mapping
+
+Auto = Literal["auto"]
+
+
+@dataclass
+class Device:
+    """One accelerator that can hold one tasklet."""
+
+    id: str
+    """Unique device id (a peer id, or ``peer/cuda:0`` for multi-GPU peers)."""
+    region: str = ""
+    """Region label; must name a row of ``regions.names`` when region matrices are given."""
+    tflops: float = 0.0
+    """Measured dense throughput in TFLOPS; 0 = unknown (the ``dtfm`` objective ignores compute)."""
+    memory_gb: float = 0.0
+    """Accelerator memory in GB (1e9 bytes); 0 = unknown."""
+    access_mbps: float | None = None
+    """Optional access-link cap: region-level bandwidth to/from this device never exceeds it."""
+
+    def validate(self) -> None:
+        if not self.id:
+            raise ConfigError("id", "must be a non-empty string")
+        for name in ("tflops", "memory_gb"):
+            value = getattr(self, name)
+            if not math.isfinite(value) or value < 0:
+                raise ConfigError(name, f"must be a finite number >= 0, got {value!r}")
+        if self.access_mbps is not None and not (self.access_mbps > 0 and math.isfinite(self.access_mbps)):
+            raise ConfigError("access_mbps", f"must be > 0, got {self.access_mbps!r}")
+
+
+@dataclass
+class Regions:
+    """Region-level link matrices (row = sender region, column = receiver region)."""
+
+    names: list[str]
+    delay_ms: list[list[float | None]]
+    """One-way delay in milliseconds; ``null`` marks an unmeasured pair."""
+    bandwidth_mbps: list[list[float | None]]
+    """Bandwidth in megabits per second (1e6 bit/s); ``null`` marks an unmeasured pair."""
+
+    def validate(self) -> None:
+        if len(set(self.names)) != len(self.names):
+            dup = next(n for n in self.names if self.names.count(n) > 1)
+            raise ConfigError("names", f"duplicate region name {dup!r}")
+        r = len(self.names)
+        for key in ("delay_ms", "bandwidth_mbps"):
+            rows = getattr(self, key)
+            if len(rows) != r:
+                raise ConfigError(key, f"must have {r} rows (one per region name), got {len(rows)}")
+            for i, row in enumerate(rows):
+                if len(row) != r:
+                    raise ConfigError(f"{key}[{i}]", f"must have {r} columns, got {len(row)}")
+                for j, v in enumerate(row):
+                    if v is None:
+                        continue
+                    if not math.isfinite(v) or (v <= 0 if key == "bandwidth_mbps" else v < 0):
+                        need = "> 0" if key == "bandwidth_mbps" else ">= 0"
+                        raise ConfigError(f"{key}[{i}][{j}]", f"must be a finite number {need}, got {v!r}")
+
+
+@dataclass
+class Link:
+    """A measured device-to-device link (directional unless ``symmetric``)."""
+
+    src: str
+    dst: str
+    delay_ms: float | None = None
+    """One-way delay in ms; omitted = fall back to the region matrix."""
+    bandwidth_mbps: float | None = None
+    """Bandwidth in Mbit/s; omitted = fall back to the region matrix."""
+    symmetric: bool = False
+    """Also use these values for dst -> src."""
+
+    def validate(self) -> None:
+        if self.delay_ms is None and self.bandwidth_mbps is None:
+            raise ConfigError("delay_ms", "a link needs delay_ms, bandwidth_mbps or both")
+        if self.delay_ms is not None and not (math.isfinite(self.delay_ms) and self.delay_ms >= 0):
+            raise ConfigError("delay_ms", f"must be a finite number >= 0, got {self.delay_ms!r}")
+        if self.bandwidth_mbps is not None and not (
+            math.isfinite(self.bandwidth_mbps) and self.bandwidth_mbps > 0
+        ):
+            raise ConfigError("bandwidth_mbps", f"must be a finite number > 0, got {self.bandwidth_mbps!r}")
+        if self.src == self.dst:
+            raise ConfigError("dst", f"a link must join two different devices, got {self.src!r} twice")
+
+
+@dataclass
+class ModelSpec:
+    """The model being trained, as far as the scheduler needs it."""
+
+    layers: int
+    """Number of transformer blocks (the unit a stage holds)."""
+    hidden: int
+    """Hidden size (activations crossing a stage boundary are seq x hidden per sequence)."""
+    seq: int
+    """Sequence length in tokens."""
+    params: float | None = None
+    """Total parameters; each layer gets params / layers. Default 12 * hidden^2 per layer."""
+    layer_params: list[float] | None = None
+    """Parameters of each layer (overrides ``params``)."""
+    name: str = ""
+
+    def validate(self) -> None:
+        for key in ("layers", "hidden", "seq"):
+            if getattr(self, key) < 1:
+                raise ConfigError(key, f"must be >= 1, got {getattr(self, key)}")
+        if self.params is not None and not (self.params > 0 and math.isfinite(self.params)):
+            raise ConfigError("params", f"must be > 0, got {self.params!r}")
+        if self.layer_params is not None:
+            if len(self.layer_params) != self.layers:
+                raise ConfigError(
+                    "layer_params", f"must list {self.layers} layers, got {len(self.layer_params)}"
+                )
+            for i, p in enumerate(self.layer_params):
+                if not (p > 0 and math.isfinite(p)):
+                    raise ConfigError(f"layer_params[{i}]", f"must be > 0, got {p!r}")
+
+    def per_layer_params(self) -> np.ndarray:
+        """Parameters of each layer, shape (layers,)."""
+        if self.layer_params is not None:
+            return np.asarray(self.layer_params, dtype=float)
+        each = self.params / self.layers if self.params is not None else 12.0 * self.hidden**2
+        return np.full(self.layers, float(each))
+
+
+@dataclass
+class TrainingSpec:
+    """Batch, parallel shape, compression and the communication sizes the cost models use."""
+
+    global_batch: int
+    """Sequences per optimizer step (all replicas together)."""
+    micro_batch: int = 1
+    """Sequences per micro-batch inside a pipeline."""
+    d_pp: int | Auto = "auto"
+    """Pipeline depth (stages), or ``auto``."""
+    d_dp: int | Auto = "auto"
+    """Data-parallel width (replicas per stage), or ``auto``."""
+    schedule: Literal["gpipe", "1f1b"] = "1f1b"
+    """Micro-batch schedule: same bubble, different activation memory."""
+    forward_ratio: float = 1.0
+    """Compressed / raw bytes of forward activations (e.g. 0.25 for 4-bit of fp16)."""
+    backward_ratio: float = 1.0
+    """Compressed / raw bytes of backward activation gradients."""
+    gradient_ratio: float = 1.0
+    """Compressed / raw bytes of data-parallel gradient traffic."""
+    activation_bytes: int = 2
+    """Bytes per activation element on the wire before compression (fp16)."""
+    gradient_bytes: int = 4
+    """Bytes per gradient element exchanged between replicas (fp32, as DT-FM)."""
+    state_bytes_per_param: float = 16.0
+    """Device memory per parameter for weights, gradients and optimizer state (Adam, mixed precision)."""
+    activation_memory_per_token_layer: float | None = None
+    """Bytes of stored activations per token per layer; default 34 * hidden (2 * hidden with recompute)."""
+    recompute: bool = False
+    """Activation recomputation: less memory, one more forward pass in the backward."""
+    c_dp_bytes: float | None = None
+    """Explicit gradient bytes of one (even) stage; overrides the value derived from the model."""
+    c_pp_bytes: float | None = None
+    """Explicit activation bytes one tasklet sends across a stage boundary per iteration."""
+
+    def validate(self) -> None:
+        if self.global_batch < 1:
+            raise ConfigError("global_batch", f"must be >= 1, got {self.global_batch}")
+        if self.micro_batch < 1:
+            raise ConfigError("micro_batch", f"must be >= 1, got {self.micro_batch}")
+        for key in ("d_pp", "d_dp"):
+            value = getattr(self, key)
+            if value != "auto" and value < 1:
+                raise ConfigError(key, f"must be >= 1 or 'auto', got {value}")
+        for key in ("forward_ratio", "backward_ratio", "gradient_ratio"):
+            value = getattr(self, key)
+            if not (0 < value <= 1):
+                raise ConfigError(key, f"must be in (0, 1], got {value}")
+        for key in ("activation_bytes", "gradient_bytes", "state_bytes_per_param"):
+            if getattr(self, key) <= 0:
+                raise ConfigError(key, f"must be > 0, got {getattr(self, key)}")
+        for key in ("c_dp_bytes", "c_pp_bytes", "activation_memory_per_token_layer"):
+            value = getattr(self, key)
+            if value is not None and not (value > 0 and math.isfinite(value)):
+                raise ConfigError(key, f"must be > 0, got {value!r}")
+
+
+@dataclass
+class Scenario:
+    """Devices, links, and optionally the model and training setup to plan for."""
+
+    devices: list[Device]
+    name: str = ""
+    description: str = ""
+    regions: Regions | None = None
+    links: list[Link] = field(default_factory=list)
+    estimate_missing: bool = False
+    """Fill unmeasured pairs with the best two-hop relay estimate instead of failing."""
+    model: ModelSpec | None = None
+    training: TrainingSpec | None = None
+
+    def validate(self) -> None:
+        if not self.devices:
+            raise ConfigError("devices", "must list at least one device")
+        index: dict[str, int] = {}
+        for i, dev in enumerate(self.devices):
+            if dev.id in index:
+                raise ConfigError(f"devices[{i}].id", f"duplicate device id {dev.id!r}")
+            index[dev.id] = i
+        if self.regions is not None:
+            names = set(self.regions.names)
+            for i, dev in enumerate(self.devices):
+                if dev.region not in names:
+                    raise ConfigError(
+                        f"devices[{i}].region", f"{dev.region!r} is not in regions.names {self.regions.names}"
+                    )
+        for i, link in enumerate(self.links):
+            for end in ("src", "dst"):
+                if getattr(link, end) not in index:
+                    raise ConfigError(f"links[{i}].{end}", f"unknown device id {getattr(link, end)!r}")
+        self._index = index
+        self._cache: dict[str, np.ndarray] = {}
+
+    def __post_init__(self) -> None:
+        # Programmatic construction gets the same checks as loading from a file.
+        self.validate()
+
+    # --- construction -------------------------------------------------------------------
+    @classmethod
+    def from_mapping(cls, data: dict[str, Any]) -> Scenario:
+        """Build from a plain mapping (parsed YAML/JSON); ConfigError names the bad field."""
+        if not isinstance(data, dict):
+            raise ConfigError("", f"a scenario must be a mapping, got {type(data).__name__}")
+        data = dict(data)
+        # Convert the optional sections first so their errors name the field directly
+        # rather than through the ``X | None`` union wrapper.
+        for key, section in (("regions", Regions), ("model", ModelSpec), ("training", TrainingSpec)):
+            if data.get(key) is not None:
+                data[key] = from_mapping(section, data[key], key)
+        return from_mapping(cls, data)
+
+    # --- lookups ------------------------------------------------------------------------
+    @property
+    def device_ids(self) -> list[str]:
+        return [d.id for d in self.devices]
+
+    def index_of(self, device_id: str) -> int:
+        try:
+            return self._index[device_id]
+        except KeyError:
+            raise ConfigError("devices", f"unknown device id {device_id!r}") from None
+
+    def delay_s(self, src_id: str, dst_id: str) -> float:
+        """One-way delay from ``src_id`` to ``dst_id`` in seconds (0 for a device to itself)."""
+        return self._pair(self.delay_matrix(), src_id, dst_id, "delay")
+
+    def bandwidth_bps(self, src_id: str, dst_id: str) -> float:
+        """Bandwidth from ``src_id`` to ``dst_id`` in bits/s (inf for a device to itself)."""
+        return self._pair(self.bandwidth_matrix(), src_id, dst_id, "bandwidth")
+
+    def _pair(self, matrix: np.ndarray, src_id: str, dst_id: str, what: str) -> float:
+        i, j = self.index_of(src_id), self.index_of(dst_id)
+        value = float(matrix[i, j])
+        if math.isnan(value):
+            raise ConfigError(
+                "links",
+                f"no {what} for {src_id!r} -> {dst_id!r}: no device link, no region value "
+                f"({self.devices[i].region!r} -> {self.devices[j].region!r}) and estimate_missing is off",
+            )
+        return value
+
+    # --- matrices -----------------------------------------------------------------------
+    def delay_matrix(self) -> np.ndarray:
+        """One-way delays in seconds, shape (N, N) in device order; NaN = unknown, diagonal 0."""
+        if "delay" not in self._cache:
+            self._build_matrices()
+        return self._cache["delay"]
+
+    def bandwidth_matrix(self) -> np.ndarray:
+        """Bandwidths in bits/s, shape (N, N) in device order; NaN = unknown, diagonal inf."""
+        if "bandwidth" not in self._cache:
+            self._build_matrices()
+        return self._cache["bandwidth"]
+
+    def missing_pairs(self) -> list[tuple[str, str]]:
+        """Directional device pairs with no value (before estimation); empty when complete."""
+        delay, bw = self._raw_matrices()
+        bad = np.argwhere(np.isnan(delay) | np.isnan(bw))
+        return [(self.devices[i].id, self.devices[j].id) for i, j in bad]
+
+    def _raw_matrices(self) -> tuple[np.ndarray, np.ndarray]:
+        if "raw_delay" in self._cache:
+            return self._cache["raw_delay"], self._cache["raw_bw"]
+        n = len(self.devices)
+        delay = np.full((n, n), np.nan)
+        bw = np.full((n, n), np.nan)
+        if self.regions is not None:
+            rindex = {name: k for k, name in enumerate(self.regions.names)}
+            r = np.array([rindex[d.region] for d in self.devices], dtype=np.intp)
+            rdelay = np.array(self.regions.delay_ms, dtype=float) / 1e3
+            rbw = np.array(self.regions.bandwidth_mbps, dtype=float) * 1e6
+            delay = rdelay[r[:, None], r[None, :]]
+            bw = rbw[r[:, None], r[None, :]]
+            access = np.array(
+                [d.access_mbps * 1e6 if d.access_mbps is not None else np.inf for d in self.devices]
+            )
+            bw = np.minimum(bw, np.minimum(access[:, None], access[None, :]))  # NaN stays NaN
+        for link in self.links:
+            pairs = [(link.src, link.dst)] + ([(link.dst, link.src)] if link.symmetric else [])
+            for s, d in pairs:
+                i, j = self._index[s], self._index[d]
+                if link.delay_ms is not None:
+                    delay[i, j] = link.delay_ms / 1e3
+                if link.bandwidth_mbps is not None:
+                    bw[i, j] = link.bandwidth_mbps * 1e6
+        np.fill_diagonal(delay, 0.0)
+        np.fill_diagonal(bw, np.inf)
+        self._cache["raw_delay"], self._cache["raw_bw"] = delay, bw
+        return delay, bw
+
+    def _build_matrices(self) -> None:
+        delay, bw = self._raw_matrices()
+        if self.estimate_missing and (np.isnan(delay).any() or np.isnan(bw).any()):
+            delay, bw = _two_hop_estimate(delay, bw)
+        for m in (delay, bw):
+            m.setflags(write=False)
+        self._cache["delay"], self._cache["bandwidth"] = delay, bw
+
+
+def load_scenario(path: str | Path) -> Scenario:
+    """Load a scenario from a YAML or JSON file (ConfigError names the offending field)."""
+    return Scenario.from_mapping(load_mapping(path))
+
+
+def _two_hop_estimate(delay: np.ndarray, bw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Fill NaN pairs with the best relay through one third device: delays add, bandwidth is the narrower hop.
+
+    A relay path physically exists, so this is an achievable (pessimistic) estimate,
+    not a guess; pairs with no measured two-hop path stay NaN.
+    """
+    delay, bw = delay.copy(), bw.copy()
+    d_known = np.where(np.isnan(delay), np.inf, delay)
+    b_known = np.where(np.isnan(bw), 0.0, bw)
+    rows = np.argwhere(np.isnan(delay).any(axis=1) | np.isnan(bw).any(axis=1)).ravel()
+    for i in rows:  # one vectorised (N, N) pass per incomplete row keeps memory at O(N^2)
+        via_d = (d_known[i][:, None] + d_known).min(axis=0)  # min over relays k of d[i,k] + d[k,j]
+        via_b = np.minimum(b_known[i][:, None], b_known).max(axis=0)
+        miss_d = np.isnan(delay[i]) & np.isfinite(via_d)
+        miss_b = np.isnan(bw[i]) & (via_b > 0)
+        delay[i, miss_d] = via_d[miss_d]
+        bw[i, miss_b] = via_b[miss_b]
+    return delay, bw
