@@ -51,18 +51,32 @@ def test_sampler_is_a_permutation_per_epoch_and_deterministic() -> None:
     assert [again.batch_ids(step) for step in range(30)] == [s.batch_ids(step) for step in range(30)]
     assert EpochSampler(100, 8, seed=4).batch_ids(0) != s.batch_ids(0)
     # Pin the generator: a change to numpy's stream or our seeding would silently change every run.
-    expected = np.random.Generator(np.random.PCG64(np.random.SeedSequence([3, 1]))).permutation(100)
+    expected = np.random.Generator(np.random.PCG64(np.random.SeedSequence([3, 1, 0]))).permutation(100)
     assert s.batch_ids(12) == [int(i) for i in expected[:8]]
 
 
-def test_replica_shards_are_disjoint_and_cover_the_batch() -> None:
-    s = EpochSampler(64, global_batch=12, seed=0)
-    for step in (0, 5, 9):
-        parts = [s.replica_ids(step, r, 3) for r in range(3)]
+def test_replica_shards_are_disjoint_sticky_and_cover_the_batch() -> None:
+    s = EpochSampler(64, global_batch=12, seed=0, replicas=3)
+    assert s.steps_per_epoch == 5  # the smallest partition has 21 ids, 4 per step
+    seen: list[set[int]] = [set(), set(), set()]
+    for step in range(15):
+        parts = [s.replica_ids(step, r) for r in range(3)]
         assert [len(p) for p in parts] == [4, 4, 4]
         assert [i for p in parts for i in p] == s.batch_ids(step)
+        assert len(set(s.batch_ids(step))) == 12
+        for r, p in enumerate(parts):
+            assert all(i % 3 == r for i in p)  # an example never changes replica
+            seen[r] |= set(p)
+    assert seen[0] == set(range(0, 64, 3))  # 3 epochs of 20 from the 22-id partition reach all of them
+    assert EpochSampler(64, 12, seed=0, replicas=3).batch_ids(7) == s.batch_ids(7)
+
+
+def test_shard_helper_and_replica_errors() -> None:
+    assert shard([1, 2, 3, 4], 1, 2) == [3, 4]
     with pytest.raises(ConfigError, match="global_batch"):
-        s.replica_ids(0, 0, 5)
+        EpochSampler(64, 12, replicas=5)
+    with pytest.raises(ConfigError, match="replica"):
+        EpochSampler(64, 12, replicas=3).replica_ids(0, 3)
     with pytest.raises(ConfigError, match="replica"):
         shard([1, 2], 2, 2)
 
