@@ -26,6 +26,7 @@ from peerd.log import get_logger
 from peerd.swarm.framing import (
     DEFAULT_LIMITS,
     ERROR_KIND,
+    PREFIX_LEN,
     FrameLimits,
     Header,
     Payload,
@@ -138,6 +139,8 @@ class Connection:
         self.protocol = protocol
         self.limits = limits
         self.traffic = traffic
+        self.bytes_sent = 0  # wire bytes of this stream (frames_* and other streams: ``traffic``)
+        self.bytes_received = 0
         self._reader = reader
         self._writer = writer
         self._channel = channel
@@ -182,6 +185,7 @@ class Connection:
             except (ConnectionError, OSError, RuntimeError) as exc:
                 self._abort()
                 raise PeerUnavailable(f"stream to {self.peer_id} broke: {exc}") from None
+        self.bytes_sent += nbytes
         self.traffic.bytes_sent += nbytes
         self.traffic.frames_sent += 1
 
@@ -225,7 +229,9 @@ class Connection:
                 # send side stays open so the handler can still tell the remote what was wrong.
                 self._recv_broken = exc
                 raise
-        self.traffic.bytes_received += 16 + header_len + payload_len
+        wire = PREFIX_LEN + header_len + payload_len
+        self.bytes_received += wire
+        self.traffic.bytes_received += wire
         self.traffic.frames_received += 1
         if header["kind"] == ERROR_KIND:
             raise error_from_header(header)

@@ -1,0 +1,334 @@
+"""Link probes over the real transport path: RTT (median ping-pong) and bandwidth (timed bulk, both directions).
+
+One probe session is one ``peerd/probe/1`` stream (messages in protocols/probes.md):
+``probe.ping`` x N, then an upload (``probe.up`` frames; the responder answers with
+``probe.up_result``: the bytes it timed and how long they took on its clock), then a download
+(``probe.down_request``; the responder streams ``probe.down`` frames). Bandwidth is timed at
+the receiver from the end of the first bulk frame to the end of the last, counting wire
+bytes of the frames in between, so the one-way delay and the start-up burst drop out.
+Each direction is bounded by a byte and a time budget; the whole session by a deadline.
+``LinkProber.refresh`` probes a bounded number of peers per call, stalest first.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import statistics
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from hivemind.p2p import PeerID
+from hivemind.utils import get_dht_time
+
+from peerd.errors import ConfigError, ErrorCode, PeerdError, PeerUnavailable, ProtocolError
+from peerd.log import get_logger
+from peerd.swarm.framing import StreamClosed
+from peerd.swarm.records import LinkMeasurement, LinkStatus
+from peerd.swarm.transport import Connection, Transport
+
+logger = get_logger(__name__)
+
+PROBE_PROTOCOL = "peerd/probe/1"
+PING, PONG = "probe.ping", "probe.pong"
+UP, UP_RESULT = "probe.up", "probe.up_result"
+DOWN_REQUEST, DOWN = "probe.down_request", "probe.down"
+
+
+@dataclass(frozen=True)
+class ProbeConfig:
+    """Budgets of the prober (one refresh) and limits of the responder."""
+
+    pings: int = 5
+    """Round trips per probe; the RTT is their median."""
+    bulk_bytes: int = 8 << 20
+    """Most bytes sent per direction per probe."""
+    bulk_seconds: float = 1.0
+    """Most seconds spent sending per direction per probe."""
+    frame_bytes: int = 32 << 10
+    """Payload per bulk frame (the timing resolution is one frame)."""
+    connect_timeout_s: float = 5.0
+    """Deadline for opening the probe stream."""
+    probe_timeout_s: float = 15.0
+    """Deadline for one whole probe session; after it the peer is marked TIMEOUT, not waited on."""
+    peers_per_refresh: int = 4
+    """Most peers probed per ``refresh`` call (stalest first)."""
+    max_sessions: int = 2
+    """Responder: concurrent probe sessions served; more are refused with BUSY."""
+    idle_timeout_s: float = 10.0
+    """Responder: a session that sends nothing for this long is closed."""
+    max_bulk_bytes: int = 32 << 20
+    """Responder: cap on the bytes one download request may ask for."""
+    max_bulk_seconds: float = 5.0
+    """Responder: cap on the seconds one download request may ask for."""
+    max_frame_bytes: int = 256 << 10
+    """Responder: cap on the frame size a download request may ask for."""
+
+    def __post_init__(self) -> None:
+        for name in ("pings", "bulk_bytes", "frame_bytes", "peers_per_refresh", "max_sessions"):
+            if getattr(self, name) < 1:
+                raise ConfigError(name, f"must be >= 1, got {getattr(self, name)!r}")
+        for name in (
+            "bulk_seconds",
+            "connect_timeout_s",
+            "probe_timeout_s",
+            "idle_timeout_s",
+            "max_bulk_seconds",
+        ):
+            if not getattr(self, name) > 0:
+                raise ConfigError(name, f"must be > 0, got {getattr(self, name)!r}")
+
+
+def _int(header: dict[str, Any], key: str, lo: int, hi: int) -> int:
+    value = header.get(key)
+    if not isinstance(value, int) or isinstance(value, bool) or not lo <= value <= hi:
+        raise ProtocolError(f"{header.get('kind')}.{key} must be an int in [{lo}, {hi}], got {value!r}")
+    return value
+
+
+def _float(header: dict[str, Any], key: str, lo: float, hi: float) -> float:
+    value = header.get(key)
+    if not isinstance(value, int | float) or isinstance(value, bool) or not lo <= value <= hi:
+        raise ProtocolError(f"{header.get('kind')}.{key} must be a number in [{lo}, {hi}], got {value!r}")
+    return float(value)
+
+
+def _expect(header: dict[str, Any], kind: str) -> None:
+    if header["kind"] != kind:
+        raise ProtocolError(f"expected {kind}, got {header['kind']}", code=ErrorCode.UNKNOWN_KIND)
+
+
+@dataclass
+class _Timed:
+    """Receiver-side timing of one bulk transfer."""
+
+    total_bytes: int = 0
+    timed_bytes: int = 0
+    duration_s: float = 0.0
+
+    @property
+    def mbps(self) -> float | None:
+        if self.duration_s <= 0 or self.timed_bytes <= 0:
+            return None
+        return self.timed_bytes * 8 / self.duration_s / 1e6
+
+
+async def _receive_bulk(
+    conn: Connection, kind: str, timeout: float, first: tuple[dict[str, Any], int] | None = None
+) -> _Timed:
+    """Receive ``kind`` frames until one has ``last: true``; time them from the end of the first frame.
+
+    ``first`` is ``(header, wire_bytes)`` of a first frame the caller already read.
+    """
+    timed = _Timed()
+    start = time.perf_counter()
+    if first is not None:
+        header, timed.total_bytes = first
+        if header.get("last") is True:
+            return timed
+    while True:
+        before = conn.bytes_received
+        header, _payload = await conn.recv(timeout=timeout)
+        now = time.perf_counter()
+        _expect(header, kind)
+        wire = conn.bytes_received - before
+        if first is None:  # this is the first frame: the clock starts when it has arrived
+            first, start, timed.total_bytes = (header, wire), now, wire
+        else:
+            timed.total_bytes += wire
+            timed.timed_bytes += wire
+            timed.duration_s = now - start
+        if header.get("last") is True:
+            return timed
+
+
+async def _send_bulk(conn: Connection, kind: str, nbytes: int, seconds: float, frame_bytes: int) -> int:
+    """Send ``kind`` frames until ``nbytes`` or ``seconds`` is spent, then an empty ``last`` frame; return frames sent."""
+    block = os.urandom(frame_bytes)  # incompressible, in case a future transport compresses
+    started = time.perf_counter()
+    sent = seq = 0
+    while sent < nbytes and time.perf_counter() - started < seconds:
+        size = min(frame_bytes, nbytes - sent)
+        await conn.send({"kind": kind, "seq": seq, "last": False}, memoryview(block)[:size])
+        sent += size
+        seq += 1
+    await conn.send({"kind": kind, "seq": seq, "last": True})
+    return seq + 1
+
+
+class ProbeResponder:
+    """Answers probe sessions from other peers, within its own budget (refuses extra sessions with BUSY)."""
+
+    def __init__(self, transport: Transport, config: ProbeConfig = ProbeConfig()) -> None:
+        self.transport = transport
+        self.config = config
+        self._active = 0
+        self.sessions_served = 0
+
+    async def start(self) -> None:
+        await self.transport.serve(PROBE_PROTOCOL, self._handle)
+
+    async def stop(self) -> None:
+        await self.transport.stop_serving(PROBE_PROTOCOL)
+
+    async def _handle(self, conn: Connection) -> None:
+        cfg = self.config
+        if self._active >= cfg.max_sessions:
+            await conn.send_error(ErrorCode.BUSY, f"already serving {self._active} probe sessions")
+            return
+        self._active += 1
+        self.sessions_served += 1
+        try:
+            while True:
+                before = conn.bytes_received
+                try:
+                    header, _payload = await conn.recv(timeout=cfg.idle_timeout_s)
+                except StreamClosed:
+                    return
+                kind = header["kind"]
+                if kind == PING:
+                    await conn.send({"kind": PONG, "seq": header.get("seq")})
+                elif kind == UP:
+                    timed = await _receive_bulk(
+                        conn, UP, cfg.idle_timeout_s, first=(header, conn.bytes_received - before)
+                    )
+                    await conn.send(
+                        {
+                            "kind": UP_RESULT,
+                            "total_bytes": timed.total_bytes,
+                            "timed_bytes": timed.timed_bytes,
+                            "duration_s": timed.duration_s,
+                        }
+                    )
+                elif kind == DOWN_REQUEST:
+                    nbytes = _int(header, "bytes", 1, 1 << 40)
+                    seconds = _float(header, "seconds", 0.0, 3600.0)
+                    frame = _int(header, "frame_bytes", 1, 1 << 30)
+                    await _send_bulk(
+                        conn,
+                        DOWN,
+                        min(nbytes, cfg.max_bulk_bytes),
+                        min(seconds, cfg.max_bulk_seconds),
+                        min(frame, cfg.max_frame_bytes),
+                    )
+                else:
+                    raise ProtocolError(f"unknown probe message {kind!r}", code=ErrorCode.UNKNOWN_KIND)
+        finally:
+            self._active -= 1
+
+
+@dataclass(frozen=True)
+class _Partial:
+    rtt_ms: float | None = None
+    up: float | None = None
+    down: float | None = None
+
+
+class LinkProber:
+    """Measures links from this peer to others; keeps the latest ``LinkMeasurement`` per peer."""
+
+    def __init__(
+        self,
+        transport: Transport,
+        config: ProbeConfig = ProbeConfig(),
+        *,
+        now: Callable[[], float] = get_dht_time,
+    ) -> None:
+        self.transport = transport
+        self.config = config
+        self._now = now
+        self.measurements: dict[str, LinkMeasurement] = {}
+
+    def stalest(self, peers: Iterable[PeerID]) -> list[PeerID]:
+        """The peers to probe next: never measured first, then oldest measurement first; at most ``peers_per_refresh``."""
+        me = self.transport.peer_id
+        unique = {p.to_base58(): p for p in peers if p != me}
+
+        def age_key(item: tuple[str, PeerID]) -> tuple[float, str]:
+            known = self.measurements.get(item[0])
+            return (-float("inf") if known is None else known.measured_at, item[0])
+
+        ordered = sorted(unique.items(), key=age_key)
+        return [peer for _, peer in ordered[: self.config.peers_per_refresh]]
+
+    async def refresh(self, peers: Iterable[PeerID]) -> list[LinkMeasurement]:
+        """Probe the stalest few of ``peers`` one after another (bulk transfers must not share the uplink)."""
+        results = []
+        for peer in self.stalest(peers):
+            results.append(await self.probe(peer))
+        return results
+
+    def forget(self, keep: Iterable[PeerID]) -> None:
+        """Drop measurements of peers not in ``keep`` (they left the swarm)."""
+        alive = {p.to_base58() for p in keep}
+        for key in [k for k in self.measurements if k not in alive]:
+            del self.measurements[key]
+
+    async def probe(self, peer: PeerID) -> LinkMeasurement:
+        """Probe one peer within ``probe_timeout_s``; failures come back as a measurement with a status."""
+        cfg = self.config
+        partial: list[_Partial] = [_Partial()]
+        status = LinkStatus.OK
+        try:
+            async with asyncio.timeout(cfg.probe_timeout_s):
+                await self._session(peer, partial)
+        except TimeoutError:
+            status = LinkStatus.TIMEOUT
+        except PeerUnavailable as exc:
+            if exc.code == ErrorCode.BUSY:
+                status = LinkStatus.BUSY
+            elif exc.code == ErrorCode.TIMEOUT and partial[0].rtt_ms is not None:
+                status = LinkStatus.TIMEOUT
+            else:
+                status = LinkStatus.UNREACHABLE
+            logger.info("probe of %s failed: %s", peer, exc)
+        except PeerdError as exc:
+            status = LinkStatus.ERROR
+            logger.warning("probe of %s got a bad answer: %s", peer, exc)
+        got = partial[0]
+        measurement = LinkMeasurement(
+            peer_id=peer.to_base58(),
+            rtt_ms=got.rtt_ms,
+            bw_up_mbps=got.up,
+            bw_down_mbps=got.down,
+            measured_at=self._now(),
+            status=status,
+        )
+        self.measurements[measurement.peer_id] = measurement
+        return measurement
+
+    async def _session(self, peer: PeerID, partial: list[_Partial]) -> None:
+        cfg = self.config
+        conn = await self.transport.connect(peer, PROBE_PROTOCOL, timeout=cfg.connect_timeout_s)
+        try:
+            timeout = cfg.probe_timeout_s
+            rtts = []
+            for seq in range(
+                cfg.pings + 1
+            ):  # seq 0 warms the stream up (first-use costs in p2pd) and is not counted
+                started = time.perf_counter()
+                header, _ = await conn.request({"kind": PING, "seq": seq}, timeout=timeout)
+                _expect(header, PONG)
+                if header.get("seq") != seq:
+                    raise ProtocolError(f"pong for seq {header.get('seq')!r}, expected {seq}")
+                rtts.append(time.perf_counter() - started)
+            partial[0] = _Partial(rtt_ms=statistics.median(rtts[1:]) * 1e3)
+
+            await _send_bulk(conn, UP, cfg.bulk_bytes, cfg.bulk_seconds, cfg.frame_bytes)
+            header, _ = await conn.recv(timeout=timeout)
+            _expect(header, UP_RESULT)
+            up = _Timed(
+                total_bytes=_int(header, "total_bytes", 0, 1 << 50),
+                timed_bytes=_int(header, "timed_bytes", 0, 1 << 50),
+                duration_s=_float(header, "duration_s", 0.0, 1e6),
+            )
+            partial[0] = _Partial(rtt_ms=partial[0].rtt_ms, up=up.mbps)
+
+            request = {"kind": DOWN_REQUEST, "bytes": cfg.bulk_bytes, "seconds": cfg.bulk_seconds}
+            await conn.send({**request, "frame_bytes": cfg.frame_bytes})
+            down = await _receive_bulk(conn, DOWN, timeout)
+            partial[0] = _Partial(rtt_ms=partial[0].rtt_ms, up=up.mbps, down=down.mbps)
+        finally:
+            await conn.close(timeout=1.0)
