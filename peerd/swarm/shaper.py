@@ -15,7 +15,7 @@ import asyncio
 import collections
 import math
 import time
-from collections.abc import Callable, Hashable, Iterable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -178,6 +178,9 @@ class ShapedChannel:
 class ScenarioLike(Protocol):
     """What the shaper needs from ``peerd.sched.scenario.Scenario``."""
 
+    @property
+    def device_ids(self) -> list[str]: ...
+
     def delay_s(self, src_id: str, dst_id: str) -> float: ...
 
     def bandwidth_bps(self, src_id: str, dst_id: str) -> float: ...
@@ -208,7 +211,6 @@ class LinkShaper:
         scenario: ScenarioLike,
         self_name: str,
         name_of_peer: Callable[[Hashable], str | None],
-        device_ids: Iterable[str] | None = None,
         **kwargs,
     ) -> LinkShaper:
         """Shape links as the scenario says between device ``self_name`` and the device named like each peer.
@@ -217,7 +219,7 @@ class LinkShaper:
         learn names later (from membership records), so unknown peers are asked again on the
         next stream.
         """
-        ids = set(device_ids if device_ids is not None else (d.id for d in scenario.devices))  # type: ignore[attr-defined]
+        ids = set(scenario.device_ids)
         if self_name not in ids:
             raise ConfigError(
                 "name", f"{self_name!r} is not a device of the scenario (devices: {sorted(ids)})"
@@ -227,10 +229,14 @@ class LinkShaper:
             name = name_of_peer(peer)
             if name is None or name not in ids:
                 return None
-            bandwidth = scenario.bandwidth_bps(self_name, name)
+            try:
+                bandwidth = scenario.bandwidth_bps(self_name, name)
+                delay = scenario.delay_s(self_name, name)
+            except ConfigError as exc:  # the scenario leaves this pair unmeasured
+                logger.warning("link shaping: %s", exc)
+                return None
             return LinkSpec(
-                delay_s=float(scenario.delay_s(self_name, name)),
-                bandwidth_bps=None if bandwidth is None or math.isinf(bandwidth) else float(bandwidth),
+                delay_s=float(delay), bandwidth_bps=None if math.isinf(bandwidth) else float(bandwidth)
             )
 
         return cls(resolve, **kwargs)
