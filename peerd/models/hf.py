@@ -1,0 +1,163 @@
+"""Adapter exposing a Hugging Face causal LM (GPT-2 or Llama family) as the same ordered layer list as GPT.
+
+``HFStagedLM(model).layers`` is ``[embedding, block..., head]`` with the interfaces of
+``peerd.models.gpt``: tokens (B, T) -> hidden (B, T, C) -> ... -> logits (B, T, V). Each block
+wrapper rebuilds what the HF model computes once at the top (position ids, the causal mask, and
+for Llama the rotary cos/sin), so any consecutive run of layers can execute on its own. The
+wrappers hold the HF submodules themselves, so weights (and GPT-2's tied embedding) are shared,
+not copied. Needs the optional ``transformers`` package (``pip install peerd[hf]``); only full
+(non-padded) sequences are supported, which is what the windowed datasets produce.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from peerd.errors import ConfigError
+
+SUPPORTED = ("gpt2", "llama")
+
+
+def _transformers() -> Any:
+    try:
+        import transformers
+    except ImportError:
+        raise ConfigError(
+            "model.hf", "Hugging Face models need 'transformers' (pip install peerd[hf])"
+        ) from None
+    return transformers
+
+
+def _causal_mask(h_BTC: torch.Tensor) -> torch.Tensor:
+    """(1, 1, T, T) additive mask: 0 on and below the diagonal, the dtype's minimum above.
+
+    An explicit mask works for every HF attention backend (eager adds it, sdpa passes it on).
+    """
+    T = h_BTC.shape[1]
+    mask = torch.full((T, T), torch.finfo(h_BTC.dtype).min, dtype=h_BTC.dtype, device=h_BTC.device)
+    return torch.triu(mask, diagonal=1)[None, None]
+
+
+def _first(out: Any) -> torch.Tensor:
+    # transformers < 5 returns (hidden_states, ...) from a decoder layer; >= 5 returns the tensor.
+    return out[0] if isinstance(out, tuple) else out
+
+
+class GPT2Embedding(nn.Module):
+    def __init__(self, wte: nn.Embedding, wpe: nn.Embedding, drop: nn.Module) -> None:
+        super().__init__()
+        self.wte, self.wpe, self.drop = wte, wpe, drop
+
+    def forward(self, tokens_BT: torch.Tensor) -> torch.Tensor:
+        pos_T = torch.arange(tokens_BT.shape[1], device=tokens_BT.device)
+        return self.drop(self.wte(tokens_BT) + self.wpe(pos_T)[None])
+
+
+class GPT2BlockAdapter(nn.Module):
+    def __init__(self, block: nn.Module) -> None:
+        super().__init__()
+        self.block = block
+
+    def forward(self, h_BTC: torch.Tensor) -> torch.Tensor:
+        return _first(self.block(h_BTC, attention_mask=_causal_mask(h_BTC)))
+
+
+class LlamaEmbedding(nn.Module):
+    def __init__(self, embed_tokens: nn.Embedding) -> None:
+        super().__init__()
+        self.embed_tokens = embed_tokens
+
+    def forward(self, tokens_BT: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(tokens_BT)
+
+
+class LlamaBlockAdapter(nn.Module):
+    def __init__(self, layer: nn.Module, rotary: nn.Module) -> None:
+        super().__init__()
+        self.layer = layer
+        self.rotary = rotary  # parameter-free (inv_freq buffer); shared by every block
+
+    def forward(self, h_BTC: torch.Tensor) -> torch.Tensor:
+        pos_1T = torch.arange(h_BTC.shape[1], device=h_BTC.device)[None]
+        cos_sin = self.rotary(h_BTC, pos_1T)
+        out = self.layer(
+            h_BTC, attention_mask=_causal_mask(h_BTC), position_ids=pos_1T, position_embeddings=cos_sin
+        )
+        return _first(out)
+
+
+class NormHead(nn.Module):
+    """Final norm then LM head: hidden (B, T, C) -> logits (B, T, V)."""
+
+    def __init__(self, norm: nn.Module, lm_head: nn.Module) -> None:
+        super().__init__()
+        self.norm, self.lm_head = norm, lm_head
+
+    def forward(self, h_BTC: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.norm(h_BTC))
+
+
+class HFStagedLM(nn.Module):
+    """A HF causal LM as ``layers`` = [embedding, blocks..., head]; forward runs them in order."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        config = getattr(model, "config", None)
+        model_type = getattr(config, "model_type", None)
+        if model_type == "gpt2":
+            tr = model.transformer
+            layers = [GPT2Embedding(tr.wte, tr.wpe, tr.drop), *(GPT2BlockAdapter(b) for b in tr.h)]
+            layers.append(NormHead(tr.ln_f, model.lm_head))
+        elif model_type == "llama":
+            core = model.model
+            layers = [
+                LlamaEmbedding(core.embed_tokens),
+                *(LlamaBlockAdapter(b, core.rotary_emb) for b in core.layers),
+            ]
+            layers.append(NormHead(core.norm, model.lm_head))
+        else:
+            raise ConfigError(
+                "model.hf", f"model type {model_type!r} is not supported (supported: {', '.join(SUPPORTED)})"
+            )
+        self.model_type = model_type
+        self.config = config
+        self.layers = nn.ModuleList(layers)
+
+    def forward(self, tokens_BT: torch.Tensor) -> torch.Tensor:
+        x = tokens_BT
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def build_hf_model(model_type: str, seed: int = 0, **config: Any) -> nn.Module:
+    """A randomly initialised HF causal LM of ``model_type`` built from ``config`` (no download).
+
+    HF initialises from torch's global generator; we seed it inside a forked RNG state so the
+    caller's random stream is untouched and the same seed gives the same weights.
+    """
+    if model_type not in SUPPORTED:
+        raise ConfigError(
+            "model.hf.model_type", f"{model_type!r} not supported (supported: {', '.join(SUPPORTED)})"
+        )
+    tf = _transformers()
+    try:
+        hf_config = tf.AutoConfig.for_model(model_type, **config)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError("model.hf.config", str(exc)) from None
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = tf.AutoModelForCausalLM.from_config(hf_config)
+    return model
+
+
+def load_hf_model(path: str) -> nn.Module:
+    """A causal LM from a local checkpoint directory (never downloads)."""
+    tf = _transformers()
+    try:
+        return tf.AutoModelForCausalLM.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError) as exc:
+        raise ConfigError("model.hf.path", f"cannot load a causal LM from {path!r}: {exc}") from None
