@@ -65,13 +65,24 @@ DEFAULT_LIMITS = FrameLimits()
 # ---------------------------------------------------------------- pure encode / decode
 
 
+def _canonical(value: Any) -> Any:
+    """Maps with their str keys sorted, tuples as lists: one header has exactly one encoding."""
+    if isinstance(value, Mapping):
+        if not all(isinstance(k, str) for k in value):
+            raise ProtocolError("frame header map keys must be str", code=ErrorCode.MALFORMED)
+        return {k: _canonical(value[k]) for k in sorted(value)}
+    if isinstance(value, list | tuple):
+        return [_canonical(v) for v in value]
+    return value
+
+
 def encode_header(header: Mapping[str, Any]) -> bytes:
-    """msgpack-encode a header map; ``kind`` must be a non-empty str."""
+    """Canonical msgpack of a header map (keys sorted at every level); ``kind`` must be a non-empty str."""
     kind = header.get("kind")
     if not isinstance(kind, str) or not kind:
         raise ProtocolError("frame header needs a non-empty str 'kind'", code=ErrorCode.MALFORMED)
     try:
-        return msgpack.packb(dict(header), use_bin_type=True)
+        return msgpack.packb(_canonical(header), use_bin_type=True)
     except (TypeError, ValueError, OverflowError) as exc:
         raise ProtocolError(
             f"frame header is not msgpack-encodable: {exc}", code=ErrorCode.MALFORMED
