@@ -32,4 +32,3 @@ def bench() -> None:
 
     Report ratios, not absolute times: machines are shared and noisy.
     """
-
