@@ -1,0 +1,303 @@
+"""peerd's Transport over real p2pd daemons on loopback: framing, limits, refusals, timeouts, vanishing peers."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import os
+import time
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+from hivemind.p2p import P2P, PeerID
+
+from peerd.errors import ErrorCode, PeerdError, PeerUnavailable, ProtocolError
+from peerd.swarm.framing import FrameLimits, StreamClosed, encode_frame, encode_prefix, read_frame
+from peerd.swarm.transport import Connection, RetryPolicy, Transport
+
+pytestmark = pytest.mark.integration
+
+# a well-formed peer id that no daemon on this machine has
+NOBODY = PeerID.from_base58("QmYyQSo1c1Ym7orWxLYvCrM2EmxFTANf8wXmmE7DWjhx5N")
+
+
+class Swarm:
+    """Two p2pd daemons (server A, client B) on one event loop, with a Transport each."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.p2ps: list[P2P] = []
+
+    def run(self, coro, timeout: float = 30.0):
+        return self.loop.run_until_complete(asyncio.wait_for(coro, timeout))
+
+    async def new_p2p(self, initial: P2P | None = None) -> P2P:
+        maddrs = await initial.get_visible_maddrs() if initial is not None else []
+        p2p = await P2P.create(initial_peers=maddrs)
+        self.p2ps.append(p2p)
+        return p2p
+
+    async def start(self) -> None:
+        self.a = await self.new_p2p()
+        self.b = await self.new_p2p(self.a)
+        self.server = Transport(self.a)
+        self.client = Transport(
+            self.b, retry=RetryPolicy(attempts=2, base_backoff_s=0.05, ban_after_failures=2)
+        )
+        self.failures: list[tuple[PeerID, BaseException]] = []  # errors the server-side handlers saw
+
+        async def echo(conn: Connection) -> None:
+            while True:
+                try:
+                    header, payload = await conn.recv(timeout=10)
+                except PeerdError as exc:
+                    if not isinstance(
+                        exc, StreamClosed
+                    ):  # clean closes of earlier tests' streams are not news
+                        self.failures.append((conn.peer_id, exc))
+                    raise
+                if header["kind"] == "fail":
+                    raise ProtocolError("this step is gone", code=ErrorCode.WRONG_STEP)
+                if header["kind"] == "crash":
+                    raise RuntimeError("handler bug")
+                if header["kind"] == "silent":
+                    continue
+                digest = hashlib.sha256(payload).hexdigest()
+                await conn.send({"kind": "echo", "n": len(payload), "sha256": digest, "got": header}, payload)
+
+        await self.server.serve("test/echo/1", echo, limits=FrameLimits(max_payload=128 << 20))
+        await self.server.serve("test/only-c/1", echo, allowed=lambda peer: peer == self.c_id)
+        self.c_id: PeerID | None = None
+
+    async def stop(self) -> None:
+        for transport in (self.client, self.server):
+            await transport.close()
+        for p2p in reversed(self.p2ps):
+            await p2p.shutdown()
+
+
+@pytest.fixture(scope="module")
+def swarm() -> Iterator[Swarm]:
+    s = Swarm()
+    try:
+        s.run(s.start(), timeout=60)
+        yield s
+    finally:
+        s.run(s.stop(), timeout=30)
+        s.loop.close()
+
+
+def test_round_trip_carries_header_and_payload(swarm: Swarm):
+    async def go():
+        async with await swarm.client.connect(swarm.a.peer_id, "test/echo/1") as conn:
+            assert conn.peer_id == swarm.a.peer_id
+            replies = []
+            for payload in (b"", b"hello", os.urandom(100_000)):
+                header, body = await conn.request({"kind": "x", "tag": [1, "two"]}, payload)
+                replies.append((header, bytes(body) == payload))
+            return replies, conn.bytes_sent, conn.bytes_received
+
+    replies, sent, received = swarm.run(go())
+    assert [ok for _, ok in replies] == [True, True, True]
+    assert replies[1][0]["got"] == {"kind": "x", "tag": [1, "two"]}
+    assert sent > 100_000 and received > sent  # echoes carry a bigger header
+    assert swarm.client.traffic[swarm.a.peer_id].frames_sent >= 3
+
+
+def test_large_payload_streams_intact(swarm: Swarm):
+    tensor = np.random.default_rng(0).standard_normal((2048, 4096), dtype=np.float32)  # 32 MiB
+
+    async def go():
+        async with await swarm.client.connect(swarm.a.peer_id, "test/echo/1") as conn:
+            header, body = await conn.request({"kind": "t", "shape": list(tensor.shape)}, memoryview(tensor))
+            return header, body
+
+    header, body = swarm.run(go())
+    assert header["n"] == tensor.nbytes
+    assert header["sha256"] == hashlib.sha256(tensor.tobytes()).hexdigest()
+    np.testing.assert_array_equal(np.frombuffer(body, dtype=np.float32).reshape(tensor.shape), tensor)
+
+
+def test_concurrent_connections_are_independent(swarm: Swarm):
+    async def one(i: int) -> int:
+        async with await swarm.client.connect(swarm.a.peer_id, "test/echo/1") as conn:
+            header, _ = await conn.request({"kind": "x", "i": i}, bytes(i * 1000))
+            return header["got"]["i"] + header["n"]
+
+    async def go():
+        return await asyncio.gather(*(one(i) for i in range(6)))
+
+    assert swarm.run(go()) == [i + i * 1000 for i in range(6)]
+
+
+def test_peers_failing_allowed_get_not_allowed(swarm: Swarm):
+    async def go():
+        conn = await swarm.client.connect(swarm.a.peer_id, "test/only-c/1")
+        try:
+            await conn.request({"kind": "x"}, b"sneaky")
+        finally:
+            await conn.close()
+
+    with pytest.raises(ProtocolError) as info:
+        swarm.run(go())
+    assert info.value.code == ErrorCode.NOT_ALLOWED
+
+    async def admitted():
+        swarm.c_id = swarm.b.peer_id  # now B is the allowed peer
+        try:
+            async with await swarm.client.connect(swarm.a.peer_id, "test/only-c/1") as conn:
+                return (await conn.request({"kind": "x"}, b"ok"))[0]["n"]
+        finally:
+            swarm.c_id = None
+
+    assert swarm.run(admitted()) == 2
+
+
+def test_handler_errors_reach_the_caller_typed(swarm: Swarm):
+    async def ask(kind: str):
+        async with await swarm.client.connect(swarm.a.peer_id, "test/echo/1") as conn:
+            await conn.request({"kind": kind})
+
+    with pytest.raises(ProtocolError) as info:
+        swarm.run(ask("fail"))
+    assert info.value.code == ErrorCode.WRONG_STEP
+    with pytest.raises(PeerdError) as info:
+        swarm.run(ask("crash"))
+    assert info.value.code == ErrorCode.INTERNAL and "handler bug" in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "raw, code",
+    [
+        (b"XX" + bytes(14) + b"garbage", ErrorCode.MALFORMED),
+        (encode_prefix(5, 0).replace(b"PD\x01", b"PD\x07", 1) + b"hello", ErrorCode.UNSUPPORTED_VERSION),
+        (encode_prefix(3, 1 << 40), ErrorCode.OVERSIZED),
+        (encode_prefix(2, 0) + b"\xc1\xc1", ErrorCode.MALFORMED),
+        (encode_frame({"kind": "x"}, bytes(200 << 20)), ErrorCode.OVERSIZED),  # above this protocol's 128 MiB
+    ],
+    ids=["bad-magic", "version", "oversized-announce", "bad-msgpack", "oversized-frame"],
+)
+def test_malformed_frames_get_typed_errors_and_server_keeps_serving(
+    swarm: Swarm, raw: bytes, code: ErrorCode
+):
+    async def go():
+        _info, reader, writer = await swarm.b.call_binary_stream_handler(swarm.a.peer_id, "test/echo/1")
+        try:
+            writer.write(raw[:4096])  # an oversized frame is refused on its prefix: no need to send it all
+            await writer.drain()
+            header, _payload, _ = await read_frame(reader, timeout=10)
+        finally:
+            writer.close()
+        async with await swarm.client.connect(swarm.a.peer_id, "test/echo/1") as conn:
+            after = (await conn.request({"kind": "x"}, b"still here"))[0]["n"]
+        return header, after
+
+    header, after = swarm.run(go())
+    assert header["kind"] == "error" and header["code"] == code
+    assert after == len(b"still here")
+
+
+def test_truncated_frame_is_seen_by_the_server_as_truncated(swarm: Swarm):
+    swarm.failures.clear()
+
+    async def go():
+        _info, _reader, writer = await swarm.b.call_binary_stream_handler(swarm.a.peer_id, "test/echo/1")
+        frame = encode_frame({"kind": "x"}, bytes(1000))
+        writer.write(frame[:-500])
+        await writer.drain()
+        writer.close()
+        for _ in range(100):  # the handler notices the stream end; poll, bounded
+            if swarm.failures:
+                break
+            await asyncio.sleep(0.05)
+
+    swarm.run(go())
+    assert [(peer, type(e), e.code) for peer, e in swarm.failures] == [
+        (swarm.b.peer_id, ProtocolError, ErrorCode.TRUNCATED)
+    ]
+
+
+def test_recv_timeout_is_typed_and_the_connection_survives(swarm: Swarm):
+    async def go():
+        async with await swarm.client.connect(swarm.a.peer_id, "test/echo/1") as conn:
+            await conn.send({"kind": "silent"})
+            started = time.monotonic()
+            with pytest.raises(PeerUnavailable) as info:
+                await conn.recv(timeout=0.3)
+            waited = time.monotonic() - started
+            header, _ = await conn.request({"kind": "x"}, b"after")  # nothing was consumed: still in sync
+            return info.value.code, waited, header["n"]
+
+    code, waited, n = swarm.run(go())
+    assert code == ErrorCode.TIMEOUT and 0.25 <= waited < 2.0 and n == 5
+
+
+def test_connect_to_missing_protocol_or_peer_fails_typed_then_bans(swarm: Swarm):
+    async def go():
+        with pytest.raises(PeerUnavailable):
+            await swarm.client.connect(swarm.a.peer_id, "test/nobody-serves-this/1", timeout=5)
+        started = time.monotonic()
+        errors = []
+        for _ in range(3):
+            try:
+                await swarm.client.connect(NOBODY, "test/echo/1", timeout=2)
+            except PeerUnavailable as exc:
+                errors.append(str(exc))
+        return errors, time.monotonic() - started
+
+    errors, elapsed = swarm.run(go())
+    assert len(errors) == 3 and elapsed < 3 * 2 + 1  # every attempt is bounded by its timeout
+    assert "banned" in errors[-1] and "banned" not in errors[0]  # ban after 2 failed connects
+
+
+def test_peer_vanishing_mid_stream_fails_fast_on_both_sides(swarm: Swarm):
+    swarm.failures.clear()
+
+    async def go():
+        # a third daemon C sends half a frame to A and dies: A's handler must see a typed error
+        c = await swarm.new_p2p(swarm.a)
+        _info, _r, writer = await c.call_binary_stream_handler(swarm.a.peer_id, "test/echo/1")
+        writer.write(encode_frame({"kind": "x"}, bytes(4 << 20))[: 1 << 20])
+        await writer.drain()
+        await c.shutdown()
+        for _ in range(200):
+            if swarm.failures:
+                break
+            await asyncio.sleep(0.05)
+        server_saw = [e for peer, e in swarm.failures if peer == c.peer_id]
+
+        # B talks to a server D that dies while B waits for its answer: B's recv must not hang
+        d = await swarm.new_p2p(swarm.a)
+        d_transport = Transport(d)
+        entered = asyncio.Event()
+
+        async def stall(conn: Connection) -> None:
+            await conn.recv()
+            entered.set()
+            await asyncio.sleep(60)
+
+        await d_transport.serve("test/stall/1", stall)
+        conn = await swarm.client.connect(d.peer_id, "test/stall/1")
+        await conn.send({"kind": "x"})
+        await entered.wait()
+        await d_transport.close()
+        await d.shutdown()
+        started = time.monotonic()
+        try:
+            await conn.recv(timeout=20)
+        except PeerdError as exc:
+            client_saw = exc
+        return server_saw, client_saw, time.monotonic() - started
+
+    server_saw, client_saw, waited = swarm.run(go(), timeout=60)
+    assert len(server_saw) == 1 and isinstance(server_saw[0], ProtocolError | PeerUnavailable)
+    assert isinstance(client_saw, StreamClosed | ProtocolError | PeerUnavailable)
+    assert waited < 10  # noticed the dead peer, not the 20 s timeout
+    # and A still serves
+    assert swarm.run(_echo_len(swarm, b"alive")) == 5
+
+
+async def _echo_len(swarm: Swarm, payload: bytes) -> int:
+    async with await swarm.client.connect(swarm.a.peer_id, "test/echo/1") as conn:
+        return (await conn.request({"kind": "x"}, payload))[0]["n"]
