@@ -1,0 +1,443 @@
+"""The peerd daemon lifecycle: start the swarm services in order, run until told to stop, shut down in reverse.
+
+Startup: control endpoint (also the "this home is in use" lock) -> swarm node
+(p2pd + DHT) -> transport and probe responder -> announcer (JOINING) and the
+membership reader -> device profile -> ONLINE -> link prober. Shutdown runs the
+same list backwards within ``shutdown_timeout``: prober, announcer (publishes
+OFFLINE), reader, transport, node (stops p2pd), control endpoint; whatever is
+still alive at the deadline is killed. SIGINT/SIGTERM request that shutdown (a
+second signal skips the grace period); the previous handlers are restored
+afterwards. Background loops are supervised: an error is logged and the loop
+restarts, so bad input from the network never ends the daemon.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from peerd import __version__
+from peerd.config import DaemonConfig
+from peerd.control import ControlServer
+from peerd.errors import ConfigError, PeerdError
+from peerd.log import get_logger
+from peerd.swarm.identity import Identity, make_record_validators
+from peerd.swarm.links import LinkProber, ProbeConfig, ProbeResponder
+from peerd.swarm.membership import Announcer, PeerEntry, fetch_peers, peers_view
+from peerd.swarm.node import NodeSettings, SwarmNode, parse_peer_id
+from peerd.swarm.records import PeerRecord, PeerState
+from peerd.swarm.shaper import LinkShaper
+from peerd.swarm.transport import Transport
+
+logger = get_logger(__name__)
+
+READY_PREFIX = "PEERD_READY "
+RESTART_BACKOFF_S = (1.0, 30.0)  # supervised loops restart after min(2^n, 30) s
+
+
+@dataclass(frozen=True)
+class ReadyInfo:
+    """What the daemon tells its launcher once it is ONLINE (one JSON line on stdout)."""
+
+    peer_id: str
+    name: str
+    swarm: str
+    maddrs: list[str]
+    control_socket: str
+    home: str
+    pid: int
+
+
+def format_ready_line(info: ReadyInfo) -> str:
+    return READY_PREFIX + json.dumps(asdict(info), sort_keys=True)
+
+
+def parse_ready_line(line: str) -> ReadyInfo | None:
+    """The ``ReadyInfo`` in a line printed by ``peerd join``, or None if the line is something else."""
+    if not line.startswith(READY_PREFIX):
+        return None
+    try:
+        return ReadyInfo(**json.loads(line[len(READY_PREFIX) :]))
+    except (ValueError, TypeError):
+        return None
+
+
+class Daemon:
+    """One peer: ``await start()``, ``await wait_stopped()``, ``await stop()`` (or ``run_daemon``)."""
+
+    def __init__(self, config: DaemonConfig) -> None:
+        self.config = config.resolved()
+        self.state = PeerState.JOINING
+        self.identity: Identity | None = None
+        self.node: SwarmNode | None = None
+        self.transport: Transport | None = None
+        self.responder: ProbeResponder | None = None
+        self.prober: LinkProber | None = None
+        self.announcer: Announcer | None = None
+        self.profile = None
+        self.entries: dict[str, PeerEntry] = {}  # peer id -> latest validated record
+        self.control = ControlServer(self.config.control_socket)  # type: ignore[arg-type]
+        self._tasks: dict[str, asyncio.Task] = {}
+        self._stop_requested = asyncio.Event()
+        self._hurry = asyncio.Event()
+        self._probe_wake = asyncio.Event()
+        self._started_at = 0.0
+        self._stopped = False
+        self.control.register("status", self._rpc_status, "This peer, the peers table and the link matrix.")
+        self.control.register("shutdown", self._rpc_shutdown, "Leave the swarm gracefully and exit.")
+
+    # -- lifecycle ------------------------------------------------------------------------------
+
+    async def start(self) -> ReadyInfo:
+        """Bring every component up; on failure, whatever started is stopped before the error propagates."""
+        cfg = self.config
+        try:
+            assert cfg.home is not None and cfg.identity is not None
+            cfg.home.mkdir(parents=True, exist_ok=True, mode=0o700)
+            await self.control.start()
+            from peerd.swarm.profiling import resolve_device
+
+            resolve_device(cfg.device)  # a device that does not exist fails before p2pd starts
+            self.identity = Identity.load_or_create(cfg.identity)
+            settings = NodeSettings(
+                initial_peers=cfg.initial_peers,
+                host_maddrs=cfg.host_maddrs,
+                announce_maddrs=cfg.announce_maddrs,
+                identity_path=cfg.identity,
+                startup_timeout=cfg.startup_timeout,
+            )
+            self.node = await SwarmNode.start(settings, make_record_validators(self.identity, cfg.swarm))
+            self._started_at = self.node.now()
+
+            self.transport = Transport(self.node.p2p, shaper=self._make_shaper())
+            probe_config = ProbeConfig(peers_per_refresh=max(1, cfg.probe_budget))
+            self.responder = ProbeResponder(self.transport, probe_config)
+            await self.responder.start()
+            self.prober = LinkProber(self.transport, probe_config)
+
+            self.announcer = Announcer(
+                self.node.dht,
+                swarm=cfg.swarm,
+                owner_tag=self.identity.owner_tag,
+                build=self._build_record,
+                ttl=cfg.record_ttl,
+                interval=cfg.refresh_interval,
+            )
+            self._spawn("announce", self.announcer.run)
+            self._spawn("membership", self._read_loop)
+
+            self.profile = await asyncio.get_running_loop().run_in_executor(None, self._measure_profile)
+            self.state = PeerState.ONLINE
+            self.announcer.set_state(PeerState.ONLINE)
+            if cfg.probe_budget > 0:
+                self._spawn("probe", self._probe_loop)
+        except BaseException:
+            await self.stop()
+            raise
+        info = ReadyInfo(
+            peer_id=self.node.peer_id,
+            name=cfg.name,
+            swarm=cfg.swarm,
+            maddrs=list(self.node.maddrs),
+            control_socket=str(cfg.control_socket),
+            home=str(cfg.home),
+            pid=os.getpid(),
+        )
+        logger.info("peer %s (%s) is ONLINE in swarm %r", info.name, info.peer_id, info.swarm)
+        return info
+
+    def request_stop(self) -> None:
+        self._stop_requested.set()
+
+    @property
+    def stop_requested(self) -> bool:
+        return self._stop_requested.is_set()
+
+    async def wait_stopped(self) -> None:
+        await self._stop_requested.wait()
+
+    def hurry(self) -> None:
+        """Cut a running graceful shutdown short (second Ctrl-C)."""
+        self._hurry.set()
+
+    async def stop(self) -> None:
+        """Shut down in reverse start order within ``shutdown_timeout`` (or until ``hurry()``), then kill the rest."""
+        if self._stopped:
+            return
+        self._stopped = True
+        self._stop_requested.set()
+        steps = asyncio.create_task(self._shutdown_steps())
+        hurry = asyncio.create_task(self._hurry.wait())
+        try:
+            await asyncio.wait(
+                {steps, hurry}, timeout=self.config.shutdown_timeout, return_when=asyncio.FIRST_COMPLETED
+            )
+        finally:
+            hurry.cancel()
+        if not steps.done():
+            logger.warning("graceful shutdown cut short; killing what is left")
+            steps.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await steps
+            await self._kill_rest()
+        elif steps.exception() is not None:
+            logger.error("a shutdown step failed", exc_info=steps.exception())
+            await self._kill_rest()
+        logger.info("peer %s stopped", self.config.name)
+
+    async def _kill_rest(self) -> None:
+        if self.node is not None:
+            await asyncio.get_running_loop().run_in_executor(None, self.node.kill)
+        await self.control.close()
+
+    async def _shutdown_steps(self) -> None:
+        cfg = self.config
+        for name in ("probe", "membership"):
+            await self._cancel(name)
+        if self.announcer is not None:
+            await self._cancel("announce")
+            if self.announcer.seq > 0:  # only a peer that announced itself needs to say goodbye
+                self.state = PeerState.OFFLINE
+                left = await self.announcer.leave(timeout=min(5.0, cfg.shutdown_timeout / 2))
+                logger.info(
+                    "announced OFFLINE" if left else "could not announce OFFLINE; the record will expire"
+                )
+        if self.responder is not None:
+            with contextlib.suppress(Exception):
+                await self.responder.stop()
+        if self.transport is not None:
+            with contextlib.suppress(Exception):
+                await self.transport.close()
+        if self.node is not None:
+            await self.node.shutdown(timeout=max(1.0, cfg.shutdown_timeout / 2))
+        await self.control.close()
+
+    # -- background loops -----------------------------------------------------------------------
+
+    def _spawn(self, name: str, loop_fn: Callable[[], Awaitable[None]]) -> None:
+        self._tasks[name] = asyncio.create_task(self._supervise(name, loop_fn), name=f"peerd-{name}")
+
+    async def _supervise(self, name: str, loop_fn: Callable[[], Awaitable[None]]) -> None:
+        failures = 0
+        while True:
+            try:
+                await loop_fn()
+                return
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                failures += 1
+                delay = min(RESTART_BACKOFF_S[0] * 2 ** (failures - 1), RESTART_BACKOFF_S[1])
+                logger.exception("%s loop failed (%d); restarting in %.0f s", name, failures, delay)
+                await asyncio.sleep(delay)
+
+    async def _cancel(self, name: str) -> None:
+        task = self._tasks.pop(name, None)
+        if task is None:
+            return
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await task
+
+    async def _read_loop(self) -> None:
+        """Keep the local peers table fresh (status, shaping names, probe targets)."""
+        interval = min(max(self.config.refresh_interval / 2, 1.0), 15.0)
+        while True:
+            try:
+                await self.refresh_peers()
+            except PeerdError as exc:
+                logger.warning("reading the peers table failed: %s", exc)
+            await asyncio.sleep(interval)
+
+    async def refresh_peers(self) -> list[PeerEntry]:
+        assert self.node is not None
+        entries = await fetch_peers(self.node.dht, self.config.swarm, timeout=10.0)
+        fresh = {e.record.peer_id: e for e in entries}
+        new = [
+            pid for pid, e in fresh.items() if pid not in self.entries and e.record.state != PeerState.OFFLINE
+        ]
+        self.entries = fresh
+        if new and self.prober is not None:
+            self._probe_wake.set()  # measure newcomers now rather than at the next round
+        return entries
+
+    def _probe_targets(self) -> list[str]:
+        me = self.node.peer_id if self.node else None
+        return [pid for pid, e in self.entries.items() if pid != me and e.record.state != PeerState.OFFLINE]
+
+    async def _probe_loop(self) -> None:
+        assert self.prober is not None and self.announcer is not None
+        while True:
+            self._probe_wake.clear()
+            targets = self._probe_targets()
+            self.prober.forget([parse_peer_id(pid) for pid in self.entries])
+            if targets:
+                results = await self.prober.refresh([parse_peer_id(pid) for pid in targets])
+                if results:
+                    self.announcer.poke()
+            with contextlib.suppress(TimeoutError, asyncio.TimeoutError):
+                await asyncio.wait_for(self._probe_wake.wait(), timeout=self.config.probe_interval)
+
+    # -- pieces ---------------------------------------------------------------------------------
+
+    def _build_record(self, state: PeerState, seq: int, now: float) -> PeerRecord:
+        assert self.node is not None
+        links = list(self.prober.measurements.values()) if self.prober is not None else []
+        return PeerRecord(
+            peer_id=self.node.peer_id,
+            name=self.config.name,
+            state=state,
+            maddrs=list(self.node.maddrs),
+            profile=self.profile,
+            links=sorted(links, key=lambda m: m.peer_id),
+            software_version=__version__,
+            started_at=self._started_at,
+            updated_at=max(now, self._started_at),
+            seq=seq,
+        )
+
+    def _measure_profile(self) -> Any:
+        from peerd.swarm.profiling import default_cache_path, profile_device
+
+        cache = self.config.profile_cache or default_cache_path()
+        return profile_device(self.config.device, cache_path=cache)
+
+    def _make_shaper(self) -> LinkShaper | None:
+        if self.config.scenario is None:
+            return None
+        from peerd.sched.scenario import load_scenario
+
+        scenario = load_scenario(self.config.scenario)
+
+        def name_of_peer(peer: Any) -> str | None:
+            entry = self.entries.get(peer.to_base58())
+            return entry.record.name if entry is not None else None
+
+        logger.info("shaping outgoing traffic as scenario %s says", self.config.scenario)
+        return LinkShaper.from_scenario(scenario, self.config.name, name_of_peer)
+
+    # -- control methods ------------------------------------------------------------------------
+
+    async def _rpc_status(self, params: dict[str, Any]) -> dict[str, Any]:
+        stale = False
+        if self.node is not None:
+            try:
+                await self.refresh_peers()
+            except PeerdError as exc:
+                logger.info("status: serving the cached peers table (%s)", exc)
+                stale = True
+        now = self.node.now() if self.node else 0.0
+        view = peers_view(self.entries.values(), now=now, self_id=self.node.peer_id if self.node else None)
+        view["self"] = {
+            "peer_id": self.node.peer_id if self.node else None,
+            "name": self.config.name,
+            "swarm": self.config.swarm,
+            "state": self.state.value,
+            "maddrs": list(self.node.maddrs) if self.node else [],
+            "pid": os.getpid(),
+            "home": str(self.config.home),
+            "seq": self.announcer.seq if self.announcer else 0,
+            "started_at": self._started_at,
+        }
+        view["stale"] = stale
+        return view
+
+    async def _rpc_shutdown(self, params: dict[str, Any]) -> dict[str, Any]:
+        logger.info("shutdown requested through the control endpoint")
+        asyncio.get_running_loop().call_soon(self.request_stop)
+        return {"stopping": True}
+
+
+# -- running as a process ---------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _signals_handled(
+    loop: asyncio.AbstractEventLoop, on_signal: Callable[[signal.Signals], None]
+) -> Iterator[None]:
+    """Route SIGINT/SIGTERM to ``on_signal`` inside the loop; put the previous handlers back on exit."""
+    sigs = (signal.SIGINT, signal.SIGTERM)
+    previous = {sig: signal.getsignal(sig) for sig in sigs}
+    for sig in sigs:
+        loop.add_signal_handler(sig, on_signal, sig)
+    try:
+        yield
+    finally:
+        for sig in sigs:
+            loop.remove_signal_handler(sig)
+            signal.signal(sig, previous[sig])
+
+
+async def serve(config: DaemonConfig, on_ready: Callable[[ReadyInfo], None] | None = None) -> None:
+    """Run one daemon until SIGINT/SIGTERM or a control ``shutdown``; always shuts down cleanly."""
+    daemon = Daemon(config)
+    loop = asyncio.get_running_loop()
+    start_task = asyncio.create_task(daemon.start(), name="peerd-start")
+
+    def on_signal(sig: signal.Signals) -> None:
+        if not daemon.stop_requested:
+            logger.info("%s received: leaving the swarm (send it again to skip the grace period)", sig.name)
+            daemon.request_stop()
+            if not start_task.done():
+                start_task.cancel()  # interrupt a slow startup; start() cleans up after itself
+        else:
+            logger.warning("%s received again: stopping without grace", sig.name)
+            daemon.hurry()
+
+    with _signals_handled(loop, on_signal):
+        try:
+            info = await start_task
+        except asyncio.CancelledError:
+            if not daemon.stop_requested:
+                raise
+            logger.info("startup interrupted")
+            return
+        if on_ready is not None:
+            on_ready(info)
+        await daemon.wait_stopped()
+        await daemon.stop()
+
+
+def run_daemon(config: DaemonConfig, on_ready: Callable[[ReadyInfo], None] | None = None) -> None:
+    """Blocking entry point of ``peerd join``."""
+    asyncio.run(serve(config, on_ready))
+
+
+@contextlib.asynccontextmanager
+async def swarm_reader(config: DaemonConfig) -> AsyncIterator[Callable[[], Awaitable[dict[str, Any]]]]:
+    """A short-lived DHT client of ``config.swarm`` (no local daemon needed); yields ``read() -> status view``.
+
+    Joins through ``config.initial_peers`` with a throw-away identity in client mode (it serves
+    nothing and announces nothing); raises ``PeerUnavailable`` when no initial peer answers.
+    """
+    cfg = config
+    if not cfg.initial_peers:
+        raise ConfigError(
+            "initial_peers", "reading the swarm without a local daemon needs --initial-peers MADDR"
+        )
+    identity = Identity.generate()
+    settings = NodeSettings(
+        initial_peers=cfg.initial_peers,
+        host_maddrs=cfg.host_maddrs,
+        startup_timeout=cfg.startup_timeout,
+        client_mode=True,
+    )
+    node = await SwarmNode.start(settings, make_record_validators(identity, cfg.swarm))
+
+    async def read() -> dict[str, Any]:
+        entries = await fetch_peers(node.dht, cfg.swarm, timeout=10.0)
+        view = peers_view(entries, now=node.now())
+        view["self"] = None
+        view["stale"] = False
+        return view
+
+    try:
+        yield read
+    finally:
+        await node.shutdown(timeout=3.0)
