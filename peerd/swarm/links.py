@@ -41,8 +41,8 @@ DOWN_REQUEST, DOWN = "probe.down_request", "probe.down"
 class ProbeConfig:
     """Budgets of the prober (one refresh) and limits of the responder."""
 
-    pings: int = 5
-    """Round trips per probe; the RTT is their median."""
+    pings: int = 7
+    """Round trips per probe (after one warm-up); the RTT is their median, robust to a few slow ones."""
     bulk_bytes: int = 8 << 20
     """Most bytes sent per direction per probe."""
     bulk_seconds: float = 1.0

@@ -1,0 +1,190 @@
+"""Link probes over real p2pd daemons on loopback, shaped by a scenario file; budgets, staleness, dead peers."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from hivemind.p2p import P2P, PeerID
+
+from peerd.errors import ErrorCode, ProtocolError
+from peerd.sched.scenario import load_scenario
+from peerd.swarm.links import PROBE_PROTOCOL, LinkProber, ProbeConfig, ProbeResponder
+from peerd.swarm.records import LinkStatus
+from peerd.swarm.shaper import LinkShaper
+from peerd.swarm.transport import Connection, Transport
+
+pytestmark = pytest.mark.integration
+
+SCENARIO = Path(__file__).resolve().parents[2] / "configs" / "scenarios" / "loopback-2peers-20mbit-40ms.yaml"
+NOBODY = PeerID.from_base58("QmYyQSo1c1Ym7orWxLYvCrM2EmxFTANf8wXmmE7DWjhx5N")
+QUICK = ProbeConfig(pings=2, bulk_seconds=0.2, bulk_bytes=1 << 20, connect_timeout_s=1.5, probe_timeout_s=5.0)
+
+
+class Peers:
+    """Three p2pd daemons (A, B, C) on one event loop; tests build Transports on them and close them."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.p2ps: list[P2P] = []
+        self.transports: list[Transport] = []
+
+    def run(self, coro, timeout: float = 60.0):
+        try:
+            return self.loop.run_until_complete(asyncio.wait_for(coro, timeout))
+        finally:
+            self.loop.run_until_complete(self._close_transports())
+
+    def transport(self, p2p: P2P, shaper: LinkShaper | None = None) -> Transport:
+        transport = Transport(p2p, shaper)
+        self.transports.append(transport)
+        return transport
+
+    async def _close_transports(self) -> None:
+        while self.transports:
+            await self.transports.pop().close()
+
+    async def start(self) -> None:
+        for _ in range(3):
+            maddrs = await self.p2ps[0].get_visible_maddrs() if self.p2ps else []
+            self.p2ps.append(await P2P.create(initial_peers=maddrs))
+        self.a, self.b, self.c = self.p2ps
+
+    async def stop(self) -> None:
+        for p2p in reversed(self.p2ps):
+            await p2p.shutdown()
+
+
+@pytest.fixture(scope="module")
+def peers() -> Iterator[Peers]:
+    p = Peers()
+    try:
+        p.loop.run_until_complete(asyncio.wait_for(p.start(), 60))
+        yield p
+    finally:
+        p.loop.run_until_complete(p._close_transports())
+        p.loop.run_until_complete(asyncio.wait_for(p.stop(), 30))
+        p.loop.close()
+
+
+def test_shaped_link_is_measured_within_25_percent(peers: Peers):
+    """Scenario: 20 Mbit/s and 40 ms one-way between peer0 and peer1; both daemons shape their outgoing side."""
+    scenario = load_scenario(SCENARIO)
+    names = {peers.a.peer_id: "peer0", peers.b.peer_id: "peer1"}
+
+    async def go():
+        server = peers.transport(peers.a, LinkShaper.from_scenario(scenario, "peer0", names.get))
+        client = peers.transport(peers.b, LinkShaper.from_scenario(scenario, "peer1", names.get))
+        await ProbeResponder(server).start()
+        prober = LinkProber(client, ProbeConfig(bulk_seconds=1.0))
+        return await prober.probe(peers.a.peer_id), prober
+
+    m, prober = peers.run(go())
+    assert m.status == LinkStatus.OK and m.peer_id == peers.a.peer_id.to_base58()
+    assert m.rtt_ms == pytest.approx(80.0, rel=0.25)
+    assert m.bw_up_mbps == pytest.approx(20.0, rel=0.25)
+    assert m.bw_down_mbps == pytest.approx(20.0, rel=0.25)
+    assert prober.measurements[m.peer_id] is m and m.measured_at > 1e9  # a DHT-time stamp
+
+
+def test_unshaped_loopback_is_much_faster_than_the_shaped_link(peers: Peers):
+    """Control for the test above: the 20 Mbit/s came from the shaper, not from the machine."""
+
+    async def go():
+        server = peers.transport(peers.a)
+        client = peers.transport(peers.b)
+        await ProbeResponder(server).start()
+        return await LinkProber(client, QUICK).probe(peers.a.peer_id)
+
+    m = peers.run(go())
+    assert m.status == LinkStatus.OK
+    assert m.rtt_ms < 20 and m.bw_up_mbps > 100 and m.bw_down_mbps > 100
+
+
+def test_refresh_probes_a_bounded_number_stalest_first_and_marks_dead_peers(peers: Peers):
+    async def go():
+        for p2p in (peers.a, peers.c):
+            await ProbeResponder(peers.transport(p2p)).start()
+        prober = LinkProber(
+            peers.transport(peers.b), ProbeConfig(**{**QUICK.__dict__, "peers_per_refresh": 2})
+        )
+        everyone = [peers.a.peer_id, peers.b.peer_id, peers.c.peer_id, NOBODY]  # B itself is skipped
+        rounds, oldest_before_round = [], []
+        for _ in range(3):
+            by_age = sorted(prober.measurements.values(), key=lambda m: m.measured_at)
+            oldest_before_round.append([m.peer_id for m in by_age[:2]])
+            started = time.monotonic()
+            batch = await prober.refresh(everyone)
+            rounds.append(([m.peer_id for m in batch], time.monotonic() - started))
+        return rounds, oldest_before_round, prober
+
+    rounds, oldest_before_round, prober = peers.run(go())
+    a, c, nobody = (p.to_base58() for p in (peers.a.peer_id, peers.c.peer_id, NOBODY))
+    assert all(len(ids) == 2 for ids, _ in rounds)
+    assert {*rounds[0][0], *rounds[1][0]} == {a, c, nobody}  # nobody waits two refreshes
+    assert rounds[2][0] == oldest_before_round[2]  # once all are known: oldest measurement first
+    assert prober.measurements[nobody].status == LinkStatus.UNREACHABLE
+    assert prober.measurements[a].status == prober.measurements[c].status == LinkStatus.OK
+    # a dead peer costs at most its connect deadline, never the whole probe budget
+    assert all(elapsed < 2 * QUICK.probe_timeout_s for _, elapsed in rounds)
+    prober.forget([peers.a.peer_id])
+    assert list(prober.measurements) == [a]
+
+
+def test_peer_that_stops_answering_is_marked_timeout_not_waited_on(peers: Peers):
+    async def go():
+        async def mute(conn: Connection) -> None:  # reads everything, answers nothing
+            while True:
+                await conn.recv(timeout=30)
+
+        await peers.transport(peers.c).serve(PROBE_PROTOCOL, mute)
+        prober = LinkProber(
+            peers.transport(peers.b), ProbeConfig(**{**QUICK.__dict__, "probe_timeout_s": 1.0})
+        )
+        started = time.monotonic()
+        m = await prober.probe(peers.c.peer_id)
+        return m, time.monotonic() - started
+
+    m, elapsed = peers.run(go())
+    assert m.status == LinkStatus.TIMEOUT and m.rtt_ms is None
+    assert 0.9 <= elapsed < 2.5
+
+
+def test_responder_over_its_session_budget_answers_busy(peers: Peers):
+    async def go():
+        await ProbeResponder(peers.transport(peers.a), ProbeConfig(max_sessions=1)).start()
+        holder = await peers.transport(peers.c).connect(peers.a.peer_id, PROBE_PROTOCOL)
+        await holder.request({"kind": "probe.ping", "seq": 0})  # the one session slot is now taken
+        busy = await LinkProber(peers.transport(peers.b), QUICK).probe(peers.a.peer_id)
+        await holder.close()
+        await asyncio.sleep(0.2)  # let the responder see the close and free its slot
+        ok = await LinkProber(peers.transport(peers.b), QUICK).probe(peers.a.peer_id)
+        return busy, ok
+
+    busy, ok = peers.run(go())
+    assert busy.status == LinkStatus.BUSY
+    assert ok.status == LinkStatus.OK
+
+
+def test_malformed_probe_answers_are_errors_and_bad_requests_are_refused(peers: Peers):
+    async def go():
+        async def liar(conn: Connection) -> None:
+            await conn.recv()
+            await conn.send({"kind": "probe.pong", "seq": "not-a-number"})
+            await conn.recv()
+
+        await peers.transport(peers.c).serve(PROBE_PROTOCOL, liar)
+        lied = await LinkProber(peers.transport(peers.b), QUICK).probe(peers.c.peer_id)
+
+        await ProbeResponder(peers.transport(peers.a)).start()
+        conn = await peers.transport(peers.b).connect(peers.a.peer_id, PROBE_PROTOCOL)
+        with pytest.raises(ProtocolError) as refused:
+            await conn.request({"kind": "probe.down_request", "bytes": -5, "seconds": 1.0, "frame_bytes": 10})
+        return lied, refused.value
+
+    lied, refused = peers.run(go())
+    assert lied.status == LinkStatus.ERROR
+    assert refused.code == ErrorCode.MALFORMED and "bytes" in str(refused)
