@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import random
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from contextlib import suppress
 from dataclasses import dataclass, field
 from typing import Any
@@ -39,7 +39,16 @@ from peerd.swarm.framing import (
 )
 from peerd.swarm.shaper import LinkShaper, ShapedChannel
 
-__all__ = ["Connection", "FrameLimits", "PeerBans", "RetryPolicy", "StreamClosed", "Traffic", "Transport"]
+__all__ = [
+    "Connection",
+    "FrameLimits",
+    "PeerBans",
+    "RetryPolicy",
+    "StreamClosed",
+    "Traffic",
+    "Transport",
+    "create_p2p",
+]
 
 logger = get_logger(__name__)
 
@@ -280,6 +289,11 @@ class _Served:
     allowed: Allowed | None
     limits: FrameLimits
     tasks: set[asyncio.Task] = field(default_factory=set)
+
+
+async def create_p2p(initial_peers: Sequence[Any] = (), *, startup_timeout: float = 30.0) -> P2P:
+    """A bare loopback ``P2P`` (no DHT) for benchmarks and tools; the daemon's P2P comes from SwarmNode."""
+    return await P2P.create(initial_peers=list(initial_peers), startup_timeout=startup_timeout)
 
 
 class Transport:

@@ -1,0 +1,155 @@
+"""``peerd bench transport``: throughput of peerd's framed Transport vs a raw hivemind binary stream, same bytes.
+
+Two real p2pd daemons on loopback. Baseline: the client writes N bytes to a raw
+``call_binary_stream_handler`` stream in 256 KiB memoryview slices; the handler reads
+and discards them and answers one byte. peerd: the same N bytes as frames of
+each ``--frame-mib`` size through ``Connection.send``; the handler ``recv``s every frame
+(materialised in one buffer, as a stage worker needs it) and answers one ack frame.
+Runs alternate (raw, peerd, raw, peerd, ...) so machine noise hits both; the report
+gives the median Gbit/s of each and their ratio (target >= 0.8).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+import time
+
+import click
+
+from peerd.bench import emit_json
+from peerd.swarm.transport import Connection, Transport, create_p2p
+
+RAW_PROTOCOL = "peerd-bench/raw/1"
+FRAMED_PROTOCOL = "peerd-bench/framed/1"
+RAW_CHUNK = 256 * 1024
+
+
+async def _raw_run(p2p_client, server_id, payload: memoryview, total: int) -> float:
+    _info, reader, writer = await p2p_client.call_binary_stream_handler(server_id, RAW_PROTOCOL)
+    try:
+        started = time.perf_counter()
+        writer.write(total.to_bytes(8, "big"))
+        sent = 0
+        while sent < total:
+            n = min(payload.nbytes, total - sent)
+            for offset in range(0, n, RAW_CHUNK):
+                writer.write(payload[offset : min(n, offset + RAW_CHUNK)])
+                await writer.drain()
+            sent += n
+        await reader.readexactly(1)
+        return time.perf_counter() - started
+    finally:
+        writer.close()
+
+
+async def _raw_handler(_info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    try:
+        total = int.from_bytes(await reader.readexactly(8), "big")
+        got = 0
+        while got < total:
+            data = await reader.read(1 << 20)
+            if not data:
+                return
+            got += len(data)
+        writer.write(b"\x01")
+        await writer.drain()
+    finally:
+        writer.close()
+
+
+async def _framed_handler(conn: Connection) -> None:
+    header, _ = await conn.recv(timeout=60)
+    total, got = header["total"], 0
+    while got < total:
+        _header, payload = await conn.recv(timeout=60)
+        got += len(payload)
+    await conn.send({"kind": "bench.ack", "bytes": got})
+
+
+async def _framed_run(client: Transport, server_id, payload: memoryview, total: int) -> float:
+    conn = await client.connect(server_id, FRAMED_PROTOCOL)
+    try:
+        started = time.perf_counter()
+        await conn.send({"kind": "bench.start", "total": total})
+        sent = seq = 0
+        while sent < total:
+            n = min(payload.nbytes, total - sent)
+            await conn.send({"kind": "bench.data", "seq": seq}, payload[:n])
+            sent += n
+            seq += 1
+        header, _ = await conn.recv(timeout=60)
+        assert header["bytes"] == total
+        return time.perf_counter() - started
+    finally:
+        await conn.close()
+
+
+async def _run(total_mib: int, frame_mibs: list[float], repeats: int) -> dict:
+    total = total_mib << 20
+    largest = memoryview(bytearray(b"\xa5" * int(max(frame_mibs) * (1 << 20))))
+    a = await create_p2p()
+    try:
+        b = await create_p2p(await a.get_visible_maddrs())
+        server, client = Transport(a), Transport(b)
+        try:
+            await a.add_binary_stream_handler(RAW_PROTOCOL, _raw_handler)
+            await server.serve(FRAMED_PROTOCOL, _framed_handler)
+            # warm-up: first streams pay for connection set-up in both daemons
+            await _raw_run(b, a.peer_id, largest, min(total, 16 << 20))
+            await _framed_run(client, a.peer_id, largest, min(total, 16 << 20))
+            rows = []
+            for frame_mib in frame_mibs:
+                payload = largest[: int(frame_mib * (1 << 20))]
+                raw, framed = [], []
+                for _ in range(repeats):
+                    raw.append(total * 8 / await _raw_run(b, a.peer_id, largest, total) / 1e9)
+                    framed.append(total * 8 / await _framed_run(client, a.peer_id, payload, total) / 1e9)
+                raw_med, framed_med = statistics.median(raw), statistics.median(framed)
+                rows.append(
+                    {
+                        "frame_mib": frame_mib,
+                        "raw_gbps": [round(x, 3) for x in raw],
+                        "transport_gbps": [round(x, 3) for x in framed],
+                        "raw_gbps_median": round(raw_med, 3),
+                        "transport_gbps_median": round(framed_med, 3),
+                        "ratio_transport_over_raw": round(framed_med / raw_med, 3),
+                    }
+                )
+        finally:
+            await client.close()
+            await server.close()
+            await b.shutdown()
+    finally:
+        await a.shutdown()
+    return {
+        "benchmark": "transport",
+        "what": "loopback throughput: peerd Transport frames vs raw hivemind binary stream, same bytes",
+        "config": {"total_mib": total_mib, "repeats": repeats},
+        "by_frame_size": rows,
+        "min_ratio": min(r["ratio_transport_over_raw"] for r in rows),
+        "target_ratio": 0.8,
+    }
+
+
+@click.command("transport")
+@click.option("--total-mib", default=256, show_default=True, help="Bytes per run, MiB.")
+@click.option(
+    "--frame-mib",
+    default="0.25,1,4,16",
+    show_default=True,
+    help="Payload per Transport frame, MiB (comma list).",
+)
+@click.option(
+    "--repeats", default=5, show_default=True, help="Alternating raw/peerd runs; medians are reported."
+)
+@click.option("--out", default=None, type=click.Path(dir_okay=False), help="Also write the JSON here.")
+def command(total_mib: int, frame_mib: str, repeats: int, out: str | None) -> None:
+    """Transport throughput vs a raw p2p stream on loopback (ratio; target >= 0.8)."""
+    try:
+        sizes = [float(x) for x in frame_mib.split(",") if x.strip()]
+    except ValueError:
+        raise click.BadParameter(f"expected comma-separated numbers, got {frame_mib!r}") from None
+    if not sizes or min(sizes) <= 0:
+        raise click.BadParameter("frame sizes must be > 0")
+    emit_json(asyncio.run(_run(total_mib, sizes, repeats)), out)
