@@ -438,7 +438,10 @@ class Transport:
             logger.info("%s stream from %s failed: %s", protocol, peer_id, exc)
             await self._try_send_error(conn, exc.code, str(exc))
         except asyncio.CancelledError:
-            raise
+            # Cancelled by stop_serving/close. This task belongs to asyncio's unix server, whose
+            # done-callback in Python 3.11 calls task.exception() and logs a spurious error for a
+            # cancelled task; ending normally is safe because nothing awaits this task's result.
+            logger.debug("%s stream from %s cancelled", protocol, peer_id)
         except Exception as exc:
             logger.exception("%s handler failed on a stream from %s", protocol, peer_id)
             await self._try_send_error(conn, ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}")
