@@ -1,0 +1,342 @@
+"""GroupAllReduce: one member's async shell around ``core.MemberMath`` — streams, step states, timeouts, errors.
+
+Each member serves ``peerd/avg/1/<key>`` to the other members only (anyone else gets
+NOT_ALLOWED from the transport) and keeps one outbound stream per other member, reused
+across steps. Per step and per other member ``j``: send ``avg.part`` (my contribution to
+share ``j``), receive ``avg.share`` (the average of share ``j``) on the same stream. Inbound
+contributions to my share are collected in a per-step state until all ``D`` are in, then
+reduced once and the same bytes answer every member.
+
+Frames are accepted for the running step and the next one (a faster member may already
+send step ``t+1`` while this one still waits for ``t``); anything else is WRONG_STEP. Every
+wait is bounded by ``timeout`` (seconds without progress), so a vanished member costs the
+others at most ``timeout`` before a PeerUnavailable. A failed step aborts this member's
+state (members waiting on it get an error frame at once, not a timeout), closes its
+streams and discards staged error-feedback residuals, so the caller may retry the step
+(same tensors -> same bytes) or re-plan. Retrying only helps while every member is still
+at that step; a member that already completed it answers WRONG_STEP.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from hivemind.p2p import PeerID
+
+from peerd.averaging.codec import Compressor, build_codec, decode_share, parse_compressor
+from peerd.averaging.core import MemberMath
+from peerd.averaging.feedback import Encoded
+from peerd.averaging.messages import KIND_PART, KIND_SHARE, AvgMessage, Expect, check, parse
+from peerd.averaging.partition import flatten, group_digest, layout_of, share_bounds, unflatten
+from peerd.averaging.steps import StepBook, StepState
+from peerd.errors import ConfigError, ErrorCode, PeerdError, PeerUnavailable, ProtocolError
+from peerd.log import get_logger
+from peerd.swarm.transport import Connection, Transport
+
+logger = get_logger(__name__)
+
+PROTOCOL_PREFIX = "peerd/avg/1/"
+_KEY = re.compile(r"[A-Za-z0-9._:/-]{1,128}")
+_CONNECT_PAUSE_S = 0.25  # between connect attempts while a member may not serve yet
+
+
+@dataclass
+class AveragingStats:
+    """Counters of one member (wire bytes include frame prefixes and headers)."""
+
+    steps: int = 0
+    failed: int = 0
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    values_averaged: int = 0
+    """fp32 elements averaged over all completed steps (x 4 = raw gradient bytes)."""
+    rejected: dict[str, int] = field(default_factory=dict)
+    """Frames refused, by ErrorCode name."""
+    last_step_s: float = 0.0
+
+
+class GroupAllReduce:
+    """Average gradient lists among a fixed, ordered group of replicas of one pipeline stage.
+
+    ``group`` must be the same ordered list on every member; ``key`` names the job and stage
+    (it selects the stream protocol and enters the group digest). ``compressor``: None or
+    ``"none"`` (fp32, bit-identical on every member), ``"q8"``/``"q4"``/... or a
+    GradientCompression. ``timeout``: seconds a step may go without progress.
+    """
+
+    def __init__(
+        self,
+        transport: Transport,
+        group: Sequence[PeerID],
+        self_id: PeerID | None = None,
+        key: str = "default",
+        compressor: Compressor = None,
+        timeout: float = 30.0,
+    ) -> None:
+        members = list(group)
+        self_id = self_id if self_id is not None else transport.peer_id
+        if not members or len(set(members)) != len(members):
+            raise ConfigError("group", "must be a non-empty list of distinct peer ids")
+        if self_id not in members:
+            raise ConfigError("group", f"{self_id} is not a member of its own averaging group")
+        if not _KEY.fullmatch(key):
+            raise ConfigError("key", f"{key!r}: 1-128 characters from [A-Za-z0-9._:/-]")
+        if not timeout > 0:
+            raise ConfigError("timeout", f"must be > 0, got {timeout}")
+        self.transport = transport
+        self.members = members
+        self.rank = members.index(self_id)
+        self.size = len(members)
+        self.key = key
+        self.timeout = float(timeout)
+        self.protocol = PROTOCOL_PREFIX + key
+        self.digest = group_digest(key, [m.to_base58() for m in members])
+        self.compression = parse_compressor(compressor)
+        self.math = MemberMath(self.rank, self.size, build_codec(self.compression))
+        self.stats = AveragingStats()
+        self._ranks = {m: r for r, m in enumerate(members)}
+        self._steps = StepBook(self.rank)
+        self._conns: dict[int, Connection] = {}
+        self._serving = False
+        self._closed = False
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def start(self) -> None:
+        """Serve the group's protocol (idempotent). Start every member before its first step."""
+        if self._closed:
+            raise PeerUnavailable("averaging group is closed")
+        if self.size > 1 and not self._serving:
+            await self.transport.serve(self.protocol, self._handle, allowed=self._is_member)
+            self._serving = True
+
+    async def close(self) -> None:
+        """Abort pending steps, close streams, stop serving."""
+        self._closed = True
+        self._steps.abort_all(PeerUnavailable(f"rank {self.rank} closed its averaging group"))
+        await self._close_connections()
+        if self._serving:
+            self._serving = False
+            await self.transport.stop_serving(self.protocol)
+
+    async def __aenter__(self) -> GroupAllReduce:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
+    def _is_member(self, peer_id: PeerID) -> bool:
+        return peer_id in self._ranks and self._ranks[peer_id] != self.rank
+
+    def state_dict(self) -> dict[str, Any]:
+        """Error-feedback residuals and the last completed step (for stage checkpoints)."""
+        return {"last_step": self._steps.last, "feedback": self.math.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._steps.last = state.get("last_step")
+        self.math.load_state_dict(state.get("feedback", {}))
+
+    # ------------------------------------------------------------------ the step
+
+    async def allreduce(self, step: int, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """The mean over the group of each tensor, identical on every member; new tensors like the inputs."""
+        if self._closed:
+            raise PeerUnavailable("averaging group is closed")
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ConfigError("step", f"must be an int >= 0, got {step!r}")
+        layout = layout_of(tensors)
+        if self.size == 1:  # the mean over one replica is its own gradient: the same tensors back
+            self._steps.finish(step)
+            self.stats.steps += 1
+            return list(tensors)
+        if self._steps.current is not None:
+            raise ConfigError("step", f"allreduce for step {self._steps.current} is still running")
+        await self.start()
+        started = time.perf_counter()
+        try:
+            state = self._steps.begin(step, layout.numel, layout.signature())
+            flat_N = await asyncio.to_thread(flatten, tensors)
+            result_N = await self._run(state, flat_N)
+        except BaseException as exc:
+            await self._fail(step, exc)
+            raise
+        self.math.commit()
+        self._steps.finish(step)
+        self.stats.steps += 1
+        self.stats.values_averaged += layout.numel
+        self.stats.last_step_s = time.perf_counter() - started
+        return unflatten(result_N, tensors)
+
+    async def _run(self, state: StepState, flat_N: torch.Tensor) -> torch.Tensor:
+        total, layout = flat_N.numel(), state.layout
+        assert layout is not None
+        bounds = share_bounds(total, self.size)
+        own, frames = await asyncio.to_thread(self.math.contributions, flat_N)
+        self._add_part(state, self.rank, own)
+        jobs: dict[int, asyncio.Task[torch.Tensor]] = {self.rank: asyncio.create_task(self._own_share(state))}
+        for j, payload in frames.items():
+            msg = AvgMessage(KIND_PART, self.digest, state.step, self.rank, j, total, layout)
+            jobs[j] = asyncio.create_task(self._exchange(j, msg, payload, bounds[j][1] - bounds[j][0]))
+        await _first_error(list(jobs.values()))
+        result_N = torch.empty(total, dtype=torch.float32)
+        for j, (start, end) in enumerate(bounds):
+            result_N[start:end] = jobs[j].result()
+        return result_N
+
+    async def _own_share(self, state: StepState) -> torch.Tensor:
+        return (await self._wait_result(state)).decoded
+
+    async def _wait_result(self, state: StepState) -> Encoded:
+        """The reduced share, or PeerUnavailable(TIMEOUT) after ``timeout`` s without a new contribution."""
+        loop = asyncio.get_running_loop()
+        while not state.result.done():
+            left = state.touched + self.timeout - loop.time()
+            if left <= 0 and state.reducing is None:
+                missing = [r for r in range(self.size) if r not in state.parts]
+                raise PeerUnavailable(
+                    f"step {state.step}: no contribution from rank(s) {missing} within {self.timeout:.3g} s",
+                    code=ErrorCode.TIMEOUT,
+                )
+            try:
+                await asyncio.wait_for(asyncio.shield(state.result), max(left, 0.05))
+            except TimeoutError:
+                continue
+        return state.result.result()
+
+    async def _exchange(self, j: int, msg: AvgMessage, payload: bytes, numel: int) -> torch.Tensor:
+        """Send my contribution to share ``j``; receive the averaged share ``j`` back."""
+        conn = await self._connection(j)
+        sent, received = conn.bytes_sent, conn.bytes_received
+        try:
+            await conn.send(msg.header(), payload, timeout=self.timeout)
+            header, reply = await conn.recv(timeout=self.timeout)
+        finally:
+            self.stats.bytes_sent += conn.bytes_sent - sent
+            self.stats.bytes_received += conn.bytes_received - received
+        try:
+            answer = parse(header, KIND_SHARE)
+            check(
+                answer, Expect(self.digest, src=j, share=j, step=msg.step, total=msg.total, layout=msg.layout)
+            )
+            return await asyncio.to_thread(decode_share, reply, numel)
+        except PeerdError as exc:
+            self._count(exc.code)
+            raise
+
+    async def _connection(self, j: int) -> Connection:
+        conn = self._conns.get(j)
+        if conn is not None and not conn.closed:
+            return conn
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.timeout
+        while True:  # the member may not serve yet (it is still starting): retry until the deadline
+            try:
+                conn = await self.transport.connect(
+                    self.members[j], self.protocol, timeout=deadline - loop.time()
+                )
+                break
+            except PeerUnavailable:
+                if loop.time() + _CONNECT_PAUSE_S >= deadline:
+                    raise
+                await asyncio.sleep(_CONNECT_PAUSE_S)
+        self._conns[j] = conn
+        return conn
+
+    async def _fail(self, step: int, exc: BaseException) -> None:
+        self.stats.failed += 1
+        self._steps.fail(step, PeerUnavailable(f"step {step} aborted on rank {self.rank}: {exc}"))
+        self.math.discard()
+        await self._close_connections()  # late replies of this attempt must not answer a retry
+        logger.info("averaging %s step %d failed on rank %d: %s", self.key, step, self.rank, exc)
+
+    async def _close_connections(self) -> None:
+        conns, self._conns = list(self._conns.values()), {}
+        for conn in conns:
+            await conn.close(timeout=1.0)
+
+    # ------------------------------------------------------------------ reduction
+
+    def _add_part(self, state: StepState, src: int, part: torch.Tensor) -> None:
+        state.add(src, part)
+        if state.reducing is None and len(state.parts) == self.size:
+            state.reducing = asyncio.create_task(self._reduce(state))
+
+    async def _reduce(self, state: StepState) -> None:
+        try:
+            encoded = await asyncio.to_thread(self.math.reduce, [state.parts[r] for r in range(self.size)])
+        except PeerdError as exc:
+            state.abort(exc)
+            return
+        except Exception as exc:  # a bug: fail the step rather than leave its waiters hanging
+            logger.exception("averaging reduction failed")
+            state.abort(PeerdError(f"reduction failed: {exc}"))
+            return
+        state.parts.clear()
+        if not state.result.done():
+            state.result.set_result(encoded)
+
+    # ------------------------------------------------------------------ serving
+
+    async def _handle(self, conn: Connection) -> None:
+        """Serve one member's stream: contributions in, averaged shares out, errors as error frames."""
+        src = self._ranks[conn.peer_id]
+        while True:
+            sent, received = conn.bytes_sent, conn.bytes_received
+            try:
+                header, payload = await conn.recv(timeout=self.timeout)
+            except PeerUnavailable as exc:
+                if exc.code == ErrorCode.TIMEOUT and not conn.closed:
+                    continue  # idle between steps
+                return
+            except ProtocolError as exc:  # stream out of sync: the transport reports and closes it
+                self._count(exc.code)
+                raise
+            try:
+                msg = parse(header, KIND_PART)
+                check(msg, Expect(self.digest, src=src, share=self.rank))
+                self._steps.check_window(msg.step)
+                start, end = share_bounds(msg.total, self.size)[self.rank]
+                part = await asyncio.to_thread(decode_share, payload, end - start)
+                del payload
+                state = self._steps.admit(msg, self.digest)
+                self._add_part(state, src, part)
+                encoded = await self._wait_result(state)
+                reply = AvgMessage(
+                    KIND_SHARE, self.digest, msg.step, self.rank, self.rank, msg.total, msg.layout
+                )
+                await conn.send(reply.header(), encoded.payload, timeout=self.timeout)
+            except PeerdError as exc:
+                if exc.code not in (ErrorCode.PEER_UNAVAILABLE, ErrorCode.TIMEOUT):
+                    self._count(exc.code)
+                if conn.closed:
+                    return
+                await conn.send_error(exc.code, str(exc))
+            finally:
+                self.stats.bytes_sent += conn.bytes_sent - sent
+                self.stats.bytes_received += conn.bytes_received - received
+
+    def _count(self, code: ErrorCode) -> None:
+        self.stats.rejected[code.name] = self.stats.rejected.get(code.name, 0) + 1
+
+
+async def _first_error(tasks: list[asyncio.Task]) -> None:
+    """Wait for all ``tasks``; on the first failure cancel the rest and raise it."""
+    pending = set(tasks)
+    try:
+        while pending:
+            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_EXCEPTION)
+            for task in done:
+                if task.exception() is not None:
+                    raise task.exception()  # type: ignore[misc]
+    finally:
+        for task in pending:
+            task.cancel()
+        if pending:
+            await asyncio.gather(*pending, return_exceptions=True)

@@ -1,0 +1,96 @@
+"""The all-reduce arithmetic of one member, without I/O: what it sends, how it reduces, what everyone ends with.
+
+Member ``r`` of ``D`` (shares from ``partition.share_bounds``):
+
+1. *reduce-scatter*: for every other rank ``j`` it encodes its slice ``j`` with sender-side
+   error feedback (key ``send/j``) and sends it to ``j``; its own slice ``r`` stays exact;
+2. *reduce*: with all ``D`` contributions to share ``r`` (decoded, in rank order) it computes
+   ``((c_0 + c_1) + …) / D``, a fixed order, and encodes the mean with reducer-side error
+   feedback (key ``reduce``);
+3. *all-gather*: every member, the reducer included, takes share ``r`` to be exactly what
+   those bytes decode to — so all members end with bit-identical results, compressed or not.
+
+``simulate`` runs a whole group through these same functions in one process: the reference
+the network path is tested against.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from peerd.averaging.codec import decode_share
+from peerd.averaging.feedback import Encoded, ErrorFeedback
+from peerd.averaging.partition import share_bounds
+from peerd.compress.codecs import TensorCodec
+from peerd.errors import CodecError, ErrorCode
+
+
+class MemberMath:
+    """Rank ``rank``'s side of the averaging arithmetic, with its two error-feedback stores."""
+
+    def __init__(self, rank: int, members: int, codec: TensorCodec) -> None:
+        assert 0 <= rank < members
+        self.rank = rank
+        self.members = members
+        self.sender = ErrorFeedback(codec)
+        self.reducer = ErrorFeedback(codec)
+
+    def contributions(self, flat_N: torch.Tensor) -> tuple[torch.Tensor, dict[int, bytes]]:
+        """This member's exact own share and one encoded frame per other rank (residuals staged)."""
+        if not bool(torch.isfinite(flat_N).all()):  # refuse before anything is sent: NaN poisons every member
+            raise CodecError("local gradients hold NaN or Inf", code=ErrorCode.NON_FINITE)
+        bounds = share_bounds(flat_N.numel(), self.members)
+        frames = {}
+        for j, (start, end) in enumerate(bounds):
+            if j != self.rank:
+                frames[j] = self.sender.encode(f"send/{j}", flat_N[start:end]).payload
+        start, end = bounds[self.rank]
+        return flat_N[start:end], frames
+
+    def reduce(self, parts: Sequence[torch.Tensor]) -> Encoded:
+        """Mean of the ``D`` contributions to this member's share (rank order), encoded for the all-gather."""
+        assert len(parts) == self.members
+        acc = parts[0].float().clone()
+        for part in parts[1:]:
+            acc.add_(part)
+        acc.div_(self.members)
+        if not bool(torch.isfinite(acc).all()):
+            raise CodecError("the averaged share holds NaN or Inf", code=ErrorCode.NON_FINITE)
+        return self.reducer.encode("reduce", acc)
+
+    def commit(self) -> None:
+        self.sender.commit()
+        self.reducer.commit()
+
+    def discard(self) -> None:
+        self.sender.discard()
+        self.reducer.discard()
+
+    def state_dict(self) -> dict[str, dict[str, torch.Tensor]]:
+        return {"sender": self.sender.state_dict(), "reducer": self.reducer.state_dict()}
+
+    def load_state_dict(self, state: dict[str, dict[str, torch.Tensor]]) -> None:
+        self.sender.load_state_dict(state.get("sender", {}))
+        self.reducer.load_state_dict(state.get("reducer", {}))
+
+
+def simulate(maths: Sequence[MemberMath], flats: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """One step of the whole group in one process; returns each member's averaged flat vector.
+
+    Bytes move between members exactly as over the wire (encode -> bytes -> decode_share);
+    residuals are committed at the end, as after a successful network step.
+    """
+    members = len(maths)
+    numel = flats[0].numel()
+    bounds = share_bounds(numel, members)
+    sent = [m.contributions(f) for m, f in zip(maths, flats, strict=True)]
+    gathered: list[bytes] = []
+    for j, (start, end) in enumerate(bounds):
+        parts = [sent[i][0] if i == j else decode_share(sent[i][1][j], end - start) for i in range(members)]
+        gathered.append(maths[j].reduce(parts).payload)
+    result_N = torch.cat([decode_share(gathered[j], end - start) for j, (start, end) in enumerate(bounds)])
+    for m in maths:
+        m.commit()
+    return [result_N.clone() for _ in range(members)]

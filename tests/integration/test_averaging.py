@@ -1,0 +1,313 @@
+"""GroupAllReduce over real p2pd daemons on loopback: exact and compressed means, refusals, bad frames, lost members."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import struct
+import time
+from collections.abc import Iterator
+
+import pytest
+import torch
+from hivemind.p2p import P2P
+
+from peerd.averaging import GroupAllReduce, MemberMath, simulate
+from peerd.averaging.codec import build_codec, parse_compressor
+from peerd.averaging.messages import KIND_PART, AvgMessage
+from peerd.averaging.partition import flatten, layout_of
+from peerd.errors import ErrorCode, PeerUnavailable, ProtocolError
+from peerd.swarm.transport import Transport
+
+pytestmark = pytest.mark.integration
+
+SHAPES = [(256, 65), (65,), (17, 5, 3), (1,)]  # 16 961 elements
+
+
+class Cluster:
+    """Five p2pd daemons on one event loop (four members and an outsider), a Transport each."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.p2ps: list[P2P] = []
+        self.transports: list[Transport] = []
+
+    def run(self, coro, timeout: float = 30.0):
+        return self.loop.run_until_complete(asyncio.wait_for(coro, timeout))
+
+    async def new_peer(self) -> tuple[P2P, Transport]:
+        known = [m for p in self.p2ps for m in await p.get_visible_maddrs()]
+        p2p = await P2P.create(initial_peers=known)  # connected to every earlier peer: a full mesh
+        self.p2ps.append(p2p)
+        transport = Transport(p2p)
+        self.transports.append(transport)
+        return p2p, transport
+
+    async def start(self, n: int) -> None:
+        for _ in range(n):
+            await self.new_peer()
+
+    async def stop(self) -> None:
+        for transport in reversed(self.transports):
+            await transport.close()
+        for p2p in reversed(self.p2ps):
+            await p2p.shutdown()
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[Cluster]:
+    c = Cluster()
+    try:
+        c.run(c.start(5), timeout=90)
+        yield c
+    finally:
+        c.run(c.stop(), timeout=30)
+        c.loop.close()
+
+
+def grads(seed: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(s, generator=g) * (1 + seed % 3) for s in SHAPES]
+
+
+def rank_order_mean(tensors: list[torch.Tensor]) -> torch.Tensor:
+    acc = tensors[0].clone()
+    for t in tensors[1:]:
+        acc += t
+    return acc / len(tensors)
+
+
+def make_group(cluster: Cluster, size: int, key: str, **kwargs) -> list[GroupAllReduce]:
+    members = cluster.transports[:size]
+    ids = [t.peer_id for t in members]
+    return [GroupAllReduce(t, ids, key=key, **kwargs) for t in members]
+
+
+async def steps(avgs: list[GroupAllReduce], inputs: list[list[list[torch.Tensor]]], first: int = 0):
+    """Run ``len(inputs)`` steps on every member concurrently; inputs[step][rank] is a gradient list."""
+    for a in avgs:
+        await a.start()
+    try:
+        return [
+            await asyncio.gather(*(a.allreduce(first + s, g) for a, g in zip(avgs, per_rank, strict=True)))
+            for s, per_rank in enumerate(inputs)
+        ]
+    finally:
+        for a in avgs:
+            await a.close()
+
+
+@pytest.mark.parametrize("size", [2, 3, 4])
+def test_uncompressed_mean_is_exact_and_identical_on_every_member(cluster: Cluster, size: int):
+    avgs = make_group(cluster, size, f"exact-{size}", timeout=10)
+    inputs = [[grads(10 * s + r) for r in range(size)] for s in range(2)]
+    outputs = cluster.run(steps(avgs, inputs))
+    for per_rank_in, per_rank_out in zip(inputs, outputs, strict=True):
+        for k in range(len(SHAPES)):
+            expect = rank_order_mean([g[k] for g in per_rank_in])
+            for out in per_rank_out:
+                assert out[k].shape == SHAPES[k]
+                assert torch.equal(out[k], expect)  # fp32 bit for bit, on every member
+            torch.testing.assert_close(expect, torch.stack([g[k] for g in per_rank_in]).mean(0))
+    numel = sum(math.prod(s) for s in SHAPES)
+    for a in avgs:  # reduce-scatter + all-gather: 2 (D-1)/D of the fp32 bytes each way
+        ideal = 2 * 2 * (size - 1) / size * 4 * numel
+        assert ideal <= a.stats.bytes_sent <= 1.03 * ideal
+        assert ideal <= a.stats.bytes_received <= 1.03 * ideal
+        assert a.stats.steps == 2 and a.stats.failed == 0 and not a.stats.rejected
+
+
+@pytest.mark.parametrize(("size", "compressor", "bits"), [(3, "q8", 8), (4, "q4", 4)])
+def test_compressed_mean_matches_the_reference_and_the_quantizer_bound(
+    cluster: Cluster, size: int, compressor: str, bits: int
+):
+    avgs = make_group(cluster, size, f"q-{size}", timeout=10, compressor=compressor)
+    inputs = [[grads(100 + 10 * s + r) for r in range(size)] for s in range(2)]
+    outputs = cluster.run(steps(avgs, inputs))
+    maths = [MemberMath(r, size, build_codec(parse_compressor(compressor))) for r in range(size)]
+    for per_rank_in, per_rank_out in zip(inputs, outputs, strict=True):
+        flats = [flatten(g) for g in per_rank_in]
+        reference = simulate(maths, flats)[0]  # same arithmetic, residuals included, no network
+        for out in per_rank_out:
+            assert torch.equal(flatten(out), reference)
+        peak = max(float(f.abs().max()) for f in flats)
+        true = torch.stack(flats).mean(0)
+        # first step: one sender and one reducer quantization, each <= absmax / 2**bits;
+        # second step: the residuals add at most as much again
+        assert float((reference - true).abs().max()) <= 1.02 * 4 * peak / 2**bits
+    raw = 2 * 2 * (size - 1) / size * 4 * sum(math.prod(s) for s in SHAPES)
+    for a in avgs:
+        assert a.stats.bytes_sent < raw * (bits + 0.5) / 32  # codes, bf16 scales, frame headers
+
+
+def test_single_member_group_is_the_identity(cluster: Cluster):
+    t = cluster.transports[0]
+    avg = GroupAllReduce(t, [t.peer_id], key="solo")
+    g = grads(1)
+    out = cluster.run(avg.allreduce(0, g))
+    assert all(a is b for a, b in zip(out, g, strict=True))
+    cluster.run(avg.close())
+
+
+async def _send_raw(transport: Transport, target, protocol: str, frames: list[tuple[dict, bytes]]):
+    """Send frames on one stream; collect the error code (or reply kind) for each."""
+    results = []
+    conn = await transport.connect(target, protocol, timeout=10)
+    try:
+        for header, payload in frames:
+            try:
+                reply, _ = await conn.request(header, payload, timeout=10)
+                results.append(reply["kind"])
+            except (ProtocolError, PeerUnavailable) as exc:
+                results.append(exc.code.name)
+    finally:
+        await conn.close()
+    return results
+
+
+def test_non_members_are_refused(cluster: Cluster):
+    avgs = make_group(cluster, 2, "closed", timeout=10)
+    outsider, other_member = cluster.transports[4], cluster.transports[2]
+    layout = layout_of(grads(0))
+    msg = AvgMessage(KIND_PART, avgs[0].digest, 0, 1, 0, layout.numel, layout.signature())
+    payload = build_codec(None).encode(torch.zeros(layout.numel // 2))[0]
+
+    async def go():
+        for a in avgs:
+            await a.start()
+        try:
+            return [
+                await _send_raw(t, avgs[0].transport.peer_id, avgs[0].protocol, [(msg.header(), payload)])
+                for t in (outsider, other_member)
+            ]
+        finally:
+            for a in avgs:
+                await a.close()
+
+    assert cluster.run(go()) == [["NOT_ALLOWED"], ["NOT_ALLOWED"]]
+
+
+def test_bad_frames_get_typed_errors_are_counted_and_the_group_carries_on(cluster: Cluster):
+    avgs = make_group(cluster, 2, "bad-frames", timeout=10)
+    receiver, sender = avgs
+    g = [[grads(7), grads(8)]]
+    layout = layout_of(g[0][0])
+    n0 = layout.numel // 2  # rank 1 sends rank 0 its share 0: the first half
+    ok = AvgMessage(KIND_PART, receiver.digest, 1, 1, 0, layout.numel, layout.signature()).header()
+    raw = build_codec(None)
+    share_frame = raw.encode(torch.zeros(n0))[0]
+    wrong_length = raw.encode(torch.ones(n0 + 1))[0]
+    nan_frame = bytearray(share_frame)
+    nan_frame[24 + 20 : 24 + 24] = struct.pack("<f", float("nan"))  # element 5 (24-byte frame head)
+    frames = [
+        (ok | {"step": 0}, share_frame),  # stale: step 0 is done
+        (ok | {"step": 5}, share_frame),  # too far ahead
+        (ok | {"group": "0" * 16}, share_frame),
+        (ok | {"src": 0}, share_frame),  # claims to be the receiver's rank
+        (ok | {"share": 1}, share_frame),  # not the receiver's share
+        ({k: v for k, v in ok.items() if k != "total"}, share_frame),
+        (ok | {"v": 2}, share_frame),
+        (ok, share_frame[:-7]),
+        (ok, wrong_length),
+        (ok, bytes(nan_frame)),
+    ]
+
+    async def go():
+        for a in avgs:
+            await a.start()
+        try:
+            await asyncio.gather(receiver.allreduce(0, g[0][0]), sender.allreduce(0, g[0][1]))
+            codes = await _send_raw(sender.transport, receiver.transport.peer_id, receiver.protocol, frames)
+            after = await asyncio.gather(receiver.allreduce(1, grads(9)), sender.allreduce(1, grads(10)))
+            return codes, after
+        finally:
+            for a in avgs:
+                await a.close()
+
+    codes, after = cluster.run(go())
+    assert codes == [
+        "WRONG_STEP",
+        "WRONG_STEP",
+        "NOT_ALLOWED",
+        "NOT_ALLOWED",
+        "MALFORMED",
+        "MALFORMED",
+        "UNSUPPORTED_VERSION",
+        "TRUNCATED",
+        "SHAPE_MISMATCH",
+        "NON_FINITE",
+    ]
+    assert receiver.stats.rejected == {
+        "WRONG_STEP": 2,
+        "NOT_ALLOWED": 2,
+        "MALFORMED": 2,
+        "UNSUPPORTED_VERSION": 1,
+        "TRUNCATED": 1,
+        "SHAPE_MISMATCH": 1,
+        "NON_FINITE": 1,
+    }
+    expect = rank_order_mean([flatten(grads(9)), flatten(grads(10))])
+    assert torch.equal(flatten(after[0]), expect) and torch.equal(flatten(after[1]), expect)
+
+
+def test_a_member_that_never_joins_times_out_and_the_step_can_be_retried(cluster: Cluster):
+    avgs = make_group(cluster, 2, "late", timeout=1.5)
+    g0, g1 = grads(21), grads(22)
+
+    async def go():
+        for a in avgs:
+            await a.start()
+        try:
+            started = time.monotonic()
+            with pytest.raises(PeerUnavailable) as info:
+                await avgs[0].allreduce(0, g0)
+            waited = time.monotonic() - started
+            retried = await asyncio.gather(avgs[0].allreduce(0, g0), avgs[1].allreduce(0, g1))
+            return info.value, waited, retried
+        finally:
+            for a in avgs:
+                await a.close()
+
+    error, waited, retried = cluster.run(go())
+    assert error.code == ErrorCode.TIMEOUT
+    assert 1.0 <= waited <= 4.0
+    expect = rank_order_mean([flatten(g0), flatten(g1)])
+    assert all(torch.equal(flatten(r), expect) for r in retried)
+    assert avgs[0].stats.failed == 1 and avgs[0].stats.steps == 1
+
+
+def test_a_member_killed_mid_step_fails_the_others_within_the_timeout(cluster: Cluster):
+    timeout = 4.0
+
+    async def go():
+        victim_p2p, victim_t = await cluster.new_peer()
+        try:
+            ids = [cluster.transports[0].peer_id, cluster.transports[1].peer_id, victim_t.peer_id]
+            avgs = [GroupAllReduce(t, ids, key="kill", timeout=timeout) for t in cluster.transports[:2]]
+            victim = GroupAllReduce(victim_t, ids, key="kill", timeout=timeout)
+            for a in [*avgs, victim]:
+                await a.start()
+            await asyncio.gather(*(a.allreduce(0, grads(30 + r)) for r, a in enumerate([*avgs, victim])))
+            # step 1: the survivors send; once the victim holds both contributions, its daemon dies
+            tasks = [asyncio.create_task(a.allreduce(1, grads(40 + r))) for r, a in enumerate(avgs)]
+            deadline = time.monotonic() + 10
+            while len(getattr(victim._steps.states.get(1), "parts", {})) < 2:
+                assert time.monotonic() < deadline, "contributions never reached the victim"
+                await asyncio.sleep(0.02)
+            victim_p2p._child.kill()  # SIGKILL p2pd: no goodbye on any stream
+            killed = time.monotonic()
+            outcomes = await asyncio.gather(*tasks, return_exceptions=True)
+            elapsed = time.monotonic() - killed
+            for a in avgs:
+                await a.close()
+            await victim.close()
+            return outcomes, elapsed
+        finally:
+            await victim_t.close()
+            cluster.transports.remove(victim_t)
+            cluster.p2ps.remove(victim_p2p)
+            await victim_p2p.shutdown()
+
+    outcomes, elapsed = cluster.run(go(), timeout=60)
+    assert all(isinstance(o, PeerUnavailable) for o in outcomes), outcomes
+    assert elapsed < timeout + 1.0
