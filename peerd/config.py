@@ -245,7 +245,7 @@ def _under(home: Path, value: Path | None, default_name: str) -> Path:
 
 
 def _host_name() -> str:
-    cleaned = re.sub(r"[^A-Za-z0-9._-]", "-", socket.gethostname().split(".")[0])[:64].strip("-")
+    cleaned = re.sub(r"[^A-Za-z0-9._-]", "-", socket.gethostname().split(".")[0])[:64].strip("-._")
     return cleaned or "peer"
 
 

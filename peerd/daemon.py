@@ -89,6 +89,7 @@ class Daemon:
         self._probe_wake = asyncio.Event()
         self._started_at = 0.0
         self._stopped = False
+        self.failure: str | None = None  # why the daemon stopped by itself, if it did
         self.control.register("status", self._rpc_status, "This peer, the peers table and the link matrix.")
         self.control.register("shutdown", self._rpc_shutdown, "Leave the swarm gracefully and exit.")
 
@@ -249,6 +250,11 @@ class Daemon:
         """Keep the local peers table fresh (status, shaping names, probe targets)."""
         interval = min(max(self.config.refresh_interval / 2, 1.0), 15.0)
         while True:
+            if self.node is not None and not self.node.alive:
+                self.failure = "the DHT process (and with it p2pd) died; this peer is cut off from the swarm"
+                logger.error(self.failure)
+                self.request_stop()
+                return
             try:
                 await self.refresh_peers()
             except PeerdError as exc:
@@ -402,6 +408,8 @@ async def serve(config: DaemonConfig, on_ready: Callable[[ReadyInfo], None] | No
             on_ready(info)
         await daemon.wait_stopped()
         await daemon.stop()
+    if daemon.failure is not None:
+        raise PeerdError(daemon.failure)
 
 
 def run_daemon(config: DaemonConfig, on_ready: Callable[[ReadyInfo], None] | None = None) -> None:

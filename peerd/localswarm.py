@@ -265,14 +265,16 @@ class LocalSwarm:
 
     # -- stopping -------------------------------------------------------------------------------
 
-    def stop_peer(self, peer: LocalPeer | int, timeout: float | None = None) -> int | None:
+    def stop_peer(
+        self, peer: LocalPeer | int, timeout: float | None = None, *, sig: signal.Signals = signal.SIGTERM
+    ) -> int | None:
         """SIGTERM (graceful: the daemon announces OFFLINE), SIGKILL after the grace period; returns the exit code."""
         peer = self.peers[peer] if isinstance(peer, int) else peer
         if peer.process is None:
             return None
         if peer.alive:
             with contextlib.suppress(ProcessLookupError):
-                peer.process.send_signal(signal.SIGTERM)
+                peer.process.send_signal(sig)
         return self._reap(peer, self.grace_s if timeout is None else timeout)
 
     def kill_peer(self, peer: LocalPeer | int) -> int | None:

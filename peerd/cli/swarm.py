@@ -227,24 +227,24 @@ class _DirectReader:
 def _show(
     read: Callable[[], dict[str, Any]], first: dict[str, Any], *, as_json: bool, watch: bool, interval: float
 ) -> None:
-    console = Console()
-    if as_json:
-        click.echo(json.dumps(first, sort_keys=True))
-        while watch:
-            time.sleep(interval)
-            click.echo(json.dumps(_read_or_error(read), sort_keys=True))
-        return
-    if not watch:
-        console.print(render_status(first))
-        return
-    from rich.live import Live
-
     try:
-        with Live(render_status(first), console=console, refresh_per_second=4, screen=False) as live:
+        if as_json:
+            click.echo(json.dumps(first, sort_keys=True))
+            while watch:
+                time.sleep(interval)
+                click.echo(json.dumps(_read_or_error(read), sort_keys=True))
+            return
+        console = Console()
+        if not watch:
+            console.print(render_status(first))
+            return
+        from rich.live import Live
+
+        with Live(render_status(first), console=console, refresh_per_second=4) as live:
             while True:
                 time.sleep(interval)
                 live.update(render_status(_read_or_error(read)))
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # the way to leave --watch
         pass
 
 
@@ -262,10 +262,10 @@ def _ago(seconds: float | None) -> str:
     if seconds is None:
         return "-"
     if seconds < 60:
-        return f"{seconds:.0f}s ago"
+        return f"{seconds:.0f}s"
     if seconds < 3600:
-        return f"{seconds / 60:.0f}m ago"
-    return f"{seconds / 3600:.1f}h ago"
+        return f"{seconds / 60:.0f}m"
+    return f"{seconds / 3600:.1f}h"
 
 
 def _gib(nbytes: int | None) -> str:
@@ -273,31 +273,33 @@ def _gib(nbytes: int | None) -> str:
 
 
 def _tflops(tflops: dict[str, float]) -> str:
+    """fp32, then the fastest half-precision dtype: "0.076/0.42"."""
     if not tflops:
         return "-"
-    parts = [f"{tflops['fp32']:.3g}"] if "fp32" in tflops else []
-    parts += [f"{name} {value:.3g}" for name, value in sorted(tflops.items()) if name != "fp32"]
-    return "  ".join(parts)
+    fp32 = f"{tflops['fp32']:.2g}" if "fp32" in tflops else "-"
+    half = [tflops[k] for k in ("bf16", "fp16") if k in tflops]
+    return f"{fp32}/{max(half):.2g}" if half else fp32
 
 
 def peers_table(view: dict[str, Any]) -> Table:
-    table = Table(title="peers", title_justify="left", expand=False)
-    for column in (
-        "id",
-        "name",
-        "device",
-        "TFLOPS (fp32, others)",
-        "memory GiB (free/total)",
-        "state",
-        "last seen",
-    ):
-        table.add_column(column, no_wrap=column in ("id", "state"))
+    table = Table(
+        title="peers",
+        title_justify="left",
+        caption="* this peer · TFLOPS: fp32/16-bit · mem: free/total GiB",
+        caption_justify="left",
+    )
+    table.add_column("id", no_wrap=True, min_width=8)
+    table.add_column("name", no_wrap=True)
+    table.add_column("device", overflow="ellipsis", no_wrap=True, max_width=28)
+    table.add_column("TFLOPS", justify="right", no_wrap=True)
+    table.add_column("mem", justify="right", no_wrap=True)
+    table.add_column("state", no_wrap=True, min_width=7)
+    table.add_column("seen", justify="right", no_wrap=True)
     for peer in view.get("peers", []):
         state = peer["state"]
-        name = peer["name"] + (" (you)" if peer.get("self") else "")
         table.add_row(
             peer["short_id"],
-            name,
+            peer["name"] + ("*" if peer.get("self") else ""),
             peer.get("device") or "-",
             _tflops(peer.get("tflops") or {}),
             f"{_gib(peer.get('memory_free_bytes'))}/{_gib(peer.get('memory_total_bytes'))}",
@@ -330,7 +332,7 @@ def _cell(rtt_ms: float | None, mbps: float | None) -> str:
 
 def links_table(view: dict[str, Any]) -> Table:
     peers = [p for p in view.get("peers", []) if p["state"] != "offline"]
-    table = Table(title="links: RTT ms / Mbit/s (row -> column)", title_justify="left")
+    table = Table(title="links: RTT ms / Mbit/s, row -> column", title_justify="left")
     table.add_column("from \\ to", no_wrap=True)
     for peer in peers:
         table.add_column(peer["name"], justify="right", no_wrap=True)
@@ -349,9 +351,8 @@ def render_status(view: dict[str, Any]) -> RenderableType:
         parts.append(Text(f"error: {view['error']}", style="red"))
     me = view.get("self")
     if me:
-        parts.append(
-            Text(f"this peer: {me['name']} ({me['peer_id']}), {me['state'].upper()}, swarm {me['swarm']!r}")
-        )
+        parts.append(Text(f"this peer: {me['name']}, {me['state'].upper()} in swarm {me['swarm']!r}"))
+        parts.append(Text(f"peer id:   {me['peer_id']}"))
     if view.get("stale"):
         parts.append(Text("the DHT did not answer; showing the last known table", style="yellow"))
     parts.append(peers_table(view))

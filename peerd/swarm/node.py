@@ -124,6 +124,11 @@ class SwarmNode:
         log("swarm node %s up; reachable at %s", node.peer_id, ", ".join(maddrs))
         return node
 
+    @property
+    def alive(self) -> bool:
+        """False once the DHT process has exited (p2pd goes with it)."""
+        return not self._closed and self.dht.is_alive()
+
     @staticmethod
     def now() -> float:
         """DHT time (seconds); peers assume their clocks agree within a few seconds."""

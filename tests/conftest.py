@@ -1,0 +1,83 @@
+"""Shared fixtures: an isolated PEERD_HOME for the whole session, a warm device-profile cache, local swarms."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+# Timers for multi-daemon tests: short enough that expiry and re-announcement happen within
+# seconds, long enough that 4 daemons on 2 busy cores keep their records alive.
+FAST_SWARM = {
+    "record_ttl": 8.0,
+    "refresh_interval": 1.5,
+    "probe_interval": 3.0,
+    "startup_timeout": 30.0,
+    "shutdown_timeout": 8.0,
+}
+
+
+@pytest.fixture(scope="session", autouse=True)
+def peerd_home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """Point PEERD_HOME at a session temp dir, so no test reads or writes ~/.peerd or talks to a real daemon."""
+    home = tmp_path_factory.mktemp("peerd-home")
+    previous = os.environ.get("PEERD_HOME")
+    os.environ["PEERD_HOME"] = str(home)
+    yield home
+    if previous is None:
+        os.environ.pop("PEERD_HOME", None)
+    else:
+        os.environ["PEERD_HOME"] = previous
+
+
+@pytest.fixture(scope="session")
+def profile_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A device-profile cache measured once per session; daemons started with it skip the matmul benchmark."""
+    from peerd.swarm.profiling import profile_device
+
+    path = tmp_path_factory.mktemp("profile") / "device_profiles.json"
+    profile_device("cpu", cache_path=path)
+    return path
+
+
+@pytest.fixture
+def local_swarm(tmp_path: Path, profile_cache: Path) -> Iterator[Callable[..., Any]]:
+    """``local_swarm(n, **options)`` starts n daemons on loopback with fast timers; all are reaped afterwards."""
+    from peerd.localswarm import LocalSwarm
+
+    # A short root keeps control-socket paths well under the 108-byte unix-socket limit.
+    swarms: list[LocalSwarm] = []
+
+    def start(size: int, *, ready_timeout: float = 90.0, **options: Any) -> LocalSwarm:
+        merged = {**FAST_SWARM, "device": "cpu", "profile_cache": str(profile_cache), **options}
+        swarm = LocalSwarm(size, tmp_path / f"s{len(swarms)}", options=merged, ready_timeout=ready_timeout)
+        swarms.append(swarm)
+        return swarm.start()
+
+    yield start
+    for swarm in swarms:
+        swarm.close()
+
+
+def run_peerd(
+    *args: str, timeout: float = 120.0, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
+    """Run the real ``peerd`` CLI in a subprocess (same interpreter); captures text output."""
+    return subprocess.run(
+        [sys.executable, "-c", "from peerd.cli import main; main()", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, **(env or {})},
+    )
+
+
+@pytest.fixture
+def peerd_cli() -> Callable[..., subprocess.CompletedProcess]:
+    """The ``run_peerd`` helper as a fixture (integration tests import nothing from conftest)."""
+    return run_peerd

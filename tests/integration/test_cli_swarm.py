@@ -1,0 +1,153 @@
+"""The swarm CLI through the real ``peerd`` entry point: expected failures give a message and an exit code, never a traceback."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.integration
+
+# A well-formed peer id nobody runs, on a loopback port nobody listens on.
+NOBODY = "QmYyQSo1c1Ym7orWxLYvCrM2EmxFTANf8wXmmE7DWjhx5N"
+PEERD = [sys.executable, "-c", "from peerd.cli import main; main()"]
+
+
+def _dead_maddr() -> str:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    return f"/ip4/127.0.0.1/tcp/{port}/p2p/{NOBODY}"
+
+
+def _no_traceback(result) -> None:
+    assert "Traceback" not in result.stderr and "Traceback" not in result.stdout, result.stderr
+
+
+def test_status_without_a_daemon_says_how_to_start_one(peerd_cli, tmp_path):
+    result = peerd_cli("status", "--home", str(tmp_path / "nobody-home"))
+    assert result.returncode == 3
+    assert "no peerd daemon is running" in result.stderr
+    assert "peerd join" in result.stderr and "--initial-peers" in result.stderr
+    _no_traceback(result)
+
+
+def test_status_with_an_unreachable_bootstrap_fails_fast_and_clean(peerd_cli, tmp_path):
+    result = peerd_cli("status", "--home", str(tmp_path), "--initial-peers", _dead_maddr(), timeout=60)
+    assert result.returncode == 3
+    assert "none of the initial peers answered" in result.stderr
+    _no_traceback(result)
+
+
+def test_bad_addresses_are_usage_errors(peerd_cli, tmp_path):
+    result = peerd_cli("status", "--home", str(tmp_path), "--initial-peers", "not-an-address")
+    assert result.returncode == 2
+    assert "initial_peers[0]" in result.stderr
+    _no_traceback(result)
+    result = peerd_cli("join", "--home", str(tmp_path), "--record-ttl", "5", "--refresh-interval", "9")
+    assert result.returncode == 2
+    assert "refresh_interval" in result.stderr
+    _no_traceback(result)
+
+
+def test_join_with_an_unreachable_bootstrap_exits_3_and_leaves_nothing_behind(peerd_cli, tmp_path):
+    home = tmp_path / "joiner"
+    result = peerd_cli(
+        "join",
+        "--home",
+        str(home),
+        "--host-maddrs",
+        "/ip4/127.0.0.1/tcp/0",
+        "--initial-peers",
+        _dead_maddr(),
+        "--device",
+        "cpu",
+        timeout=90,
+    )
+    assert result.returncode == 3, result.stderr
+    assert "none of the initial peers answered" in result.stderr
+    _no_traceback(result)
+    assert not (home / "control.sock").exists()  # the control endpoint was closed on the way out
+
+
+def test_one_daemon_table_watch_and_home_lock(local_swarm, peerd_cli):
+    swarm = local_swarm(1)
+    peer = swarm.peers[0]
+
+    # the human table, through the local daemon
+    result = peerd_cli("status", "--home", str(peer.home))
+    assert result.returncode == 0, result.stderr
+    assert "peer0*" in result.stdout and "ONLINE" in result.stdout and peer.info.peer_id[-8:] in result.stdout
+
+    # --watch --json: one document per refresh until Ctrl-C, which is a normal exit
+    watch = subprocess.Popen(
+        [*PEERD, "status", "--home", str(peer.home), "--watch", "--json", "--interval", "0.3"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        seqs = []
+        for _ in range(3):
+            doc = json.loads(watch.stdout.readline())
+            seqs.append(doc["self"]["seq"])
+            assert [p["name"] for p in doc["peers"]] == ["peer0"]
+        watch.send_signal(signal.SIGINT)
+        _, stderr = watch.communicate(timeout=30)
+    finally:
+        if watch.poll() is None:
+            watch.kill()
+            watch.wait()
+    assert watch.returncode == 0, stderr
+    assert "Traceback" not in stderr
+    assert seqs == sorted(seqs)
+
+    # a second daemon on the same home is refused before it starts anything
+    result = peerd_cli("join", "--config", str(peer.config_path), timeout=60)
+    assert result.returncode == 2
+    assert "already running with this home" in result.stderr
+    _no_traceback(result)
+    assert peer.status()["self"]["state"] == "online"  # the running one is undisturbed
+
+
+def test_demo_runs_a_swarm_and_cleans_up(peerd_cli, tmp_path):
+    root = tmp_path / "demo"
+    cache = {"XDG_CACHE_HOME": str(tmp_path / "cache")}  # the demo uses the machine-wide profile cache
+    result = peerd_cli(
+        "demo", "--peers", "2", "--timeout", "90", "--dir", str(root), "--json", timeout=170, env=cache
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    view = json.loads(result.stdout)
+    assert sorted(p["name"] for p in view["peers"]) == ["peer0", "peer1"]
+    assert all(p["state"] == "online" and p["tflops"]["fp32"] > 0 for p in view["peers"])
+    assert {x["status"] for x in view["links"]} == {"ok"} and len(view["links"]) == 2
+    assert "shutting the swarm down" in result.stderr
+    for name in ("peer0", "peer1"):
+        log = (root / name / "daemon.log").read_text()
+        assert "announced OFFLINE" in log, log[-2000:]
+        assert not (root / name / "control.sock").exists()
+    _no_traceback(result)
+    assert _processes_mentioning(str(root)) == []  # no daemon, DHT process or p2pd of the demo survived
+
+
+def _processes_mentioning(text: str) -> list[str]:
+    """Command lines of live processes that contain ``text`` (daemons carry their config path, p2pd its key path)."""
+    found = []
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/cmdline", "rb") as fh:
+                cmdline = fh.read().replace(b"\0", b" ").decode(errors="replace")
+            with open(f"/proc/{entry.name}/stat") as fh:
+                zombie = fh.read().rpartition(")")[2].split()[0] == "Z"
+        except OSError:
+            continue
+        if text in cmdline and not zombie:
+            found.append(cmdline)
+    return found
