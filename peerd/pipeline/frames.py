@@ -1,0 +1,391 @@
+"""Activation and gradient messages between pipeline stages: header schema, chunking, validation (protocols/pipeline-frames.md).
+
+A *message* is one micro-batch's tensor crossing one stage boundary: activations forward
+(``pp.act``) or the gradient w.r.t. them backward (``pp.grad``). Its payload is the codec's
+wire bytes (peerd.compress's format) or, for codec ``none``, the raw little-endian tensor.
+A message travels as one or more transport frames (*parts*), each carrying the full header
+plus ``part``/``parts``/``off`` so the receiver can check the metadata before the bulk arrives
+and never needs to buffer more than one message. Control frames (``pp.ack``/``pp.nack``/
+``pp.abort``) flow the other way on the same stream. Everything here is pure: the async
+shells are in ``peerd.pipeline.streams``.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from peerd.errors import ErrorCode, ProtocolError
+
+VERSION = 1
+KIND_ACT = "pp.act"
+KIND_GRAD = "pp.grad"
+KIND_ACK = "pp.ack"
+KIND_NACK = "pp.nack"
+KIND_ABORT = "pp.abort"
+DATA_KINDS = (KIND_ACT, KIND_GRAD)
+CONTROL_KINDS = (KIND_ACK, KIND_NACK, KIND_ABORT)
+
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+}
+DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+
+MAX_NDIM = 8
+MAX_IDS = 1 << 16  # examples per micro-batch
+MAX_PARTS = 1 << 16
+MAX_MESSAGE_BYTES = 1 << 32  # 4 GiB: far above any stage boundary of the presets
+MAX_TEXT = 1000  # characters of an error message on the wire
+RAW_CODEC = "none"  # payload = the tensor's little-endian bytes
+COMPRESSED_SLACK = 4096  # bytes of codec headers and scales a compressed payload may add
+
+if sys.byteorder != "little":  # raw payloads are little-endian and reinterpreted in place
+    raise ImportError("peerd.pipeline.frames assumes a little-endian host")
+
+
+def _bad(message: str, code: ErrorCode = ErrorCode.MALFORMED) -> ProtocolError:
+    return ProtocolError(message, code=code)
+
+
+@dataclass(frozen=True)
+class TensorMessage:
+    """Metadata of one activation or gradient message (identical in every part of it)."""
+
+    kind: str  # KIND_ACT | KIND_GRAD
+    job: str
+    step: int
+    mb: int  # micro-batch index within the step
+    boundary: int  # between stage ``boundary`` and ``boundary + 1``
+    ids: tuple[int, ...]  # example ids, row order
+    codec: str
+    shape: tuple[int, ...]  # the decoded tensor's shape, (B, T, C)
+    dtype: str  # the decoded tensor's dtype name
+    seq: int  # sender's message sequence number on this stream (ordering, acks, resends)
+    nbytes: int  # payload bytes of the whole message
+
+    @property
+    def key(self) -> tuple[str, int, int]:
+        return self.kind, self.step, self.mb
+
+
+@dataclass(frozen=True)
+class Part:
+    """One transport frame of a message: payload bytes ``[off, off + len)`` of ``parts`` frames."""
+
+    message: TensorMessage
+    index: int
+    count: int
+    offset: int
+
+
+@dataclass(frozen=True)
+class Ack:
+    seq: int  # every message up to and including ``seq`` was accepted
+
+
+@dataclass(frozen=True)
+class Nack:
+    seq: int  # this message was rejected; resend it and everything after it (-1: unknown)
+    code: ErrorCode
+    message: str
+
+
+@dataclass(frozen=True)
+class Abort:
+    step: int
+    code: ErrorCode
+    message: str
+
+
+# ---------------------------------------------------------------- encoding
+
+
+def part_header(msg: TensorMessage, index: int = 0, count: int = 1, offset: int = 0) -> dict[str, Any]:
+    """The transport header of part ``index`` of ``count`` of ``msg`` (its payload starts at ``offset``)."""
+    return {
+        "kind": msg.kind,
+        "v": VERSION,
+        "job": msg.job,
+        "step": msg.step,
+        "mb": msg.mb,
+        "b": msg.boundary,
+        "ids": list(msg.ids),
+        "codec": msg.codec,
+        "shape": list(msg.shape),
+        "dtype": msg.dtype,
+        "seq": msg.seq,
+        "nbytes": msg.nbytes,
+        "part": index,
+        "parts": count,
+        "off": offset,
+    }
+
+
+def part_spans(nbytes: int, chunk: int) -> list[tuple[int, int]]:
+    """``(offset, length)`` of each part when a ``nbytes`` payload is cut into ``chunk``-byte parts."""
+    assert chunk > 0
+    if nbytes == 0:
+        return [(0, 0)]
+    return [(off, min(chunk, nbytes - off)) for off in range(0, nbytes, chunk)]
+
+
+def ack_header(seq: int) -> dict[str, Any]:
+    return {"kind": KIND_ACK, "v": VERSION, "seq": seq}
+
+
+def nack_header(seq: int, code: ErrorCode, message: str) -> dict[str, Any]:
+    return {"kind": KIND_NACK, "v": VERSION, "seq": seq, "code": int(code), "message": message[:MAX_TEXT]}
+
+
+def abort_header(step: int, code: ErrorCode, message: str) -> dict[str, Any]:
+    return {"kind": KIND_ABORT, "v": VERSION, "step": step, "code": int(code), "message": message[:MAX_TEXT]}
+
+
+def raw_payload(tensor: torch.Tensor) -> memoryview:
+    """Codec ``none``: the tensor's bytes, row-major little-endian, without a copy when contiguous on CPU."""
+    t = tensor.detach().contiguous().cpu()
+    if t.numel() == 0:
+        return memoryview(b"")
+    return memoryview(t.view(torch.uint8).numpy()).cast("B")
+
+
+def raw_tensor(msg: TensorMessage, payload: bytearray | memoryview) -> torch.Tensor:
+    """Codec ``none``: view ``payload`` as the announced tensor (zero-copy; the caller hands over the buffer)."""
+    dtype = DTYPES[msg.dtype]
+    numel = math.prod(msg.shape)
+    need = numel * dtype.itemsize
+    if len(payload) != need:
+        raise _bad(
+            f"raw payload of {len(payload)} B cannot be a {msg.dtype} tensor of shape {list(msg.shape)} ({need} B)",
+            ErrorCode.SHAPE_MISMATCH,
+        )
+    if numel == 0:
+        return torch.empty(msg.shape, dtype=dtype)
+    return torch.frombuffer(payload, dtype=dtype).view(msg.shape)
+
+
+# ---------------------------------------------------------------- decoding: schema
+
+
+def _int(header: Mapping[str, Any], name: str, lo: int = 0, hi: int = 1 << 63) -> int:
+    value = header.get(name)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise _bad(f"field {name!r} must be an integer, got {value!r}")
+    if not lo <= value < hi:
+        raise _bad(f"field {name!r} = {value} outside [{lo}, {hi})")
+    return value
+
+
+def _str(header: Mapping[str, Any], name: str) -> str:
+    value = header.get(name)
+    if not isinstance(value, str) or not value or len(value) > 256:
+        raise _bad(f"field {name!r} must be a non-empty string of at most 256 characters, got {value!r}")
+    return value
+
+
+def _int_list(header: Mapping[str, Any], name: str, max_len: int, lo: int, hi: int) -> tuple[int, ...]:
+    value = header.get(name)
+    if not isinstance(value, list) or len(value) > max_len:
+        raise _bad(f"field {name!r} must be a list of at most {max_len} integers")
+    for v in value:
+        if isinstance(v, bool) or not isinstance(v, int) or not lo <= v < hi:
+            raise _bad(f"field {name!r} holds {v!r}, not an integer in [{lo}, {hi})")
+    return tuple(value)
+
+
+def _version(header: Mapping[str, Any]) -> None:
+    v = header.get("v")
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise _bad(f"field 'v' must be an integer, got {v!r}")
+    if v != VERSION:
+        raise _bad(f"pipeline frame version {v} (this peer speaks {VERSION})", ErrorCode.UNSUPPORTED_VERSION)
+
+
+def parse_part(header: Mapping[str, Any]) -> Part:
+    """Check a data frame's header against the schema (types, ranges); unknown extra keys are ignored."""
+    kind = header.get("kind")
+    if kind not in DATA_KINDS:
+        raise _bad(f"not a pipeline data frame: kind {kind!r}", ErrorCode.UNKNOWN_KIND)
+    _version(header)
+    dtype = _str(header, "dtype")
+    if dtype not in DTYPES:
+        raise _bad(f"dtype {dtype!r} is not one of {sorted(DTYPES)}", ErrorCode.DTYPE_MISMATCH)
+    ids = _int_list(header, "ids", MAX_IDS, 0, 1 << 63)
+    if len(set(ids)) != len(ids):
+        raise _bad("duplicate example ids")
+    shape = _int_list(header, "shape", MAX_NDIM, 0, 1 << 32)
+    msg = TensorMessage(
+        kind=kind,
+        job=_str(header, "job"),
+        step=_int(header, "step"),
+        mb=_int(header, "mb", 0, MAX_IDS),
+        boundary=_int(header, "b", 0, 1 << 16),
+        ids=ids,
+        codec=_str(header, "codec"),
+        shape=shape,
+        dtype=dtype,
+        seq=_int(header, "seq"),
+        nbytes=_int(header, "nbytes"),
+    )
+    count = _int(header, "parts", 1, MAX_PARTS + 1)
+    part = Part(msg, _int(header, "part", 0, count), count, _int(header, "off", 0, msg.nbytes + 1))
+    return part
+
+
+def parse_control(header: Mapping[str, Any]) -> Ack | Nack | Abort:
+    """Decode an ``pp.ack`` / ``pp.nack`` / ``pp.abort`` frame."""
+    kind = header.get("kind")
+    if kind not in CONTROL_KINDS:
+        raise _bad(f"not a pipeline control frame: kind {kind!r}", ErrorCode.UNKNOWN_KIND)
+    _version(header)
+    if kind == KIND_ACK:
+        return Ack(_int(header, "seq"))
+    raw_code, text = header.get("code"), header.get("message", "")
+    try:
+        code = ErrorCode(raw_code)
+    except ValueError:
+        raise _bad(f"unknown error code {raw_code!r}") from None
+    if not isinstance(text, str):
+        raise _bad("field 'message' must be a string")
+    if kind == KIND_NACK:  # seq -1: the rejected frame carried no usable seq
+        return Nack(_int(header, "seq", -1), code, text[:MAX_TEXT])
+    return Abort(_int(header, "step"), code, text[:MAX_TEXT])
+
+
+class Assembler:
+    """Collects the parts of one message at a time; parts must arrive in order with identical metadata."""
+
+    def __init__(self, max_bytes: int = MAX_MESSAGE_BYTES) -> None:
+        self.max_bytes = max_bytes
+        self.reset()
+
+    @property
+    def busy(self) -> bool:
+        """Whether a message has started and not completed."""
+        return self._msg is not None
+
+    def reset(self) -> None:
+        self._msg: TensorMessage | None = None
+        self._count = 0
+        self._buf = bytearray()
+        self._filled = 0
+        self._next = 0
+
+    def feed(self, part: Part, payload: bytearray | memoryview) -> tuple[TensorMessage, bytearray] | None:
+        """Add one part; return ``(message, payload)`` once the last part is in, else None.
+
+        Raises TRUNCATED when the last part leaves the payload short, MALFORMED for parts out of
+        order, with changed metadata or carrying more than announced, OVERSIZED above
+        ``max_bytes``. The assembler is reset after an error, so the next message starts clean.
+        """
+        try:
+            return self._feed(part, payload)
+        except ProtocolError:
+            self.reset()
+            raise
+
+    def _feed(self, part: Part, payload: bytearray | memoryview) -> tuple[TensorMessage, bytearray] | None:
+        msg = part.message
+        if msg.nbytes > self.max_bytes:
+            raise _bad(f"message of {msg.nbytes} B above the limit {self.max_bytes} B", ErrorCode.OVERSIZED)
+        if part.index == 0:
+            if self._msg is not None:
+                raise _bad(f"message seq {msg.seq} started before seq {self._msg.seq} was complete")
+            if part.count == 1:  # the common case: the frame's buffer is the message, no copy
+                return msg, _whole(msg, payload, part.offset)
+            self._msg, self._count, self._buf = msg, part.count, bytearray(msg.nbytes)
+        elif self._msg is None or msg != self._msg or part.count != self._count:
+            raise _bad(f"part {part.index} of message seq {msg.seq} does not continue the current message")
+        if part.index != self._next or part.offset != self._filled:
+            raise _bad(
+                f"part {part.index} at offset {part.offset} out of order "
+                f"(expected part {self._next} at offset {self._filled})"
+            )
+        end = self._filled + len(payload)
+        if end > msg.nbytes:
+            raise _bad(f"parts of message seq {msg.seq} carry more than the announced {msg.nbytes} B")
+        self._buf[self._filled : end] = payload
+        self._filled, self._next = end, self._next + 1
+        if self._next < self._count:
+            return None
+        buf = self._buf
+        self.reset()
+        if end < msg.nbytes:
+            raise _bad(f"message seq {msg.seq} ended after {end} of {msg.nbytes} B", ErrorCode.TRUNCATED)
+        return msg, buf
+
+
+def _whole(msg: TensorMessage, payload: bytearray | memoryview, offset: int) -> bytearray:
+    if offset != 0:
+        raise _bad(f"single-part message seq {msg.seq} starts at offset {offset}")
+    if len(payload) < msg.nbytes:
+        raise _bad(f"message seq {msg.seq} ended after {len(payload)} of {msg.nbytes} B", ErrorCode.TRUNCATED)
+    if len(payload) > msg.nbytes:
+        raise _bad(f"message seq {msg.seq} carries {len(payload)} B, announced {msg.nbytes} B")
+    return payload if isinstance(payload, bytearray) else bytearray(payload)
+
+
+# ---------------------------------------------------------------- decoding: against what this stage expects
+
+
+IdsOf = Callable[[int, int], Sequence[int] | None]  # (step, mb) -> the micro-batch's ids, None if no such mb
+
+
+@dataclass(frozen=True)
+class Expectation:
+    """What a receiving stage accepts on one stream (everything the sender cannot choose)."""
+
+    job: str
+    kind: str  # KIND_ACT on a stage's upstream stream, KIND_GRAD on its downstream stream
+    boundary: int
+    codec: str
+    dtype: str
+    row_shape: tuple[int, ...]  # per example: (T, C)
+    steps: tuple[int, int]  # accepted steps, inclusive: the current one and the next
+    ids_of: IdsOf
+
+
+def check_message(msg: TensorMessage, expect: Expectation) -> None:
+    """Reject a message this stage cannot use, with the code that says why (see the spec's table)."""
+    if msg.kind != expect.kind:
+        raise _bad(
+            f"{msg.kind} frames are not accepted on this stream (takes {expect.kind})", ErrorCode.NOT_ALLOWED
+        )
+    if msg.job != expect.job:
+        raise _bad(f"frame for job {msg.job!r}, this stream serves job {expect.job!r}", ErrorCode.NOT_ALLOWED)
+    if msg.boundary != expect.boundary:
+        raise _bad(f"frame for boundary {msg.boundary}, this stream is boundary {expect.boundary}")
+    lo, hi = expect.steps
+    if not lo <= msg.step <= hi:
+        raise _bad(f"frame for step {msg.step}, expecting steps {lo}..{hi}", ErrorCode.WRONG_STEP)
+    ids = expect.ids_of(msg.step, msg.mb)
+    if ids is None:
+        raise _bad(f"step {msg.step} has no micro-batch {msg.mb}", ErrorCode.WRONG_STEP)
+    if tuple(msg.ids) != tuple(ids):
+        wanted = set(ids)
+        stray = [i for i in msg.ids if i not in wanted]
+        what = f"example id {stray[0]} is not" if stray else "example ids are not in the order of"
+        raise _bad(f"{what} micro-batch {msg.mb} of step {msg.step}", ErrorCode.UNKNOWN_EXAMPLE)
+    if msg.dtype != expect.dtype:
+        raise _bad(f"dtype {msg.dtype}, this boundary carries {expect.dtype}", ErrorCode.DTYPE_MISMATCH)
+    want_shape = (len(ids), *expect.row_shape)
+    if msg.shape != want_shape:
+        raise _bad(f"shape {list(msg.shape)}, expected {list(want_shape)}", ErrorCode.SHAPE_MISMATCH)
+    if msg.codec != expect.codec:
+        raise _bad(f"codec {msg.codec!r}, this boundary uses {expect.codec!r}", ErrorCode.UNKNOWN_CODEC)
+    raw = math.prod(want_shape) * DTYPES[msg.dtype].itemsize
+    if msg.codec == RAW_CODEC and msg.nbytes != raw:
+        raise _bad(
+            f"raw payload of {msg.nbytes} B for shape {list(msg.shape)} ({raw} B)", ErrorCode.SHAPE_MISMATCH
+        )
+    # a compressed tensor is never bigger than its fp32 values plus headers: bounds what we buffer
+    limit = math.prod(want_shape) * 4 + COMPRESSED_SLACK + 32 * len(ids)
+    if msg.nbytes > limit:
+        raise _bad(f"{msg.nbytes} B for a {list(msg.shape)} tensor (at most {limit} B)", ErrorCode.OVERSIZED)
