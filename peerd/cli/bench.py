@@ -13,6 +13,7 @@ BENCHMARKS = {
     "links": "peerd.bench.links",
     "transport": "peerd.bench.transport",
     "pipeline": "peerd.bench.pipeline",
+    "averaging": "peerd.bench.averaging",
 }
 
 
