@@ -1,0 +1,116 @@
+"""Atomic per-stage checkpoints: module, optimizer, next step, data position, codec and averaging state.
+
+One directory per (job, stage, replica) holds ``step-NNNNNNNN.pt`` files, ``N`` being the next
+step to run. A save writes a temporary file in the same directory, fsyncs it, renames it over
+the final name and fsyncs the directory, so a crash leaves either the old or the new file,
+never a torn one; then all but the newest ``keep`` files are deleted. Resuming a pipeline
+needs one step that every stage replica has saved: ``common_step``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import tempfile
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from peerd.errors import ConfigError
+from peerd.log import get_logger
+
+logger = get_logger(__name__)
+
+FORMAT = 1
+_NAME = re.compile(r"step-(\d{8})\.pt")
+REQUIRED = ("format", "job", "stage", "replica", "step", "module", "optimizer", "data", "meta")
+
+
+def tasklet_dir(root: str | Path, job: str, stage: int, replica: int) -> Path:
+    return Path(root) / job / f"stage{stage}-replica{replica}"
+
+
+def checkpoint_file(directory: Path, step: int) -> Path:
+    return directory / f"step-{step:08d}.pt"
+
+
+def saved_steps(directory: str | Path) -> list[int]:
+    """Steps with a complete checkpoint in ``directory``, ascending (temporary files are ignored)."""
+    path = Path(directory)
+    if not path.is_dir():
+        return []
+    return sorted(int(m.group(1)) for p in path.iterdir() if (m := _NAME.fullmatch(p.name)))
+
+
+def common_step(root: str | Path, job: str, tasklets: Iterable[tuple[int, int]]) -> int | None:
+    """The newest step every ``(stage, replica)`` has a checkpoint of; None when there is none."""
+    common: set[int] | None = None
+    for stage, replica in tasklets:
+        steps = set(saved_steps(tasklet_dir(root, job, stage, replica)))
+        common = steps if common is None else common & steps
+    return max(common) if common else None
+
+
+def save(directory: str | Path, state: dict[str, Any], keep: int = 2) -> Path:
+    """Write ``state`` (which must hold ``REQUIRED`` keys) atomically as its step's file; prune old files."""
+    missing = [k for k in REQUIRED if k not in state]
+    assert not missing, f"checkpoint state lacks {missing}"
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    final = checkpoint_file(directory, int(state["step"]))
+    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".pt", dir=directory)
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            torch.save(state, fh)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, final)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    _fsync_dir(directory)
+    for old in saved_steps(directory)[:-keep]:
+        with contextlib.suppress(OSError):
+            checkpoint_file(directory, old).unlink()
+    logger.debug("checkpoint %s written", final)
+    return final
+
+
+def load(directory: str | Path, step: int | None = None) -> dict[str, Any]:
+    """The checkpoint of ``step`` (default: the newest) in ``directory``; ConfigError if absent or unreadable."""
+    directory = Path(directory)
+    steps = saved_steps(directory)
+    if step is None:
+        if not steps:
+            raise ConfigError("checkpoint_dir", f"no checkpoint in {directory}")
+        step = steps[-1]
+    path = checkpoint_file(directory, step)
+    if not path.is_file():
+        raise ConfigError("checkpoint_dir", f"no checkpoint of step {step} in {directory} (have {steps})")
+    try:
+        # weights_only: a checkpoint may come from another peer; it must not run code when loaded
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # torch raises many types for a corrupt or foreign file
+        raise ConfigError("checkpoint_dir", f"cannot read {path}: {exc}") from None
+    if not isinstance(state, dict) or any(k not in state for k in REQUIRED):
+        raise ConfigError("checkpoint_dir", f"{path} is not a peerd stage checkpoint")
+    if state["format"] != FORMAT:
+        raise ConfigError("checkpoint_dir", f"{path} has format {state['format']}, this peerd reads {FORMAT}")
+    return state
+
+
+def _fsync_dir(directory: Path) -> None:
+    # the rename is only durable once the directory entry is on disk (POSIX; not possible on Windows)
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        with contextlib.suppress(OSError):
+            os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -1,0 +1,230 @@
+"""Boundary codecs of a stage worker: activations and gradients to message payloads and back.
+
+A job's compression settings pick, per direction, ``none`` (raw fp32 bytes, exact), ``acsgd``
+(forward only: peerd.compress's AC-SGD delta codec with per-example buffers on both sides of
+the boundary) or ``quant`` (stateless b-bit uniform quantization, the usual choice backward).
+The codec's name travels in every message header, so a receiver configured differently
+rejects the message (UNKNOWN_CODEC) instead of misreading it. Gradients exchanged among
+data-parallel replicas are compressed by the averaging group (``gradient_compressor``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Literal, Protocol
+
+import torch
+
+from peerd.compress.codecs import TensorCodec, make_codec
+from peerd.compress.delta import DeltaConfig, DeltaDecoder, DeltaEncoder
+from peerd.compress.quant import QuantConfig
+from peerd.errors import ConfigError, ErrorCode, ProtocolError
+from peerd.pipeline.frames import TensorMessage, raw_payload, raw_tensor
+
+Payload = bytes | bytearray | memoryview
+
+
+@dataclass(frozen=True)
+class CompressionConfig:
+    """What crosses stage boundaries and replica groups, and how compressed."""
+
+    forward: Literal["none", "acsgd", "quant"] = "none"
+    """Activations: raw fp32, AC-SGD deltas, or direct quantization."""
+    forward_bits: int = 4
+    """Code width of forward deltas / values (2, 3, 4 or 8)."""
+    backward: Literal["none", "quant"] = "none"
+    """Activation gradients: raw fp32 or quantized."""
+    backward_bits: int = 8
+    """Code width of backward values."""
+    gradients: Literal["none", "quant"] = "none"
+    """Data-parallel gradient averaging: lossless fp32, or quantized with error feedback."""
+    gradient_bits: int = 8
+    """Code width of averaged gradients."""
+    warmup_visits: int = 1
+    """AC-SGD: visits of an example sent through the stateless seed codec before deltas start."""
+    seed_codec: str = "fp32"
+    """AC-SGD: stateless codec of first (warm-up) visits (fp32, fp16, bf16, q8, ...)."""
+    stochastic_rounding: bool = False
+    """Unbiased randomized rounding in the quantizers (what the convergence proof assumes)."""
+    buffer_ram_mb: float = 1024.0
+    """AC-SGD buffers kept in RAM per boundary side; beyond it they spill to memory-mapped files."""
+
+    def validate(self) -> None:
+        for name in ("forward_bits", "backward_bits", "gradient_bits"):
+            if getattr(self, name) not in (2, 3, 4, 8):
+                raise ConfigError(name, f"must be one of 2, 3, 4, 8, got {getattr(self, name)}")
+        if self.warmup_visits < 1:
+            raise ConfigError("warmup_visits", f"must be >= 1, got {self.warmup_visits}")
+        if self.buffer_ram_mb < 0:
+            raise ConfigError("buffer_ram_mb", f"must be >= 0, got {self.buffer_ram_mb}")
+
+    def quant(self, bits: int) -> QuantConfig:
+        return QuantConfig(bits=bits, rounding="stochastic" if self.stochastic_rounding else "nearest")
+
+    @property
+    def forward_name(self) -> str:
+        """The codec name activation messages carry."""
+        return {"none": "none", "acsgd": f"acsgd-q{self.forward_bits}", "quant": f"q{self.forward_bits}"}[
+            self.forward
+        ]
+
+    @property
+    def backward_name(self) -> str:
+        return "none" if self.backward == "none" else f"q{self.backward_bits}"
+
+    @property
+    def gradient_compressor(self) -> str | None:
+        """What the averaging group is given (None: lossless)."""
+        return None if self.gradients == "none" else f"q{self.gradient_bits}"
+
+
+class Encoder(Protocol):
+    name: str
+
+    def encode(self, ids: tuple[int, ...], x: torch.Tensor) -> Payload: ...
+
+
+class Decoder(Protocol):
+    name: str
+
+    def decode(self, msg: TensorMessage, payload: bytearray) -> torch.Tensor: ...
+
+
+class RawEncoder:
+    """Codec ``none``: the tensor's own bytes."""
+
+    name = "none"
+
+    def encode(self, ids: tuple[int, ...], x: torch.Tensor) -> Payload:
+        return raw_payload(x)
+
+
+class RawDecoder:
+    name = "none"
+
+    def decode(self, msg: TensorMessage, payload: bytearray) -> torch.Tensor:
+        t = raw_tensor(msg, payload)
+        if not bool(torch.isfinite(t).all()):
+            raise ProtocolError("raw tensor holds NaN or Inf", code=ErrorCode.NON_FINITE)
+        return t
+
+
+class QuantEncoder:
+    """Stateless uniform quantization (peerd.compress frame format)."""
+
+    def __init__(self, name: str, quant: QuantConfig) -> None:
+        self.name = name
+        self.codec: TensorCodec = make_codec("uniform", quant)
+
+    def encode(self, ids: tuple[int, ...], x: torch.Tensor) -> Payload:
+        data, _ = self.codec.encode(x.detach())
+        return data
+
+
+class QuantDecoder:
+    def __init__(self, name: str, quant: QuantConfig) -> None:
+        self.name = name
+        self.codec: TensorCodec = make_codec("uniform", quant)
+
+    def decode(self, msg: TensorMessage, payload: bytearray) -> torch.Tensor:
+        return self.codec.decode(payload)
+
+
+class DeltaBoundaryEncoder:
+    """AC-SGD sender side of one boundary (its buffers mirror the receiver's)."""
+
+    def __init__(self, name: str, cfg: DeltaConfig) -> None:
+        self.name = name
+        self.codec = DeltaEncoder(cfg)
+
+    def encode(self, ids: tuple[int, ...], x: torch.Tensor) -> Payload:
+        return self.codec.encode(x.detach(), ids)
+
+    def buffers(self) -> dict[str, Any]:
+        return dataclasses.asdict(self.codec.stats())
+
+
+class DeltaBoundaryDecoder:
+    """AC-SGD receiver side: the stage runs on the reconstruction m(id)."""
+
+    def __init__(self, name: str, cfg: DeltaConfig) -> None:
+        self.name = name
+        self.codec = DeltaDecoder(cfg)
+
+    def decode(self, msg: TensorMessage, payload: bytearray) -> torch.Tensor:
+        acts, ids = self.codec.decode(payload)
+        if tuple(ids) != msg.ids:
+            raise ProtocolError(
+                "codec packet ids differ from the message's ids", code=ErrorCode.UNKNOWN_EXAMPLE
+            )
+        return acts
+
+    def buffers(self) -> dict[str, Any]:
+        return dataclasses.asdict(self.codec.stats())
+
+
+@dataclass
+class BoundaryCodecs:
+    """The codecs one stage worker uses: encoders for what it sends, decoders for what it receives."""
+
+    send_act: Encoder | None = None  # to the next stage
+    recv_act: Decoder | None = None  # from the previous stage
+    send_grad: Encoder | None = None  # to the previous stage
+    recv_grad: Decoder | None = None  # from the next stage
+
+    def buffers(self) -> dict[str, Any]:
+        """Sizes of AC-SGD buffers (checkpoint metadata, reports)."""
+        out = {}
+        for name in ("send_act", "recv_act"):
+            side = getattr(self, name)
+            if side is not None and hasattr(side, "buffers"):
+                out[name] = side.buffers()
+        return out
+
+    def close(self) -> None:
+        """Release AC-SGD buffers (spill files)."""
+        for side in (self.send_act, self.recv_act):
+            codec = getattr(side, "codec", None)
+            if codec is not None and hasattr(codec, "close"):
+                codec.close()
+
+
+def _delta_config(cfg: CompressionConfig) -> DeltaConfig:
+    d = DeltaConfig(
+        quant=cfg.quant(cfg.forward_bits), seed_codec=cfg.seed_codec, warmup_visits=cfg.warmup_visits
+    )
+    d.buffers.ram_budget_mb = cfg.buffer_ram_mb
+    d.validate()
+    return d
+
+
+def build_codecs(cfg: CompressionConfig, *, first: bool, last: bool) -> BoundaryCodecs:
+    """Codecs of a stage: the first stage receives no activations, the last sends none."""
+    cfg.validate()
+    out = BoundaryCodecs()
+    if not last:
+        if cfg.forward == "acsgd":
+            out.send_act = DeltaBoundaryEncoder(cfg.forward_name, _delta_config(cfg))
+        elif cfg.forward == "quant":
+            out.send_act = QuantEncoder(cfg.forward_name, cfg.quant(cfg.forward_bits))
+        else:
+            out.send_act = RawEncoder()
+        out.recv_grad = (
+            RawDecoder()
+            if cfg.backward == "none"
+            else QuantDecoder(cfg.backward_name, cfg.quant(cfg.backward_bits))
+        )
+    if not first:
+        if cfg.forward == "acsgd":
+            out.recv_act = DeltaBoundaryDecoder(cfg.forward_name, _delta_config(cfg))
+        elif cfg.forward == "quant":
+            out.recv_act = QuantDecoder(cfg.forward_name, cfg.quant(cfg.forward_bits))
+        else:
+            out.recv_act = RawDecoder()
+        out.send_grad = (
+            RawEncoder()
+            if cfg.backward == "none"
+            else QuantEncoder(cfg.backward_name, cfg.quant(cfg.backward_bits))
+        )
+    return out

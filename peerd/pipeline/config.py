@@ -1,0 +1,107 @@
+"""The training configuration every stage worker of a pipeline job runs with (typed, loadable from YAML/JSON)."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from peerd.data.config import DataConfig
+from peerd.errors import ConfigError
+from peerd.models.gpt import PRESETS, GPTConfig
+from peerd.pipeline.codec import CompressionConfig
+from peerd.pipeline.partition import validate_layers_per_stage
+from peerd.pipeline.schedule import available_schedules
+from peerd.pipeline.streams import StreamConfig
+
+_JOB_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._-")
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Which built-in GPT to train."""
+
+    preset: str = "tiny"
+    """A ``peerd.models.gpt.PRESETS`` name."""
+    overrides: dict[str, Any] = field(default_factory=dict)
+    """GPTConfig fields replacing the preset's (e.g. ``{n_layer: 4, d_model: 128}``)."""
+    seed: int = 0
+    """Initialisation seed (every stage builds its own layers from it)."""
+
+    def gpt(self) -> GPTConfig:
+        unknown = sorted(set(self.overrides) - {f.name for f in dataclasses.fields(GPTConfig)})
+        if unknown:
+            raise ConfigError(f"model.overrides.{unknown[0]}", "not a GPTConfig field")
+        if self.preset not in PRESETS:
+            raise ConfigError("model.preset", f"unknown preset {self.preset!r} (known: {', '.join(PRESETS)})")
+        return GPTConfig.preset(self.preset, **self.overrides)
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """A pipeline-parallel training run: model, data, batch geometry, optimizer, compression, checkpoints."""
+
+    job: str = "job"
+    """Job id: names the stream protocols and checkpoint files (letters, digits, ``._-``)."""
+    model: ModelSpec = field(default_factory=ModelSpec)
+    data: DataConfig = field(default_factory=lambda: DataConfig(seq_len=32, max_bytes=256 * 1024))
+    layers_per_stage: list[int] = field(default_factory=lambda: [2, 2])
+    """Layers of ``GPT.layers`` (embedding + blocks + head) per stage, in order."""
+    global_batch: int = 8
+    """Examples per optimizer step, over all data-parallel replicas."""
+    micro_batch_size: int = 2
+    """Examples per micro-batch within a replica."""
+    steps: int = 20
+    """Optimizer steps to run (from the start or the resumed step)."""
+    schedule: str = "1f1b"
+    """Micro-batch schedule: ``gpipe`` or ``1f1b``."""
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    data_seed: int = 0
+    """Seed of the (seed, epoch, replica) shuffle."""
+    compression: CompressionConfig = field(default_factory=CompressionConfig)
+    streams: StreamConfig = field(default_factory=StreamConfig)
+    averaging_timeout_s: float = 120.0
+    """Seconds a data-parallel gradient average may go without progress."""
+    checkpoint_dir: str | None = None
+    """Where stages save checkpoints (one subdirectory per job, stage and replica); None: never."""
+    checkpoint_every: int = 0
+    """Save every this many steps (0: only on clean shutdown)."""
+    keep_checkpoints: int = 2
+    """Checkpoints kept per stage replica (older ones are deleted after a save)."""
+
+    def validate(self) -> None:
+        if not self.job or len(self.job) > 64 or not set(self.job) <= _JOB_CHARS:
+            raise ConfigError("job", f"{self.job!r}: 1-64 characters from letters, digits and '._-'")
+        gpt = self.model.gpt()
+        validate_layers_per_stage(gpt.num_layers, self.layers_per_stage)
+        if gpt.tie_weights and len(self.layers_per_stage) > 1:
+            raise ConfigError(
+                "model", "tied embedding/head weights span stages; set overrides.tie_weights: false"
+            )
+        if self.data.seq_len > gpt.max_seq_len:
+            raise ConfigError(
+                "data.seq_len", f"{self.data.seq_len} exceeds the model's max_seq_len {gpt.max_seq_len}"
+            )
+        for name in ("global_batch", "micro_batch_size", "steps"):
+            if getattr(self, name) < 1:
+                raise ConfigError(name, f"must be >= 1, got {getattr(self, name)}")
+        if self.schedule not in available_schedules():
+            raise ConfigError(
+                "schedule", f"unknown {self.schedule!r} (known: {', '.join(available_schedules())})"
+            )
+        if self.checkpoint_every < 0 or self.keep_checkpoints < 1:
+            raise ConfigError("checkpoint_every", "must be >= 0, and keep_checkpoints >= 1")
+        if not self.averaging_timeout_s > 0:
+            raise ConfigError("averaging_timeout_s", f"must be > 0, got {self.averaging_timeout_s}")
+        self.compression.validate()
+        self.streams.validate()
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.layers_per_stage)
+
+    def replica_batch(self, replicas: int) -> int:
+        if self.global_batch % replicas:
+            raise ConfigError("global_batch", f"{self.global_batch} does not split over {replicas} replicas")
+        return self.global_batch // replicas

@@ -1,0 +1,421 @@
+"""StageWorker: one tasklet (stage i, replica j) of a pipeline job — compute, streams, averaging, optimizer, checkpoints.
+
+Per step the worker runs its stage's action list from the micro-batch schedule: it receives
+activations from its upstream neighbour and gradients from its downstream neighbour
+(``peerd.pipeline.streams``), runs forward and backward in its own compute thread (the event
+loop keeps serving the streams meanwhile), encodes what it sends with the boundary codecs
+(AC-SGD forward, quantized backward, or raw), and after the last micro-batch averages its
+parameter gradients with the stage's other replicas through a pluggable ``Reducer`` (the
+averaging group's all-reduce; none when the stage has one replica), then steps the optimizer.
+Stage 0 reads inputs by example id, the last stage reads labels by example id: only hidden
+states and their gradients cross the network. Any typed failure aborts the step on this
+worker and tells both neighbours, so the whole pipeline fails fast instead of waiting out
+timeouts. The arithmetic is that of ``peerd.pipeline.local.train_pipelined``: same layers,
+same micro-batch loss weights, same optimizer, so an uncompressed run reproduces it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+from peerd.data.config import build_dataset
+from peerd.data.dataset import WindowDataset
+from peerd.data.sampler import EpochSampler, micro_batches
+from peerd.errors import ConfigError, PeerdError
+from peerd.loading import to_mapping
+from peerd.log import get_logger
+from peerd.models.gpt import build_layer, lm_loss
+from peerd.pipeline import checkpoint
+from peerd.pipeline.codec import build_codecs
+from peerd.pipeline.config import TrainConfig
+from peerd.pipeline.frames import KIND_ACT, KIND_GRAD, Expectation, TensorMessage
+from peerd.pipeline.local import make_optimizer
+from peerd.pipeline.partition import build_stage
+from peerd.pipeline.schedule import Op, get_schedule
+from peerd.pipeline.streams import Inbox, PeerRef, StreamReceiver, StreamSender, StreamStats, stage_protocol
+from peerd.swarm.transport import Transport
+
+logger = get_logger(__name__)
+
+
+class Reducer(Protocol):
+    """Averages a stage's gradients over its replicas (``peerd.averaging.GroupAllReduce`` has this shape)."""
+
+    async def allreduce(self, step: int, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]: ...
+
+
+@dataclass
+class StepReport:
+    """What one tasklet did in one step."""
+
+    job: str
+    stage: int
+    replica: int
+    step: int
+    loss: float | None  # this replica's mean loss (last stage only)
+    examples: int  # this replica's examples
+    tokens: int  # this replica's tokens
+    step_s: float
+    tokens_per_s: float  # the whole job's tokens (all replicas) per second of this step
+    wire_bytes: dict[str, int] = field(default_factory=dict)  # this step, per boundary/direction/side
+    rejected: dict[str, int] = field(default_factory=dict)  # cumulative, per error code
+    resends: int = 0
+    reconnects: int = 0
+
+
+class StageWorker:
+    """One stage replica: build with the allocation's neighbours, ``start`` (serve), ``connect``, ``run``, ``close``."""
+
+    def __init__(
+        self,
+        cfg: TrainConfig,
+        *,
+        stage: int,
+        replica: int,
+        replicas: int,
+        transport: Transport,
+        upstream: PeerRef | None,
+        downstream: PeerRef | None,
+        reducer: Reducer | None = None,
+        dataset: WindowDataset | None = None,
+        on_report: Callable[[StepReport], None] | None = None,
+    ) -> None:
+        cfg.validate()
+        self.cfg = cfg
+        self.stage, self.replica, self.replicas = stage, replica, replicas
+        self.num_stages = cfg.num_stages
+        if not 0 <= stage < self.num_stages or not 0 <= replica < replicas:
+            raise ConfigError(
+                "allocation", f"tasklet ({stage}, {replica}) outside {self.num_stages}x{replicas}"
+            )
+        self.first, self.last = stage == 0, stage == self.num_stages - 1
+        if (upstream is None) != self.first or (downstream is None) != self.last:
+            raise ConfigError("allocation", f"stage {stage} needs exactly its existing neighbours")
+        if replicas > 1 and reducer is None:
+            raise ConfigError("allocation", f"stage {stage} has {replicas} replicas but no gradient reducer")
+        self.transport = transport
+        self.reducer = reducer
+        self.on_report = on_report
+        self.gpt = cfg.model.gpt()
+        self.dataset = dataset if dataset is not None else build_dataset(cfg.data)
+        self.seq_len = self.dataset.seq_len
+        self.module = build_stage(
+            lambda i: build_layer(self.gpt, i, cfg.model.seed),
+            self.gpt.num_layers,
+            cfg.layers_per_stage,
+            stage,
+        )
+        self.params = [p for p in self.module.parameters() if p.requires_grad]
+        self.optimizer = make_optimizer(self.params, cfg.lr, cfg.weight_decay)
+        self.sampler = EpochSampler(len(self.dataset), cfg.global_batch, cfg.data_seed, replicas)
+        self.schedule = get_schedule(cfg.schedule)
+        self.codecs = build_codecs(cfg.compression, first=self.first, last=self.last)
+        self.step = 0  # the next step to run
+        self.stats = StreamStats()
+        self.inbox = Inbox(self.step)
+        self._ids_cache: dict[int, list[list[int]]] = {}
+        self._executor = concurrent.futures.ThreadPoolExecutor(
+            1, thread_name_prefix=f"peerd-s{stage}r{replica}"
+        )
+        self.protocol = stage_protocol(cfg.job, stage)
+        self.receiver = StreamReceiver(
+            upstream=upstream,
+            downstream=downstream,
+            expectations={KIND_ACT: self._expectation(KIND_ACT), KIND_GRAD: self._expectation(KIND_GRAD)},
+            decoders={
+                k: d.decode
+                for k, d in ((KIND_ACT, self.codecs.recv_act), (KIND_GRAD, self.codecs.recv_grad))
+                if d is not None
+            },
+            inbox=self.inbox,
+            stats=self.stats,
+            config=cfg.streams,
+        )
+        self.to_next = self._sender(downstream, stage + 1)
+        self.to_prev = self._sender(upstream, stage - 1)
+        self._serving = False
+
+    def _sender(self, peer: PeerRef | None, stage: int) -> StreamSender | None:
+        if peer is None:
+            return None
+        return StreamSender(
+            self.transport,
+            peer,
+            stage_protocol(self.cfg.job, stage),
+            config=self.cfg.streams,
+            stats=self.stats,
+            on_failure=self.inbox.fail,
+        )
+
+    def _expectation(self, kind: str) -> Callable[[int], Expectation]:
+        boundary = self.stage - 1 if kind == KIND_ACT else self.stage
+        decoder = self.codecs.recv_act if kind == KIND_ACT else self.codecs.recv_grad
+        codec = decoder.name if decoder is not None else "none"
+        row_shape = (self.seq_len, self.gpt.d_model)
+
+        def expect(step: int) -> Expectation:
+            return Expectation(
+                self.cfg.job, kind, boundary, codec, "float32", row_shape, (step, step + 1), self._ids_of
+            )
+
+        return expect
+
+    def _micro(self, step: int) -> list[list[int]]:
+        chunks = self._ids_cache.get(step)
+        if chunks is None:
+            ids = self.sampler.replica_ids(step, self.replica)
+            chunks = self._ids_cache[step] = micro_batches(ids, self.cfg.micro_batch_size)
+            for old in [s for s in self._ids_cache if s < step - 1]:
+                del self._ids_cache[old]
+        return chunks
+
+    def _ids_of(self, step: int, mb: int) -> list[int] | None:
+        chunks = self._micro(step)
+        return chunks[mb] if 0 <= mb < len(chunks) else None
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def start(self) -> None:
+        """Serve this stage's protocol: when this returns, the neighbours may connect (the ready handshake)."""
+        await self.receiver.serve(self.transport, self.protocol)
+        self._serving = True
+
+    async def connect(self) -> None:
+        """Open the persistent streams to both neighbours (they must have ``start``-ed)."""
+        for sender in (self.to_next, self.to_prev):
+            if sender is not None:
+                await sender.start()
+        start = getattr(self.reducer, "start", None)
+        if start is not None:
+            await start()
+
+    async def close(self) -> None:
+        for sender in (self.to_next, self.to_prev):
+            if sender is not None:
+                await sender.close()
+        if self._serving:
+            await self.transport.stop_serving(self.protocol)
+            self._serving = False
+        self._executor.shutdown(wait=True, cancel_futures=True)
+        self.codecs.close()
+
+    async def run(self, until: int | None = None) -> list[StepReport]:
+        """Train from ``self.step`` up to step ``until`` (exclusive; default ``cfg.steps``), checkpointing as set."""
+        end = self.cfg.steps if until is None else min(until, self.cfg.steps)
+        reports = []
+        every = self.cfg.checkpoint_every
+        while self.step < end:
+            reports.append(await self.train_step())
+            if self.cfg.checkpoint_dir and every and self.step % every == 0:
+                await self.save_checkpoint()
+        if self.cfg.checkpoint_dir:  # clean shutdown: the state to resume from
+            await self.save_checkpoint()
+        return reports
+
+    # ------------------------------------------------------------------ one step
+
+    async def _compute(self, fn: Callable[..., Any], *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+    async def train_step(self) -> StepReport:
+        step = self.step
+        try:
+            return await self._train_step(step)
+        except PeerdError as exc:
+            await self._abort(step, exc)
+            raise
+        except Exception as exc:  # a bug here must still stop the neighbours, not leave them waiting
+            await self._abort(step, PeerdError(f"{type(exc).__name__}: {exc}"))
+            raise
+
+    async def _train_step(self, step: int) -> StepReport:
+        started = time.perf_counter()
+        before = self.stats.wire_bytes()
+        self.inbox.advance(step)
+        chunks = self._micro(step)
+        examples = sum(len(c) for c in chunks)
+        actions = self.schedule.actions(self.stage, self.num_stages, len(chunks))
+        timeout = self.cfg.streams.recv_timeout_s
+        inputs: dict[int, torch.Tensor] = {}  # mb -> input leaf (stages > 0)
+        outputs: dict[int, torch.Tensor] = {}  # mb -> output, or weighted loss on the last stage
+        out_grads: dict[int, torch.Tensor] = {}
+        loss_sum = 0.0
+        await self._compute(self.optimizer.zero_grad, True)
+        for action in actions:
+            mb, op = action.mb, action.op
+            ids = chunks[mb]
+            if op is Op.RECV_ACT:
+                x = await self.inbox.get(KIND_ACT, step, mb, timeout)
+                inputs[mb] = x.requires_grad_(True)
+            elif op is Op.FORWARD:
+                y, loss = await self._compute(self._forward, ids, inputs.get(mb), len(ids) / examples)
+                outputs[mb] = y
+                loss_sum += loss
+            elif op is Op.SEND_ACT:
+                assert self.to_next is not None and self.codecs.send_act is not None
+                y = outputs[mb].detach()
+                payload = await self._compute(self.codecs.send_act.encode, tuple(ids), y)
+                await self.to_next.send(self._message(KIND_ACT, step, mb, ids, y, payload), payload)
+            elif op is Op.RECV_GRAD:
+                out_grads[mb] = await self.inbox.get(KIND_GRAD, step, mb, timeout)
+            elif op is Op.BACKWARD:
+                await self._compute(self._backward, outputs.pop(mb), out_grads.pop(mb, None))
+            elif op is Op.SEND_GRAD:
+                assert self.to_prev is not None and self.codecs.send_grad is not None
+                x = inputs.pop(mb)
+                assert x.grad is not None, "stage input got no gradient"
+                payload = await self._compute(self.codecs.send_grad.encode, tuple(ids), x.grad)
+                await self.to_prev.send(self._message(KIND_GRAD, step, mb, ids, x.grad, payload), payload)
+        for sender in (self.to_next, self.to_prev):  # everything of this step is accepted downstream
+            if sender is not None:
+                await sender.flush()
+        await self._average_and_step(step)
+        self.step = step + 1
+        elapsed = time.perf_counter() - started
+        after = self.stats.wire_bytes()
+        report = StepReport(
+            job=self.cfg.job,
+            stage=self.stage,
+            replica=self.replica,
+            step=step,
+            loss=loss_sum if self.last else None,
+            examples=examples,
+            tokens=examples * self.seq_len,
+            step_s=elapsed,
+            tokens_per_s=self.cfg.global_batch * self.seq_len / elapsed,
+            wire_bytes={k: v - before.get(k, 0) for k, v in after.items()},
+            rejected=dict(self.stats.rejected),
+            resends=self.stats.resends,
+            reconnects=self.stats.reconnects,
+        )
+        if self.on_report is not None:
+            self.on_report(report)
+        return report
+
+    def _forward(self, ids: list[int], x: torch.Tensor | None, weight: float) -> tuple[torch.Tensor, float]:
+        """(output, 0) or, on the last stage, (weighted loss, weighted loss value). Runs in the compute thread."""
+        if self.first:
+            x = self.dataset.inputs(ids)  # (b, T) token ids
+        assert x is not None
+        y = self.module(x)
+        if not self.last:
+            return y, 0.0  # (b, T, C)
+        loss = lm_loss(y, self.dataset.targets(ids))
+        return loss * weight, loss.item() * weight  # this micro-batch's share of the replica's mean
+
+    def _backward(self, y: torch.Tensor, grad: torch.Tensor | None) -> None:
+        if self.last:
+            y.backward()
+        else:
+            y.backward(grad)
+
+    def _message(
+        self, kind: str, step: int, mb: int, ids: list[int], t: torch.Tensor, payload: Any
+    ) -> TensorMessage:
+        codec = self.codecs.send_act if kind == KIND_ACT else self.codecs.send_grad
+        assert codec is not None
+        return TensorMessage(
+            kind=kind,
+            job=self.cfg.job,
+            step=step,
+            mb=mb,
+            boundary=self.stage if kind == KIND_ACT else self.stage - 1,
+            ids=tuple(ids),
+            codec=codec.name,
+            shape=tuple(t.shape),
+            dtype="float32",
+            seq=0,  # the sender numbers it
+            nbytes=memoryview(payload).nbytes,
+        )
+
+    async def _average_and_step(self, step: int) -> None:
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
+        if self.reducer is not None:
+            grads = await self.reducer.allreduce(step, grads)
+        for p, g in zip(self.params, grads, strict=True):
+            p.grad = g
+        await self._compute(self.optimizer.step)
+
+    async def _abort(self, step: int, exc: PeerdError) -> None:
+        logger.warning("stage %d replica %d: step %d failed: %s", self.stage, self.replica, step, exc)
+        self.inbox.fail(exc)
+        for sender in (self.to_next, self.to_prev):
+            if sender is not None:
+                await sender.abort(step, exc.code, str(exc))
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def _dir(self) -> Any:
+        assert self.cfg.checkpoint_dir is not None
+        return checkpoint.tasklet_dir(self.cfg.checkpoint_dir, self.cfg.job, self.stage, self.replica)
+
+    def state_dict(self) -> dict[str, Any]:
+        epoch, batch = self.sampler.position(self.step)
+        state_of = getattr(self.reducer, "state_dict", None)
+        return {
+            "format": checkpoint.FORMAT,
+            "job": self.cfg.job,
+            "stage": self.stage,
+            "replica": self.replica,
+            "step": self.step,
+            "module": self.module.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "data": {
+                "epoch": epoch,
+                "batch": batch,
+                "digest": self.dataset.digest,
+                "seed": self.cfg.data_seed,
+                "replicas": self.replicas,
+                "global_batch": self.cfg.global_batch,
+            },
+            "averaging": state_of() if state_of is not None else None,
+            "meta": {
+                "layers": [self.module.spec.start, self.module.spec.end],
+                "codec_buffers": self.codecs.buffers(),
+                "compression": to_mapping(self.cfg.compression),
+                "saved_at": time.time(),
+            },
+        }
+
+    async def save_checkpoint(self) -> None:
+        """Atomically save this tasklet's state (in the compute thread: no step is running)."""
+        await self._compute(
+            lambda: checkpoint.save(self._dir(), self.state_dict(), self.cfg.keep_checkpoints)
+        )
+
+    def restore(self, step: int | None = None) -> int:
+        """Load the checkpoint of ``step`` (default: newest) before ``start``; returns the step to run next.
+
+        AC-SGD buffers are not restored: both sides of every boundary start empty again, so the
+        first visit of each example after a resume goes through the seed codec, consistently.
+        """
+        state = checkpoint.load(self._dir(), step)
+        data = state["data"]
+        expected = {
+            "digest": self.dataset.digest,
+            "replicas": self.replicas,
+            "global_batch": self.cfg.global_batch,
+        }
+        for key, value in expected.items():
+            if data.get(key) != value:
+                raise ConfigError(
+                    f"checkpoint.data.{key}", f"{data.get(key)!r} differs from this run's {value!r}"
+                )
+        if (state["job"], state["stage"], state["replica"]) != (self.cfg.job, self.stage, self.replica):
+            raise ConfigError("checkpoint_dir", "checkpoint belongs to another job or tasklet")
+        self.module.load_state_dict(state["module"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        load_avg = getattr(self.reducer, "load_state_dict", None)
+        if state.get("averaging") is not None and load_avg is not None:
+            load_avg(state["averaging"])
+        self.step = int(state["step"])
+        self.inbox.advance(self.step)
+        logger.info("stage %d replica %d resumes at step %d", self.stage, self.replica, self.step)
+        return self.step

@@ -1,0 +1,123 @@
+"""StageWorker without a network: a one-stage job reproduces the reference run; checkpoints resume it exactly."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from pathlib import Path
+
+import pytest
+import torch
+
+from peerd.data.config import DataConfig, build_dataset
+from peerd.errors import ConfigError, ErrorCode, ProtocolError
+from peerd.models.gpt import GPT
+from peerd.pipeline.codec import CompressionConfig
+from peerd.pipeline.config import ModelSpec, TrainConfig
+from peerd.pipeline.frames import KIND_ACT, KIND_GRAD
+from peerd.pipeline.frames import check_message as check
+from peerd.pipeline.local import LocalRunConfig, train_pipelined, train_unstaged
+from peerd.pipeline.worker import StageWorker
+
+CFG = TrainConfig(
+    job="unit",
+    model=ModelSpec("tiny", {"n_layer": 2, "d_model": 32, "max_seq_len": 32}),
+    data=DataConfig(seq_len=16, max_bytes=32 * 1024),
+    layers_per_stage=[4],
+    global_batch=8,
+    micro_batch_size=3,  # uneven micro-batches: 3 + 3 + 2
+    steps=12,
+    lr=3e-3,
+)
+
+
+def one_stage(cfg: TrainConfig = CFG) -> StageWorker:
+    return StageWorker(
+        cfg,
+        stage=0,
+        replica=0,
+        replicas=1,
+        transport=None,
+        upstream=None,
+        downstream=None,  # type: ignore[arg-type]
+    )
+
+
+def run(worker: StageWorker, until: int | None = None) -> list[float]:
+    async def go():
+        try:
+            return await worker.run(until)
+        finally:
+            await worker.close()
+
+    return [r.loss for r in asyncio.run(go())]  # type: ignore[misc]
+
+
+def _rel(a: list[float], b: list[float]) -> float:
+    return max(abs(x - y) / abs(y) for x, y in zip(a, b, strict=True))
+
+
+def test_one_stage_worker_reproduces_the_reference_runs():
+    losses = run(one_stage())
+    dataset = build_dataset(CFG.data)
+    local = LocalRunConfig(steps=12, global_batch=8, micro_batch_size=3, layers_per_stage=[4], lr=3e-3)
+    pipelined = train_pipelined(GPT(CFG.model.gpt(), seed=0), dataset, local)
+    assert losses == pipelined  # same arithmetic, same order: bit-identical
+    unstaged = train_unstaged(
+        GPT(CFG.model.gpt(), seed=0), dataset, dataclasses.replace(local, micro_batch_size=8)
+    )
+    assert _rel(losses, unstaged) < 1e-4
+    assert losses[-1] < losses[0] - 0.3  # it trains
+
+
+def test_checkpoint_resume_continues_the_same_curve(tmp_path: Path):
+    cfg = dataclasses.replace(CFG, checkpoint_dir=str(tmp_path), checkpoint_every=4, keep_checkpoints=2)
+    full = run(one_stage(dataclasses.replace(cfg, checkpoint_dir=None)))
+    first = run(one_stage(cfg), until=10)  # saves 4, 8 and (clean stop) 10; keeps the newest two
+    assert first == full[:10]
+    steps = sorted(p.name for p in (tmp_path / "unit" / "stage0-replica0").iterdir())
+    assert steps == ["step-00000008.pt", "step-00000010.pt"]
+    resumed = one_stage(cfg)
+    assert resumed.restore(8) == 8
+    assert run(resumed) == full[8:]
+
+
+def test_restore_refuses_a_checkpoint_of_another_run(tmp_path: Path):
+    cfg = dataclasses.replace(CFG, checkpoint_dir=str(tmp_path))
+    run(one_stage(cfg), until=2)
+    with pytest.raises(ConfigError, match="global_batch"):
+        one_stage(dataclasses.replace(cfg, global_batch=6)).restore()
+    with pytest.raises(ConfigError, match="step 5"):
+        one_stage(cfg).restore(5)
+
+
+def test_allocation_mistakes_are_config_errors():
+    two = dataclasses.replace(CFG, layers_per_stage=[2, 2])
+    with pytest.raises(ConfigError, match="neighbours"):
+        StageWorker(two, stage=0, replica=0, replicas=1, transport=None, upstream=None, downstream=None)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="reducer"):
+        StageWorker(CFG, stage=0, replica=0, replicas=2, transport=None, upstream=None, downstream=None)  # type: ignore[arg-type]
+    tied = dataclasses.replace(two, model=ModelSpec("tiny", {"tie_weights": True}))
+    with pytest.raises(ConfigError, match="tied"):
+        tied.validate()
+
+
+def test_a_middle_stage_expects_its_neighbours_frames():
+    three = dataclasses.replace(
+        CFG,
+        model=ModelSpec("tiny", {"n_layer": 4, "d_model": 32, "max_seq_len": 32}),
+        layers_per_stage=[2, 2, 2],
+        compression=CompressionConfig(forward="acsgd", forward_bits=2, backward="quant", backward_bits=8),
+    )
+    w = StageWorker(three, stage=1, replica=0, replicas=1, transport=None, upstream="up", downstream="down")  # type: ignore[arg-type]
+    act, grad = w.receiver.expectations[KIND_ACT](5), w.receiver.expectations[KIND_GRAD](5)
+    assert (act.boundary, act.codec, act.steps) == (0, "acsgd-q2", (5, 6))
+    assert (grad.boundary, grad.codec, grad.row_shape) == (1, "q8", (16, 32))
+    ids = w._ids_of(6, 2)
+    assert ids is not None and len(ids) == 2 and w._ids_of(6, 3) is None
+    msg = w._message(KIND_GRAD, 6, 2, ids, torch.zeros(2, 16, 32), b"x" * 10)
+    assert msg.boundary == 0 and msg.codec == "q8"
+    with pytest.raises(ProtocolError) as info:
+        check(msg, act)  # our own gradient is not what we accept from upstream
+    assert info.value.code == ErrorCode.NOT_ALLOWED
+    asyncio.run(w.close())
