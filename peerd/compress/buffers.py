@@ -1,0 +1,230 @@
+"""Per-example AC-SGD buffers m(id) of one boundary side: RAM up to a budget, then memory-mapped spill files.
+
+Buffers are rows of fixed-shape chunks (``chunk_examples`` examples each): RAM chunks
+until ``ram_budget_mb`` is used, then chunks backed by files in ``spill_dir`` (a
+``torch.from_file`` shared mapping: the OS pages them in and out). Rows freed by
+invalidation are reused. The store may keep rows at reduced precision (float16 / bfloat16);
+the delta codec reads them as float32 and writes its update back, rounding identically on
+both sides.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from peerd.compress.wire import DTYPE_NAMES
+from peerd.errors import CodecError, ConfigError, ErrorCode
+from peerd.log import get_logger
+
+log = get_logger(__name__)
+
+_MB = 1 << 20
+
+
+@dataclass
+class BufferConfig:
+    """Where and how the per-example buffers of one boundary side are kept."""
+
+    ram_budget_mb: float = 1024.0
+    """RAM for buffers; beyond it new buffers go to memory-mapped files."""
+    disk_budget_mb: float | None = None
+    """Spill-file space; None: unbounded. When both budgets are full new examples are not buffered."""
+    spill_dir: str | None = None
+    """Directory for spill files (default: a fresh temporary directory, removed on close)."""
+    storage: Literal["float32", "float16", "bfloat16"] = "float32"
+    """Precision of the stored buffers (16-bit halves their size; the update is still exact-rounded)."""
+    chunk_examples: int = 64
+    """Examples per allocation chunk (one RAM tensor or one spill file)."""
+
+    def validate(self) -> None:
+        if self.ram_budget_mb < 0:
+            raise ConfigError("ram_budget_mb", "must be >= 0")
+        if self.disk_budget_mb is not None and self.disk_budget_mb < 0:
+            raise ConfigError("disk_budget_mb", "must be >= 0")
+        if self.chunk_examples < 1:
+            raise ConfigError("chunk_examples", "must be >= 1")
+
+
+@dataclass
+class BufferStats:
+    examples: int
+    ram_bytes: int
+    disk_bytes: int
+    spill_files: int
+    example_bytes: int
+
+    @property
+    def total_bytes(self) -> int:
+        return self.ram_bytes + self.disk_bytes
+
+
+@dataclass
+class _Chunk:
+    rows: torch.Tensor  # (n, *example_shape) in the storage dtype
+    path: str | None  # spill file, None for RAM
+
+
+class BufferStore:
+    """Buffers m(id) for the examples that crossed one boundary; also counts each example's visits."""
+
+    def __init__(self, cfg: BufferConfig | None = None) -> None:
+        self.cfg = cfg or BufferConfig()
+        self.cfg.validate()
+        self.dtype = DTYPE_NAMES[self.cfg.storage]
+        self.example_shape: tuple[int, ...] | None = None
+        self._chunks: list[_Chunk] = []
+        self._slot: dict[int, tuple[int, int]] = {}  # example id -> (chunk, row)
+        self._free: list[tuple[int, int]] = []
+        self._visits: dict[int, int] = {}
+        self._tmpdir: tempfile.TemporaryDirectory | None = None
+
+    # -- queries --------------------------------------------------------------------------
+    def __contains__(self, example_id: int) -> bool:
+        return example_id in self._slot
+
+    def __len__(self) -> int:
+        return len(self._slot)
+
+    def ids(self) -> list[int]:
+        """Ids of the buffered examples."""
+        return list(self._slot)
+
+    def visits(self, example_id: int) -> int:
+        return self._visits.get(example_id, 0)
+
+    def count_visit(self, example_id: int) -> None:
+        self._visits[example_id] = self._visits.get(example_id, 0) + 1
+
+    def get(self, example_id: int) -> torch.Tensor:
+        """The stored buffer (a view in the storage dtype); CodecError(UNKNOWN_EXAMPLE) if absent."""
+        slot = self._slot.get(example_id)
+        if slot is None:
+            raise CodecError(f"no buffer for example {example_id}", code=ErrorCode.UNKNOWN_EXAMPLE)
+        return self._chunks[slot[0]].rows[slot[1]]
+
+    @property
+    def example_numel(self) -> int:
+        n = 1
+        for d in self.example_shape or ():
+            n *= d
+        return n
+
+    @property
+    def example_bytes(self) -> int:
+        return self.example_numel * self.dtype.itemsize
+
+    def stats(self) -> BufferStats:
+        ram = sum(c.rows.numel() * c.rows.element_size() for c in self._chunks if c.path is None)
+        disk = sum(c.rows.numel() * c.rows.element_size() for c in self._chunks if c.path is not None)
+        spills = sum(1 for c in self._chunks if c.path is not None)
+        return BufferStats(len(self._slot), ram, disk, spills, self.example_bytes)
+
+    # -- admission ------------------------------------------------------------------------
+    def check_shape(self, shape: tuple[int, ...]) -> None:
+        """Fix the per-example shape on first use; later examples must match it."""
+        if self.example_shape is None:
+            self.example_shape = tuple(shape)
+        elif tuple(shape) != self.example_shape:
+            raise CodecError(
+                f"example shape {tuple(shape)} differs from the buffered {self.example_shape}",
+                code=ErrorCode.SHAPE_MISMATCH,
+            )
+
+    def _capacity(self) -> tuple[int, int | None]:
+        """Most examples in RAM, and on disk (None: unbounded)."""
+        per = max(1, self.example_bytes)
+        ram = int(self.cfg.ram_budget_mb * _MB) // per
+        disk = None if self.cfg.disk_budget_mb is None else int(self.cfg.disk_budget_mb * _MB) // per
+        return ram, disk
+
+    def room(self) -> int | None:
+        """How many more examples fit in the budgets (None: unbounded)."""
+        ram, disk = self._capacity()
+        return None if disk is None else max(0, ram + disk - len(self._slot))
+
+    def slot(self, example_id: int) -> torch.Tensor:
+        """The buffer of ``example_id``, allocating one (contents undefined) if it has none."""
+        if example_id in self._slot:
+            return self.get(example_id)
+        room = self.room()
+        if room is not None and room < 1:
+            raise CodecError(
+                f"buffer budgets full ({len(self._slot)} examples): example {example_id} cannot be buffered",
+                code=ErrorCode.OVERSIZED,
+            )
+        if not self._free:
+            self._grow()
+        self._slot[example_id] = self._free.pop()
+        return self.get(example_id)
+
+    def _grow(self) -> None:
+        assert self.example_shape is not None, "check_shape() before allocating"
+        k = self.cfg.chunk_examples
+        ram_cap, disk_cap = self._capacity()
+        ram_rows = sum(c.rows.shape[0] for c in self._chunks if c.path is None)
+        disk_rows = sum(c.rows.shape[0] for c in self._chunks if c.path is not None)
+        index = len(self._chunks)
+        if ram_rows < ram_cap:
+            n = min(k, ram_cap - ram_rows)
+            rows = torch.empty((n, *self.example_shape), dtype=self.dtype)
+            path = None
+        else:
+            n = k if disk_cap is None else min(k, disk_cap - disk_rows)
+            assert n > 0, "room() before allocating"
+            path = self._spill_path(index)
+            numel = n * self.example_numel
+            with open(path, "wb") as fh:
+                fh.truncate(max(1, numel) * self.dtype.itemsize)
+            rows = torch.from_file(path, shared=True, size=numel, dtype=self.dtype).view(
+                n, *self.example_shape
+            )
+            log.info("AC-SGD buffers spill to %s (%d examples so far)", path, len(self._slot))
+        self._chunks.append(_Chunk(rows, path))
+        self._free.extend((index, r) for r in range(n - 1, -1, -1))  # pop() hands out rows in order
+
+    def _spill_path(self, index: int) -> str:
+        directory = self.cfg.spill_dir
+        if directory is None:
+            if self._tmpdir is None:
+                self._tmpdir = tempfile.TemporaryDirectory(prefix="peerd-acsgd-")
+            directory = self._tmpdir.name
+        os.makedirs(directory, exist_ok=True)
+        return os.path.join(directory, f"buffers-{os.getpid()}-{id(self):x}-{index}.bin")
+
+    # -- invalidation ---------------------------------------------------------------------
+    def invalidate(self, ids: list[int] | None = None) -> None:
+        """Forget buffers (all, or those of ``ids``): their next visit is a first visit again.
+
+        Forgetting all also releases the memory and spill files and the fixed example shape
+        (a re-plan may move the boundary).
+        """
+        if ids is None:
+            self.close()
+            return
+        for i in ids:
+            slot = self._slot.pop(i, None)
+            if slot is not None:
+                self._free.append(slot)
+            self._visits.pop(i, None)
+
+    def close(self) -> None:
+        """Drop every buffer and delete the spill files."""
+        paths = [c.path for c in self._chunks if c.path]
+        self._chunks.clear()
+        self._slot.clear()
+        self._free.clear()
+        self._visits.clear()
+        self.example_shape = None
+        for p in paths:
+            try:
+                os.remove(p)
+            except OSError as exc:
+                log.warning("could not remove spill file %s: %s", p, exc)
+        if self._tmpdir is not None:
+            self._tmpdir.cleanup()
+            self._tmpdir = None

@@ -1,0 +1,275 @@
+"""The AC-SGD activation-delta codec for one stage boundary: sender (encoder) and receiver (decoder).
+
+Per example id ``e`` both sides keep a buffer ``m(e)``. A first visit (or one of the first
+``warmup_visits``) goes through a stateless seed codec and both sides set ``m(e)`` to what the
+receiver decodes; later visits send ``Q(a - m)`` and both sides do ``m += D(Q(a - m))`` with
+the same exact arithmetic (quant.py), so the two stores stay bit-identical and ``a - m`` after
+a visit is exactly that visit's quantization error. The receiver's stage runs on ``m(e)``.
+
+Both sides validate and compute everything before touching their stores, so a rejected
+micro-batch (NaN input, malformed packet) leaves both stores as they were.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from peerd.compress import wire
+from peerd.compress.buffers import BufferConfig, BufferStats, BufferStore
+from peerd.compress.codecs import (
+    UniformCodec,
+    codec_names,
+    decode_frame,
+    frame_levels,
+    frame_quant_config,
+    make_codec,
+)
+from peerd.compress.quant import QuantConfig, Workspace, dequantize_into
+from peerd.errors import CodecError, ConfigError, ErrorCode
+
+
+@dataclass
+class DeltaConfig:
+    """Forward-activation compression at one boundary (AC-SGD)."""
+
+    quant: QuantConfig = field(default_factory=lambda: QuantConfig(bits=4))
+    """How deltas are quantized."""
+    seed_codec: str = "bf16"
+    """Stateless codec (registry name) for first visits, warm-up visits and unbuffered examples."""
+    warmup_visits: int = 1
+    """Visits of each example sent through the seed codec before deltas start (>= 1)."""
+    buffers: BufferConfig = field(default_factory=BufferConfig)
+
+    def validate(self) -> None:
+        self.quant.validate()
+        self.buffers.validate()
+        if self.warmup_visits < 1:
+            raise ConfigError("warmup_visits", "must be >= 1 (the first visit always seeds the buffer)")
+        if self.seed_codec not in codec_names():
+            raise ConfigError(
+                "seed_codec", f"unknown codec {self.seed_codec!r} (known: {', '.join(codec_names())})"
+            )
+
+
+def _check_ids(acts: torch.Tensor, ids: Sequence[int]) -> tuple[int, ...]:
+    ids = tuple(int(i) for i in ids)
+    if acts.dim() < 1 or acts.shape[0] != len(ids):
+        raise CodecError(
+            f"{len(ids)} ids for activations of shape {tuple(acts.shape)}", code=ErrorCode.SHAPE_MISMATCH
+        )
+    if len(set(ids)) != len(ids) or any(not 0 <= i < 2**64 for i in ids):
+        raise CodecError("example ids must be distinct integers in [0, 2**64)", code=ErrorCode.MALFORMED)
+    return ids
+
+
+def _check_groups(store: BufferStore, quant: QuantConfig) -> None:
+    if quant.layout == "group" and store.example_numel % quant.group_size:
+        raise CodecError(
+            f"group size {quant.group_size} does not divide the example size {store.example_numel}",
+            code=ErrorCode.SHAPE_MISMATCH,
+        )
+
+
+def _update_rows(
+    store: BufferStore,
+    ids: Sequence[int],
+    k: torch.Tensor,
+    scales: torch.Tensor,
+    quant: QuantConfig,
+    work: Workspace,
+    out: torch.Tensor | None = None,
+) -> None:
+    """m(id) += k_row * s for each row (identical arithmetic on both sides); new m copied into ``out``."""
+    per = store.example_numel
+    n = per * len(ids)
+    # Levels as float32 once: a mixed int8 x float addcmul_ would cast per call into a fresh temporary.
+    kf = work.get("levels_f32", n, torch.float32, k.device)
+    kf.copy_(k[:n])
+    for r, ex in enumerate(ids):
+        m = store.get(ex)
+        cur = m.to(device=k.device, dtype=torch.float32)  # the buffer itself on CPU float32
+        s = (
+            scales
+            if quant.layout == "channel"
+            else scales[r * per // quant.group_size : (r + 1) * per // quant.group_size]
+        )
+        dequantize_into(cur, kf[r * per : (r + 1) * per], s, quant, add=1.0)
+        if cur is not m:
+            m.copy_(cur)  # rounds to the storage dtype, the same way on both sides
+        if out is not None:
+            out[r].copy_(m)
+
+
+class DeltaEncoder:
+    """Sender side of one boundary: activations + example ids -> packet bytes."""
+
+    def __init__(self, cfg: DeltaConfig | None = None, generator: torch.Generator | None = None) -> None:
+        self.cfg = cfg or DeltaConfig()
+        self.cfg.validate()
+        self.store = BufferStore(self.cfg.buffers)
+        self.delta_codec = UniformCodec(self.cfg.quant, generator=generator)
+        self.seed_codec = make_codec(self.cfg.seed_codec)
+
+    def encode(self, acts: torch.Tensor, ids: Sequence[int]) -> bytes:
+        """Compress one micro-batch ``acts`` (B, *S), row ``i`` belonging to example ``ids[i]``."""
+        ids = _check_ids(acts, ids)
+        store = self.store
+        store.check_shape(tuple(acts.shape[1:]))
+        _check_groups(store, self.cfg.quant)
+        delta_rows, seed_rows, plain_rows = [], [], []
+        for r, ex in enumerate(ids):
+            if ex in store and store.visits(ex) >= self.cfg.warmup_visits:
+                delta_rows.append(r)
+            else:
+                seed_rows.append(r)
+        new = [r for r in seed_rows if ids[r] not in store]
+        room = store.room()
+        if room is not None and len(new) > room:  # budgets full: the rest travel unbuffered
+            plain_rows = new[room:]
+            seed_rows = [r for r in seed_rows if r not in set(plain_rows)]
+        frames: list[bytes] = []
+        # 1. everything that can fail, before any state changes
+        seed = None
+        if seed_rows:
+            x = acts[seed_rows] if len(seed_rows) < len(ids) else acts
+            data, recon = self.seed_codec.encode(
+                x, ids=[ids[r] for r in seed_rows], seed=True, reconstruct=True
+            )
+            frames.append(data)
+            seed = recon
+        if plain_rows:
+            data, _ = self.seed_codec.encode(acts[plain_rows], ids=[ids[r] for r in plain_rows])
+            frames.append(data)
+        if delta_rows:
+            frames.append(self._delta_frame(acts, ids, delta_rows))
+        # 2. commit: both sides apply exactly these updates
+        if seed is not None:
+            for j, r in enumerate(seed_rows):
+                store.slot(ids[r]).copy_(seed[j])
+        if delta_rows:
+            q = self._pending
+            k = self.delta_codec.levels(q)
+            _update_rows(
+                store, [ids[r] for r in delta_rows], k, q.scales, self.cfg.quant, self.delta_codec.work
+            )
+            self._pending = None
+        for ex in ids:
+            store.count_visit(ex)
+        return wire.build_packet(wire.Packet(ids=ids, frames=frames))
+
+    def _delta_frame(self, acts: torch.Tensor, ids: tuple[int, ...], rows: list[int]) -> bytes:
+        """Quantize a - m for ``rows`` (fused into scratch, one subtraction per example)."""
+        shape = (len(rows), *acts.shape[1:])
+        n = 1
+        for d in shape:
+            n *= d
+        delta = self.delta_codec.work.get("mat", n, torch.float32, acts.device).view(shape)
+        for j, r in enumerate(rows):
+            m = self.store.get(ids[r]).to(device=acts.device, dtype=torch.float32)
+            torch.sub(acts[r], m, out=delta[j])
+        q = self.delta_codec.quantize(delta, inplace=True)
+        self._pending = q
+        return self.delta_codec.frame(q, acts.dtype, codec=wire.CODEC_DELTA, ids=[ids[r] for r in rows])
+
+    def invalidate(self, ids: list[int] | None = None) -> None:
+        """The receiver lost its buffers (new neighbour, restart): start over with first visits."""
+        self.store.invalidate(ids)
+
+    def stats(self) -> BufferStats:
+        return self.store.stats()
+
+    def close(self) -> None:
+        self.store.close()
+
+
+class DeltaDecoder:
+    """Receiver side of one boundary: packet bytes -> reconstructed activations (B, *S)."""
+
+    def __init__(self, cfg: DeltaConfig | None = None, device: torch.device | str = "cpu") -> None:
+        self.cfg = cfg or DeltaConfig()
+        self.cfg.validate()
+        self.store = BufferStore(self.cfg.buffers)
+        self.device = torch.device(device)
+        self.work = Workspace()
+
+    def decode(self, data: bytes | memoryview) -> tuple[torch.Tensor, tuple[int, ...]]:
+        """The micro-batch the sender encoded, as reconstructed on this side, and its example ids."""
+        ids, frames = wire.parse_packet(data)
+        store = self.store
+        dtypes = {f.header.dtype for f in frames}
+        if len(dtypes) != 1:
+            raise CodecError("frames of one packet disagree on the dtype", code=ErrorCode.DTYPE_MISMATCH)
+        example_shapes = {f.header.shape[1:] for f in frames}
+        if len(example_shapes) != 1:
+            raise CodecError(
+                "frames of one packet disagree on the example shape", code=ErrorCode.SHAPE_MISMATCH
+            )
+        example_shape = example_shapes.pop()
+        if store.example_shape is not None and example_shape != store.example_shape:
+            raise CodecError(
+                f"example shape {example_shape} differs from the buffered {store.example_shape}",
+                code=ErrorCode.SHAPE_MISMATCH,
+            )
+        # 1. decode and check everything before any state changes
+        plain: list[tuple[wire.Frame, torch.Tensor]] = []
+        deltas: list[tuple[wire.Frame, torch.Tensor]] = []
+        new_ids = 0
+        for f in frames:
+            h = f.header
+            if h.codec == wire.CODEC_DELTA:
+                missing = [i for i in h.ids if i not in store]
+                if missing:
+                    raise CodecError(
+                        f"delta for examples without a buffer: {missing[:5]}", code=ErrorCode.UNKNOWN_EXAMPLE
+                    )
+                if h.layout == "group" and _numel(example_shape) % h.group_size:
+                    raise CodecError("delta groups straddle examples", code=ErrorCode.SHAPE_MISMATCH)
+                deltas.append((f, frame_levels(f, self.device)))
+            else:
+                plain.append((f, decode_frame(f, device=self.device, float32=True)))
+                new_ids += sum(1 for i in h.ids if i not in store) if h.seed else 0
+        room = store.room()
+        if room is not None and new_ids > room:
+            raise CodecError("seed for more examples than the buffer budgets hold", code=ErrorCode.OVERSIZED)
+        # 2. commit
+        store.check_shape(example_shape)
+        out = torch.empty((len(ids), *example_shape), dtype=torch.float32, device=self.device)
+        pos = {ex: r for r, ex in enumerate(ids)}
+        for f, values in plain:
+            rows = [pos[i] for i in f.header.ids]
+            if f.header.seed:
+                for j, ex in enumerate(f.header.ids):
+                    m = store.slot(ex)
+                    m.copy_(values[j])
+                    out[rows[j]].copy_(m)
+            else:
+                out[rows] = values
+        for f, k in deltas:
+            scales = f.scales.to(self.device)  # type: ignore[union-attr]
+            rows = [pos[i] for i in f.header.ids]
+            contiguous = rows == list(range(rows[0], rows[0] + len(rows)))
+            target = out[rows[0] : rows[0] + len(rows)] if contiguous else torch.empty_like(out[: len(rows)])
+            _update_rows(store, f.header.ids, k, scales, frame_quant_config(f.header), self.work, out=target)
+            if not contiguous:
+                out[rows] = target
+        dtype = dtypes.pop()
+        return (out if dtype == torch.float32 else out.to(dtype)), ids
+
+    def invalidate(self, ids: list[int] | None = None) -> None:
+        self.store.invalidate(ids)
+
+    def stats(self) -> BufferStats:
+        return self.store.stats()
+
+    def close(self) -> None:
+        self.store.close()
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
