@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from hivemind.p2p import PeerID
 
-from peerd.averaging.codec import Compressor, build_codec, decode_share, parse_compressor
+from peerd.averaging.codec import Compressor, decode_share, parse_compressor
 from peerd.averaging.core import MemberMath
 from peerd.averaging.feedback import Encoded
 from peerd.averaging.messages import KIND_PART, KIND_SHARE, AvgMessage, Expect, check, parse
@@ -98,7 +98,7 @@ class GroupAllReduce:
         self.protocol = PROTOCOL_PREFIX + key
         self.digest = group_digest(key, [m.to_base58() for m in members])
         self.compression = parse_compressor(compressor)
-        self.math = MemberMath(self.rank, self.size, build_codec(self.compression))
+        self.math = MemberMath(self.rank, self.size, self.compression)
         self.stats = AveragingStats()
         self._ranks = {m: r for r, m in enumerate(members)}
         self._steps = StepBook(self.rank)

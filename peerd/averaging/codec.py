@@ -88,6 +88,24 @@ def is_lossless(codec: TensorCodec) -> bool:
     return codec.name == LOSSLESS
 
 
+def finite(x: torch.Tensor) -> bool:
+    """All elements finite, in one reduction pass (on CPU ~7x faster than ``isfinite().all()``; NaN propagates)."""
+    if x.numel() == 0:
+        return True
+    lo, hi = torch.aminmax(x)
+    return bool(torch.isfinite(lo)) and bool(torch.isfinite(hi))
+
+
+def encode_raw(x_N: torch.Tensor) -> bytes:
+    """The fp32 codec's frame for a 1-D float32 tensor, NaN/Inf refused (same bytes as ``make_codec("fp32")``)."""
+    if not finite(x_N):
+        raise CodecError("gradients hold NaN or Inf", code=ErrorCode.NON_FINITE)
+    h = wire.FrameHeader(
+        codec=wire.CODEC_RAW, bits=32, dtype=torch.float32, aux_dtype=torch.float32, shape=(x_N.numel(),)
+    )
+    return wire.build_frame(h, None, x_N.reshape(-1))
+
+
 def decode_share(payload: bytes | bytearray | memoryview, numel: int) -> torch.Tensor:
     """A received share as float32 (numel,); CodecError for anything but a plain 1-D float32 frame."""
     frame = wire.parse_frame(payload)
@@ -105,4 +123,10 @@ def decode_share(payload: bytes | bytearray | memoryview, numel: int) -> torch.T
         raise CodecError(
             f"gradient share of shape {h.shape}, expected ({numel},)", code=ErrorCode.SHAPE_MISMATCH
         )
+    if h.codec == wire.CODEC_RAW and h.aux_dtype == torch.float32:  # the lossless path: one copy, one check
+        values_N = torch.empty(numel, dtype=torch.float32)
+        values_N.view(torch.uint8).copy_(frame.payload)
+        if not finite(values_N):
+            raise CodecError("raw gradient share holds NaN or Inf", code=ErrorCode.NON_FINITE)
+        return values_N
     return decode_frame(frame, float32=True)

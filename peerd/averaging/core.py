@@ -20,26 +20,26 @@ from collections.abc import Sequence
 
 import torch
 
-from peerd.averaging.codec import decode_share
+from peerd.averaging.codec import GradientCompression, build_codec, decode_share, finite
 from peerd.averaging.feedback import Encoded, ErrorFeedback
 from peerd.averaging.partition import share_bounds
-from peerd.compress.codecs import TensorCodec
 from peerd.errors import CodecError, ErrorCode
 
 
 class MemberMath:
     """Rank ``rank``'s side of the averaging arithmetic, with its two error-feedback stores."""
 
-    def __init__(self, rank: int, members: int, codec: TensorCodec) -> None:
+    def __init__(self, rank: int, members: int, compression: GradientCompression | None) -> None:
         assert 0 <= rank < members
         self.rank = rank
         self.members = members
-        self.sender = ErrorFeedback(codec)
-        self.reducer = ErrorFeedback(codec)
+        # one codec each: codecs reuse scratch buffers, and the two sides may run in different threads
+        self.sender = ErrorFeedback(build_codec(compression))
+        self.reducer = ErrorFeedback(build_codec(compression))
 
     def contributions(self, flat_N: torch.Tensor) -> tuple[torch.Tensor, dict[int, bytes]]:
         """This member's exact own share and one encoded frame per other rank (residuals staged)."""
-        if not bool(torch.isfinite(flat_N).all()):  # refuse before anything is sent: NaN poisons every member
+        if not finite(flat_N):  # refuse before anything is sent: NaN poisons every member
             raise CodecError("local gradients hold NaN or Inf", code=ErrorCode.NON_FINITE)
         bounds = share_bounds(flat_N.numel(), self.members)
         frames = {}
@@ -52,13 +52,11 @@ class MemberMath:
     def reduce(self, parts: Sequence[torch.Tensor]) -> Encoded:
         """Mean of the ``D`` contributions to this member's share (rank order), encoded for the all-gather."""
         assert len(parts) == self.members
-        acc = parts[0].float().clone()
-        for part in parts[1:]:
+        acc = parts[0].float().clone() if len(parts) == 1 else torch.add(parts[0], parts[1])
+        for part in parts[2:]:
             acc.add_(part)
         acc.div_(self.members)
-        if not bool(torch.isfinite(acc).all()):
-            raise CodecError("the averaged share holds NaN or Inf", code=ErrorCode.NON_FINITE)
-        return self.reducer.encode("reduce", acc)
+        return self.reducer.encode("reduce", acc)  # both codecs refuse NaN/Inf (NON_FINITE)
 
     def commit(self) -> None:
         self.sender.commit()

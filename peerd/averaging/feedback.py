@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from peerd.averaging.codec import is_lossless
+from peerd.averaging.codec import encode_raw, is_lossless
 from peerd.compress.codecs import TensorCodec
 from peerd.log import get_logger
 
@@ -46,8 +46,7 @@ class ErrorFeedback:
     def encode(self, key: str, x: torch.Tensor) -> Encoded:
         """Encode ``x`` plus ``key``'s residual; stage the new residual (``x`` is not modified)."""
         if self.lossless:
-            payload, _ = self.codec.encode(x)
-            return Encoded(payload, x)  # fp32 frames reconstruct the input bit for bit
+            return Encoded(encode_raw(x), x)  # fp32 frames reconstruct the input bit for bit
         residual = self._residuals.get(key)
         if residual is not None and residual.shape != x.shape:
             logger.warning(

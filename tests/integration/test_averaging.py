@@ -124,7 +124,7 @@ def test_compressed_mean_matches_the_reference_and_the_quantizer_bound(
     avgs = make_group(cluster, size, f"q-{size}", timeout=10, compressor=compressor)
     inputs = [[grads(100 + 10 * s + r) for r in range(size)] for s in range(2)]
     outputs = cluster.run(steps(avgs, inputs))
-    maths = [MemberMath(r, size, build_codec(parse_compressor(compressor))) for r in range(size)]
+    maths = [MemberMath(r, size, parse_compressor(compressor)) for r in range(size)]
     for per_rank_in, per_rank_out in zip(inputs, outputs, strict=True):
         flats = [flatten(g) for g in per_rank_in]
         reference = simulate(maths, flats)[0]  # same arithmetic, residuals included, no network

@@ -133,7 +133,7 @@ def generate() -> dict[str, dict[str, Any]]:
     }
     # the reducer of share 1 in a group of 3: contributions in rank order, mean, then 8-bit frame
     parts = [[1.0, 2.0, 3.0], [0.5, -0.5, 0.25], [-1.0, 0.75, 4.0]]
-    enc = MemberMath(1, 3, build_codec(_compression(q8))).reduce([_f32(p) for p in parts])
+    enc = MemberMath(1, 3, _compression(q8)).reduce([_f32(p) for p in parts])
     out["reduce-q8"] = {
         "type": "reduce",
         "description": "rank 1 of 3 reduces share 1: ((c0 + c1) + c2) / 3, then 8 bits, groups of 4",
@@ -277,7 +277,7 @@ def test_error_feedback_vector():
 
 def test_reduce_vector():
     case = _load(VECTORS / "reduce-q8.json")
-    math = MemberMath(case["rank"], case["members"], build_codec(_compression(case["compression"])))
+    math = MemberMath(case["rank"], case["members"], _compression(case["compression"]))
     enc = math.reduce([_f32(p) for p in case["parts"]])
     assert enc.payload.hex() == case["payload_hex"]
     assert enc.decoded.tolist() == case["decoded"]

@@ -5,13 +5,21 @@ from __future__ import annotations
 import pytest
 import torch
 
-from peerd.averaging.codec import GradientCompression, build_codec, decode_share, parse_compressor
+from peerd.averaging.codec import (
+    GradientCompression,
+    build_codec,
+    decode_share,
+    encode_raw,
+    finite,
+    parse_compressor,
+)
 from peerd.averaging.core import MemberMath, simulate
+from peerd.compress.codecs import make_codec
 from peerd.errors import CodecError, ConfigError, ErrorCode
 
 
 def group(members: int, compressor: str | None) -> list[MemberMath]:
-    return [MemberMath(r, members, build_codec(parse_compressor(compressor))) for r in range(members)]
+    return [MemberMath(r, members, parse_compressor(compressor)) for r in range(members)]
 
 
 def inputs(members: int, numel: int, seed: int = 0) -> list[torch.Tensor]:
@@ -132,3 +140,17 @@ def test_bad_compressor_names_are_config_errors(spec):
 def test_compression_config_validates():
     with pytest.raises(ConfigError):
         parse_compressor(GradientCompression(bits=8, group_size=0))
+
+
+def test_fast_raw_paths_match_the_fp32_codec():
+    x = torch.randn(1001)
+    assert encode_raw(x) == make_codec("fp32").encode(x)[0]
+    assert torch.equal(decode_share(encode_raw(x), 1001), x)
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        y = x.clone()
+        y[500] = bad
+        assert not finite(y)
+        with pytest.raises(CodecError) as info:
+            encode_raw(y)
+        assert info.value.code == ErrorCode.NON_FINITE
+    assert finite(x) and finite(torch.empty(0))
