@@ -1,0 +1,331 @@
+"""The job spec: YAML -> typed, validated dataclasses, reporting every bad field at once.
+
+A spec names what to train (``model``, ``data``), how (batch sizes, ``steps``,
+``optimizer``, ``parallel`` shape, ``compression``), how often to checkpoint, how many
+peers may take part and how long planning may search. ``load_job_spec(path)`` and
+``parse_job_spec(mapping)`` raise ``JobSpecError`` (a ``ConfigError``) whose ``errors``
+lists every problem found, each naming its dotted field, so ``peerd submit`` can print
+them all (``spec_collect`` converts one field at a time for that reason).
+Example specs: ``configs/jobs/``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from peerd.compress.packing import SUPPORTED_BITS
+from peerd.data.config import DataConfig
+from peerd.errors import ConfigError
+from peerd.jobs.spec_collect import bare_message, collect, prefixed
+from peerd.loading import from_mapping, load_mapping
+from peerd.models.gpt import PRESETS, GPTConfig
+from peerd.sched.consensus_config import ConsensusTiming
+
+Auto = Literal["auto"]
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Exactly one of ``preset`` and ``hf``."""
+
+    preset: str | None = None
+    """A built-in GPT size (``peerd.models.gpt.PRESETS``: tiny, tiny-4, mini, gpt2, ...)."""
+    overrides: dict[str, int | float | bool | None] = field(default_factory=dict)
+    """``GPTConfig`` fields replacing the preset's (e.g. ``n_layer: 12``); presets only."""
+    hf: str | None = None
+    """A Hugging Face causal-LM ``config.json`` or model directory (needs ``transformers``)."""
+    seed: int = 0
+    """Initial-weight seed: every peer builds identical layers from it."""
+
+    def problems(self) -> list[ConfigError]:
+        if (self.preset is None) == (self.hf is None):
+            return [
+                ConfigError(
+                    "preset", "give exactly one of 'preset' (built-in GPT) and 'hf' (Hugging Face config)"
+                )
+            ]
+        if self.hf is not None:
+            out = (
+                [] if Path(self.hf).exists() else [ConfigError("hf", f"no such file or directory: {self.hf}")]
+            )
+            if self.overrides:
+                out.append(ConfigError("overrides", "only applies to a built-in preset, not to 'hf'"))
+            return out
+        if self.preset not in PRESETS:
+            return [
+                ConfigError("preset", f"unknown GPT preset {self.preset!r} (known: {', '.join(PRESETS)})")
+            ]
+        try:
+            self.gpt_config()
+        except ConfigError as exc:
+            return [prefixed("overrides", exc)]
+        return []
+
+    def gpt_config(self) -> GPTConfig:
+        """The preset with ``overrides`` applied, type-checked and validated like any config."""
+        assert self.preset is not None
+        return from_mapping(GPTConfig, {**PRESETS[self.preset], **self.overrides})
+
+
+@dataclass(frozen=True)
+class OptimizerSpec:
+    name: Literal["adamw", "sgd"] = "adamw"
+    lr: float = 3e-4
+    """Peak learning rate."""
+    betas: tuple[float, float] | None = None
+    """AdamW only; default (0.9, 0.95)."""
+    momentum: float | None = None
+    """SGD only; default 0."""
+    weight_decay: float = 0.0
+    warmup_steps: int = 0
+    """Linear warm-up from 0 to ``lr``."""
+    schedule: Literal["cosine", "constant"] = "cosine"
+    """After warm-up: cosine decay to ``min_lr_ratio × lr`` at the last step, or constant."""
+    min_lr_ratio: float = 0.1
+    grad_clip: float | None = 1.0
+    """Global gradient-norm clip; null disables it."""
+
+    def problems(self) -> list[ConfigError]:
+        out = []
+        if not 0 < self.lr < 10:
+            out.append(ConfigError("lr", f"must be in (0, 10), got {self.lr}"))
+        if self.betas is not None:
+            if self.name != "adamw":
+                out.append(ConfigError("betas", f"only used by adamw, not {self.name}"))
+            elif not all(0 <= b < 1 for b in self.betas):
+                out.append(ConfigError("betas", f"each must be in [0, 1), got {list(self.betas)}"))
+        if self.momentum is not None:
+            if self.name != "sgd":
+                out.append(ConfigError("momentum", f"only used by sgd, not {self.name}"))
+            elif not 0 <= self.momentum < 1:
+                out.append(ConfigError("momentum", f"must be in [0, 1), got {self.momentum}"))
+        if self.weight_decay < 0:
+            out.append(ConfigError("weight_decay", f"must be >= 0, got {self.weight_decay}"))
+        if self.warmup_steps < 0:
+            out.append(ConfigError("warmup_steps", f"must be >= 0, got {self.warmup_steps}"))
+        if not 0 <= self.min_lr_ratio <= 1:
+            out.append(ConfigError("min_lr_ratio", f"must be in [0, 1], got {self.min_lr_ratio}"))
+        if self.grad_clip is not None and self.grad_clip <= 0:
+            out.append(ConfigError("grad_clip", f"must be > 0 or null, got {self.grad_clip}"))
+        return out
+
+
+@dataclass(frozen=True)
+class ParallelSpec:
+    d_pp: int | Auto = "auto"
+    """Pipeline stages, or ``auto``: the planner picks the shape."""
+    d_dp: int | Auto = "auto"
+    """Data-parallel replicas per stage, or ``auto``."""
+
+    def problems(self) -> list[ConfigError]:
+        return [ConfigError(n, f"must be >= 1 or 'auto', got {v}") for n, v in self.known().items() if v < 1]
+
+    def known(self) -> dict[str, int]:
+        return {n: v for n, v in (("d_pp", self.d_pp), ("d_dp", self.d_dp)) if isinstance(v, int)}
+
+
+@dataclass(frozen=True)
+class CompressionSpec:
+    """What crosses the network, and at how many bits (``SUPPORTED_BITS``; null = uncompressed)."""
+
+    forward: Literal["acsgd", "direct", "none"] = "acsgd"
+    """Activations: AC-SGD deltas against per-example buffers, direct quantization, or raw."""
+    forward_bits: int | None = 4
+    backward_bits: int | None = 8
+    """Activation gradients sent back up the pipeline."""
+    gradient_bits: int | None = None
+    """Data-parallel gradient averaging (with error feedback)."""
+
+    def problems(self) -> list[ConfigError]:
+        out = []
+        for name in ("forward_bits", "backward_bits", "gradient_bits"):
+            bits = getattr(self, name)
+            if bits is not None and bits not in SUPPORTED_BITS:
+                allowed = ", ".join(map(str, SUPPORTED_BITS))
+                out.append(ConfigError(name, f"must be one of {allowed} or null, got {bits}"))
+        if self.forward == "none" and self.forward_bits is not None:
+            out.append(ConfigError("forward_bits", "must be null when forward is 'none'"))
+        if self.forward != "none" and self.forward_bits is None:
+            out.append(ConfigError("forward_bits", f"forward '{self.forward}' needs a bit width"))
+        return out
+
+
+@dataclass(frozen=True)
+class PlanningSpec:
+    time_budget_s: float = 30.0
+    """Seconds each peer's search island runs per planning epoch."""
+    objective: Literal["peerd", "dtfm"] = "peerd"
+    """Cost model every peer scores candidates with (``peerd`` includes compute and memory)."""
+
+    def problems(self) -> list[ConfigError]:
+        if not 0 < self.time_budget_s <= 3600:
+            return [ConfigError("time_budget_s", f"must be in (0, 3600], got {self.time_budget_s}")]
+        return []
+
+    def timing(self) -> ConsensusTiming:
+        return ConsensusTiming(search_s=self.time_budget_s)
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    """One training job, as its owner submits it."""
+
+    kind: str
+    """``pretrain`` from fresh weights, or ``finetune`` from ``init_checkpoint`` (``rl`` is reserved)."""
+    model: ModelSpec
+    steps: int
+    """Optimizer steps to run."""
+    global_batch: int
+    """Examples per optimizer step, over all replicas."""
+    micro_batch: int
+    """Examples per pipeline micro-batch."""
+    name: str = ""
+    """Free-form label shown by ``peerd jobs`` / ``peerd status``."""
+    data: DataConfig = field(default_factory=DataConfig)
+    """Training text and the sequence length (``data.seq_len``)."""
+    optimizer: OptimizerSpec = field(default_factory=OptimizerSpec)
+    parallel: ParallelSpec = field(default_factory=ParallelSpec)
+    compression: CompressionSpec = field(default_factory=CompressionSpec)
+    checkpoint_interval: int = 100
+    """Steps between checkpoints (every stage, atomically); the last step always checkpoints."""
+    init_checkpoint: str | None = None
+    """``finetune`` only: a peerd checkpoint or a Hugging Face model directory to start from."""
+    min_peers: int = 1
+    """Planning waits for at least this many peers."""
+    max_peers: int | None = None
+    """At most this many peers take part (null: no limit)."""
+    planning: PlanningSpec = field(default_factory=PlanningSpec)
+
+    def validate(self) -> None:
+        problems = self.problems()
+        if problems:
+            raise problems[0]
+
+    def problems(self) -> list[ConfigError]:
+        """Every problem: each section's own checks, then the cross-field ones."""
+        out = [prefixed(name, p) for name in _CHECKED for p in getattr(self, name).problems()]
+        return out + self.cross_problems(model_ok=not any(p.field.startswith("model") for p in out))
+
+    def cross_problems(self, model_ok: bool) -> list[ConfigError]:
+        """Checks between fields and sections; those needing the model's shape only if ``model_ok``."""
+        out = self._kind_problems() + self._batch_problems() + self._peer_problems()
+        if model_ok and self.model.preset is not None:
+            out += self._model_fit(self.model.gpt_config())
+        return out
+
+    def _kind_problems(self) -> list[ConfigError]:
+        if self.kind == "rl":
+            return [
+                ConfigError("kind", "'rl' is reserved and not supported yet; use 'pretrain' or 'finetune'")
+            ]
+        if self.kind not in ("pretrain", "finetune"):
+            return [ConfigError("kind", f"must be 'pretrain' or 'finetune', got {self.kind!r}")]
+        if self.kind == "finetune" and self.init_checkpoint is None:
+            return [ConfigError("init_checkpoint", "finetune needs a checkpoint to start from")]
+        if self.kind == "pretrain" and self.init_checkpoint is not None:
+            return [
+                ConfigError("init_checkpoint", "only used by finetune (pretrain starts from fresh weights)")
+            ]
+        return []
+
+    def _batch_problems(self) -> list[ConfigError]:
+        out = [
+            ConfigError(name, f"must be >= 1, got {getattr(self, name)}")
+            for name in ("steps", "global_batch", "micro_batch", "checkpoint_interval")
+            if getattr(self, name) < 1
+        ]
+        if out:
+            return out
+        d_dp = self.parallel.known().get("d_dp", 1)
+        if self.global_batch % (self.micro_batch * d_dp):
+            what = f"micro_batch × d_dp = {self.micro_batch} × {d_dp}" if d_dp > 1 else "micro_batch"
+            out.append(ConfigError("global_batch", f"must be a multiple of {what}, got {self.global_batch}"))
+        if self.optimizer.warmup_steps >= self.steps:
+            out.append(
+                ConfigError(
+                    "optimizer.warmup_steps",
+                    f"must be < steps ({self.steps}), got {self.optimizer.warmup_steps}",
+                )
+            )
+        return out
+
+    def _peer_problems(self) -> list[ConfigError]:
+        if self.min_peers < 1:
+            return [ConfigError("min_peers", f"must be >= 1, got {self.min_peers}")]
+        if self.max_peers is not None and self.max_peers < self.min_peers:
+            return [
+                ConfigError("max_peers", f"must be >= min_peers ({self.min_peers}), got {self.max_peers}")
+            ]
+        shape = self.parallel.known()
+        if len(shape) < 2 or min(shape.values()) < 1:
+            return []
+        need = shape["d_pp"] * shape["d_dp"]
+        if self.min_peers < need:
+            return [
+                ConfigError(
+                    "min_peers",
+                    f"d_pp × d_dp = {need} tasklets need min_peers >= {need}, got {self.min_peers}",
+                )
+            ]
+        return []
+
+    def _model_fit(self, gpt: GPTConfig) -> list[ConfigError]:
+        out = []
+        d_pp = self.parallel.known().get("d_pp")
+        if d_pp is not None and d_pp > gpt.num_layers:
+            out.append(
+                ConfigError(
+                    "parallel.d_pp", f"the model has {gpt.num_layers} layers to split, got {d_pp} stages"
+                )
+            )
+        if self.data.seq_len > gpt.max_seq_len:
+            out.append(
+                ConfigError(
+                    "data.seq_len",
+                    f"exceeds the model's max_seq_len {gpt.max_seq_len}, got {self.data.seq_len}",
+                )
+            )
+        if gpt.vocab_size < 256:
+            out.append(
+                ConfigError(
+                    "model", f"byte-level data needs vocab_size >= 256, the model has {gpt.vocab_size}"
+                )
+            )
+        return out
+
+
+_CHECKED = ("model", "optimizer", "parallel", "compression", "planning")
+
+
+class JobSpecError(ConfigError):
+    """A job spec with one or more problems; ``errors`` holds each (dotted field + message)."""
+
+    def __init__(self, errors: list[ConfigError], source: str = "") -> None:
+        self.errors = errors
+        where = f"{source}: " if source else ""
+        lines = "\n".join(f"  - {e.field or '<spec>'}: {bare_message(e)}" for e in errors)
+        plural = "s" if len(errors) != 1 else ""
+        super().__init__(
+            "", f"{where}{len(errors)} problem{plural} in the job spec [{self.code.name}]:\n{lines}"
+        )
+
+    def __str__(self) -> str:
+        return Exception.__str__(self)  # the code is on the first line already
+
+
+def load_job_spec(path: str | Path) -> JobSpec:
+    """Read and validate a job spec file (YAML or JSON)."""
+    return parse_job_spec(load_mapping(path), source=str(path))
+
+
+def parse_job_spec(data: Any, source: str = "") -> JobSpec:
+    """Validate a mapping (a parsed file, or the spec inside a job record) into a ``JobSpec``."""
+    spec, errors = collect(JobSpec, data, check=False)
+    if spec is not None:
+        errors += spec.cross_problems(model_ok=not any(e.field.startswith("model") for e in errors))
+    if errors:
+        raise JobSpecError(errors, source)
+    assert spec is not None
+    return spec

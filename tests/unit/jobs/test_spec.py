@@ -1,0 +1,186 @@
+"""Job specs: the example configs load; a bad spec is refused with every problem named by its field."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+import yaml
+
+from peerd.errors import ConfigError, ErrorCode
+from peerd.jobs.spec import JobSpec, JobSpecError, load_job_spec, parse_job_spec
+from peerd.loading import from_mapping, to_mapping
+
+ROOT = Path(__file__).resolve().parents[3]
+EXAMPLES = sorted((ROOT / "configs" / "jobs").glob("*.yaml"))
+
+GOOD = {
+    "kind": "pretrain",
+    "model": {"preset": "tiny"},
+    "steps": 100,
+    "global_batch": 16,
+    "micro_batch": 4,
+    "data": {"seq_len": 64},
+    "parallel": {"d_pp": 3, "d_dp": 2},
+    "min_peers": 6,
+}
+
+
+def spec_with(**changes) -> dict:
+    data = copy.deepcopy(GOOD)
+    for dotted, value in changes.items():
+        node = data
+        *parents, last = dotted.split("__")
+        for p in parents:
+            node = node.setdefault(p, {})
+        if value is ...:
+            node.pop(last, None)
+        else:
+            node[last] = value
+    return data
+
+
+def problems(data: dict) -> dict[str, str]:
+    with pytest.raises(JobSpecError) as err:
+        parse_job_spec(data)
+    assert err.value.code == ErrorCode.CONFIG_INVALID
+    return {e.field: str(e) for e in err.value.errors}
+
+
+def test_examples_load() -> None:
+    names = {p.name for p in EXAMPLES}
+    assert {"gpt-tiny-demo.yaml", "gpt-small.yaml"} <= names
+    for path in EXAMPLES:
+        spec = load_job_spec(path)
+        assert spec.kind == "pretrain" and spec.steps > 0
+
+
+def test_the_demo_spec_fits_six_peers_on_a_laptop() -> None:
+    spec = load_job_spec(ROOT / "configs" / "jobs" / "gpt-tiny-demo.yaml")
+    assert (spec.parallel.d_pp, spec.parallel.d_dp) == (3, 2) and spec.min_peers == spec.max_peers == 6
+    assert spec.model.gpt_config().num_layers >= 3
+    assert spec.planning.timing().search_s == spec.planning.time_budget_s
+
+
+def test_defaults_and_round_trip_through_a_plain_mapping() -> None:
+    spec = parse_job_spec(GOOD)
+    assert spec.optimizer.name == "adamw" and spec.compression.forward == "acsgd"
+    assert spec.compression.forward_bits == 4 and spec.compression.gradient_bits is None
+    assert spec.data.source == "builtin" and spec.checkpoint_interval == 100
+    again = parse_job_spec(yaml.safe_load(yaml.safe_dump(to_mapping(spec))))
+    assert again == spec  # what a job record carries rebuilds the same spec on every peer
+
+
+def test_auto_shape_skips_the_checks_that_need_it() -> None:
+    spec = parse_job_spec(spec_with(parallel={"d_pp": "auto", "d_dp": "auto"}, global_batch=12, min_peers=1))
+    assert spec.parallel.known() == {}
+
+
+def test_the_invalid_example_lists_every_problem() -> None:
+    with pytest.raises(JobSpecError) as err:
+        load_job_spec(Path(__file__).parent / "invalid-spec.yaml")
+    fields = [e.field for e in err.value.errors]
+    assert set(fields) == {
+        "learning_rate",
+        "model.overrides.n_head",
+        "optimizer.lr",
+        "optimizer.betas",
+        "parallel.d_dp",
+        "compression.forward_bits",
+        "compression.gradient_bits",
+        "planning.time_budget_s",
+    }
+    text = str(err.value)
+    assert "invalid-spec.yaml: 8 problems" in text and "learning_rate: unknown key" in text
+    assert all(f"- {f}:" in text for f in fields)  # one line per problem, for `peerd submit`
+    # Once every field converts, the cross-field problems join the list.
+    data = yaml.safe_load((Path(__file__).parent / "invalid-spec.yaml").read_text())
+    data["parallel"]["d_dp"] = 2
+    found = problems(data)
+    assert {"kind", "global_batch", "optimizer.warmup_steps", "max_peers"} <= set(found)
+    assert "optimizer.lr" in found and "learning_rate" in found
+
+
+def test_cross_field_problems_are_all_reported_together() -> None:
+    found = problems(
+        spec_with(kind="rl", global_batch=20, max_peers=2, optimizer__warmup_steps=100, data__seq_len=512)
+    )
+    assert "not supported yet" in found["kind"]
+    assert "micro_batch × d_dp" in found["global_batch"]
+    assert "min_peers" in found["max_peers"]
+    assert "< steps" in found["optimizer.warmup_steps"]
+    assert "max_seq_len 128" in found["data.seq_len"]
+
+
+@pytest.mark.parametrize(
+    ("changes", "field", "needle"),
+    [
+        ({"kind": "train"}, "kind", "'pretrain' or 'finetune'"),
+        ({"kind": "finetune"}, "init_checkpoint", "needs a checkpoint"),
+        ({"init_checkpoint": "ckpt/"}, "init_checkpoint", "only used by finetune"),
+        ({"model": {"preset": "tiny", "hf": "x"}}, "model.preset", "exactly one"),
+        ({"model": {}}, "model.preset", "exactly one"),
+        ({"model": {"preset": "huge"}}, "model.preset", "known: tiny"),
+        ({"model": {"hf": "/no/such/config.json"}}, "model.hf", "no such file"),
+        ({"model": {"preset": "tiny", "overrides": {"n_layer": 2.5}}}, "model.overrides.n_layer", "integer"),
+        ({"model": {"preset": "tiny", "overrides": {"vocab_size": 100}}}, "model", "vocab_size >= 256"),
+        ({"steps": 0}, "steps", ">= 1"),
+        ({"micro_batch": 0}, "micro_batch", ">= 1"),
+        ({"checkpoint_interval": 0}, "checkpoint_interval", ">= 1"),
+        ({"steps": "many"}, "steps", "integer"),
+        ({"global_batch": 18}, "global_batch", "multiple of"),
+        ({"min_peers": 5}, "min_peers", "need min_peers >= 6"),
+        ({"min_peers": 0, "parallel": {}}, "min_peers", ">= 1"),
+        ({"parallel": {"d_pp": 0, "d_dp": 2}}, "parallel.d_pp", ">= 1 or 'auto'"),
+        ({"parallel": {"d_pp": 5, "d_dp": 1}, "min_peers": 5}, "parallel.d_pp", "4 layers"),
+        ({"optimizer": {"name": "adamw", "momentum": 0.9}}, "optimizer.momentum", "only used by sgd"),
+        ({"optimizer": {"name": "sgd", "momentum": 1.5}}, "optimizer.momentum", "[0, 1)"),
+        ({"optimizer": {"betas": [0.9, 1.0]}}, "optimizer.betas", "[0, 1)"),
+        ({"optimizer": {"betas": [0.9]}}, "optimizer.betas", "exactly 2"),
+        ({"optimizer": {"schedule": "linear"}}, "optimizer.schedule", "'cosine'"),
+        ({"optimizer": {"weight_decay": -0.1}}, "optimizer.weight_decay", ">= 0"),
+        ({"optimizer": {"grad_clip": 0}}, "optimizer.grad_clip", "> 0 or null"),
+        ({"optimizer": {"min_lr_ratio": 2}}, "optimizer.min_lr_ratio", "[0, 1]"),
+        ({"compression": {"forward": "none"}}, "compression.forward_bits", "null when forward is 'none'"),
+        (
+            {"compression": {"forward": "direct", "forward_bits": None}},
+            "compression.forward_bits",
+            "needs a bit width",
+        ),
+        ({"compression": {"backward_bits": 1}}, "compression.backward_bits", "2, 3, 4, 8"),
+        ({"compression": {"forward": "zip"}}, "compression.forward", "'acsgd'"),
+        ({"data": {"source": "text"}}, "data.paths", "at least one path"),
+        ({"data": {"seq_len": 64, "colour": 1}}, "data.colour", "unknown key"),
+        ({"planning": {"time_budget_s": 7200}}, "planning.time_budget_s", "(0, 3600]"),
+        ({"planning": {"objective": "fast"}}, "planning.objective", "'peerd'"),
+    ],
+)
+def test_each_bad_value_names_its_field(changes: dict, field: str, needle: str) -> None:
+    data = copy.deepcopy(GOOD)
+    data.update(changes)
+    found = problems(data)
+    assert field in found, found
+    assert needle in found[field]
+
+
+def test_missing_required_fields_and_wrong_top_level() -> None:
+    found = problems({"kind": "pretrain"})
+    assert {"model", "steps", "global_batch", "micro_batch"} <= set(found)
+    assert all("is required" in found[f] for f in ("model", "steps"))
+    with pytest.raises(JobSpecError, match="must be a mapping"):
+        parse_job_spec(["kind", "pretrain"])
+
+
+def test_from_mapping_users_get_the_first_problem_as_a_config_error() -> None:
+    with pytest.raises(ConfigError) as err:
+        from_mapping(JobSpec, spec_with(kind="rl"))
+    assert err.value.field == "kind"
+
+
+def test_a_yaml_syntax_error_names_the_file(tmp_path: Path) -> None:
+    bad = tmp_path / "job.yaml"
+    bad.write_text("kind: [pretrain\n")
+    with pytest.raises(ConfigError) as err:
+        load_job_spec(bad)
+    assert str(bad) in str(err.value)
