@@ -67,7 +67,9 @@ class GroupAllReduce:
     ``group`` must be the same ordered list on every member; ``key`` names the job and stage
     (it selects the stream protocol and enters the group digest). ``compressor``: None or
     ``"none"`` (fp32, bit-identical on every member), ``"q8"``/``"q4"``/... or a
-    GradientCompression. ``timeout``: seconds a step may go without progress.
+    GradientCompression. ``timeout``: seconds a step may go without progress. Call ``start()`` on
+    every member before its first step (members also retry connecting until ``timeout``) and
+    ``close()`` at the end. With a single member ``allreduce`` returns the input tensors themselves.
     """
 
     def __init__(

@@ -1,6 +1,7 @@
 """``peerd bench averaging``: gradient all-reduce throughput among 2 and 4 loopback peers, fp32 vs 8-bit vs 4-bit.
 
-Real p2pd daemons on loopback (a full mesh), one ``GroupAllReduce`` per member. A step
+Real p2pd daemons on loopback (a full mesh), one ``GroupAllReduce`` per member, on plain
+loopback and on links shaped by the LinkShaper (``--mbit``, per destination). A step
 averages ``--mib`` MiB of fp32 gradients per member; throughput is that size over the
 step's wall time (all members run concurrently on this machine's cores, so the codec's
 CPU time counts). Baseline, measured in the same run and interleaved with the all-reduce
@@ -24,9 +25,10 @@ from peerd.averaging import GroupAllReduce
 from peerd.averaging.partition import share_bounds
 from peerd.bench import emit_json
 from peerd.errors import ConfigError
+from peerd.swarm.shaper import LinkShaper, LinkSpec
 from peerd.swarm.transport import Connection, Transport, create_p2p
 
-ECHO_PROTOCOL = "peerd-bench/avg-echo/1"
+ECHO_PROTOCOL = "peerd-bench/avg-echo/1"  # + "/<link>": one per link setting
 
 
 async def _echo(conn: Connection) -> None:
@@ -53,13 +55,13 @@ def _gradients(numel: int, seed: int) -> list[torch.Tensor]:
 
 
 async def _bench_group(
-    transports: list[Transport], codecs: list[str], numel: int, repeats: int
+    transports: list[Transport], codecs: list[str], numel: int, repeats: int, link: str
 ) -> list[dict]:
     size = len(transports)
     ids = [t.peer_id for t in transports]
     groups = {
         codec: [
-            GroupAllReduce(t, ids, key=f"bench-{size}-{codec}", compressor=codec, timeout=120)
+            GroupAllReduce(t, ids, key=f"bench-{link}-{size}-{codec}", compressor=codec, timeout=300)
             for t in transports
         ]
         for codec in codecs
@@ -74,7 +76,7 @@ async def _bench_group(
             for j in range(size):
                 if i != j:
                     conns[i, j] = await transports[i].connect(
-                        transports[j].peer_id, ECHO_PROTOCOL, timeout=30
+                        transports[j].peer_id, f"{ECHO_PROTOCOL}/{link}", timeout=30
                     )
         for avgs in groups.values():
             for a in avgs:
@@ -99,14 +101,13 @@ async def _bench_group(
                 await a.close()
     mib = numel * 4 / 2**20
     transfer_med = statistics.median(times["transfer"])
-    fp32 = codecs[0]
-    base_s = statistics.median(times[fp32])
-    base_wire = wire[fp32]
+    base_s, base_wire = statistics.median(times[codecs[0]]), wire[codecs[0]]
     rows = []
     for codec in codecs:
         med = statistics.median(times[codec])
         rows.append(
             {
+                "link": link,
                 "peers": size,
                 "codec": codec,
                 "step_s": [round(x, 4) for x in times[codec]],
@@ -122,28 +123,42 @@ async def _bench_group(
     return rows
 
 
-async def _run(mib: float, peer_counts: list[int], codecs: list[str], repeats: int) -> dict:
+async def _run(
+    mib: float, peer_counts: list[int], codecs: list[str], repeats: int, mbits: list[float]
+) -> dict:
     numel = int(mib * 2**20) // 4
-    p2ps, transports = [], []
+    p2ps: list = []
+    rows: list[dict] = []
     try:
         for _ in range(max(peer_counts)):
             known = [m for p in p2ps for m in await p.get_visible_maddrs()]
             p2ps.append(await create_p2p(known))  # each new daemon dials all earlier ones: a full mesh
-            transports.append(Transport(p2ps[-1]))
-        for t in transports:
-            await t.serve(ECHO_PROTOCOL, _echo)
-        rows = []
-        for size in peer_counts:
-            rows += await _bench_group(transports[:size], codecs, numel, repeats)
+        for mbit in mbits:
+            link = "loopback" if mbit == 0 else f"{mbit:g}mbit"
+            shaper = None if mbit == 0 else LinkShaper.uniform(LinkSpec(bandwidth_bps=mbit * 1e6))
+            transports = [Transport(p, shaper) for p in p2ps]
+            try:
+                for t in transports:
+                    await t.serve(f"{ECHO_PROTOCOL}/{link}", _echo)
+                for size in peer_counts:
+                    rows += await _bench_group(transports[:size], codecs, numel, repeats, link)
+            finally:
+                for t in transports:
+                    await t.close()
     finally:
-        for t in transports:
-            await t.close()
         for p in reversed(p2ps):
             await p.shutdown()
     return {
         "benchmark": "averaging",
-        "what": "fp32 gradient MiB averaged per member per second among loopback peers; wire bytes vs fp32",
-        "config": {"mib_per_member": mib, "peers": peer_counts, "codecs": codecs, "repeats": repeats},
+        "what": "fp32 gradient MiB averaged per member per second among loopback peers (plain or "
+        "shaped links); wire bytes vs fp32; time vs the same traffic without averaging",
+        "config": {
+            "mib_per_member": mib,
+            "peers": peer_counts,
+            "codecs": codecs,
+            "repeats": repeats,
+            "links_mbit": mbits,
+        },
         "ideal_wire_ratio": {c: _ideal_ratio(c) for c in codecs},
         "results": rows,
     }
@@ -166,18 +181,27 @@ def _ideal_ratio(codec: str) -> float:
 @click.option(
     "--repeats", default=3, show_default=True, help="Timed steps per configuration (medians reported)."
 )
+@click.option(
+    "--mbit",
+    default="0,100",
+    show_default=True,
+    help="Per-destination link rates emulated by the LinkShaper, Mbit/s (0: plain loopback).",
+)
 @click.option("--out", default=None, type=click.Path(dir_okay=False), help="Also write the JSON here.")
-def command(mib: float, peers: str, codecs: str, repeats: int, out: str | None) -> None:
+def command(mib: float, peers: str, codecs: str, repeats: int, mbit: str, out: str | None) -> None:
     """All-reduce throughput among loopback peers: fp32 vs quantized with error feedback."""
     try:
         peer_counts = [int(x) for x in peers.split(",") if x.strip()]
         names = [x.strip() for x in codecs.split(",") if x.strip()]
+        mbits = [float(x) for x in mbit.split(",") if x.strip()]
     except ValueError as exc:
         raise click.BadParameter(str(exc)) from None
     if not peer_counts or min(peer_counts) < 2 or not names or repeats < 1 or mib <= 0:
         raise click.BadParameter("need group sizes >= 2, at least one codec, repeats >= 1, mib > 0")
+    if not mbits or min(mbits) < 0:
+        raise click.BadParameter("--mbit: rates >= 0 (0 = plain loopback)")
     try:
-        result = asyncio.run(_run(mib, peer_counts, names, repeats))
+        result = asyncio.run(_run(mib, peer_counts, names, repeats, mbits))
     except ConfigError as exc:
         raise click.BadParameter(str(exc)) from None
     emit_json(result, out)
