@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 import struct
 import time
@@ -311,3 +312,20 @@ def test_a_member_killed_mid_step_fails_the_others_within_the_timeout(cluster: C
     outcomes, elapsed = cluster.run(go(), timeout=60)
     assert all(isinstance(o, PeerUnavailable) for o in outcomes), outcomes
     assert elapsed < timeout + 1.0
+
+
+def test_benchmark_command_reports_ratios():
+    from click.testing import CliRunner
+
+    from peerd.bench.averaging import command
+
+    result = CliRunner().invoke(
+        command, ["--mib", "0.25", "--peers", "2", "--repeats", "1", "--mbit", "0"], catch_exceptions=False
+    )
+    assert result.exit_code == 0, result.output
+    rows = {r["codec"]: r for r in json.loads(result.output)["results"]}
+    assert set(rows) == {"none", "q8", "q4"}
+    assert rows["none"]["wire_ratio_vs_fp32"] == 1.0
+    assert 0.24 < rows["q8"]["wire_ratio_vs_fp32"] < 0.27
+    assert 0.12 < rows["q4"]["wire_ratio_vs_fp32"] < 0.14
+    assert all(r["mib_per_s"] > 0 for r in rows.values())
