@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Callable, Iterator
+import inspect
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,7 +23,7 @@ from peerd.errors import ConfigError, PeerdError
 from peerd.log import get_logger
 from peerd.pipeline import checkpoint
 from peerd.pipeline.config import TrainConfig
-from peerd.pipeline.streams import PeerRef
+from peerd.pipeline.streams import PeerRef, plain
 from peerd.pipeline.worker import Reducer, StageWorker, StepReport
 from peerd.swarm.shaper import LinkShaper, LinkSpec
 from peerd.swarm.transport import Transport, create_p2p
@@ -31,6 +32,7 @@ logger = get_logger(__name__)
 
 # (transport, the stage's replica peers in replica order, this peer, group key, config) -> reducer
 ReducerFactory = Callable[[Transport, list[PeerRef], PeerRef, str, TrainConfig], Reducer]
+Prepare = Callable[[list["StageWorker"]], Awaitable[None] | None]
 
 
 @dataclass(frozen=True)
@@ -222,7 +224,7 @@ async def run_workers(
     *,
     until: int | None = None,
     resume: int | None = None,
-    prepare: Callable[[list[StageWorker]], None] | None = None,
+    prepare: Prepare | None = None,
 ) -> RunResult:
     """Restore (optionally), serve, connect, train and close ``workers``; typed failures become ``errors``."""
     start = 0
@@ -232,20 +234,21 @@ async def run_workers(
                 start = w.restore(resume)
         await asyncio.gather(*(w.start() for w in workers))  # everyone serves ...
         await asyncio.gather(*(w.connect() for w in workers))  # ... before anyone connects
-        if prepare is not None:
-            prepare(workers)
+        if prepare is not None:  # e.g. a test injecting frames between the handshake and training
+            pending = prepare(workers)
+            if inspect.isawaitable(pending):
+                await pending
         outcomes = await asyncio.gather(*(w.run(until) for w in workers), return_exceptions=True)
     finally:
         await asyncio.gather(*(_close(w) for w in workers))
     result = RunResult(start_step=start)
     for w, outcome in zip(workers, outcomes, strict=True):
         result.stats[f"s{w.stage}r{w.replica}"] = w.stats.snapshot()
+        result.reports.extend(w.reports)
         if isinstance(outcome, PeerdError):
-            result.errors.append(TaskletError(w.stage, w.replica, outcome.code.name, str(outcome)))
+            result.errors.append(TaskletError(w.stage, w.replica, outcome.code.name, plain(outcome)))
         elif isinstance(outcome, BaseException):
             raise outcome  # a bug, not a network or input failure
-        else:
-            result.reports.extend(outcome)
     result.reports.sort(key=lambda r: (r.step, r.stage, r.replica))
     return result
 
@@ -268,7 +271,7 @@ async def run_allocation(
     until: int | None = None,
     resume: bool = False,
     on_report: Callable[[StepReport], None] | None = None,
-    prepare: Callable[[list[StageWorker]], None] | None = None,
+    prepare: Prepare | None = None,
 ) -> RunResult:
     """Train ``cfg`` on ``peers`` as ``allocation`` says; with ``resume`` continue from the newest common checkpoint."""
     step = resume_step(cfg, allocation) if resume else None

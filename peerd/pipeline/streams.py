@@ -517,7 +517,7 @@ class StreamReceiver:
                 self.stats.reject(exc.code)
                 logger.info("rejected a frame from %s: %s", conn.peer_id, exc)
                 seq = header.get("seq")
-                await conn.send(nack_header(seq if _is_seq(seq) else -1, exc.code, str(exc)), timeout=5.0)
+                await conn.send(nack_header(seq if _is_seq(seq) else -1, exc.code, plain(exc)), timeout=5.0)
 
     async def _aborted(self, conn: Connection, header: dict) -> None:
         try:
@@ -582,6 +582,11 @@ class StreamReceiver:
         before = conn.bytes_sent
         await conn.send(ack_header(seq), timeout=self.config.stall_timeout_s)
         self.stats.control_bytes += conn.bytes_sent - before
+
+
+def plain(exc: BaseException) -> str:
+    """An error's message without the ``[CODE]`` suffix (the code travels in its own field)."""
+    return Exception.__str__(exc)
 
 
 def _is_seq(value: Any) -> bool:

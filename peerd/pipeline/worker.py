@@ -39,7 +39,15 @@ from peerd.pipeline.frames import KIND_ACT, KIND_GRAD, Expectation, TensorMessag
 from peerd.pipeline.local import make_optimizer
 from peerd.pipeline.partition import build_stage
 from peerd.pipeline.schedule import Op, get_schedule
-from peerd.pipeline.streams import Inbox, PeerRef, StreamReceiver, StreamSender, StreamStats, stage_protocol
+from peerd.pipeline.streams import (
+    Inbox,
+    PeerRef,
+    StreamReceiver,
+    StreamSender,
+    StreamStats,
+    plain,
+    stage_protocol,
+)
 from peerd.swarm.transport import Transport
 
 logger = get_logger(__name__)
@@ -141,6 +149,7 @@ class StageWorker:
         self.to_next = self._sender(downstream, stage + 1)
         self.to_prev = self._sender(upstream, stage - 1)
         self._serving = False
+        self.reports: list[StepReport] = []  # every step this worker completed
 
     def _sender(self, peer: PeerRef | None, stage: int) -> StreamSender | None:
         if peer is None:
@@ -295,6 +304,7 @@ class StageWorker:
             resends=self.stats.resends,
             reconnects=self.stats.reconnects,
         )
+        self.reports.append(report)
         if self.on_report is not None:
             self.on_report(report)
         return report
@@ -348,7 +358,7 @@ class StageWorker:
         self.inbox.fail(exc)
         for sender in (self.to_next, self.to_prev):
             if sender is not None:
-                await sender.abort(step, exc.code, str(exc))
+                await sender.abort(step, exc.code, plain(exc))
 
     # ------------------------------------------------------------------ checkpoints
 
