@@ -27,6 +27,7 @@ logger = get_logger(__name__)
 MIN_PIECE = 4 * 1024
 MAX_PIECE = 256 * 1024
 PIECE_SECONDS = 0.004  # pace in pieces of ~4 ms of link time: smooth enough, few wake-ups
+LOOKAHEAD_S = 0.05  # a writer may reserve link time up to this far ahead of now (absorbs scheduling jitter)
 MIN_QUEUE_BYTES = (
     4 << 20
 )  # a channel may queue this much (or 2x the bandwidth-delay product) before send blocks
@@ -111,7 +112,7 @@ class ShapedChannel:
         self._queue: collections.deque[tuple[float, bytes]] = collections.deque()
         self._queued_bytes = 0
         rate = link.spec.rate_Bps
-        bdp = 0 if math.isinf(rate) else rate * link.spec.delay_s
+        bdp = 0 if math.isinf(rate) else rate * (link.spec.delay_s + LOOKAHEAD_S)
         self._max_queued = max(MIN_QUEUE_BYTES, int(2 * bdp))
         self._wake = asyncio.Event()
         self._space = asyncio.Event()
@@ -127,8 +128,10 @@ class ShapedChannel:
             chunk = data[offset : offset + piece]
             now = self._clock()
             send_at, visible_at = self._link.schedule(chunk.nbytes, now)
-            if send_at - now > 0.001:
-                await asyncio.sleep(send_at - now)
+            if send_at - now > LOOKAHEAD_S:
+                # Sleep only to stay within the look-ahead: the reservation, not the wake-up, fixes
+                # when the piece leaves, so a late wake-up (a busy host) costs no link capacity.
+                await asyncio.sleep(send_at - now - LOOKAHEAD_S)
             while self._queued_bytes >= self._max_queued:
                 self._space.clear()
                 await self._space.wait()

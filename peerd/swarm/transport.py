@@ -52,6 +52,8 @@ __all__ = [
 
 logger = get_logger(__name__)
 
+SERVER_LINGER_S = 2.0  # a served stream waits this long for the opener to close first (see Connection.close)
+
 Handler = Callable[["Connection"], Awaitable[None]]
 Allowed = Callable[[PeerID], bool]
 
@@ -253,18 +255,36 @@ class Connection:
         await self.send(header, payload, timeout=timeout)
         return await self.recv(timeout=timeout)
 
-    async def close(self, timeout: float = 5.0) -> None:
-        """Flush queued (shaped) bytes within ``timeout``, then close the stream."""
+    async def close(self, timeout: float = 5.0, *, linger: float = 0.0) -> None:
+        """Flush queued (shaped) bytes within ``timeout``, then close the stream.
+
+        ``linger`` > 0: first wait up to that long for the remote to close its side, discarding
+        what it still sends. p2pd resets a stream closed with unread input, which can drop our
+        last frames (e.g. an error frame) before the remote reads them; lingering lets the
+        remote read them and close first.
+        """
         if self._closed:
             return
         if self._channel is not None:
             with suppress(PeerdError, TimeoutError, ConnectionError, OSError):
                 async with asyncio.timeout(timeout):
                     await self._channel.flush()
+        if linger > 0:
+            await self._linger(linger)
         self._abort()
         with suppress(Exception):
             async with asyncio.timeout(1.0):
                 await self._writer.wait_closed()
+
+    async def _linger(self, seconds: float, max_bytes: int = 4 << 20) -> None:
+        discarded = 0
+        with suppress(TimeoutError, ConnectionError, OSError):
+            async with asyncio.timeout(seconds):
+                while discarded < max_bytes:
+                    data = await self._reader.read(64 * 1024)
+                    if not data:
+                        return
+                    discarded += len(data)
 
     def _abort(self) -> None:
         if self._closed:
@@ -355,6 +375,8 @@ class Transport:
 
     async def connect(self, peer_id: PeerID, protocol: str, timeout: float = 10.0) -> Connection:
         """Open a stream to ``peer_id`` speaking ``protocol``, retrying within ``timeout`` seconds."""
+        if self._closed:
+            raise PeerUnavailable("this transport is closed")
         banned = self.bans.remaining(peer_id)
         if banned > 0:
             raise PeerUnavailable(f"{peer_id} is banned for {banned:.1f} s more after repeated failures")
@@ -447,7 +469,10 @@ class Transport:
             await self._try_send_error(conn, ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}")
         finally:
             served.tasks.discard(task)
-            await conn.close()
+            try:
+                await conn.close(linger=SERVER_LINGER_S)
+            except asyncio.CancelledError:  # see above: end the task normally
+                conn._abort()
 
     @staticmethod
     async def _try_send_error(conn: Connection, code: ErrorCode, message: str) -> None:

@@ -75,9 +75,13 @@ def test_from_scenario_rejects_a_self_name_outside_the_scenario():
 
 
 def test_real_stream_is_delayed_and_paced_without_dividing_throughput():
-    """2 Mbit/s, 100 ms one-way over a loopback TCP socket: first byte after ~delay, total ~ delay + size/rate."""
+    """2 Mbit/s, 100 ms one-way over a loopback TCP socket: first byte after ~delay, total ~ delay + size/rate.
+
+    Bounds are loose on the late side: a busy host wakes timers late, which only delays bytes.
+    The exact pacing arithmetic is checked on a fake clock above.
+    """
     spec = LinkSpec(delay_s=0.1, bandwidth_bps=2_000_000)
-    total = 100_000  # 0.4 s at 250 kB/s
+    total = 250_000  # 1.0 s at 250 kB/s, sent as 50 writes of 5 kB
 
     async def go():
         arrivals: list[tuple[float, int]] = []
@@ -104,7 +108,7 @@ def test_real_stream_is_delayed_and_paced_without_dividing_throughput():
             await channel.write(memoryview(bytes(5000)))
         returned = time.monotonic() - started
         await channel.flush()
-        await asyncio.wait_for(done.wait(), 5)
+        await asyncio.wait_for(done.wait(), 10)
         channel.close()
         writer.close()
         server.close()
@@ -114,10 +118,10 @@ def test_real_stream_is_delayed_and_paced_without_dividing_throughput():
     first = arrivals[0][0] - started
     last = arrivals[-1][0] - started
     assert arrivals[-1][1] == total
-    assert 0.095 <= first < 0.2  # nothing arrives before the one-way delay
-    # the sender was paced (~0.4 s), then the last bytes arrive one delay later: 0.5 s, not 0.4 + 20 * 0.1
-    assert 0.3 <= returned < 0.5
-    assert 0.45 <= last < 0.7
-    # throughput between first and last arrival is the link rate
+    assert 0.095 <= first < 0.4  # nothing arrives before the one-way delay
+    # the sender is paced (~1 s less the 50 ms look-ahead) and the last byte arrives one delay
+    # after its slot: ~1.1 s, where a delay paid per write would take 1 + 50 x 0.1 = 6 s
+    assert 0.85 <= returned < 1.5
+    assert 1.0 <= last < 1.8
     rate = (arrivals[-1][1] - arrivals[0][1]) / (arrivals[-1][0] - arrivals[0][0])
-    assert rate == pytest.approx(spec.rate_Bps, rel=0.15)
+    assert rate == pytest.approx(spec.rate_Bps, rel=0.2)
