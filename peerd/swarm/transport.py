@@ -448,6 +448,7 @@ class Transport:
         assert task is not None
         served.tasks.add(task)
         conn = self._connection(peer_id, protocol, reader, writer, served.limits)
+        linger = SERVER_LINGER_S
         try:
             if served.allowed is not None and not served.allowed(peer_id):
                 logger.info("refused %s stream from %s: not allowed", protocol, peer_id)
@@ -464,13 +465,14 @@ class Transport:
             # done-callback in Python 3.11 calls task.exception() and logs a spurious error for a
             # cancelled task; ending normally is safe because nothing awaits this task's result.
             logger.debug("%s stream from %s cancelled", protocol, peer_id)
+            linger = 0.0
         except Exception as exc:
             logger.exception("%s handler failed on a stream from %s", protocol, peer_id)
             await self._try_send_error(conn, ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}")
         finally:
             served.tasks.discard(task)
             try:
-                await conn.close(linger=SERVER_LINGER_S)
+                await conn.close(linger=linger)
             except asyncio.CancelledError:  # see above: end the task normally
                 conn._abort()
 
