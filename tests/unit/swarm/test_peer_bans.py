@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from peerd.swarm.transport import PeerBans, RetryPolicy
+from peerd.swarm.retry import PeerBans, RetryPolicy
 
 
 class Clock:
