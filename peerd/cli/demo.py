@@ -103,6 +103,8 @@ def demo(size: int, timeout: float, root: str | None, keep: bool, as_json: bool)
             click.echo(json.dumps(view, sort_keys=True))
         else:
             console.print(render_status(view))
+    except KeyboardInterrupt:
+        raise click.Abort() from None  # after the cleanup below: "Aborted.", exit code 1
     finally:
         console.print("shutting the swarm down ...")
         swarm.close()

@@ -114,6 +114,12 @@ def test_one_daemon_table_watch_and_home_lock(local_swarm, peerd_cli):
     _no_traceback(result)
     assert peer.status()["self"]["state"] == "online"  # the running one is undisturbed
 
+    # the control endpoint's shutdown: a graceful exit with code 0
+    assert peer.control().call("shutdown") == {"stopping": True}
+    assert peer.process.wait(timeout=30) == 0
+    assert "announced OFFLINE" in peer.log_tail(40)
+    assert not peer.control_socket.exists()
+
 
 def test_demo_runs_a_swarm_and_cleans_up(peerd_cli, tmp_path):
     root = tmp_path / "demo"
