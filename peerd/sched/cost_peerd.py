@@ -1,0 +1,282 @@
+"""The ``peerd`` cost model: seconds per training iteration with compute, memory, micro-batches and compression.
+
+Notation: G = d_pp stages in pipeline order, D = d_dp replicas, M = global_batch /
+(D * micro_batch) micro-batches per replica per iteration, L layers, b = micro_batch,
+s = seq, h = hidden, p_l = parameters of layer l (mean p̄ used for the split).
+
+- Compute. Forward FLOPs per token of a layer: 2 p_l + 4 s h (matmuls + attention);
+  a micro-batch's forward + backward costs ``mult`` forwards (3, or 4 with activation
+  recomputation). Stage k runs at its slowest replica: ``t_k = mult * b * s * f̄ /
+  (min TFLOPS in group k * 1e12)`` seconds per layer per micro-batch.
+- Memory. A device of stage k holding n layers needs ``n * (p̄ * state_bytes +
+  inflight_k * b * s * act_mem)`` bytes, ``act_mem`` = 34 h per token per layer (2 h
+  with recomputation), ``inflight_k`` = M for GPipe, min(M, G - k) for 1F1B.
+  ``cap_k`` = the most layers the smallest device of group k can hold.
+- Uneven layers. ``n_k`` minimises max_k n_k t_k subject to 1 <= n_k <= cap_k,
+  sum n_k = L (greedy one layer at a time to the stage whose new time is smallest,
+  ties to the stage with fewer layers: optimal for this min-max, and an even split
+  when compute is free). If no split fits, the layout is infeasible: its total is
+  1e9 * (1 + layers left over), so the search still moves towards feasibility.
+- Pipeline. Per micro-batch, a boundary between stages costs the bottleneck over the
+  matched replica pairs of ``α + 8 a r_f / β`` forward plus ``α + 8 a r_b / β``
+  backward (a = b s h activation bytes, or ``c_pp_bytes / M`` when given;
+  symmetrised), call it E_e. Stage time T_k = n_k t_k. Both schedules have the
+  same bubble: ``pipe = sum_k T_k + sum_e E_e + (M - 1) max(max_k T_k, max_e E_e)``
+  (fill and drain once, then the slowest station paces every micro-batch).
+- Data parallel. Stage k exchanges c_k = n_k * p̄ * gradient_bytes * r_g bytes
+  (or c_dp_bytes scaled by n_k / (L / G)): ``dp_k = max_{d in group k} sum_{d'} 2
+  (α + 8 c_k / (D β))``; DP = max_k dp_k (after the pipeline, not overlapped).
+- total = pipe + DP seconds per iteration. Spare devices cost nothing.
+
+Reduction to ``dtfm``: identical devices with free compute, one micro-batch per
+tasklet (M = 1), ratios 1 and the same explicit c_dp/c_pp give T_k = 0, an even
+split, pipe = sum_e E_e = 2 PP and dp_k = dtfm's dp: the totals are equal, so the
+rankings are too (tested).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from peerd.errors import ConfigError
+from peerd.sched.objective import Cost, Edge, Objective
+from peerd.sched.problem import Problem, Shape
+
+INFEASIBLE = 1e9
+
+
+@dataclass(frozen=True)
+class PeerdGroup:
+    members: np.ndarray
+    tflops: float  # slowest member
+    memory: float  # smallest member, bytes
+    a: np.ndarray  # per member: sum of 2 * delay to the rest of the group (s)
+    b: np.ndarray  # per member: sum of 16 / (D * bandwidth), times bytes gives seconds
+
+
+class PeerdObjective(Objective):
+    """Iteration time with compute, memory, uneven layers, micro-batch pipelining, compression."""
+
+    name = "peerd"
+    orientation_matters = True  # 1F1B memory depends on the stage position
+
+    def __init__(self, problem: Problem, shape: Shape) -> None:
+        sc = problem.scenario
+        if sc.model is None:
+            raise ConfigError("model", "is required by the peerd objective (layers, hidden, seq)")
+        if sc.training is None:
+            raise ConfigError("training", "is required by the peerd objective")
+        model, tr = sc.model, sc.training
+        for i, dev in enumerate(sc.devices):
+            for key in ("tflops", "memory_gb"):
+                if getattr(dev, key) <= 0:
+                    raise ConfigError(f"devices[{i}].{key}", "must be > 0 for the peerd objective")
+        if tr.global_batch % (shape.d_dp * tr.micro_batch):
+            raise ConfigError(
+                "training.global_batch",
+                f"{tr.global_batch} sequences do not split into {shape.d_dp} replicas x micro-batches of {tr.micro_batch}",
+            )
+        if shape.d_pp > model.layers:
+            raise ConfigError("training.d_pp", f"{shape.d_pp} stages for {model.layers} layers")
+        self.layers = model.layers
+        self.micro_batches = tr.global_batch // (shape.d_dp * tr.micro_batch)
+        params = model.per_layer_params()
+        tokens = tr.micro_batch * model.seq
+        fwd = tokens * (2.0 * params + 4.0 * model.seq * model.hidden)  # FLOPs per layer per micro-batch
+        self.layer_flops = (4.0 if tr.recompute else 3.0) * float(fwd.mean())
+        act = tr.activation_memory_per_token_layer
+        if act is None:
+            act = (2.0 if tr.recompute else 34.0) * model.hidden
+        self.layer_static = float(params.mean()) * tr.state_bytes_per_param
+        self.layer_act = tokens * act
+        g = np.arange(shape.d_pp)
+        self.inflight = (
+            np.full(shape.d_pp, self.micro_batches)
+            if tr.schedule == "gpipe"
+            else np.minimum(self.micro_batches, shape.d_pp - g)
+        ).astype(float)
+        if tr.c_dp_bytes is not None:
+            grad_layer = tr.c_dp_bytes / (model.layers / shape.d_pp)
+        else:
+            grad_layer = float(params.mean()) * tr.gradient_bytes
+        self.layer_grad = grad_layer * tr.gradient_ratio
+        self.c_act = (
+            tr.c_pp_bytes / self.micro_batches
+            if tr.c_pp_bytes is not None
+            else tokens * model.hidden * tr.activation_bytes
+        )
+        self.ratios = (tr.forward_ratio, tr.backward_ratio)
+        need = self.layer_static + self.layer_act  # one layer, one micro-batch in flight
+        if need > problem.memory_bytes.max():
+            raise ConfigError(
+                "model",
+                f"one layer needs {need / 1e9:.2f} GB (weights + optimizer state + activations) "
+                f"but the largest device has {problem.memory_bytes.max() / 1e9:.2f} GB",
+            )
+        a2 = 2.0 * problem.delay
+        bi = 16.0 / (shape.d_dp * problem.bandwidth)
+        np.fill_diagonal(a2, 0.0)
+        np.fill_diagonal(bi, 0.0)
+        self.a2, self.bi = a2, bi
+        super().__init__(problem, shape)
+        # What a device adds to an even stage's data-parallel exchange.
+        self.affinity = a2 + self.layer_grad * (model.layers / shape.d_pp) * bi
+
+    def _pair_cost(self) -> np.ndarray:
+        p = self.problem
+        rf, rb = self.ratios
+        fwd = p.delay + 8.0 * self.c_act * rf / p.bandwidth  # d -> d'
+        bwd = p.delay.T + 8.0 * self.c_act * rb / p.bandwidth.T  # gradients come back d' -> d
+        pc = fwd + bwd
+        pc = (pc + pc.T) / 2.0
+        np.fill_diagonal(pc, 0.0)
+        return pc
+
+    def _group(self, members: np.ndarray) -> PeerdGroup:
+        ix = np.ix_(members, members)
+        return PeerdGroup(
+            members,
+            float(self.problem.tflops[members].min()),
+            float(self.problem.memory_bytes[members].min()),
+            self.a2[ix].sum(axis=1),
+            self.bi[ix].sum(axis=1),
+        )
+
+    # --- the batched core: every cost goes through here ----------------------------------
+    def batch_cost(self, tflops, memory, a, b, emax, emean, detail: bool = False):
+        """Totals and softs for P layouts: tflops/memory (P, G), a/b (P, G, D), emax/emean (P, G-1)."""
+        n_layers, g = self.layers, tflops.shape[1]
+        t = self.layer_flops / (tflops * 1e12)  # (P, G) s per layer per micro-batch
+        per_layer_mem = self.layer_static + self.inflight[None, :g] * self.layer_act
+        cap = np.floor(memory / per_layer_mem).astype(np.int64)
+        n, short = split_layers(t, np.minimum(cap, n_layers - g + 1), n_layers)
+        stage = n * t  # (P, G)
+        c = n * self.layer_grad  # (P, G) gradient bytes per stage
+        dp = (a + c[..., None] * b).max(axis=2)  # (P, G)
+        bubble = stage.max(axis=1)
+        if g > 1:
+            bubble = np.maximum(bubble, emax.max(axis=1))
+        pipe = stage.sum(axis=1) + emax.sum(axis=1) + (self.micro_batches - 1) * bubble
+        total = pipe + dp.max(axis=1)
+        total = np.where(short > 0, INFEASIBLE * (1.0 + short), total)
+        soft = dp.mean(axis=1) + emean.sum(axis=1) + stage.mean(axis=1)
+        if detail:
+            return total, soft, n, dp, pipe, stage
+        return total, soft
+
+    def _arrays(self, groups: list[PeerdGroup], edges: list[Edge]):
+        tflops = np.array([[x.tflops for x in groups]])
+        memory = np.array([[x.memory for x in groups]])
+        a = np.stack([x.a for x in groups])[None]
+        b = np.stack([x.b for x in groups])[None]
+        emax = np.array([[e.value for e in edges]]).reshape(1, len(edges))
+        emean = np.array([[e.mean for e in edges]]).reshape(1, len(edges))
+        return tflops, memory, a, b, emax, emean
+
+    def combine(self, groups: list[PeerdGroup], edges: list[Edge], spares: np.ndarray) -> Cost:
+        total, soft, _n, dp, pipe, stage = self.batch_cost(*self._arrays(groups, edges), detail=True)
+        parts = {
+            "dp": float(dp[0].max()),
+            "pipeline": float(pipe[0]),
+            "compute": float(stage[0].sum()),
+            "pp": float(sum(e.value for e in edges) / 2.0),
+            "micro_batches": float(self.micro_batches),
+        }
+        return Cost(float(total[0]), float(soft[0]), parts)
+
+    def layer_split(self, groups: list[PeerdGroup], edges: list[Edge]) -> tuple[int, ...] | None:
+        _, _, n, *_ = self.batch_cost(*self._arrays(groups, edges), detail=True)
+        return tuple(int(x) for x in n[0])
+
+    def critical(self, groups: list[PeerdGroup], edges: list[Edge]) -> list[int]:
+        total, _, n, dp, _, stage = self.batch_cost(*self._arrays(groups, edges), detail=True)
+        out: list[int] = []
+        top = dp[0].max()
+        for k, grp in enumerate(groups):
+            tfl = self.problem.tflops[grp.members]
+            if stage[0, k] >= stage[0].max() - 1e-12 or total[0] >= INFEASIBLE:
+                out.extend(int(d) for d in grp.members[tfl <= tfl.min()])
+            if total[0] >= INFEASIBLE:
+                mem = self.problem.memory_bytes[grp.members]
+                out.extend(int(d) for d in grp.members[mem <= mem.min()])
+            if dp[0, k] >= top - 1e-12:
+                vals = grp.a + n[0, k] * self.layer_grad * grp.b
+                out.extend(int(d) for d in grp.members[vals >= vals.max() - 1e-12])
+        for i, e in enumerate(edges):
+            a, b = groups[i].members, groups[i + 1].members
+            for pos in e.worst:
+                out.extend((int(a[pos]), int(b[e.perm[pos]])))
+        return list(dict.fromkeys(out))
+
+    # --- vectorised grid moves ------------------------------------------------------------
+    def swap_scores(
+        self, grid: np.ndarray, spares: np.ndarray, upos: np.ndarray, cand: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """(total, soft) after swapping cell ``upos[p]`` with position ``cand[p]`` (a cell or a spare)."""
+        n_pp, n_dp = grid.shape
+        cells = grid.size
+        npairs = len(upos)
+        p_idx = np.arange(npairs)
+        tfl, mem = self.problem.tflops, self.problem.memory_bytes
+        rk, ck = np.divmod(upos, n_dp)
+        u = grid[rk, ck]
+        is_spare = cand >= cells
+        cc = np.where(is_spare, 0, cand)
+        rl, cl = np.divmod(cc, n_dp)
+        rl = np.where(is_spare, -1, rl)
+        v = np.where(
+            is_spare,
+            spares[np.clip(cand - cells, 0, max(len(spares) - 1, 0))] if len(spares) else 0,
+            grid[rl, cl],
+        )
+        # Base per-row quantities.
+        a_rows = self.a2[grid[:, :, None], grid[:, None, :]].sum(axis=2)  # (G, D)
+        b_rows = self.bi[grid[:, :, None], grid[:, None, :]].sum(axis=2)
+        a = np.broadcast_to(a_rows, (npairs, n_pp, n_dp)).copy()
+        b = np.broadcast_to(b_rows, (npairs, n_pp, n_dp)).copy()
+        members = np.broadcast_to(grid, (npairs, n_pp, n_dp)).copy()
+
+        def replace_row(rows, col, out_dev, in_dev, sel):
+            """Row ``rows`` loses out_dev at ``col`` and gains in_dev (only where ``sel``)."""
+            ps, r, c, o, i = p_idx[sel], rows[sel], col[sel], out_dev[sel], in_dev[sel]
+            m = grid[r]  # (S, D)
+            a[ps, r] = a_rows[r] - self.a2[m, o[:, None]] + self.a2[m, i[:, None]]
+            b[ps, r] = b_rows[r] - self.bi[m, o[:, None]] + self.bi[m, i[:, None]]
+            a[ps, r, c] = self.a2[i[:, None], m].sum(axis=1) - self.a2[i, o]
+            b[ps, r, c] = self.bi[i[:, None], m].sum(axis=1) - self.bi[i, o]
+            members[ps, r, c] = i
+
+        replace_row(rk, ck, u, v, np.ones(npairs, dtype=bool))
+        replace_row(rl, cl, v, u, ~is_spare)
+        tflops = tfl[members].min(axis=2)
+        memory = mem[members].min(axis=2)
+        if n_pp > 1:
+            pmat = self.pair_cost[members[:, :-1], members[:, 1:]]  # (P, G-1, D)
+            emax, emean = pmat.max(axis=2), pmat.mean(axis=2)
+        else:
+            emax = emean = np.zeros((npairs, 0))
+        return self.batch_cost(tflops, memory, a, b, emax, emean)
+
+
+def split_layers(t: np.ndarray, cap: np.ndarray, n_layers: int) -> tuple[np.ndarray, np.ndarray]:
+    """Layers per stage minimising the slowest stage, for P layouts at once.
+
+    ``t`` (P, G) seconds per layer, ``cap`` (P, G) most layers each stage can hold.
+    Returns n (P, G) and the number of layers that did not fit (P,), 0 when feasible.
+    """
+    npairs, g = t.shape
+    n = np.ones((npairs, g), dtype=np.int64)
+    short = np.where((cap < 1).any(axis=1), n_layers, 0)
+    rows = np.arange(npairs)
+    for _ in range(n_layers - g):
+        room = n < cap
+        key = np.where(room, (n + 1) * t, np.inf)
+        best = key.min(axis=1, keepdims=True)
+        tie = room & (key <= best * (1.0 + 1e-12))
+        k = np.where(tie, n, np.iinfo(np.int64).max).argmin(axis=1)  # fewest layers, then lowest index
+        placed = np.isfinite(best[:, 0])
+        n[rows[placed], k[placed]] += 1
+        short = short + ~placed
+    return n, short
