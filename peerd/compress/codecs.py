@@ -185,10 +185,10 @@ def decode_frame(
     if h.codec == wire.CODEC_RAW:
         assert h.aux_dtype is not None
         values = frame.payload.view(h.aux_dtype).reshape(h.shape)
-        if not bool(torch.isfinite(values).all()):
-            raise CodecError("raw frame holds NaN or Inf", code=ErrorCode.NON_FINITE)
-        out = values.to(device=device, dtype=torch.float32 if float32 else h.dtype, copy=True)
-        return out
+        out = values.to(device=device, dtype=h.dtype, copy=True)
+        if not bool(torch.isfinite(out).all()):  # also a float32 payload beyond a float16 dtype
+            raise CodecError(f"raw frame holds NaN or Inf (as {h.dtype})", code=ErrorCode.NON_FINITE)
+        return out.float() if float32 else out
     assert frame.scales is not None
     k = frame_levels(frame, device)
     out = torch.empty(h.shape, dtype=torch.float32, device=k.device)

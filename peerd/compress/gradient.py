@@ -62,17 +62,12 @@ class ErrorFeedbackCompressor:
                 f"tensor {key!r} changed shape {tuple(e.shape)} -> {tuple(x.shape)}; reset() it first",
                 code=ErrorCode.SHAPE_MISMATCH,
             )
-        if e is None:
-            e = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-        e.add_(x.detach())  # e now holds v = x + e, the tensor we send
-        try:
-            q = self.codec.quantize(e)
-        except CodecError:
-            e.sub_(x.detach())  # keep the old residual: the caller may skip this step and go on
-            raise
+        # v = x + e in a fresh tensor: if quantization refuses v (NaN/Inf), the old residual stays intact.
+        v = x.detach().to(torch.float32, copy=True) if e is None else torch.add(e, x.detach())
+        q = self.codec.quantize(v)
         data = self.codec.frame(q, x.dtype)
-        dequantize_into(e, self.codec.levels(q), q.scales, self.cfg.quant, add=-1.0)  # e = v - D(Q(v))
-        self._residuals[key] = e
+        dequantize_into(v, self.codec.levels(q), q.scales, self.cfg.quant, add=-1.0)  # v - D(Q(v))
+        self._residuals[key] = v
         return data
 
     @staticmethod

@@ -122,9 +122,12 @@ class Workspace:
 
 
 def choose_scales(
-    mat: torch.Tensor, cfg: QuantConfig, work: Workspace | None = None
+    mat: torch.Tensor, cfg: QuantConfig, work: Workspace | None = None, last_count: int | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Stored scales ``s`` and quantization multipliers ``1/step`` for ``mat`` (rows, cols) float32."""
+    """Stored scales ``s`` and quantization multipliers ``1/step`` for ``mat`` (rows, cols) float32.
+
+    ``last_count``: real elements in the last (zero-padded) group of the group layout.
+    """
     dim = 0 if cfg.layout == "channel" else 1
     if mat.numel() == 0:
         zeros = torch.zeros(mat.shape[1 - dim], dtype=torch.float32, device=mat.device)
@@ -143,9 +146,15 @@ def choose_scales(
         if not bool(torch.isfinite(sumsq).all()) or bool(((amax < 2.0**-60) & (amax > 0)).any()):
             safe = torch.where(amax > 0, amax, torch.ones_like(amax))
             unit = (mat / scale_view(safe, cfg.layout)).square_().sum(dim)
-            rms = unit.div_(mat.shape[dim]).sqrt_().mul_(safe)
+            sumsq, unit_scale = unit, safe
         else:
-            rms = sumsq.div_(mat.shape[dim]).sqrt_()
+            unit_scale = None
+        counts = torch.full_like(sumsq, float(mat.shape[dim]))
+        if last_count is not None:
+            counts[-1] = float(last_count)
+        rms = sumsq.div_(counts).sqrt_()
+        if unit_scale is not None:
+            rms.mul_(unit_scale)
         clip = torch.minimum(torch.maximum(rms.mul_(RMS_CLIP[cfg.bits]), amax * 0.5), amax)
     step = clip / reach(cfg.bits, cfg.symmetric, cfg.rounding == "stochastic")
     stored = step * 0.5 if cfg.symmetric else step
@@ -196,7 +205,7 @@ def quantize(
             src = x.reshape(rows, cols)
             if src.dtype != torch.float32:
                 src = src.float()
-    scales, inv = choose_scales(src, cfg, work)
+    scales, inv = choose_scales(src, cfg, work, last_count=n - (rows - 1) * cols if ragged else None)
     L = 2**cfg.bits
     half = L // 2
     stochastic = cfg.rounding == "stochastic"

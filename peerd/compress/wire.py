@@ -218,6 +218,9 @@ def parse_frame(data: bytes | bytearray | memoryview) -> Frame:
         off += h.scales_nbytes
         if not bool(torch.isfinite(scales).all()) or bool((scales < 0).any()):
             raise _err("scales must be finite and non-negative", ErrorCode.NON_FINITE)
+        top = 2**h.bits - 1 if h.symmetric else 2 ** (h.bits - 1)  # largest |level|
+        if scales.numel() and float(scales.max()) * top > torch.finfo(h.dtype).max:
+            raise _err(f"scales decode beyond the {h.dtype} range", ErrorCode.NON_FINITE)
     return Frame(h, scales, _view(buf, off, h.payload_nbytes))
 
 
