@@ -2,8 +2,8 @@
 
 Two real p2pd daemons on loopback; both shape their outgoing traffic to the cell's
 bandwidth and one-way delay (``LinkShaper.uniform``), one serves probes, the other runs
-``LinkProber.probe``. Each cell reports measured / shaped for RTT (expected 2 x delay) and
-for bandwidth in both directions. An unshaped loopback probe is the baseline that shows
+``LinkProber.probe`` (``--repeats`` times; the cell reports the medians). Each cell gives
+measured / shaped for RTT (expected 2 x delay) and for bandwidth in both directions. An unshaped loopback probe is the baseline that shows
 the machine itself is much faster than every cell (so the cells measure the shaper's
 links, not the host).
 """
@@ -11,6 +11,7 @@ links, not the host).
 from __future__ import annotations
 
 import asyncio
+import statistics
 import time
 
 import click
@@ -26,6 +27,11 @@ def _floats(text: str) -> list[float]:
         return [float(x) for x in text.split(",") if x.strip()]
     except ValueError:
         raise click.BadParameter(f"expected comma-separated numbers, got {text!r}") from None
+
+
+def _median(values: list[float | None]) -> float | None:
+    known = [v for v in values if v is not None]
+    return statistics.median(known) if known else None
 
 
 def _ratio(measured: float | None, expected: float) -> float | None:
@@ -51,7 +57,9 @@ async def _probe_once(p2p_a, p2p_b, spec: LinkSpec | None, config: ProbeConfig) 
         await server.close()
 
 
-async def _run(bandwidths: list[float], delays: list[float], bulk_seconds: float, pings: int) -> dict:
+async def _run(
+    bandwidths: list[float], delays: list[float], bulk_seconds: float, pings: int, repeats: int
+) -> dict:
     config = ProbeConfig(pings=pings, bulk_seconds=bulk_seconds, bulk_bytes=64 << 20, probe_timeout_s=60.0)
     a = await create_p2p()
     try:
@@ -63,7 +71,10 @@ async def _run(bandwidths: list[float], delays: list[float], bulk_seconds: float
             for mbps in bandwidths:
                 for delay_ms in delays:
                     spec = LinkSpec(delay_s=delay_ms / 1e3, bandwidth_bps=mbps * 1e6)
-                    got = await _probe_once(a, b, spec, config)
+                    runs = [await _probe_once(a, b, spec, config) for _ in range(repeats)]
+                    got = {key: _median([r[key] for r in runs]) for key in ("rtt_ms", "up_mbps", "down_mbps")}
+                    got["status"] = ",".join(sorted({r["status"] for r in runs}))
+                    got["runs"] = runs
                     ratios = {
                         "rtt": _ratio(got["rtt_ms"], 2 * delay_ms),
                         "up": _ratio(got["up_mbps"], mbps),
@@ -82,6 +93,7 @@ async def _run(bandwidths: list[float], delays: list[float], bulk_seconds: float
             "pings": pings,
             "bulk_seconds_per_direction": bulk_seconds,
             "frame_bytes": config.frame_bytes,
+            "repeats_per_cell": repeats,
         },
         "baseline_unshaped_loopback": baseline,
         "cells": cells,
@@ -100,8 +112,15 @@ async def _run(bandwidths: list[float], delays: list[float], bulk_seconds: float
     "--bulk-seconds", default=1.0, show_default=True, help="Bulk transfer budget per direction per probe."
 )
 @click.option("--pings", default=7, show_default=True, help="Round trips per probe (median).")
+@click.option(
+    "--repeats", default=3, show_default=True, help="Probes per cell; the cell reports their median."
+)
 @click.option("--out", default=None, type=click.Path(dir_okay=False), help="Also write the JSON here.")
-def command(bandwidths: str, delays: str, bulk_seconds: float, pings: int, out: str | None) -> None:
+def command(
+    bandwidths: str, delays: str, bulk_seconds: float, pings: int, repeats: int, out: str | None
+) -> None:
     """Link-probe accuracy over a grid of shaped links (two real p2pd daemons on loopback)."""
-    result = asyncio.run(_run(_floats(bandwidths), _floats(delays), bulk_seconds, pings))
+    if repeats < 1:
+        raise click.BadParameter("--repeats must be >= 1")
+    result = asyncio.run(_run(_floats(bandwidths), _floats(delays), bulk_seconds, pings, repeats))
     emit_json(result, out)
