@@ -1,0 +1,86 @@
+"""``peerd plan``: through click's runner, through ``main`` for errors, and once as the console script."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from click.testing import CliRunner
+
+from peerd.cli import cli, main
+
+SCENARIO = {
+    "name": "two-sites",
+    "regions": {
+        "names": ["east", "west"],
+        "delay_ms": [[1, 20], [20, 1]],
+        "bandwidth_mbps": [[10000, 500], [500, 10000]],
+    },
+    "devices": [
+        {"id": f"{r}{i}", "region": r, "tflops": 100, "memory_gb": 40}
+        for r in ("east", "west")
+        for i in range(4)
+    ],
+    "model": {"layers": 8, "hidden": 1024, "seq": 512},
+    "training": {"global_batch": 16, "d_pp": 4, "d_dp": 2},
+}
+
+
+@pytest.fixture
+def scenario_file(tmp_path: Path) -> Path:
+    path = tmp_path / "two-sites.yaml"
+    path.write_text(yaml.safe_dump(SCENARIO))
+    return path
+
+
+def test_plan_json(scenario_file):
+    result = CliRunner().invoke(
+        cli, ["plan", str(scenario_file), "--json", "--seed", "3", "--generations", "2"]
+    )
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.output)
+    assert len(data["allocation"]) == 4 and all(len(stage) == 2 for stage in data["allocation"])
+    assert sorted(d for stage in data["allocation"] for d in stage) == sorted(
+        d["id"] for d in SCENARIO["devices"]
+    )
+    assert data["total"] == pytest.approx(data["dp"] + 2 * data["pp"])
+    assert data["seconds"] > 0 and len(data["hash"]) == 64
+    # Gradients (100 MB per stage) dwarf activations (8 MB): groups stay inside a site and
+    # every pipeline crosses the 500 Mbit/s link exactly once.
+    assert sorted(data["regions"]) in (["east x2 > west x2"] * 2, ["west x2 > east x2"] * 2)
+
+
+def test_plan_text_and_peerd_objective(scenario_file):
+    result = CliRunner().invoke(
+        cli, ["plan", str(scenario_file), "--objective", "peerd", "--generations", "1"]
+    )
+    assert result.exit_code == 0, result.output
+    assert "objective  peerd" in result.output and "layers]" in result.output and "pipelines" in result.output
+
+
+def test_bad_input_exits_2_naming_the_field(tmp_path, capsys):
+    bad = dict(SCENARIO, training={"global_batch": 16, "d_pp": 3, "d_dp": 2})
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump(bad))
+    with pytest.raises(SystemExit) as info:
+        main(["plan", str(path)])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert "training.d_dp" in err and "8 devices" in err and "Traceback" not in err
+
+
+def test_console_script(scenario_file):
+    exe = shutil.which("peerd") or str(Path(sys.executable).parent / "peerd")
+    out = subprocess.run(
+        [exe, "plan", str(scenario_file), "--json", "--generations", "1"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["shape"] == {"d_pp": 4, "d_dp": 2}

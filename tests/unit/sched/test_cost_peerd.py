@@ -1,0 +1,172 @@
+"""The peerd model: reduction to the yardstick, uneven layers, memory, spares, vectorised moves."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from peerd.errors import ConfigError, InfeasibleError
+from peerd.sched.cost_dtfm import DtfmObjective
+from peerd.sched.cost_peerd import PeerdObjective, split_layers
+from peerd.sched.objective import Objective
+from peerd.sched.planner import plan
+from peerd.sched.problem import Problem, Shape
+from peerd.sched.scenario import Device, ModelSpec, Regions, Scenario, TrainingSpec, load_scenario
+from peerd.sched.synthetic import random_cluster
+
+SCENARIOS = Path(__file__).resolve().parents[3] / "configs" / "scenarios"
+NONE = np.array([], dtype=np.intp)
+
+
+def _identical_free_compute(seed: int, n: int = 16, d_pp: int = 4) -> Scenario:
+    sc = random_cluster(n, np.random.default_rng(seed), d_pp=d_pp)
+    devices = [dataclasses.replace(d, tflops=1e15, memory_gb=1e6) for d in sc.devices]
+    d_dp = n // d_pp
+    training = TrainingSpec(
+        global_batch=d_dp, micro_batch=1, d_pp=d_pp, d_dp=d_dp, c_dp_bytes=3e8, c_pp_bytes=2e8
+    )
+    return dataclasses.replace(sc, devices=devices, training=training)
+
+
+def test_reduces_to_dtfm_with_identical_devices_and_free_compute():
+    sc = _identical_free_compute(3)
+    problem = Problem(sc)
+    dtfm, peerd = DtfmObjective(problem, Shape(4, 4)), PeerdObjective(problem, Shape(4, 4))
+    rng = np.random.default_rng(0)
+    a, b = [], []
+    for _ in range(30):
+        groups = list(rng.permutation(16).reshape(4, 4))
+        e1 = dtfm.evaluate(groups, NONE)
+        assert peerd.evaluate(groups, NONE, order=e1.order).cost.total == pytest.approx(
+            e1.cost.total, rel=1e-9
+        )
+        a.append(e1.cost.total)
+        b.append(peerd.evaluate(groups, NONE).cost.total)
+    assert np.array_equal(np.argsort(a), np.argsort(b))  # same ranking
+
+
+def test_split_is_min_max_and_even_when_compute_is_free():
+    n, short = split_layers(np.array([[0.0, 0.0, 0.0]]), np.array([[99, 99, 99]]), 9)
+    assert n.tolist() == [[3, 3, 3]] and short.tolist() == [0]
+    n, _ = split_layers(np.array([[1.0, 2.0, 4.0]]), np.array([[99, 99, 99]]), 7)
+    assert n.tolist() == [[4, 2, 1]]  # max 4: the fastest stage takes the most
+    n, _ = split_layers(np.array([[1.0, 2.0]]), np.array([[2, 99]]), 8)
+    assert n.tolist() == [[2, 6]]  # the fast stage is capped by its memory
+    _, short = split_layers(np.array([[1.0, 1.0]]), np.array([[3, 3]]), 8)
+    assert short.tolist() == [2]
+
+
+def test_mixed_gpus_slower_stages_get_fewer_layers_and_memory_holds():
+    sc = load_scenario(SCENARIOS / "mixed-gpus.yaml")
+    sc = dataclasses.replace(sc, training=dataclasses.replace(sc.training, d_pp=4, d_dp=4))
+    result = plan(sc, "peerd", seed=1, generations=2, time_budget=60)
+    problem = Problem(sc)
+    obj = PeerdObjective(problem, result.shape)
+    rows = []
+    for k, stage in enumerate(result.allocation.stages):
+        idx = [problem.index[d] for d in stage]
+        need = result.allocation.layers[k] * (obj.layer_static + obj.inflight[k] * obj.layer_act)
+        assert need <= problem.memory_bytes[idx].min()
+        rows.append((problem.tflops[idx].min(), result.allocation.layers[k]))
+    assert sum(n for _, n in rows) == 24
+    for ta, la in rows:
+        for tb, lb in rows:
+            if ta < tb:
+                assert la <= lb
+    assert len({n for _, n in rows}) > 1  # uneven devices, uneven layers
+
+
+def _pair(memory_gb: float, layers: int = 8, **training) -> Scenario:
+    return Scenario(
+        name="pair",
+        devices=[
+            Device(id="fast", region="r", tflops=1000.0, memory_gb=memory_gb),
+            Device(id="slow", region="r", tflops=10.0, memory_gb=80.0),
+        ],
+        regions=Regions(names=["r"], delay_ms=[[1.0]], bandwidth_mbps=[[10000.0]]),
+        model=ModelSpec(layers=layers, hidden=1024, seq=512, params=layers * 12 * 1024**2),
+        training=TrainingSpec(global_batch=4, d_pp=2, d_dp=1, **training),
+    )
+
+
+def test_memory_caps_the_fast_device():
+    per_layer = 12 * 1024**2 * 16 + 4 * 512 * 34 * 1024  # state + 1F1B first stage: 2 micro-batches in flight
+    roomy = plan(_pair(80.0), "peerd", generations=1, time_budget=30)
+    assert max(roomy.allocation.layers) == 7  # speed alone: nearly everything on the fast GPU
+    tight = plan(_pair(2.2 * per_layer / 1e9), "peerd", generations=1, time_budget=30)
+    fast_stage = next(k for k, s in enumerate(tight.allocation.stages) if s == ("fast",))
+    assert tight.allocation.layers[fast_stage] <= 2
+    assert sum(tight.allocation.layers) == 8
+
+
+def test_no_split_fits_is_infeasible():
+    sc = _pair(1.0)
+    sc = dataclasses.replace(sc, devices=[dataclasses.replace(d, memory_gb=0.45) for d in sc.devices])
+    with pytest.raises(InfeasibleError):
+        plan(sc, "peerd", generations=1, time_budget=30)
+
+
+def test_model_fitting_on_no_device_names_the_field():
+    sc = dataclasses.replace(
+        _pair(0.1), devices=[dataclasses.replace(d, memory_gb=0.1) for d in _pair(0.1).devices]
+    )
+    with pytest.raises(ConfigError) as info:
+        plan(sc, "peerd", time_budget=5)
+    assert info.value.field == "model"
+
+
+def test_unknown_compute_is_a_config_error():
+    sc = _pair(80.0)
+    sc = dataclasses.replace(sc, devices=[sc.devices[0], dataclasses.replace(sc.devices[1], tflops=0.0)])
+    with pytest.raises(ConfigError) as info:
+        plan(sc, "peerd", time_budget=5)
+    assert info.value.field == "devices[1].tflops"
+
+
+def test_a_peer_behind_a_slow_link_is_left_out():
+    devices = [Device(id=f"gpu{i}", region="dc", tflops=100.0, memory_gb=40.0) for i in range(8)]
+    devices.append(Device(id="slow", region="home", tflops=100.0, memory_gb=40.0))
+    sc = Scenario(
+        name="slow-peer",
+        regions=Regions(
+            names=["dc", "home"],
+            delay_ms=[[1.0, 30.0], [30.0, 1.0]],
+            bandwidth_mbps=[[10000.0, 20.0], [20.0, 10000.0]],
+        ),
+        devices=devices,
+        model=ModelSpec(layers=24, hidden=2048, seq=1024, params=1.3e9),
+        training=TrainingSpec(global_batch=32, micro_batch=1),
+    )
+    peerd = plan(sc, "peerd", generations=2, time_budget=60)
+    assert "slow" in peerd.allocation.spares
+    dtfm = plan(sc, "dtfm", generations=2, time_budget=60)
+    assert "slow" in dtfm.allocation.devices  # the yardstick has no spares
+
+
+@pytest.mark.parametrize(("d_pp", "d_dp"), [(3, 4), (4, 3), (1, 6)])
+def test_vectorised_swaps_match_the_generic_rescoring(d_pp, d_dp):
+    sc = random_cluster(16, np.random.default_rng(d_pp), d_pp=2)
+    sc = dataclasses.replace(sc, training=dataclasses.replace(sc.training, global_batch=d_dp * 4))
+    obj = PeerdObjective(Problem(sc), Shape(d_pp, d_dp))
+    rng = np.random.default_rng(0)
+    perm = rng.permutation(16)
+    grid, spares = perm[: d_pp * d_dp].reshape(d_pp, d_dp), np.sort(perm[d_pp * d_dp :])
+    pairs = [(a, b) for a in range(grid.size) for b in range(16) if b >= grid.size or a // d_dp != b // d_dp]
+    up, cand = np.array([a for a, _ in pairs]), np.array([b for _, b in pairs])
+    fast = obj.swap_scores(grid, spares, up, cand)
+    slow = Objective.swap_scores(obj, grid, spares, up, cand)
+    np.testing.assert_allclose(fast, slow, rtol=1e-9)
+
+
+def test_dtfm_vectorised_swaps_match_the_generic_rescoring():
+    sc = random_cluster(24, np.random.default_rng(9), d_pp=4)
+    obj = DtfmObjective(Problem(sc), Shape(4, 6))
+    grid = np.random.default_rng(1).permutation(24).reshape(4, 6)
+    pairs = [(a, b) for a in range(24) for b in range(24) if a // 6 != b // 6]
+    up, cand = np.array([a for a, _ in pairs]), np.array([b for _, b in pairs])
+    np.testing.assert_allclose(
+        obj.swap_scores(grid, NONE, up, cand), Objective.swap_scores(obj, grid, NONE, up, cand), rtol=1e-9
+    )
