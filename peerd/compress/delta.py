@@ -27,7 +27,7 @@ from peerd.compress.codecs import (
     frame_quant_config,
     make_codec,
 )
-from peerd.compress.quant import QuantConfig, Workspace, dequantize_into
+from peerd.compress.quant import QuantConfig, Quantized, Workspace, dequantize_into
 from peerd.errors import CodecError, ConfigError, ErrorCode
 
 
@@ -112,10 +112,12 @@ class DeltaEncoder:
         self.store = BufferStore(self.cfg.buffers)
         self.delta_codec = UniformCodec(self.cfg.quant, generator=generator)
         self.seed_codec = make_codec(self.cfg.seed_codec)
+        self._pending: Quantized | None = None  # the delta quantized in encode(), applied at commit
 
     def encode(self, acts: torch.Tensor, ids: Sequence[int]) -> bytes:
         """Compress one micro-batch ``acts`` (B, *S), row ``i`` belonging to example ``ids[i]``."""
         ids = _check_ids(acts, ids)
+        acts = acts.detach()
         store = self.store
         store.check_shape(tuple(acts.shape[1:]))
         _check_groups(store, self.cfg.quant)
@@ -151,6 +153,7 @@ class DeltaEncoder:
                 store.slot(ids[r]).copy_(seed[j])
         if delta_rows:
             q = self._pending
+            assert q is not None
             k = self.delta_codec.levels(q)
             _update_rows(
                 store, [ids[r] for r in delta_rows], k, q.scales, self.cfg.quant, self.delta_codec.work

@@ -183,6 +183,7 @@ def quantize(
     result's codes may live in ``work``: valid until the next call with the same workspace.
     """
     check_bits(cfg.bits)
+    x = x.detach()
     shape = tuple(x.shape)
     n = x.numel()
     work = work or Workspace()
