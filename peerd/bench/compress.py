@@ -15,7 +15,6 @@ from __future__ import annotations
 import os
 import statistics
 import time
-from collections.abc import Callable
 
 import click
 import torch
@@ -24,9 +23,10 @@ from peerd.bench import emit_json
 from peerd.compress import DeltaConfig, DeltaDecoder, DeltaEncoder, QuantConfig, make_codec
 
 # The reference implementation on this kind of machine (issue 4 / compression.md).
+REFERENCE_DELTA_GBPS, REFERENCE_QUANTIZE_PACK_GBPS = 0.047, 0.10
 REFERENCE = {
-    "delta_gbps": 0.047,
-    "quantize_pack_gbps": 0.10,
+    "delta_gbps": REFERENCE_DELTA_GBPS,
+    "quantize_pack_gbps": REFERENCE_QUANTIZE_PACK_GBPS,
     "direct_rel_error": {"2": 0.50, "3": 0.25, "4": 0.125},
     "delta_rel_error": {"2": 0.05, "3": 0.025, "4": 0.0125},
 }
@@ -50,7 +50,7 @@ class NaiveQuantizer:
         packed = (bits_NB.reshape(-1, 8) << self.shift_8).sum(dim=1, dtype=torch.uint8)
         return packed, scale_C
 
-    def decode(self, packed: torch.Tensor, scale_C: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
+    def decode(self, packed: torch.Tensor, scale_C: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
         bits_N8 = (packed.unsqueeze(1) >> self.shift_8) & 1
         codes_N = (bits_N8.reshape(-1, self.bits) << self.shift_b).sum(dim=1, dtype=torch.uint8)
         q_RC = codes_N.reshape(shape).float() - self.half
@@ -83,10 +83,18 @@ class NaiveDelta:
         return self.receiver[key].clone()
 
 
-def _timed(fn: Callable[[], object]) -> tuple[object, float]:
-    t0 = time.perf_counter()
-    out = fn()
-    return out, time.perf_counter() - t0
+class _Clock:
+    """Accumulates wall times of the blocks it wraps: ``with clock: ...`` appends one sample."""
+
+    def __init__(self) -> None:
+        self.samples: list[float] = []
+
+    def __enter__(self) -> _Clock:
+        self._t0 = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.samples.append(time.perf_counter() - self._t0)
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -106,7 +114,9 @@ def bench_delta(
     enc = DeltaEncoder(DeltaConfig(quant=QuantConfig(bits=bits), seed_codec="fp32"))
     dec = DeltaDecoder(DeltaConfig(quant=QuantConfig(bits=bits), seed_codec="fp32"))
     naive = NaiveDelta(bits)
-    t_enc, t_dec, t_naive, errs, naive_errs = [], [], [], [], []
+    c_enc, c_dec, c_naive = _Clock(), _Clock(), _Clock()
+    errs: list[float] = []
+    naive_errs: list[float] = []
     wire = 0
     for epoch in range(epochs):
         e_err, n_err = [], []
@@ -115,20 +125,24 @@ def bench_delta(
                 change = torch.randn(a.shape, generator=gen)
                 a.add_(change, alpha=0.1 * float(a.norm() / change.norm()))
             ids = range(i * examples, (i + 1) * examples)
-            packet, te = _timed(lambda a=a, ids=ids: enc.encode(a, ids))
-            (out, _), td = _timed(lambda p=packet: dec.decode(p))
             a_RC = a.view(rows, cols)
-            (nout, tn) = _timed(lambda a_RC=a_RC, i=i: naive.decode(i, naive.encode(i, a_RC), a_RC))
-            if epoch:
-                t_enc.append(te)
-                t_dec.append(td)
-                t_naive.append(tn)
-                wire = len(packet)
-                e_err.append(_rel(out, a))
-                n_err.append(_rel(nout, a_RC))
+            with c_enc:
+                packet = enc.encode(a, ids)
+            with c_dec:
+                out, _ = dec.decode(packet)
+            with c_naive:
+                nout = naive.decode(i, naive.encode(i, a_RC), a_RC)
+            if not epoch:  # the seeding epoch is not part of the steady state
+                for clock in (c_enc, c_dec, c_naive):
+                    clock.samples.pop()
+                continue
+            wire = len(packet)
+            e_err.append(_rel(out, a))
+            n_err.append(_rel(nout, a_RC))
         if epoch:
             errs.append(statistics.mean(e_err))
             naive_errs.append(statistics.mean(n_err))
+    t_enc, t_dec, t_naive = c_enc.samples, c_dec.samples, c_naive.samples
     nbytes = rows * cols * 4
     ours = nbytes / (statistics.median(t_enc) + statistics.median(t_dec)) / 1e9
     base = _gbps(nbytes, t_naive)
@@ -139,7 +153,7 @@ def bench_delta(
         "decode_gbps": round(_gbps(nbytes, t_dec), 4),
         "baseline_gbps": round(base, 4),
         "ratio_vs_baseline": round(ours / base, 2),
-        "ratio_vs_reference": round(ours / REFERENCE["delta_gbps"], 1),
+        "ratio_vs_reference": round(ours / REFERENCE_DELTA_GBPS, 1),
         "rel_error_per_epoch": [round(e, 5) for e in errs],
         "rel_error": round(errs[-1], 5),
         "baseline_rel_error": round(naive_errs[-1], 5),
@@ -155,14 +169,19 @@ def bench_direct(bits: int, rows: int, cols: int, repeat: int, seed: int) -> dic
     absmax = make_codec(f"q{bits}", QuantConfig(scale="absmax"))
     stochastic = make_codec(f"q{bits}", QuantConfig(rounding="stochastic"))
     naive = NaiveQuantizer(bits)
-    t_q, t_d, t_s, t_nq, t_nd = [], [], [], [], []
+    c_q, c_d, c_s, c_nq, c_nd = _Clock(), _Clock(), _Clock(), _Clock(), _Clock()
     for _ in range(repeat):
-        (data, _), tq = _timed(lambda: codec.encode(x))
-        y, td = _timed(lambda data=data: codec.decode(data))
-        _, ts = _timed(lambda: stochastic.encode(x))
-        msg, tnq = _timed(lambda: naive.encode(x))
-        ny, tnd = _timed(lambda msg=msg: naive.decode(*msg, (rows, cols)))
-        t_q.append(tq), t_d.append(td), t_s.append(ts), t_nq.append(tnq), t_nd.append(tnd)
+        with c_q:
+            data, _ = codec.encode(x)
+        with c_d:
+            y = codec.decode(data)
+        with c_s:
+            stochastic.encode(x)
+        with c_nq:
+            packed, scale = naive.encode(x)
+        with c_nd:
+            ny = naive.decode(packed, scale, (rows, cols))
+    t_q, t_d, t_s, t_nq, t_nd = (c.samples for c in (c_q, c_d, c_s, c_nq, c_nd))
     nbytes = rows * cols * 4
     ours, base = _gbps(nbytes, t_q), _gbps(nbytes, t_nq)
     return {
@@ -172,7 +191,7 @@ def bench_direct(bits: int, rows: int, cols: int, repeat: int, seed: int) -> dic
         "baseline_quantize_pack_gbps": round(base, 4),
         "baseline_unpack_dequantize_gbps": round(_gbps(nbytes, t_nd), 4),
         "ratio_vs_baseline": round(ours / base, 2),
-        "ratio_vs_reference": round(ours / REFERENCE["quantize_pack_gbps"], 1),
+        "ratio_vs_reference": round(ours / REFERENCE_QUANTIZE_PACK_GBPS, 1),
         "rel_error": round(_rel(y, x), 5),
         "rel_error_absmax": round(_rel(absmax.decode(absmax.encode(x)[0]), x), 5),
         "baseline_rel_error": round(_rel(ny, x), 5),

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
+from typing import Literal
 
 import torch
 
@@ -161,12 +162,8 @@ class UniformCodec(TensorCodec):
 def frame_quant_config(h: wire.FrameHeader) -> QuantConfig:
     """The QuantConfig that describes a uniform/delta frame's numbers (for dequantization)."""
     assert h.layout is not None
-    return QuantConfig(
-        bits=h.bits,
-        layout=h.layout,
-        group_size=h.group_size or 1,
-        symmetric=h.symmetric,  # type: ignore[arg-type]
-    )
+    layout: Literal["channel", "group"] = "group" if h.layout == "group" else "channel"
+    return QuantConfig(bits=h.bits, layout=layout, group_size=h.group_size or 1, symmetric=h.symmetric)
 
 
 def frame_levels(frame: wire.Frame, device: torch.device | str | None = None) -> torch.Tensor:

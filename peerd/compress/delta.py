@@ -112,7 +112,6 @@ class DeltaEncoder:
         self.store = BufferStore(self.cfg.buffers)
         self.delta_codec = UniformCodec(self.cfg.quant, generator=generator)
         self.seed_codec = make_codec(self.cfg.seed_codec)
-        self._pending: Quantized | None = None  # the delta quantized in encode(), applied at commit
 
     def encode(self, acts: torch.Tensor, ids: Sequence[int]) -> bytes:
         """Compress one micro-batch ``acts`` (B, *S), row ``i`` belonging to example ``ids[i]``."""
@@ -145,26 +144,26 @@ class DeltaEncoder:
         if plain_rows:
             data, _ = self.seed_codec.encode(acts[plain_rows], ids=[ids[r] for r in plain_rows])
             frames.append(data)
+        pending = None
         if delta_rows:
-            frames.append(self._delta_frame(acts, ids, delta_rows))
+            data, pending = self._delta_frame(acts, ids, delta_rows)
+            frames.append(data)
         # 2. commit: both sides apply exactly these updates
         if seed is not None:
             for j, r in enumerate(seed_rows):
                 store.slot(ids[r]).copy_(seed[j])
-        if delta_rows:
-            q = self._pending
-            assert q is not None
-            k = self.delta_codec.levels(q)
-            _update_rows(
-                store, [ids[r] for r in delta_rows], k, q.scales, self.cfg.quant, self.delta_codec.work
-            )
-            self._pending = None
+        if pending is not None:
+            k = self.delta_codec.levels(pending)
+            rows = [ids[r] for r in delta_rows]
+            _update_rows(store, rows, k, pending.scales, self.cfg.quant, self.delta_codec.work)
         for ex in ids:
             store.count_visit(ex)
         return wire.build_packet(wire.Packet(ids=ids, frames=frames))
 
-    def _delta_frame(self, acts: torch.Tensor, ids: tuple[int, ...], rows: list[int]) -> bytes:
-        """Quantize a - m for ``rows`` (fused into scratch, one subtraction per example)."""
+    def _delta_frame(
+        self, acts: torch.Tensor, ids: tuple[int, ...], rows: list[int]
+    ) -> tuple[bytes, Quantized]:
+        """Frame for a - m of ``rows`` (one subtraction per example into scratch), and its codes."""
         shape = (len(rows), *acts.shape[1:])
         n = 1
         for d in shape:
@@ -174,8 +173,7 @@ class DeltaEncoder:
             m = self.store.get(ids[r]).to(device=acts.device, dtype=torch.float32)
             torch.sub(acts[r], m, out=delta[j])
         q = self.delta_codec.quantize(delta, inplace=True)
-        self._pending = q
-        return self.delta_codec.frame(q, acts.dtype, codec=wire.CODEC_DELTA, ids=[ids[r] for r in rows])
+        return self.delta_codec.frame(q, acts.dtype, codec=wire.CODEC_DELTA, ids=[ids[r] for r in rows]), q
 
     def invalidate(self, ids: list[int] | None = None) -> None:
         """The receiver lost its buffers (new neighbour, restart): start over with first visits."""
