@@ -1,0 +1,111 @@
+"""Consensus under a hostile network: 10 simulated peers, 200 seeded scenarios, never two commits."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+import consensus_sim as sim
+
+REGIMES = {
+    # name: (config, scenarios, every survivor must commit); 200 scenarios in all
+    "dht": (sim.SimConfig(), 100, True),  # missed polls, duplicates, ±3 s skew, a crash, a liar
+    "harsh": (
+        sim.SimConfig(miss=0.5, poll_s=2.0, dup=0.3, drop=0.03),
+        50,
+        False,
+    ),  # some records never arrive
+    "equivocator": (sim.SimConfig(equivocate=True, faulty=1), 30, True),  # the liar also double-votes
+    "lossy": (sim.SimConfig(miss=0.3, drop=0.15, epochs=3), 20, False),  # rosters rarely agree
+}
+
+
+@pytest.fixture(autouse=True)
+def _quiet() -> None:
+    logging.disable(logging.WARNING)  # the liar is reported thousands of times
+    yield
+    logging.disable(logging.NOTSET)
+
+
+def check(result: sim.SimResult, must_commit: bool) -> Counter[str]:
+    """The properties of one scenario; returns what happened, for the coverage checks."""
+    peers = result.peers
+    # Safety: in no epoch do two peers (the liar and the crashed one included) commit differently.
+    by_epoch: dict[int, set[str]] = {}
+    for st in peers.values():
+        for c in st.commits:
+            by_epoch.setdefault(c.epoch, set()).add(c.allocation_hash)
+    assert all(len(h) == 1 for h in by_epoch.values()), by_epoch
+    # Agreement: every survivor ends on the same commit, or none has committed (all moved on).
+    final = {
+        p: (peers[p].commits[-1].epoch, peers[p].commits[-1].allocation_hash) if peers[p].commits else None
+        for p in result.survivors
+    }
+    assert len(set(final.values())) == 1, final
+    outcome = final[result.survivors[0]]
+    seen: Counter[str] = Counter()
+    if outcome is None:
+        assert not must_commit, "no commit although the network delivers everything eventually"
+        seen["no commit"] += 1
+        return seen
+    epoch, _ = outcome
+    commit = peers[result.survivors[0]].commits[-1]
+    # Quality: the committed cost is the true cost, and no island that survived did better.
+    assert commit.cost == pytest.approx(sim.sim_score(_roster_of(result, epoch, commit), commit.allocation))
+    islands = [peers[p].island_results[epoch] for p in result.survivors if epoch in peers[p].island_results]
+    assert islands and commit.cost <= min(islands) + 1e-9
+    seen[f"epoch {epoch}"] += 1
+    seen[f"round {commit.round}"] += 1
+    for st in peers.values():
+        seen.update(st.machine.stats)
+    return seen
+
+
+def _roster_of(result: sim.SimResult, epoch: int, commit) -> sim.Roster:
+    cand = commit.record.candidate
+    for p in result.survivors:
+        es = result.peers[p].machine._epochs.get(epoch)
+        if es is not None and es.roster is not None:
+            sub = es.roster.subset(cand.members)
+            if sub is not None and sub.digest == cand.roster_digest:
+                return sub
+    raise AssertionError("no survivor holds the committed candidate's roster")
+
+
+@pytest.mark.parametrize("regime", list(REGIMES))
+def test_surviving_peers_never_commit_differently(regime: str) -> None:
+    cfg, scenarios, must_commit = REGIMES[regime]
+    seen: Counter[str] = Counter()
+    for seed in range(scenarios):
+        seen += check(sim.run(seed, cfg), must_commit)
+    # The scenarios really exercised what they claim to (not a quiet network by accident).
+    assert seen["duplicate"] > 0 and seen["misbehaviour"] > 0
+    if regime == "dht":
+        assert seen["epoch 0"] >= 0.9 * scenarios  # a good network commits at once
+    if regime == "harsh":
+        assert seen["epoch 1"] + seen["epoch 2"] > 0  # failed epochs are retried
+    if regime == "lossy":
+        assert seen["no commit"] > 0 and seen["unknown_roster"] + seen["not_on_roster"] > 0
+
+
+def test_the_simulation_is_deterministic() -> None:
+    a, b = sim.run(7), sim.run(7)
+    assert [c.allocation_hash for c in a.peers["peer00"].commits] == [
+        c.allocation_hash for c in b.peers["peer00"].commits
+    ]
+    assert a.delivered == b.delivered
+
+
+def test_the_liar_never_gets_its_claim_accepted() -> None:
+    result = sim.run(3)
+    liar = result.byzantine
+    for p in result.survivors:
+        es = result.peers[p].machine._epochs[0]
+        lies = [c for c in es.received if c.author == liar]
+        assert lies, "the liar published nothing"
+        assert all(es.scores[c.id] is not None and c.cost < es.scores[c.id] for c in lies)
