@@ -22,10 +22,12 @@ from peerd.errors import ErrorCode, ProtocolError
 PROTOCOL_VERSION = 1
 PEER_RECORD_KIND = "peer"
 
-# Sized for a 256-peer link list (~110 B per link) while staying far below hivemind's
-# 4 MiB unary-message cap; a DHT reply carries one record per peer of the swarm.
-MAX_PEER_RECORD_BYTES = 32 * 1024
-MAX_LINKS = 256
+# hivemind's DHT process reads its command pipe non-blocking and dies with BlockingIOError
+# when a message is split into two writes, which CPython does above 16 KiB
+# (hivemind PR #660). Every DHT.store of a record crosses that pipe, so a record stays
+# well below it: 12 KiB holds ~70 links (~150 B each) next to the rest of the record.
+MAX_PEER_RECORD_BYTES = 12 * 1024
+MAX_LINKS = 64
 MAX_MADDRS = 16
 MAX_TFLOPS_ENTRIES = 16
 MAX_NAME_CHARS = 128
