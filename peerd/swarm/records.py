@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from typing import Any
 
@@ -106,18 +106,13 @@ class PeerRecord:
 # ---------------------------------------------------------------- encoding
 
 
-def _float(x: float, what: str) -> float:
-    # NaN/inf pass through here and are rejected by the decode that encode_peer_record runs
-    return float(x)
-
-
 def _profile_to_wire(p: DeviceProfile) -> dict[str, Any]:
     wire: dict[str, Any] = {
         "name": p.name,
         "kind": DeviceKind(p.kind).value,
         "memory_total_bytes": int(p.memory_total_bytes),
-        "tflops": {k: _float(v, f"tflops.{k}") for k, v in sorted(p.tflops.items())},
-        "measured_at": _float(p.measured_at, "measured_at"),
+        "tflops": {k: float(v) for k, v in sorted(p.tflops.items())},
+        "measured_at": float(p.measured_at),
     }
     if p.memory_free_bytes is not None:
         wire["memory_free_bytes"] = int(p.memory_free_bytes)
@@ -127,18 +122,22 @@ def _profile_to_wire(p: DeviceProfile) -> dict[str, Any]:
 def _link_to_wire(link: LinkMeasurement) -> dict[str, Any]:
     wire: dict[str, Any] = {
         "peer_id": link.peer_id,
-        "measured_at": _float(link.measured_at, "measured_at"),
+        "measured_at": float(link.measured_at),
         "status": LinkStatus(link.status).value,
     }
     for name in ("rtt_ms", "bw_up_mbps", "bw_down_mbps"):
         value = getattr(link, name)
         if value is not None:
-            wire[name] = _float(value, name)
+            wire[name] = float(value)
     return wire
 
 
 def peer_record_to_wire(rec: PeerRecord) -> dict[str, Any]:
-    """The record as the plain map that goes on the wire (also the JSON form of the test vectors)."""
+    """The record as the plain map that goes on the wire (also the JSON form of the test vectors).
+
+    Numbers are coerced (float fields always float64); NaN/inf pass through and are
+    rejected by the decode that ``encode_peer_record`` runs on its own output.
+    """
     wire: dict[str, Any] = {
         "v": rec.version,
         "kind": PEER_RECORD_KIND,
@@ -148,8 +147,8 @@ def peer_record_to_wire(rec: PeerRecord) -> dict[str, Any]:
         "maddrs": list(rec.maddrs),
         "links": [_link_to_wire(link) for link in rec.links],
         "software_version": rec.software_version,
-        "started_at": _float(rec.started_at, "started_at"),
-        "updated_at": _float(rec.updated_at, "updated_at"),
+        "started_at": float(rec.started_at),
+        "updated_at": float(rec.updated_at),
         "seq": int(rec.seq),
     }
     if rec.profile is not None:
@@ -186,6 +185,21 @@ def encode_peer_record(rec: PeerRecord) -> bytes:
         raise ProtocolError(f"peer record not encodable: {exc}") from None
     decode_peer_record(raw)  # same rules on both sides
     return raw
+
+
+def fit_peer_record(rec: PeerRecord) -> PeerRecord:
+    """``rec`` with its oldest link measurements dropped until it is within MAX_LINKS and MAX_PEER_RECORD_BYTES.
+
+    Large swarms measure more links than one record may carry; the newest ones are the
+    most useful to schedulers. Returns ``rec`` itself when it already fits.
+    """
+    links = sorted(rec.links, key=lambda link: link.measured_at, reverse=True)[:MAX_LINKS]
+    while True:
+        candidate = rec if len(links) == len(rec.links) else replace(rec, links=links)
+        if len(canonical_packb(peer_record_to_wire(candidate))) <= MAX_PEER_RECORD_BYTES or not links:
+            return candidate
+        # drop ~10% per round: sizes are roughly linear in the number of links
+        links = links[: max(0, len(links) - max(1, len(links) // 10))]
 
 
 # ---------------------------------------------------------------- decoding
