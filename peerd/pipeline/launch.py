@@ -182,14 +182,18 @@ def build_workers(
     *,
     reducer_factory: ReducerFactory | None = None,
     on_report: Callable[[StepReport], None] | None = None,
+    here: set[int] | None = None,
 ) -> list[StageWorker]:
-    """One StageWorker per tasklet, wired to its allocated neighbours and replica group."""
+    """One StageWorker per tasklet (only those of the peers in ``here``, if given), wired to its
+    allocated neighbours and replica group."""
     cfg.validate()
     allocation.validate(cfg, len(peers))
     if allocation.replicas > 1 and reducer_factory is None:
         raise ConfigError("allocation", "replicas > 1 need a reducer_factory (gradient averaging)")
     workers = []
     for s, r, p in allocation.tasklets():
+        if here is not None and p not in here:
+            continue
         peer = peers[p]
         group = [peers[q].peer_id for q in allocation.peers[s]]
         reducer = None

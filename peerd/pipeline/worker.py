@@ -72,6 +72,7 @@ class StepReport:
     tokens: int  # this replica's tokens
     step_s: float
     tokens_per_s: float  # the whole job's tokens (all replicas) per second of this step
+    finished_at: float = 0.0  # wall clock (time.time()) when the step ended here
     wire_bytes: dict[str, int] = field(default_factory=dict)  # this step, per boundary/direction/side
     rejected: dict[str, int] = field(default_factory=dict)  # cumulative, per error code
     resends: int = 0
@@ -138,7 +139,7 @@ class StageWorker:
             downstream=downstream,
             expectations={KIND_ACT: self._expectation(KIND_ACT), KIND_GRAD: self._expectation(KIND_GRAD)},
             decoders={
-                k: d.decode
+                k: d
                 for k, d in ((KIND_ACT, self.codecs.recv_act), (KIND_GRAD, self.codecs.recv_grad))
                 if d is not None
             },
@@ -299,6 +300,7 @@ class StageWorker:
             tokens=examples * self.seq_len,
             step_s=elapsed,
             tokens_per_s=self.cfg.global_batch * self.seq_len / elapsed,
+            finished_at=time.time(),
             wire_bytes={k: v - before.get(k, 0) for k, v in after.items()},
             rejected=dict(self.stats.rejected),
             resends=self.stats.resends,

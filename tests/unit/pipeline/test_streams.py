@@ -95,7 +95,7 @@ class Pair:
             upstream=UP,
             downstream=None,
             expectations={KIND_ACT: expectation},
-            decoders={KIND_ACT: RawDecoder().decode},
+            decoders={KIND_ACT: RawDecoder()},
             inbox=self.inbox,
             stats=self.rx_stats,
             config=self.config,
