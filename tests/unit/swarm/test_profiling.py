@@ -1,0 +1,162 @@
+"""Device profiling on the real CPU: device selection, measured TFLOPS, live memory, and the on-disk cache."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+import torch
+
+import peerd
+from peerd.errors import ConfigError
+from peerd.swarm import profiling
+from peerd.swarm.profiling import (
+    cache_key,
+    hardware_fingerprint,
+    measure_matmul_tflops,
+    memory_info,
+    profile_device,
+    resolve_device,
+)
+from peerd.swarm.records import DeviceKind
+
+BUDGET = 0.05  # seconds per dtype: enough for a real measurement, short enough for a unit test
+
+
+def cpu_bf16_works() -> bool:
+    try:
+        torch.ones(8, 8, dtype=torch.bfloat16) @ torch.ones(8, 8, dtype=torch.bfloat16)
+    except RuntimeError:
+        return False
+    return True
+
+
+@pytest.fixture(scope="module")
+def measured(tmp_path_factory):
+    cache = tmp_path_factory.mktemp("profile") / "profiles.json"
+    return cache, profile_device("cpu", cache_path=cache, budget_s=BUDGET)
+
+
+def test_resolve_device():
+    assert resolve_device("cpu") == torch.device("cpu")
+    auto = resolve_device("auto")
+    if torch.cuda.is_available():
+        assert auto.type == "cuda" and auto.index is not None
+    elif torch.backends.mps.is_available():
+        assert auto.type == "mps"
+    else:
+        assert auto == torch.device("cpu")
+
+
+@pytest.mark.parametrize("bad", ["gpu", "cuda:x", "xla", ""])
+def test_bad_device_strings_are_config_errors(bad):
+    with pytest.raises(ConfigError) as info:
+        resolve_device(bad)
+    assert info.value.field == "device"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA message")
+def test_unavailable_cuda_is_config_error():
+    with pytest.raises(ConfigError, match="not available"):
+        resolve_device("cuda:0")
+
+
+def test_cpu_profile_is_measured(measured):
+    _, prof = measured
+    assert prof.kind == DeviceKind.CPU
+    assert prof.name and prof.name == profiling.cpu_model()
+    assert prof.tflops["fp32"] > 0
+    assert ("bf16" in prof.tflops) == cpu_bf16_works()
+    assert "fp16" not in prof.tflops  # not measured on CPU (see candidate_dtypes)
+    assert prof.memory_total_bytes > 0
+    assert prof.memory_free_bytes is not None and 0 <= prof.memory_free_bytes <= prof.memory_total_bytes
+
+
+def test_measurement_agrees_with_a_plain_timing():
+    # independent check of the flop accounting: one timed matmul of the same size, best of 3
+    n = 256
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    a @ b
+    best = min(_timed(lambda: a @ b) for _ in range(3))
+    plain = 2 * n**3 / best / 1e12
+    measured = measure_matmul_tflops(torch.device("cpu"), torch.float32, n=n, budget_s=0.1)
+    assert plain / 20 < measured < plain * 20  # same order of magnitude on a noisy shared machine
+
+
+def _timed(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def test_cache_is_written_and_reused(measured, monkeypatch):
+    cache, first = measured
+    data = json.loads(cache.read_text())
+    key = cache_key(hardware_fingerprint(torch.device("cpu")))
+    assert data["format"] == profiling.CACHE_FORMAT and key in data["entries"]
+    assert "memory_free_bytes" not in data["entries"][key]  # free memory is never cached
+
+    def must_not_measure(*args, **kwargs):
+        raise AssertionError("measured although a matching cache entry exists")
+
+    monkeypatch.setattr(profiling, "measure_tflops", must_not_measure)
+    again = profile_device("cpu", cache_path=cache)
+    assert again.tflops == first.tflops and again.measured_at == first.measured_at
+
+
+def test_free_memory_is_read_live(measured, monkeypatch):
+    cache, _ = measured
+    monkeypatch.setattr(profiling, "system_memory", lambda: (1000, 123))
+    assert profile_device("cpu", cache_path=cache).memory_free_bytes == 123
+    monkeypatch.setattr(profiling, "system_memory", lambda: (1000, 456))
+    assert profile_device("cpu", cache_path=cache).memory_free_bytes == 456
+
+
+def test_software_upgrade_invalidates_the_cache(measured, monkeypatch):
+    cache, first = measured
+    monkeypatch.setattr(profiling, "__version__", "999.0")
+    upgraded = profile_device("cpu", cache_path=cache, budget_s=BUDGET)
+    assert upgraded.measured_at > first.measured_at
+    entries = json.loads(cache.read_text())["entries"]
+    assert len(entries) == 2  # the old entry stays for a downgrade
+    assert {e["fingerprint"]["peerd"] for e in entries.values()} == {"999.0", peerd.__version__}
+
+
+def test_refresh_remeasures(measured):
+    cache, first = measured
+    assert (
+        profile_device("cpu", cache_path=cache, refresh=True, budget_s=BUDGET).measured_at > first.measured_at
+    )
+
+
+@pytest.mark.parametrize("content", ["{not json", '{"format": 99, "entries": {}}', "[]"])
+def test_corrupt_cache_is_ignored_and_replaced(tmp_path, content):
+    cache = tmp_path / "profiles.json"
+    cache.write_text(content)
+    prof = profile_device("cpu", cache_path=cache, budget_s=BUDGET)
+    assert prof.tflops["fp32"] > 0
+    assert json.loads(cache.read_text())["format"] == profiling.CACHE_FORMAT
+
+
+def test_tampered_entry_is_remeasured(tmp_path):
+    cache = tmp_path / "profiles.json"
+    profile_device("cpu", cache_path=cache, budget_s=BUDGET)
+    data = json.loads(cache.read_text())
+    for entry in data["entries"].values():
+        entry["tflops"] = {"fp32": "fast"}
+    cache.write_text(json.dumps(data))
+    assert isinstance(profile_device("cpu", cache_path=cache, budget_s=BUDGET).tflops["fp32"], float)
+
+
+def test_no_cache_path_means_no_file(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    profile_device("cpu", cache_path=None, budget_s=BUDGET)
+    assert not any(tmp_path.iterdir())
+    assert profiling.default_cache_path().is_relative_to(tmp_path)
+
+
+def test_memory_info_cpu_is_sane():
+    total, free = memory_info(torch.device("cpu"))
+    assert total > 64 * 2**20
+    assert free is None or 0 <= free <= total
