@@ -69,6 +69,7 @@ class DtfmObjective(Objective):
         self.dp_pair = dp_pair
         super().__init__(problem, shape)
         self.affinity = dp_pair  # what a device adds to a group's data-parallel cost
+        self.dp_pair_t = np.ascontiguousarray(dp_pair.T)  # column gathers as contiguous rows
 
     def _pair_cost(self) -> np.ndarray:
         t = self.problem.transfer_seconds(self.c_pp)
@@ -100,62 +101,94 @@ class DtfmObjective(Objective):
     def swap_scores(
         self, grid: np.ndarray, spares: np.ndarray, upos: np.ndarray, cand: np.ndarray
     ) -> tuple[np.ndarray, np.ndarray]:
-        """(total, soft) after swapping cell ``upos[p]`` with cell ``cand[p]`` (different rows), all p at once."""
+        """(total, soft) after swapping cell ``upos[p]`` with cell ``cand[p]`` (different rows), all p at once.
+
+        Work per distinct ``u`` is O(N * D) gathers into small per-u tables; per pair it
+        is O(D) from those tables, so one call scores thousands of swaps.
+        """
         n_pp, n_dp = grid.shape
+        if len(upos) == 0:
+            return np.zeros(0), np.zeros(0)
         dpp, pc = self.dp_pair, self.pair_cost
+        flat = grid.ravel()
         p_idx = np.arange(len(upos))
+        uniq, ui = np.unique(upos, return_inverse=True)  # distinct u positions, pair -> u index
         rk, ck = np.divmod(upos, n_dp)  # (P,) u's row and column
         rl, cl = np.divmod(cand, n_dp)  # (P,) v's row and column
-        u, v = grid[rk, ck], grid[rl, cl]
-        # Data-parallel sums S[r, c] = sum over the row of dp_pair[grid[r, c], .]
-        sums = dpp[grid[:, :, None], grid[:, None, :]].sum(axis=2)  # (G, D)
+        u, v = flat[upos], flat[cand]
+        uk = uniq // n_dp
+        udev = flat[uniq]  # (U,)
+        within = dpp[grid[:, :, None], grid[:, None, :]]  # (G, D, D) dp terms inside each row
+        sums = within.sum(axis=2)  # (G, D)
         dp_rows = sums.max(axis=1)  # (G,)
-
-        def row_after(r, c, out_dev, in_dev):
-            """Row r with out_dev (at column c) replaced by in_dev: its new max DP sum, (P,)."""
-            members = grid[r]  # (P, D)
-            new = sums[r] - dpp[members, out_dev[:, None]] + dpp[members, in_dev[:, None]]
-            new[p_idx, c] = dpp[in_dev[:, None], members].sum(axis=1) - dpp[in_dev, out_dev]
-            return new.max(axis=1)
-
-        dp_k, dp_l = row_after(rk, ck, u, v), row_after(rl, cl, v, u)
+        # Per-u tables (U = distinct u).
+        # Row slices of dp_pair are contiguous: gather whole rows/columns, then reorder by position.
+        to_all = np.stack([dpp[grid[k]][:, flat] for k in uk])  # (U, D, N): row k member -> any device
+        all_to = np.stack(
+            [self.dp_pair_t[grid[k]].sum(axis=0)[flat] for k in uk]
+        )  # (U, N): any device's sum over row k
+        to_u = dpp[grid[None, :, :], udev[:, None, None]]  # (U, G, D): every member -> u
+        u_sum = dpp[udev[:, None, None], grid[None, :, :]].sum(axis=2)  # (U, G): u's sum over each row
+        u_to = dpp[udev[:, None], flat[None, :]]  # (U, N)
+        to_u_flat = to_u.reshape(len(uniq), -1)  # (U, N): any device -> u
+        # Row k with u -> v, row l with v -> u: every other member swaps one term.
+        new_k = sums[rk] - within[rk, :, ck] + to_all[ui, :, cand]
+        new_k[p_idx, ck] = all_to[ui, cand] - to_u_flat[ui, cand]
+        new_l = sums[rl] - within[rl, :, cl] + to_u[ui, rl]
+        new_l[p_idx, cl] = u_sum[ui, rl] - u_to[ui, cand]
+        dp_k, dp_l = new_k.max(axis=1), new_l.max(axis=1)
         # Largest untouched row: walk the three largest rows, skipping rows k and l.
-        order = np.argsort(-dp_rows, kind="stable")[:3]
         rest = np.full(len(upos), -np.inf)
-        for r in order[::-1]:
+        for r in np.argsort(-dp_rows, kind="stable")[:3][::-1]:
             rest = np.where((rk != r) & (rl != r), dp_rows[r], rest)
         dp_new = np.maximum(rest, np.maximum(dp_k, dp_l))
         soft_dp = (dp_rows.sum() - dp_rows[rk] - dp_rows[rl] + dp_k + dp_l) / n_pp
         if n_pp == 1:
             return dp_new, soft_dp
-        # Pipeline edges: only the (at most four) edges touching row k or row l change.
+        # Pipeline edges: at most four edges change, each in at most two columns.
         pmat = pc[grid[:-1], grid[1:]]  # (G-1, D)
-        e_max, e_mean = pmat.max(axis=1), pmat.mean(axis=1)
+        e_max, e_sum = pmat.max(axis=1), pmat.sum(axis=1)
+        k3 = min(3, n_dp)
+        top_cols = np.argsort(-pmat, axis=1, kind="stable")[:, :k3]  # (G-1, k3)
+        top_vals = np.take_along_axis(pmat, top_cols, axis=1)
 
-        def edge_delta(top_row):
-            valid = (top_row >= 0) & (top_row <= n_pp - 2)
-            t = np.clip(top_row, 0, n_pp - 2)
-            top, bottom = grid[t], grid[t + 1]  # (P, D) copies (fancy indexing)
-            for arr, r in ((top, t), (bottom, t + 1)):
-                hit = r == rk
-                arr[p_idx[hit], ck[hit]] = v[hit]
-                hit = r == rl
-                arr[p_idx[hit], cl[hit]] = u[hit]
-            pcs = pc[top, bottom]
-            return (
-                np.where(valid, pcs.max(axis=1) - e_max[t], 0.0),
-                np.where(valid, pcs.sum(axis=1) / n_dp - e_mean[t], 0.0),
+        def after(r, c):
+            """Device in cell (r, c) after the swap."""
+            return np.where((r == rk) & (c == ck), v, np.where((r == rl) & (c == cl), u, grid[r, c]))
+
+        def edge_delta(t):
+            valid = (t >= 0) & (t <= n_pp - 2)
+            t = np.clip(t, 0, n_pp - 2)
+            hit_u = (t == rk) | (t == rk - 1)
+            hit_v = ((t == rl) | (t == rl - 1)) & ~(hit_u & (cl == ck))  # same column counted once
+            new_u = pc[after(t, ck), after(t + 1, ck)]
+            new_v = pc[after(t, cl), after(t + 1, cl)]
+            rest = np.full(len(t), -np.inf)
+            for i in range(k3 - 1, -1, -1):  # best top entry whose column did not change
+                col = top_cols[t, i]
+                free = ~((hit_u & (col == ck)) | (hit_v & (col == cl)))
+                rest = np.where(free, top_vals[t, i], rest)
+            if k3 < 3:  # small groups: fall back to the full column set
+                rest = np.where(hit_u | hit_v, _rest_small(pmat, t, ck, cl, hit_u, hit_v), rest)
+            new_max = np.maximum(
+                rest, np.maximum(np.where(hit_u, new_u, -np.inf), np.where(hit_v, new_v, -np.inf))
             )
+            new_sum = (
+                e_sum[t]
+                + np.where(hit_u, new_u - pmat[t, ck], 0.0)
+                + np.where(hit_v, new_v - pmat[t, cl], 0.0)
+            )
+            return np.where(valid, new_max - e_max[t], 0.0), np.where(valid, (new_sum - e_sum[t]) / n_dp, 0.0)
 
         d_max, d_mean = np.zeros(len(upos)), np.zeros(len(upos))
-        for top_row, dedupe in ((rk - 1, False), (rk, False), (rl - 1, True), (rl, True)):
-            dm, dn = edge_delta(top_row)
+        for t, dedupe in ((rk - 1, False), (rk, False), (rl - 1, True), (rl, True)):
+            dm, dn = edge_delta(t)
             if dedupe:  # an edge next to row l that also touches row k is counted already
-                fresh = (top_row != rk - 1) & (top_row != rk)
+                fresh = (t != rk - 1) & (t != rk)
                 dm, dn = np.where(fresh, dm, 0.0), np.where(fresh, dn, 0.0)
             d_max += dm
             d_mean += dn
-        return dp_new + e_max.sum() + d_max, soft_dp + e_mean.sum() + d_mean
+        return dp_new + e_max.sum() + d_max, soft_dp + e_sum.sum() / n_dp + d_mean
 
     def grid_critical(self, grid: np.ndarray, spares: np.ndarray) -> list[int]:
         n_pp, n_dp = grid.shape
@@ -169,3 +202,12 @@ class DtfmObjective(Objective):
             for e, c in np.argwhere(pmat >= pmat.max(axis=1, keepdims=True) - 1e-12):
                 out.extend((int(e * n_dp + c), int((e + 1) * n_dp + c)))
         return list(dict.fromkeys(out))
+
+
+def _rest_small(pmat: np.ndarray, t, ck, cl, hit_u, hit_v) -> np.ndarray:
+    """Max of an edge's unchanged columns when groups have fewer than 3 replicas."""
+    cols = np.arange(pmat.shape[1])
+    changed = (hit_u[:, None] & (cols[None, :] == ck[:, None])) | (
+        hit_v[:, None] & (cols[None, :] == cl[:, None])
+    )
+    return np.where(changed, -np.inf, pmat[t]).max(axis=1)

@@ -35,6 +35,17 @@ from peerd.sched.seeding import constructions, random_layout
 
 log = get_logger(__name__)
 
+RANDOM_SEEDS_MAX = 256  # above this many devices a random start costs more local search than it brings
+
+
+def _share(deadline: float | None, parts: int) -> float | None:
+    """Deadline for the next of ``parts`` pieces of work: half of what is left (all of it for the last)."""
+    if deadline is None:
+        return None
+    now = time.monotonic()
+    return now + (deadline - now) / (2 if parts > 1 else 1)
+
+
 if not hasattr(creator, "PeerdFitness"):
     # Lexicographic: seconds per iteration first, then the plateau tie-break.
     creator.create("PeerdFitness", base.Fitness, weights=(-1.0, -1.0))
@@ -143,17 +154,34 @@ class Island:
         return self.local.run(ev, self.rng, deadline=deadline)
 
     def _seed_population(self, initial: Sequence[Evaluation | Allocation], deadline: float | None) -> None:
+        """Initial individuals: given ones, constructions, then random (or, for large clusters,
+        perturbed copies of the best so far, which the local search settles quickly)."""
         seeds: list[Evaluation] = []
         for item in initial:
             seeds.append(from_allocation(self.obj, item) if isinstance(item, Allocation) else item)
         if self.cfg.constructions:
             seeds.extend(constructions(self.obj)[: max(1, self.cfg.population // 2)])
-        while len(seeds) < self.cfg.population:
-            seeds.append(random_layout(self.obj, self.rng))
-        for ev in seeds[: self.cfg.population]:
+        seeds = seeds[: self.cfg.population]
+        big = self.obj.problem.n > RANDOM_SEEDS_MAX
+        for _attempt in range(
+            3 * self.cfg.population
+        ):  # duplicates are dropped; tiny problems have few optima
+            if len(self.population) >= self.cfg.population:
+                break
             if deadline is not None and time.monotonic() > deadline and self.population:
                 break
-            ind = self._individual(self.toolbox.improve(ev, deadline))
+            if seeds:
+                ev = seeds.pop(0)
+            elif big and self.population:
+                best = min(self.population, key=lambda ind: ind.ev.cost).ev
+                groups, spares = self._mutate(
+                    [g.copy() for g in best.groups], best.spares.copy(), self.obj.shape.d_dp
+                )
+                ev = self.obj.evaluate(groups, spares)
+            else:
+                ev = random_layout(self.obj, self.rng)
+            left = len(seeds) + self.cfg.population - len(self.population)
+            ind = self._individual(self.toolbox.improve(ev, _share(deadline, left)))
             if not any(ind == other for other in self.population):
                 self.population.append(ind)
         self.hall.update(self.population)

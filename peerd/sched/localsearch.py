@@ -106,6 +106,8 @@ class LocalSearch:
                 # First improving chunk wins: cheap when improvements abound, a full scan at the end.
                 upos_all, cand_all = np.concatenate(ups), np.concatenate(cands)
                 ups, cands, pending = [], [], 0
+                if len(upos_all) == 0:
+                    continue
                 totals, softs = self.obj.swap_scores(grid, spares, upos_all, cand_all)
                 best = _improving(totals, softs, cost)
                 if best is not None:

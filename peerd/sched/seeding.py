@@ -53,6 +53,13 @@ def device_chains(distance: np.ndarray, max_cuts: int = 4) -> list[np.ndarray]:
 def grid_groups(
     chain: np.ndarray, d_pp: int, d_dp: int, h: int, w: int, blocks_across: bool, inner_across: bool
 ) -> list[np.ndarray]:
+    """The groups (sorted rows) of ``grid_layout``."""
+    return [np.sort(row) for row in grid_layout(chain, d_pp, d_dp, h, w, blocks_across, inner_across)]
+
+
+def grid_layout(
+    chain: np.ndarray, d_pp: int, d_dp: int, h: int, w: int, blocks_across: bool, inner_across: bool
+) -> np.ndarray:
     """Lay ``chain`` onto the (stage x replica) grid in h x w blocks; the rows are the groups.
 
     Blocks are visited across the replicas first (``blocks_across``) or down the
@@ -73,7 +80,7 @@ def grid_groups(
     grid = np.empty((d_pp, d_dp), dtype=np.intp)
     rows, cols = zip(*cells, strict=True)
     grid[list(rows), list(cols)] = chain
-    return [np.sort(row) for row in grid]
+    return grid
 
 
 def divisors(n: int) -> list[int]:
@@ -94,24 +101,33 @@ def active_devices(obj: Objective, count: int) -> np.ndarray:
     return np.sort(np.argsort(score, kind="stable")[:count])
 
 
-def constructions(obj: Objective) -> list[Evaluation]:
-    """The greedy seed family for ``obj``'s shape (deduplicated, evaluated, best first)."""
+def constructions(obj: Objective, exact_limit: int | None = None) -> list[Evaluation]:
+    """The greedy seed family for ``obj``'s shape (deduplicated, evaluated, best first).
+
+    Every layout is first scored as laid out (chain order, no matching: cheap); only
+    the best ``exact_limit`` (default: all up to ~4k devices in total) get the exact
+    evaluation with bottleneck matchings and TSP order.
+    """
     shape, n = obj.shape, obj.problem.n
+    if exact_limit is None:
+        exact_limit = max(8, 4096 // n)
     active = active_devices(obj, shape.active)
     spares = np.setdiff1d(np.arange(n), active)
     sub = obj.pair_cost[np.ix_(active, active)]
-    seen, out = set(), []
+    seen, laid = set(), []
     for chain in device_chains(sub):
         chain = active[chain]
         for h in divisors(shape.d_pp):
             for w in divisors(shape.d_dp):
                 for blocks_across in (True, False):
                     for inner_across in (True, False):
-                        groups = grid_groups(chain, shape.d_pp, shape.d_dp, h, w, blocks_across, inner_across)
-                        key = tuple(sorted(g.tobytes() for g in groups))
+                        grid = grid_layout(chain, shape.d_pp, shape.d_dp, h, w, blocks_across, inner_across)
+                        key = tuple(sorted(np.sort(row).tobytes() for row in grid))
                         if key not in seen:
                             seen.add(key)
-                            out.append(obj.evaluate(groups, spares))
+                            laid.append((obj.grid_cost(grid, spares), len(laid), grid))
+    laid.sort(key=lambda x: (x[0], x[1]))
+    out = [obj.evaluate(list(grid), spares) for _, _, grid in laid[:exact_limit]]
     out.sort(key=lambda ev: ev.cost)
     return out
 
