@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import msgpack
 import pytest
 
 from peerd.errors import ErrorCode, ProtocolError
@@ -18,6 +19,19 @@ from peerd.swarm.records import (
 
 VECTORS = Path(__file__).resolve().parents[2] / "protocols" / "vectors" / "peer_record"
 CASES = {p.stem: json.loads(p.read_text()) for p in sorted(VECTORS.glob("*.json"))}
+
+
+def packed_canonically(wire: object) -> bytes:
+    """The spec's canonical form, written independently of the codec: sorted keys, msgpack-python defaults."""
+
+    def sort(obj: object) -> object:
+        if isinstance(obj, dict):
+            return {k: sort(obj[k]) for k in sorted(obj)}
+        if isinstance(obj, list):
+            return [sort(x) for x in obj]
+        return obj
+
+    return msgpack.packb(sort(wire), use_bin_type=True)
 
 
 def of_type(kind: str) -> list[str]:
@@ -41,6 +55,7 @@ def test_encode_vector_is_byte_exact(name: str):
     assert isinstance(rec, PeerRecord)
     assert peer_record_to_wire(rec) == case["record"]
     assert encode_peer_record(rec) == raw
+    assert packed_canonically(case["record"]) == raw
 
 
 @pytest.mark.parametrize("name", of_type("decode"))
