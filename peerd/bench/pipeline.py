@@ -39,11 +39,11 @@ from peerd.pipeline.config import ModelSpec, TrainConfig
 from peerd.pipeline.frames import KIND_ACT, Expectation, TensorMessage, raw_payload
 from peerd.pipeline.launch import Allocation, RunResult
 from peerd.pipeline.processes import PeerProcesses, child_main
+from peerd.pipeline.sender import StreamSender
 from peerd.pipeline.streams import (
     Inbox,
     StreamConfig,
     StreamReceiver,
-    StreamSender,
     StreamStats,
     stage_protocol,
 )

@@ -68,6 +68,8 @@ class _Child:
             while True:
                 line = await self.proc.stdout.readline()
                 if not line:
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(self.proc.wait(), 5)
                     raise PeerUnavailable(f"peer process {self.index} exited (code {self.proc.returncode})")
                 msg = json.loads(line)
                 if msg.get("event") == event:

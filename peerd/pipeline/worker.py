@@ -39,11 +39,11 @@ from peerd.pipeline.frames import KIND_ACT, KIND_GRAD, Expectation, TensorMessag
 from peerd.pipeline.local import make_optimizer
 from peerd.pipeline.partition import build_stage
 from peerd.pipeline.schedule import Op, get_schedule
+from peerd.pipeline.sender import StreamSender
 from peerd.pipeline.streams import (
     Inbox,
     PeerRef,
     StreamReceiver,
-    StreamSender,
     StreamStats,
     plain,
     stage_protocol,

@@ -18,11 +18,11 @@ import torch
 from peerd.errors import ErrorCode, PeerdError, PeerUnavailable, ProtocolError
 from peerd.pipeline.codec import RawDecoder
 from peerd.pipeline.frames import KIND_ACT, Expectation, TensorMessage, raw_payload
+from peerd.pipeline.sender import StreamSender
 from peerd.pipeline.streams import (
     Inbox,
     StreamConfig,
     StreamReceiver,
-    StreamSender,
     StreamStats,
     stage_protocol,
 )
