@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import os
 import re
+import secrets
 import stat
 from collections.abc import Iterable
 from functools import lru_cache
@@ -73,7 +74,11 @@ class Identity:
         path = Path(path).expanduser()
         if not path.exists():
             identity = cls.generate()
-            if _write_new_file(path, identity.to_bytes()):
+            try:
+                created = _write_new_file(path, identity.to_bytes())
+            except OSError as exc:
+                raise ConfigError("identity_path", f"cannot create {path}: {exc.strerror or exc}") from None
+            if created:
                 logger.info("created identity %s (peer id %s)", path, identity.peer_id)
                 identity.path = path
                 return identity
@@ -114,17 +119,25 @@ class Identity:
 def _write_new_file(path: Path, data: bytes) -> bool:
     """Create ``path`` with ``data``, mode 0600, never exposing a partial file; False if it already exists."""
     path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp = path.with_name(f".{path.name}.{secrets.token_hex(8)}.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
-        os.link(tmp, path)  # atomic and fails if someone else created the file meanwhile
+        try:
+            os.link(tmp, path)  # atomic, and fails if another process created the file meanwhile
+        except FileExistsError:
+            return False
+        except OSError:  # a filesystem without hard links: exclusive create is still race-free
+            try:
+                with open(path, "xb") as f:
+                    os.chmod(path, 0o600)
+                    f.write(data)
+            except FileExistsError:
+                return False
         return True
-    except FileExistsError:
-        return False
     finally:
         tmp.unlink(missing_ok=True)
 

@@ -9,6 +9,7 @@ restart skips it and an upgrade re-measures. Free memory is always read live.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import json
 import os
@@ -127,6 +128,12 @@ def memory_info(dev: torch.device) -> tuple[int, int | None]:
         free, total = torch.cuda.mem_get_info(dev)
         return int(total), int(free)
     return system_memory()  # CPU, and MPS (unified memory)
+
+
+def with_live_memory(profile: DeviceProfile, device: str = "auto") -> DeviceProfile:
+    """``profile`` with total/free memory re-read now (cheap); call it for every record a daemon publishes."""
+    total, free = memory_info(resolve_device(device))
+    return dataclasses.replace(profile, memory_total_bytes=total, memory_free_bytes=free)
 
 
 def _synchronize(dev: torch.device) -> None:

@@ -6,6 +6,7 @@ import dataclasses
 import os
 import pickle
 import stat
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from cryptography.hazmat.primitives.asymmetric import ed25519
@@ -88,9 +89,21 @@ def test_bad_identity_files_are_config_errors(tmp_path, content):
     assert info.value.field == "identity_path"
 
 
-def test_unreadable_path_is_config_error(tmp_path):
+def test_unreadable_or_uncreatable_path_is_config_error(tmp_path):
     with pytest.raises(ConfigError):
         Identity.load(tmp_path / "nope.key")
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ConfigError):
+        Identity.load_or_create(tmp_path / "file" / "id.key")  # parent is a regular file
+
+
+def test_concurrent_creation_agrees_on_one_key(tmp_path):
+    path = tmp_path / "id.key"
+    with ThreadPoolExecutor(4) as pool:
+        ids = list(pool.map(lambda _: Identity.load_or_create(path).peer_id, range(4)))
+    assert len(set(ids)) == 1
+    assert ids[0] == Identity.load(path).peer_id
+    assert [p.name for p in tmp_path.iterdir()] == ["id.key"]
 
 
 def test_owner_tag_is_hivemind_format(alice):

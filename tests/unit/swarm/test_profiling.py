@@ -18,6 +18,7 @@ from peerd.swarm.profiling import (
     memory_info,
     profile_device,
     resolve_device,
+    with_live_memory,
 )
 from peerd.swarm.records import DeviceKind
 
@@ -111,6 +112,14 @@ def test_free_memory_is_read_live(measured, monkeypatch):
     assert profile_device("cpu", cache_path=cache).memory_free_bytes == 123
     monkeypatch.setattr(profiling, "system_memory", lambda: (1000, 456))
     assert profile_device("cpu", cache_path=cache).memory_free_bytes == 456
+
+
+def test_with_live_memory_rereads_only_memory(measured, monkeypatch):
+    _, prof = measured
+    monkeypatch.setattr(profiling, "system_memory", lambda: (2000, 789))
+    live = with_live_memory(prof, "cpu")
+    assert (live.memory_total_bytes, live.memory_free_bytes) == (2000, 789)
+    assert live.tflops == prof.tflops and live.measured_at == prof.measured_at
 
 
 def test_software_upgrade_invalidates_the_cache(measured, monkeypatch):
