@@ -177,11 +177,12 @@ class PeerdObjective(Objective):
 
     def combine(self, groups: list[PeerdGroup], edges: list[Edge], spares: np.ndarray) -> Cost:
         total, soft, _n, dp, pipe, stage = self.batch_cost(*self._arrays(groups, edges), detail=True)
+        # total = dp + pp here (pp is the whole pipelined forward/backward, compute included).
         parts = {
             "dp": float(dp[0].max()),
-            "pipeline": float(pipe[0]),
-            "compute": float(stage[0].sum()),
-            "pp": float(sum(e.value for e in edges) / 2.0),
+            "pp": float(pipe[0]),
+            "compute_per_micro_batch": float(stage[0].sum()),
+            "links_per_micro_batch": float(sum(e.value for e in edges)),
             "micro_batches": float(self.micro_batches),
         }
         return Cost(float(total[0]), float(soft[0]), parts)

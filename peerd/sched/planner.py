@@ -26,7 +26,7 @@ from peerd.sched.cost_dtfm import DtfmObjective
 from peerd.sched.cost_peerd import INFEASIBLE, PeerdObjective
 from peerd.sched.evolution import Island, SearchConfig
 from peerd.sched.layout import score_allocation, to_allocation
-from peerd.sched.objective import Evaluation, Objective
+from peerd.sched.objective import Cost, Evaluation, Objective
 from peerd.sched.problem import Problem, Shape, candidate_shapes
 from peerd.sched.scenario import Scenario
 from peerd.sched.seeding import active_devices, device_chains, grid_groups
@@ -125,6 +125,35 @@ def plan(
     assert best is not None
     ev, obj, island = best
     return _result(obj, ev, objective, seed, time.monotonic() - start, gens, island.history)
+
+
+def make_island(
+    scenario: Scenario,
+    objective: str = "dtfm",
+    *,
+    seed: int = 0,
+    shape: Shape | None = None,
+    config: SearchConfig | None = None,
+    time_budget: float = 5.0,
+) -> Island:
+    """One island for ``scenario`` (e.g. one per peer in consensus): the given shape, or the most
+    promising allowed one. Drive it with ``step``; exchange ``best(k)`` / ``accept(migrants)``."""
+    problem = Problem(scenario)
+    if shape is None:
+        shapes = candidate_shapes(scenario, allow_spares=objective == "peerd")
+        obj = _screen_shapes(problem, shapes, objective, time.monotonic() + 0.2 * time_budget)[0]
+    else:
+        obj = make_objective(problem, shape, objective)
+    return Island(obj, _island_seed(seed, obj.shape), config, deadline=time.monotonic() + time_budget)
+
+
+def score(scenario: Scenario, allocation: Allocation, objective: str = "dtfm") -> Cost:
+    """Re-score someone else's allocation exactly as written (ConfigError if it does not fit the roster)."""
+    shape = Shape(allocation.d_pp, allocation.d_dp)
+    allowed = candidate_shapes(scenario, allow_spares=objective == "peerd")
+    if shape not in allowed:
+        raise ConfigError("stages", f"shape {shape} is not allowed for this roster and training section")
+    return score_allocation(make_objective(Problem(scenario), shape, objective), allocation)
 
 
 def result_for(

@@ -128,3 +128,21 @@ def test_plan_finds_the_brute_force_optimum_on_tiny_clusters(d_pp, d_dp, seed):
     assert _naive_total(sc, [list(s) for s in result.allocation.stages], obj.c_dp, obj.c_pp) == pytest.approx(
         result.total
     )
+
+
+def test_missing_link_pairs_need_a_fallback():
+    data = {
+        "devices": [{"id": d} for d in "abcd"],
+        "links": [
+            {"src": s, "dst": d, "delay_ms": 5, "bandwidth_mbps": 1000, "symmetric": True}
+            for s, d in (("a", "b"), ("b", "c"), ("c", "d"), ("a", "c"), ("b", "d"))
+        ],  # a <-> d never measured
+        "training": {"global_batch": 4, "d_pp": 2, "d_dp": 2, "c_dp_bytes": 1e8, "c_pp_bytes": 1e8},
+    }
+    with pytest.raises(ConfigError) as info:
+        plan(Scenario.from_mapping(data), "dtfm", time_budget=5)
+    assert info.value.field == "links" and "estimate_missing" in str(info.value)
+    estimated = plan(
+        Scenario.from_mapping({**data, "estimate_missing": True}), "dtfm", generations=1, time_budget=30
+    )
+    assert estimated.total > 0

@@ -105,3 +105,14 @@ def test_search_beats_random_and_greedy_on_heterogeneous_cluster():
     result = plan(sc, "dtfm", seed=0, generations=4, time_budget=120)
     assert result.total <= greedy + 1e-9
     assert result.total < random_best
+
+
+def test_make_island_and_score_for_consensus(cluster):
+    from peerd.sched.planner import make_island, score
+
+    island = make_island(cluster, "dtfm", seed=4, config=SearchConfig(population=4, offspring=2))
+    island.step(1)
+    best = island.best(1)[0]
+    assert score(cluster, best).total == pytest.approx(island.best_cost())
+    with pytest.raises(ConfigError):
+        score(cluster, Allocation(best.stages[:2]))  # a 2-stage allocation uses too few devices
