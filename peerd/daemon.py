@@ -135,7 +135,10 @@ class Daemon:
 
             self.profile = await asyncio.get_running_loop().run_in_executor(None, self._measure_profile)
             self.state = PeerState.ONLINE
-            self.announcer.set_state(PeerState.ONLINE)
+            self.announcer.state = PeerState.ONLINE
+            # publish before reporting ready, so "ready" means "listed ONLINE" (the loop retries if this fails)
+            with contextlib.suppress(Exception):
+                await self.announcer.publish(timeout=cfg.refresh_interval)
             if cfg.probe_budget > 0:
                 self._spawn("probe", self._probe_loop)
         except BaseException:
