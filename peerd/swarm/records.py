@@ -181,7 +181,7 @@ def encode_peer_record(rec: PeerRecord) -> bytes:
         )
     try:
         raw = canonical_packb(peer_record_to_wire(rec))
-    except (TypeError, ValueError) as exc:
+    except (TypeError, ValueError, OverflowError) as exc:
         raise ProtocolError(f"peer record not encodable: {exc}") from None
     decode_peer_record(raw)  # same rules on both sides
     return raw

@@ -132,6 +132,8 @@ def test_unknown_fields_are_tolerated_at_every_level():
             ErrorCode.OVERSIZED,
         ),
         (record(name="x" * 129), ErrorCode.MALFORMED),
+        (record(seq=2**70), ErrorCode.MALFORMED),  # beyond msgpack's 64-bit integers
+        (record(state="bogus"), ErrorCode.MALFORMED),
     ],
 )
 def test_encoder_refuses_what_peers_would_reject(rec: PeerRecord, code: ErrorCode):
