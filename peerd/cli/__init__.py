@@ -74,9 +74,9 @@ def main(argv: list[str] | None = None) -> None:
         cli.main(args=argv, prog_name="peerd", standalone_mode=False)
     except click.exceptions.Exit as exc:
         sys.exit(exc.exit_code)
-    except click.Abort:
+    except (click.Abort, KeyboardInterrupt):
         click.echo("Aborted.", err=True)
-        sys.exit(EXIT_FAILED)
+        sys.exit(130)  # the shell's convention for SIGINT
     except click.ClickException as exc:
         exc.show()
         sys.exit(EXIT_USAGE if isinstance(exc, click.UsageError) else exc.exit_code)
