@@ -11,7 +11,6 @@ data-parallel replicas are compressed by the averaging group (``gradient_compres
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
@@ -109,10 +108,9 @@ class RawDecoder:
 
     def decode(self, msg: TensorMessage, payload: bytearray) -> torch.Tensor:
         t = raw_tensor(msg, payload)
-        # A float64 sum is NaN/Inf iff some element is (fp32 values cannot overflow it): one read
-        # pass, no temporary. numpy, not torch: this runs on the event loop, and torch's
-        # intra-op thread pool stalls for tens of ms when the cores are busy (measured).
-        if not math.isfinite(np.sum(t.numpy(), dtype=np.float64)):
+        # numpy, not torch: this runs on the event loop, and torch's intra-op thread pool stalls
+        # for tens of ms when the cores are busy (measured: 0.08 ms vs 1-30 ms for 4 MiB)
+        if not bool(np.isfinite(t.numpy()).all()):
             raise ProtocolError("raw tensor holds NaN or Inf", code=ErrorCode.NON_FINITE)
         return t
 
