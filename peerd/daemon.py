@@ -31,7 +31,8 @@ from peerd.swarm.identity import Identity, make_record_validators
 from peerd.swarm.links import LinkProber, ProbeConfig, ProbeResponder
 from peerd.swarm.membership import Announcer, PeerEntry, fetch_peers, peers_view
 from peerd.swarm.node import NodeSettings, SwarmNode, parse_peer_id
-from peerd.swarm.records import PeerRecord, PeerState
+from peerd.swarm.profiling import with_live_memory
+from peerd.swarm.records import PeerRecord, PeerState, fit_peer_record
 from peerd.swarm.shaper import LinkShaper
 from peerd.swarm.transport import Transport
 
@@ -298,17 +299,22 @@ class Daemon:
     def _build_record(self, state: PeerState, seq: int, now: float) -> PeerRecord:
         assert self.node is not None
         links = list(self.prober.measurements.values()) if self.prober is not None else []
-        return PeerRecord(
-            peer_id=self.node.peer_id,
-            name=self.config.name,
-            state=state,
-            maddrs=list(self.node.maddrs),
-            profile=self.profile,
-            links=sorted(links, key=lambda m: m.peer_id),
-            software_version=__version__,
-            started_at=self._started_at,
-            updated_at=max(now, self._started_at),
-            seq=seq,
+        # free memory changes while we run; the measured TFLOPS come from the (cached) profile
+        profile = with_live_memory(self.profile, self.config.device) if self.profile is not None else None
+        # large swarms measure more links than one record may carry: keep the newest
+        return fit_peer_record(
+            PeerRecord(
+                peer_id=self.node.peer_id,
+                name=self.config.name,
+                state=state,
+                maddrs=list(self.node.maddrs),
+                profile=profile,
+                links=sorted(links, key=lambda m: m.peer_id),
+                software_version=__version__,
+                started_at=self._started_at,
+                updated_at=max(now, self._started_at),
+                seq=seq,
+            )
         )
 
     def _measure_profile(self) -> Any:
