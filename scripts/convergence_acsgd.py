@@ -6,6 +6,8 @@ Runs (same seed, same data order, several epochs over a small corpus so examples
   acsgd_fw4_bw8   AC-SGD 4-bit activation deltas forward, 8-bit gradients backward
   acsgd_fw2_bw8   AC-SGD 2-bit deltas forward, 8-bit backward
   direct_fw2_bw8  direct 2-bit quantization of the activations forward, 8-bit backward
+  (--control adds bf16_control: raw bfloat16 both ways, a tiny stateless perturbation whose gap
+   to fp32 shows how much this training run amplifies any perturbation.)
 Every boundary crossing is really encoded to bytes and decoded by a separate receiver
 (peerd.compress.LoopbackHook inside peerd.pipeline.local.train_pipelined).
 
@@ -32,7 +34,8 @@ from peerd.pipeline.local import LocalRunConfig, train_pipelined
 BACKWARD = QuantConfig(bits=8, scale="absmax")
 
 
-def runs() -> dict[str, LoopbackHook]:
+def runs(control: bool) -> dict[str, LoopbackHook]:
+    extra = {"bf16_control": LoopbackHook("bf16", "bf16")} if control else {}
     return {
         "fp32": LoopbackHook("fp32", "fp32"),
         "acsgd_fw4_bw8": LoopbackHook(DeltaConfig(quant=QuantConfig(bits=4)), "q8", backward_quant=BACKWARD),
@@ -40,6 +43,7 @@ def runs() -> dict[str, LoopbackHook]:
         "direct_fw2_bw8": LoopbackHook(
             "q2", "q8", forward_quant=QuantConfig(bits=2), backward_quant=BACKWARD
         ),
+        **extra,
     }
 
 
@@ -54,10 +58,11 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--micro-batch", type=int, default=8)
-    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--lr", type=float, default=1e-3, help="AdamW; 3e-3 spikes in fp32 at this size")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1, help="torch threads (1 avoids stalls on busy machines)")
     p.add_argument("--only", default=None, help="comma-separated subset of runs")
+    p.add_argument("--control", action="store_true", help="also run bf16_control (sensitivity reference)")
     return p.parse_args()
 
 
@@ -109,7 +114,7 @@ def main() -> None:
         "runs": {},
     }  # fmt: skip
     wanted = set(args.only.split(",")) if args.only else None
-    for name, hook in runs().items():
+    for name, hook in runs(args.control).items():
         if wanted and name not in wanted:
             continue
         torch.manual_seed(args.seed)
@@ -136,10 +141,16 @@ def main() -> None:
             flush=True,
         )
     if "fp32" in results["runs"]:
-        ref = results["runs"]["fp32"]["final_loss"]
-        results["final_gap_vs_fp32_pct"] = {
-            n: round(100 * (r["final_loss"] - ref) / ref, 3) for n, r in results["runs"].items()
+        ref = results["runs"]["fp32"]["epoch_loss"]
+        gaps = {
+            n: [100 * (a - b) / b for a, b in zip(r["epoch_loss"], ref, strict=True)]
+            for n, r in results["runs"].items()
         }
+        results["final_gap_vs_fp32_pct"] = {n: round(g[-1], 3) for n, g in gaps.items()}
+        results["mean_gap_last5_vs_fp32_pct"] = {
+            n: round(sum(g[-5:]) / len(g[-5:]), 3) for n, g in gaps.items()
+        }
+        results["max_abs_gap_vs_fp32_pct"] = {n: round(max(abs(x) for x in g), 3) for n, g in gaps.items()}
         plot(results, out_dir / "loss.png")
     (out_dir / "results.json").write_text(json.dumps(results, indent=1) + "\n")
     summary = {k: v for k, v in results.items() if k != "runs"}
