@@ -155,6 +155,20 @@ class DaemonConfig:
             metavar="FILE",
         ),
     )
+    region: str = field(
+        default="",
+        metadata=_meta(
+            doc="Free-form location label (e.g. eu-west, home-lab) shown with allocations; "
+            "planning uses it to group peers that are close.",
+        ),
+    )
+    metrics_port: int = field(
+        default=0,
+        metadata=_meta(
+            doc="Serve Prometheus metrics on http://127.0.0.1:PORT/metrics (peers, links, jobs); 0: off.",
+            metavar="PORT",
+        ),
+    )
     control_socket: Path | None = field(
         default=None,
         metadata=_meta(
@@ -210,6 +224,10 @@ class DaemonConfig:
                 "refresh_interval",
                 f"must be below record_ttl ({self.record_ttl}) or the record expires between refreshes",
             )
+        if not 0 <= self.metrics_port < 65536:
+            raise ConfigError("metrics_port", f"must be 0 (off) or a TCP port, got {self.metrics_port}")
+        if len(self.region) > 64:
+            raise ConfigError("region", "at most 64 characters")
         if self.probe_budget < 0:
             raise ConfigError("probe_budget", f"must be >= 0, got {self.probe_budget}")
         if self.device != "auto" and not re.match(r"^(cpu|mps|cuda(:\d+)?)$", self.device):

@@ -2,8 +2,9 @@
 
 Startup: control endpoint (also the "this home is in use" lock) -> swarm node
 (p2pd + DHT) -> transport and probe responder -> announcer (JOINING) and the
-membership reader -> device profile -> ONLINE -> link prober. Shutdown runs the
-same list backwards within ``shutdown_timeout``: prober, announcer (publishes
+membership reader -> device profile -> ONLINE -> link prober -> jobs (``peerd.jobs``:
+discovery, planning, tasklets) -> metrics endpoint (opt-in). Shutdown runs the
+same list backwards within ``shutdown_timeout``: metrics, jobs, prober, announcer (publishes
 OFFLINE), reader, transport, node (stops p2pd), control endpoint; whatever is
 still alive at the deadline is killed. SIGINT/SIGTERM request that shutdown (a
 second signal skips the grace period); the previous handlers are restored
@@ -25,7 +26,10 @@ from typing import Any
 from peerd import __version__
 from peerd.config import DaemonConfig
 from peerd.control import ControlServer
-from peerd.errors import ConfigError, PeerdError
+from peerd.errors import ConfigError, ErrorCode, PeerdError, PeerUnavailable
+from peerd.jobs.metrics import MetricsServer
+from peerd.jobs.service import METHODS as JOB_METHODS
+from peerd.jobs.service import JobService
 from peerd.log import get_logger
 from peerd.swarm.identity import Identity, make_record_validators
 from peerd.swarm.links import LinkProber, ProbeConfig, ProbeResponder
@@ -93,6 +97,10 @@ class Daemon:
         self.failure: str | None = None  # why the daemon stopped by itself, if it did
         self.control.register("status", self._rpc_status, "This peer, the peers table and the link matrix.")
         self.control.register("shutdown", self._rpc_shutdown, "Leave the swarm gracefully and exit.")
+        self.jobs: JobService | None = None  # submit/cancel/planning/training: peerd.jobs
+        self.metrics: MetricsServer | None = None
+        for method, (_, doc) in JOB_METHODS.items():
+            self.control.register(method, self._job_method(method), doc)
 
     # -- lifecycle ------------------------------------------------------------------------------
 
@@ -142,6 +150,23 @@ class Daemon:
                 await self.announcer.publish(timeout=cfg.refresh_interval)
             if cfg.probe_budget > 0:
                 self._spawn("probe", self._probe_loop)
+            self.jobs = JobService(
+                dht=self.node.dht,
+                owner_tag=self.identity.owner_tag,
+                peer_id=self.node.peer_id,
+                clock=self.node.now,
+                swarm=cfg.swarm,
+                transport=self.transport,
+                home=cfg.home,
+                region=cfg.region,
+                profile=lambda: self.profile,
+                links=lambda: list(self.prober.measurements.values()) if self.prober else [],
+                peers=lambda: [e.record for e in self.entries.values()],
+            )
+            self._spawn("jobs", self.jobs.run)
+            if cfg.metrics_port:
+                self.metrics = MetricsServer(cfg.metrics_port, self._metrics_view)
+                await self.metrics.start()
         except BaseException:
             await self.stop()
             raise
@@ -203,6 +228,9 @@ class Daemon:
 
     async def _shutdown_steps(self) -> None:
         cfg = self.config
+        if self.metrics is not None:
+            await self.metrics.close()
+        await self._cancel("jobs")  # stops planners and tasklets (their final progress is published)
         for name in ("probe", "membership"):
             await self._cancel(name)
         if self.announcer is not None:
@@ -361,7 +389,24 @@ class Daemon:
             "started_at": self._started_at,
         }
         view["stale"] = stale
+        view["jobs"] = self.jobs.views() if self.jobs is not None else []
         return view
+
+    def _metrics_view(self) -> dict[str, Any]:
+        now = self.node.now() if self.node else 0.0
+        view = peers_view(self.entries.values(), now=now, self_id=self.node.peer_id if self.node else None)
+        view["jobs"] = self.jobs.views() if self.jobs is not None else []
+        return view
+
+    def _job_method(self, method: str) -> Callable[[dict[str, Any]], Awaitable[Any]]:
+        async def call(params: dict[str, Any]) -> Any:
+            if self.jobs is None:
+                raise PeerUnavailable(
+                    "the daemon is still starting; try again in a moment", code=ErrorCode.BUSY
+                )
+            return await self.jobs.handler(method)(params)
+
+        return call
 
     async def _rpc_shutdown(self, params: dict[str, Any]) -> dict[str, Any]:
         logger.info("shutdown requested through the control endpoint")

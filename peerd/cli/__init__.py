@@ -25,6 +25,10 @@ COMMANDS: dict[str, str] = {
     "plan": "peerd.cli.plan:plan",
     "bench": "peerd.cli.bench:bench",
     "demo": "peerd.cli.demo:demo",
+    "submit": "peerd.cli.jobs:submit",
+    "cancel": "peerd.cli.jobs:cancel",
+    "jobs": "peerd.cli.jobs:jobs",
+    "fetch": "peerd.cli.jobs:fetch",
 }
 
 

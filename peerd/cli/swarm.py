@@ -358,4 +358,9 @@ def render_status(view: dict[str, Any]) -> RenderableType:
     parts.append(peers_table(view))
     if len([p for p in view.get("peers", []) if p["state"] != "offline"]) > 1:
         parts.append(links_table(view))
+    from peerd.cli.jobs import render_jobs  # jobs, allocations as pipelines, loss sparklines
+
+    jobs = render_jobs(view)
+    if jobs is not None:
+        parts.append(jobs)
     return Group(*parts)

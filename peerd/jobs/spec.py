@@ -158,14 +158,31 @@ class PlanningSpec:
     """Seconds each peer's search island runs per planning epoch."""
     objective: Literal["peerd", "dtfm"] = "peerd"
     """Cost model every peer scores candidates with (``peerd`` includes compute and memory)."""
+    max_skew_s: float = 3.0
+    """Clock disagreement between peers that planning tolerates (hivemind assumes ~3 s). Every
+    protocol window lasts 10/3 of it (at least 1 s), so the default gives 10 s windows; peers
+    sharing one machine's clock (``peerd demo``, tests) can use 0.5-1."""
 
     def problems(self) -> list[ConfigError]:
+        out = []
         if not 0 < self.time_budget_s <= 3600:
-            return [ConfigError("time_budget_s", f"must be in (0, 3600], got {self.time_budget_s}")]
-        return []
+            out.append(ConfigError("time_budget_s", f"must be in (0, 3600], got {self.time_budget_s}"))
+        if not 0 <= self.max_skew_s <= 60:
+            out.append(ConfigError("max_skew_s", f"must be in [0, 60], got {self.max_skew_s}"))
+        return out
 
     def timing(self) -> ConsensusTiming:
-        return ConsensusTiming(search_s=self.time_budget_s)
+        window = max(1.0, round(self.max_skew_s * 10 / 3, 3))
+        return ConsensusTiming(
+            roster_s=window,
+            settle_s=window,
+            search_s=self.time_budget_s,
+            exchange_s=window,
+            vote_s=window,
+            adopt_s=window,
+            max_skew_s=self.max_skew_s,
+            publish_interval_s=min(2.0, max(0.5, window / 5)),
+        )
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,124 @@
+"""Assemble a job's per-stage checkpoints into one model file that loads into ``peerd.models.gpt.GPT``.
+
+Each tasklet checkpoints its own stage (``peerd.pipeline.checkpoint``: one directory per
+stage replica, ``step-NNNNNNNN.pt`` files, the stage's layer range in ``meta.layers``).
+``assemble`` picks the newest step for which every stage has a checkpoint (any replica: the
+replicas of a stage hold identical weights after averaging), renames each stage's
+``layers.k.*`` parameters to the full model's ``layers.(start + k).*``, checks the result
+loads into ``GPT(config)`` exactly (no missing or unexpected keys, matching shapes) and
+writes ``model.pt`` (config, weights, job, step) plus ``job.json`` (the spec).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from peerd.errors import ConfigError
+from peerd.jobs.spec import JobSpec
+from peerd.loading import from_mapping, to_mapping
+from peerd.log import get_logger
+from peerd.models.gpt import GPT, GPTConfig
+from peerd.pipeline import checkpoint
+
+logger = get_logger(__name__)
+
+MODEL_FORMAT = 1
+_DIR = re.compile(r"stage(\d+)-replica(\d+)")
+
+
+@dataclass(frozen=True)
+class Fetched:
+    path: Path
+    step: int
+    stages: int
+    parameters: int
+    sources: list[str]  # the checkpoint file of each stage, in stage order
+
+
+def _stage_dirs(roots: list[Path], job_id: str) -> dict[int, list[Path]]:
+    found: dict[int, list[Path]] = {}
+    for root in roots:
+        job_dir = root / job_id
+        if not job_dir.is_dir():
+            continue
+        for d in sorted(job_dir.iterdir()):
+            m = _DIR.fullmatch(d.name)
+            if m and d.is_dir():
+                found.setdefault(int(m.group(1)), []).append(d)
+    return found
+
+
+def assemble(job_id: str, spec: JobSpec, roots: list[Path], out_dir: Path) -> Fetched:
+    """Write ``out_dir/model.pt`` from the newest step all stages have; ConfigError when some stage is missing."""
+    if spec.model.preset is None:
+        raise ConfigError("model.hf", "fetch assembles built-in GPT presets only")
+    gpt = spec.model.gpt_config()
+    dirs = _stage_dirs(roots, job_id)
+    if not dirs:
+        where = ", ".join(str(r) for r in roots) or "(no directory)"
+        raise ConfigError("job_id", f"no checkpoints of job {job_id} under {where}")
+    stages = max(dirs) + 1
+    missing = [s for s in range(stages) if s not in dirs]
+    if missing:
+        raise ConfigError("job_id", f"no checkpoint of stage(s) {missing} of job {job_id} here")
+    steps_of = [{step: d for d in dirs[s] for step in checkpoint.saved_steps(d)} for s in range(stages)]
+    common = set.intersection(*(set(x) for x in steps_of))
+    if not common:
+        raise ConfigError("job_id", f"the stages of job {job_id} have no checkpointed step in common")
+    step = max(common)
+    state: dict[str, torch.Tensor] = {}
+    sources, covered = [], []
+    for s in range(stages):
+        ck = checkpoint.load(steps_of[s][step], step)
+        if ck["job"] != job_id or ck["stage"] != s:
+            raise ConfigError("checkpoint_dir", f"{steps_of[s][step]} holds another job or stage")
+        start, end = (int(x) for x in ck["meta"]["layers"])
+        covered.append((start, end))
+        for key, tensor in ck["module"].items():
+            m = re.fullmatch(r"layers\.(\d+)\.(.+)", key)
+            if m is None:
+                raise ConfigError("checkpoint", f"unexpected parameter {key!r} in stage {s}")
+            state[f"layers.{start + int(m.group(1))}.{m.group(2)}"] = tensor
+        sources.append(str(checkpoint.checkpoint_file(steps_of[s][step], step)))
+    starts = [0] + [end for _, end in covered[:-1]]
+    if [start for start, _ in covered] != starts or covered[-1][1] != gpt.num_layers:
+        raise ConfigError(
+            "checkpoint", f"stage layer ranges {covered} do not tile the model's {gpt.num_layers} layers"
+        )
+    model = GPT(gpt, seed=spec.model.seed)
+    model.load_state_dict(state, strict=True)  # the file must load into the model class as is
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / "model.pt"
+    payload = {
+        "format": MODEL_FORMAT,
+        "job": job_id,
+        "step": step,
+        "config": to_mapping(gpt),
+        "state_dict": model.state_dict(),
+    }
+    torch.save(payload, path)
+    (out_dir / "job.json").write_text(
+        json.dumps({"job_id": job_id, "step": step, "spec": to_mapping(spec)}, indent=2)
+    )
+    logger.info("job %s: assembled %d stages at step %d into %s", job_id, stages, step, path)
+    return Fetched(path, step, stages, model.num_parameters(), sources)
+
+
+def load_model(path: str | Path) -> tuple[GPT, dict[str, Any]]:
+    """Load a ``model.pt`` written by ``assemble``: the GPT with its weights, and the file's metadata."""
+    try:
+        payload = torch.load(Path(path), map_location="cpu", weights_only=True)
+    except Exception as exc:
+        raise ConfigError("model", f"cannot read {path}: {exc}") from None
+    if not isinstance(payload, dict) or payload.get("format") != MODEL_FORMAT:
+        raise ConfigError("model", f"{path} is not a peerd model file (format {MODEL_FORMAT})")
+    cfg = from_mapping(GPTConfig, payload["config"])
+    model = GPT(cfg)
+    model.load_state_dict(payload["state_dict"], strict=True)
+    return model, {k: v for k, v in payload.items() if k != "state_dict"}

@@ -1,0 +1,456 @@
+"""The DHT driver of planning consensus: feeds ``ConsensusMachine`` from the DHT, carries out its actions.
+
+One ``JobPlanner`` per (job, peer). Every ``poll_s`` it offers the island's best to the
+machine, ticks the machine, reads the keys the current phase needs (roster entries until the
+view freezes, candidates while searching and deciding, votes from the decision on, commit
+records always) and hands every new, authentic message in. Authentic means: the message's
+``peer`` / ``author`` / ``voter`` is the peer whose owner subkey it was stored under (hivemind
+verified the signature); the votes embedded in a commit record count only if the same bytes
+were found under their voters' subkeys of ``votes_key``. Actions: ``Publish`` -> a store under
+this peer's subkey (retried until it lands), ``StartSearch`` -> an island thread seeded by the
+machine (hash of job, epoch, peer), ``Migrate`` -> a migrant for it, ``StopSearch`` -> stop and
+log the island's result, ``Commit`` -> ``on_commit``, ``Misbehaviour`` -> ignore that peer for
+the rest of the job. Wire layout and expirations: ``protocols/jobs.md``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Any
+
+import msgpack
+
+from peerd.errors import PeerdError, ProtocolError
+from peerd.jobs.island import IslandReport, IslandThread
+from peerd.jobs.records import JobRecord
+from peerd.jobs.scoring import RosterScorer
+from peerd.jobs.spec import JobSpec
+from peerd.jobs.store import RecordStore
+from peerd.log import get_logger
+from peerd.sched.consensus import ConsensusConfig, ConsensusMachine
+from peerd.sched.consensus_actions import (
+    Action,
+    Commit,
+    Migrate,
+    Misbehaviour,
+    NextEpoch,
+    Publish,
+    StartSearch,
+    StopSearch,
+)
+from peerd.sched.consensus_messages import (
+    CommitRecord,
+    DeviceProfile,
+    LinkMeasurement,
+    Message,
+    RosterEntry,
+    Vote,
+    decode,
+    encode,
+)
+from peerd.swarm.keys import candidates_key, commit_key, roster_key, votes_key
+
+logger = get_logger(__name__)
+
+LocalInfo = Callable[[], tuple[DeviceProfile, tuple[LinkMeasurement, ...]]]
+MAX_VOTES_BYTES = 16 * 1024
+
+
+@dataclass(frozen=True)
+class PlannerConfig:
+    """Driver knobs (not protocol parameters: those come from the job record)."""
+
+    poll_s: float = 1.0
+    """Seconds between polls of the DHT (the machine is ticked as often)."""
+    keep_s: float = 600.0
+    """Roster entries, candidates and votes outlive their epoch by this much."""
+    commit_ttl_s: float = 24 * 3600.0
+    """Lifetime of commit records (re-stored by the runner while the job runs)."""
+    committed_poll_s: float = 5.0
+    """After a commit only newer commit records matter: read them this often."""
+    island_patience: int = 25
+    """Generations without improvement (and no migrant) before an island idles."""
+
+
+def encode_votes(votes: list[bytes]) -> bytes:
+    """The value under ``votes_key``: a msgpack array of one voter's encoded vote messages, round order."""
+    return msgpack.packb([bytes(v) for v in votes], use_bin_type=True)
+
+
+def decode_votes(raw: bytes) -> list[bytes]:
+    if len(raw) > MAX_VOTES_BYTES:
+        raise ProtocolError(f"votes entry of {len(raw)} bytes is too large")
+    try:
+        items = msgpack.unpackb(raw, raw=False, use_list=True)
+    except Exception as exc:
+        raise ProtocolError(f"votes entry is not msgpack: {exc}") from None
+    if (
+        not isinstance(items, list)
+        or not 1 <= len(items) <= 2
+        or not all(isinstance(x, bytes) for x in items)
+    ):
+        raise ProtocolError("votes entry must be an array of one or two encoded vote messages")
+    return items
+
+
+def author_of(msg: Message) -> str:
+    if isinstance(msg, RosterEntry):
+        return msg.peer
+    if isinstance(msg, Vote):
+        return msg.voter
+    return msg.author
+
+
+class JobPlanner:
+    """Plans one job on this peer: ``await run()`` until cancelled; ``committed`` once decided."""
+
+    def __init__(
+        self,
+        job: JobRecord,
+        spec: JobSpec,
+        store: RecordStore,
+        local: LocalInfo,
+        *,
+        participate: bool = True,
+        config: PlannerConfig | None = None,
+        on_commit: Callable[[Commit], None] | None = None,
+    ) -> None:
+        self.job, self.spec, self.store, self.local = job, spec, store, local
+        self.participate = participate
+        self.config = config or PlannerConfig()
+        self.on_commit = on_commit
+        self.scorer = RosterScorer(spec)
+        self.consensus = ConsensusConfig(job.epoch0_start, job.timing, min_peers=spec.min_peers)
+        profile, links = local()
+        self.machine = ConsensusMachine(job.job_id, store.me, self.consensus, self.scorer, profile, links)
+        self.committed: Commit | None = None
+        self.islands: dict[int, IslandReport] = {}
+        self.stats: Counter[str] = Counter()
+        self.banned: set[str] = set()
+        self.regions: dict[str, str] = {store.me: profile.region}  # peer -> region, from roster entries
+        self._island: IslandThread | None = None
+        self._island_roster: Any = None
+        self._proposed = 0
+        self._fed: set[bytes] = set()  # raw bytes already handed to the machine
+        self._decoded: dict[bytes, Message | None] = {}
+        self._votes: dict[tuple[int, str], set[bytes]] = {}  # (epoch, voter) -> authentic vote bytes
+        self._my_votes: dict[int, list[bytes]] = {}
+        self._fed_commits: set[tuple] = set()
+        self._last_expiry: dict[str, float] = {}
+        self._pending: dict[str, tuple[bytes, float]] = {}  # stores that did not land yet
+        self._last_commit_read = -math.inf
+        self._started = False
+
+    # -- driving --------------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        try:
+            while True:
+                await self.poll_once()
+                await asyncio.sleep(self.config.poll_s)
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        if self._island is not None:
+            self._island.stop()
+            self._island = None
+
+    async def poll_once(self) -> None:
+        """One round: propose, tick, read and feed, retry stores. Network errors only skip this round."""
+        now = self.store.now()
+        if not self._started:
+            self._started = True
+            await self._handle(self.machine.start(now))
+        self.machine.set_local(*self.local())
+        await self._propose(now)
+        await self._handle(self.machine.on_tick(now))
+        try:
+            await self._read(self.store.now())
+        except PeerdError as exc:
+            self.stats["read_failed"] += 1
+            logger.debug("job %s: reading consensus records failed: %s", self.job.job_id, exc)
+        await self._retry_pending()
+
+    async def _propose(self, now: float) -> None:
+        if self._island is None:
+            return
+        version, best = self._island.best()
+        if best is not None and version != self._proposed:
+            self._proposed = version
+            await self._handle(self.machine.propose(best, now))
+
+    # -- reading --------------------------------------------------------------------------------
+
+    async def _read(self, now: float) -> None:
+        job, t = self.job.job_id, self.consensus.timing
+        if self.machine.committed is not None or self.machine.epoch < 0:
+            if now - self._last_commit_read >= self.config.committed_poll_s:
+                await self._read_commits(now)
+            return
+        epoch = self.machine.epoch
+        at = now - self.consensus.start(epoch)
+        if at < t.freeze + t.max_skew_s:
+            await self._feed_entries(await self.store.read(roster_key(job, epoch)), now)
+        if at >= t.freeze - t.max_skew_s:
+            await self._feed_entries(await self.store.read(candidates_key(job, epoch)), now)
+        if at >= t.decide - t.max_skew_s:
+            await self._read_votes(epoch, now)
+        await self._read_commits(now)
+
+    async def _feed_entries(self, entries: list[Any], now: float) -> None:
+        for entry in entries:
+            if entry.value in self._fed or entry.author in self.banned:
+                continue
+            msg = self._decode(entry.value)
+            if msg is None or not self._authentic(msg, entry.author):
+                continue
+            self._fed.add(entry.value)
+            if isinstance(msg, RosterEntry):
+                self.regions[msg.peer] = msg.profile.region
+            await self._handle(self.machine.on_message(msg, now))
+
+    async def _read_votes(self, epoch: int, now: float) -> None:
+        for entry in await self.store.read(votes_key(self.job.job_id, epoch)):
+            if entry.value in self._fed or entry.author in self.banned:
+                continue
+            self._fed.add(entry.value)
+            try:
+                items = decode_votes(entry.value)
+            except ProtocolError as exc:
+                self.stats["bad_votes_entry"] += 1
+                logger.debug("job %s: votes of %s: %s", self.job.job_id, entry.author, exc)
+                continue
+            for raw in items:
+                vote = self._decode(raw)
+                if (
+                    not isinstance(vote, Vote)
+                    or vote.epoch != epoch
+                    or not self._authentic(vote, entry.author)
+                ):
+                    continue
+                self._votes.setdefault((epoch, vote.voter), set()).add(raw)
+                if raw not in self._fed:
+                    self._fed.add(raw)
+                    await self._handle(self.machine.on_vote(vote, now))
+
+    async def _read_commits(self, now: float) -> None:
+        self._last_commit_read = now
+        for entry in await self.store.read(commit_key(self.job.job_id)):
+            if entry.author in self.banned:
+                continue
+            record = self._decode(entry.value)
+            if not isinstance(record, CommitRecord) or not self._authentic(record, entry.author):
+                continue
+            if self.machine.committed is not None and record.epoch <= self.machine.committed.epoch:
+                continue
+            votes = self._authentic_votes(record)
+            if len(votes) < len(record.votes):  # some embedded votes not seen yet: read their key once
+                await self._read_votes(record.epoch, now)
+                votes = self._authentic_votes(record)
+            key = (
+                entry.author,
+                record.epoch,
+                record.round,
+                record.candidate.id,
+                frozenset(encode(v) for v in votes),
+            )
+            if key in self._fed_commits:
+                continue
+            self._fed_commits.add(key)
+            await self._handle(self.machine.on_commit_record(replace(record, votes=tuple(votes)), now))
+
+    def _authentic_votes(self, record: CommitRecord) -> list[Vote]:
+        return [v for v in record.votes if encode(v) in self._votes.get((record.epoch, v.voter), set())]
+
+    def _decode(self, raw: bytes) -> Message | None:
+        if raw in self._decoded:
+            return self._decoded[raw]
+        try:
+            msg: Message | None = decode(raw)
+        except ProtocolError as exc:
+            self.stats[f"undecodable_{exc.code.name.lower()}"] += 1
+            msg = None
+        if len(self._decoded) > 20000:  # bounded memory over a long planning
+            self._decoded.clear()
+        self._decoded[raw] = msg
+        return msg
+
+    def _authentic(self, msg: Message, author: str) -> bool:
+        if author_of(msg) != author:
+            self.stats["bad_signature"] += 1  # stored under someone else's subkey: a forgery
+            return False
+        return True
+
+    # -- actions --------------------------------------------------------------------------------
+
+    async def _handle(self, actions: list[Action]) -> None:
+        for action in actions:
+            if isinstance(action, Publish):
+                await self._publish(action)
+            elif isinstance(action, StartSearch):
+                self._start_island(action)
+            elif isinstance(action, Migrate):
+                if self._island is not None and self._island.report.epoch == action.epoch:
+                    self._island.offer(action.allocation)
+            elif isinstance(action, StopSearch):
+                self._stop_island(action.epoch)
+            elif isinstance(action, Commit):
+                self._committed(action)
+            elif isinstance(action, NextEpoch):
+                self._stop_island(action.epoch - 1)
+                logger.info("job %s: planning moves to epoch %d", self.job.job_id, action.epoch)
+            elif isinstance(action, Misbehaviour):
+                self.banned.add(action.peer)
+                self.stats["banned"] += 1
+                logger.warning(
+                    "job %s: ignoring peer %s from now on: %s", self.job.job_id, action.peer, action.what
+                )
+
+    async def _publish(self, action: Publish) -> None:
+        msg, job, c = action.payload, self.job.job_id, self.config
+        if action.kind == "commit":
+            await self._put(commit_key(job), encode(msg), self.store.now() + c.commit_ttl_s)
+            return
+        if not self.participate:
+            return  # an observer keeps its roster entry, candidates and votes to itself
+        end = self.consensus.start(msg.epoch + 1) + c.keep_s
+        if action.kind == "roster":
+            await self._put(roster_key(job, msg.epoch), encode(msg), end)
+        elif action.kind == "candidate":
+            await self._put(candidates_key(job, msg.epoch), encode(msg), end)
+        else:
+            mine = self._my_votes.setdefault(msg.epoch, [])
+            raw = encode(msg)
+            mine.append(raw)
+            self._votes.setdefault((msg.epoch, msg.voter), set()).add(raw)
+            await self._put(votes_key(job, msg.epoch), encode_votes(mine), end)
+
+    async def _put(self, key: str, value: bytes, expires_at: float) -> None:
+        # hivemind replaces an entry only by one that expires later: keep expirations increasing
+        expires_at = max(expires_at, self._last_expiry.get(key, -math.inf) + 1e-3)
+        self._last_expiry[key] = expires_at
+        self._pending.pop(key, None)
+        try:
+            ok = await self.store.put(key, value, expires_at)
+        except PeerdError as exc:
+            logger.debug("job %s: store of %s failed: %s", self.job.job_id, key, exc)
+            ok = False
+        if not ok:
+            self.stats["store_retry"] += 1
+            self._pending[key] = (value, expires_at)
+
+    async def _retry_pending(self) -> None:
+        for key, (value, _) in list(self._pending.items()):
+            expires = self._last_expiry[key] + 1e-3
+            self._last_expiry[key] = expires
+            try:
+                ok = await self.store.put(key, value, expires)
+            except PeerdError:
+                ok = False
+            if ok:
+                self._pending.pop(key, None)
+
+    def _start_island(self, action: StartSearch) -> None:
+        self._stop_island(None)
+        t = self.consensus.timing
+        # stop a little before the machine does, so the final best reaches propose() in time
+        deadline = self.consensus.start(action.epoch) + t.stop - 1.5 * self.config.poll_s
+        budget = deadline - self.store.now()
+        roster = action.roster
+        self._island_roster = roster
+        scenario = self.scorer.scenario(roster)  # built here, on the loop; the thread only reads it
+        self._island = IslandThread(
+            lambda: self.scorer.island(scenario, action.seed, budget),
+            epoch=action.epoch,
+            seed=action.seed,
+            deadline=deadline,
+            clock=self.store.now,
+            patience=self.config.island_patience,
+        )
+        self.islands[action.epoch] = self._island.report
+        self._proposed = 0
+        self._island.start()
+        logger.info(
+            "job %s epoch %d: searching on a roster of %d peers (seed %d)",
+            self.job.job_id,
+            action.epoch,
+            len(roster.entries),
+            action.seed,
+        )
+
+    def _stop_island(self, epoch: int | None) -> None:
+        island = self._island
+        if island is None or (epoch is not None and island.report.epoch != epoch):
+            return
+        island.stop()
+        self._island = None
+        _, best = island.best()
+        report = island.report
+        if best is not None:
+            try:
+                report.best_cost = self.scorer(self._island_roster, best)
+            except PeerdError as exc:
+                report.error = str(exc)
+        logger.info(
+            "job %s epoch %d: island best %s after %d generations (%d evaluations, %d/%d migrants taken)",
+            self.job.job_id,
+            report.epoch,
+            f"{report.best_cost:.6g}" if report.best_cost is not None else "-",
+            report.generations,
+            report.evaluations,
+            report.migrants_taken,
+            report.migrants_offered,
+        )
+
+    def _committed(self, commit: Commit) -> None:
+        self._stop_island(None)
+        self.committed = commit
+        logger.info(
+            "job %s: committed allocation %s (epoch %d, round %d, cost %.6g)",
+            self.job.job_id,
+            commit.allocation_hash[:12],
+            commit.epoch,
+            commit.round,
+            commit.cost,
+        )
+        if self.on_commit is not None:
+            self.on_commit(commit)
+
+    # -- views ----------------------------------------------------------------------------------
+
+    def view(self) -> dict[str, Any]:
+        """JSON-able planning state for ``peerd status``."""
+        m, c = self.machine, self.committed
+        out: dict[str, Any] = {
+            "epoch": m.epoch,
+            "participant": self.participate,
+            "islands": [r.to_dict() for _, r in sorted(self.islands.items())],
+            "rejected": dict(m.stats),
+            "driver": dict(self.stats),
+            "banned": sorted(self.banned),
+        }
+        if c is not None:
+            out["commit"] = commit_view(c)
+        return out
+
+
+def commit_view(c: Commit) -> dict[str, Any]:
+    alloc = c.allocation.canonical()
+    return {
+        "epoch": c.epoch,
+        "round": c.round,
+        "allocation_hash": c.allocation_hash,
+        "candidate_id": c.candidate_id,
+        "cost": c.cost,
+        "stages": [list(s) for s in alloc.stages],
+        "pipelines": alloc.pipelines(),
+        "layers": list(alloc.layers) if alloc.layers is not None else None,
+        "spares": list(alloc.spares),
+        "votes": len(c.record.votes),
+        "roster": [p for p, _ in c.record.roster],
+    }

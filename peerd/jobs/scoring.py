@@ -1,0 +1,164 @@
+"""The job's shared cost model over a consensus roster: roster entries + job spec -> scheduler scenario -> cost.
+
+Every peer of a job scores candidates with this one function, so it must be a pure
+function of (roster, allocation, spec): no local measurements, no clock. Links come from
+the roster entries only; a pair measured in one direction is assumed symmetric, a pair
+measured in neither is estimated through the best two-hop relay (``Scenario``'s
+``estimate_missing``), and a pair with no relay either gets a pessimistic default, so a
+sparse link matrix never makes a roster unplannable. Scenarios and objectives are cached
+by roster digest: re-scoring a candidate costs one evaluation.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import numpy as np
+
+from peerd.errors import ConfigError
+from peerd.jobs.spec import JobSpec
+from peerd.models.costs import layer_costs
+from peerd.sched.allocation import Allocation
+from peerd.sched.consensus_messages import Roster
+from peerd.sched.evolution import Island, SearchConfig
+from peerd.sched.layout import score_allocation
+from peerd.sched.objective import Objective
+from peerd.sched.planner import make_island, make_objective
+from peerd.sched.problem import Problem, Shape, candidate_shapes
+from peerd.sched.scenario import Device, Link, ModelSpec, Scenario, TrainingSpec
+
+# A pair nobody measured, not even through a relay: assume a slow consumer link.
+UNKNOWN_DELAY_MS = 250.0
+UNKNOWN_BANDWIDTH_MBPS = 10.0
+MIN_TFLOPS = 1e-6  # a profile without a measurement still scores (badly), instead of breaking the roster
+CACHE_ROSTERS = 64
+
+
+@dataclass(frozen=True)
+class JobModel:
+    """What the scheduler needs from a job spec: objective name, model sizes, training setup."""
+
+    objective: str
+    model: ModelSpec
+    training: TrainingSpec
+
+
+def _ratio(bits: int | None) -> float:
+    """Wire bytes relative to raw fp32 (what the pipeline sends uncompressed)."""
+    return 1.0 if bits is None else bits / 32.0
+
+
+def job_model(spec: JobSpec) -> JobModel:
+    """The scheduler's view of ``spec``; ConfigError for specs the planner cannot size (HF models)."""
+    if spec.model.preset is None:
+        raise ConfigError(
+            "model.hf", "planning Hugging Face models is not supported yet; use a built-in preset"
+        )
+    gpt = spec.model.gpt_config()
+    costs = layer_costs(gpt, spec.data.seq_len)
+    comp = spec.compression
+    forward_bits = None if comp.forward == "none" else comp.forward_bits
+    model = ModelSpec(
+        layers=gpt.num_layers,  # the splittable units: embedding + blocks + head
+        hidden=gpt.d_model,
+        seq=spec.data.seq_len,
+        layer_params=[float(max(c.params, 1)) for c in costs],
+        name=spec.model.preset,
+    )
+    training = TrainingSpec(
+        global_batch=spec.global_batch,
+        micro_batch=spec.micro_batch,
+        d_pp=spec.parallel.d_pp,
+        d_dp=spec.parallel.d_dp,
+        forward_ratio=_ratio(forward_bits),
+        backward_ratio=_ratio(comp.backward_bits),
+        gradient_ratio=_ratio(comp.gradient_bits),
+        activation_bytes=4,  # fp32 on the wire before compression
+        gradient_bytes=4,
+    )
+    return JobModel(spec.planning.objective, model, training)
+
+
+def roster_scenario(roster: Roster, jm: JobModel) -> Scenario:
+    """The scenario of one roster view: a device per entry, links as measured (see the module docstring)."""
+    peers = set(roster.peers)
+    measured: dict[tuple[str, str], tuple[float, float]] = {}
+    for entry in roster.entries:
+        for link in entry.links:
+            if link.peer in peers and link.peer != entry.peer:
+                measured[entry.peer, link.peer] = (link.delay_s * 1e3, link.bandwidth_bps / 1e6)
+    for (a, b), value in list(measured.items()):
+        measured.setdefault((b, a), value)  # symmetric unless the other side measured too
+    devices = [
+        Device(
+            id=e.peer,
+            region=e.profile.region,
+            tflops=max(float(e.profile.tflops), MIN_TFLOPS),
+            memory_gb=max(e.profile.memory_bytes, 1) / 1e9,
+        )
+        for e in roster.entries
+    ]
+    links = [Link(a, b, delay_ms=d, bandwidth_mbps=bw) for (a, b), (d, bw) in sorted(measured.items())]
+    scenario = Scenario(
+        devices=devices, links=links, estimate_missing=True, model=jm.model, training=jm.training
+    )
+    delay, bw = scenario.delay_matrix(), scenario.bandwidth_matrix()
+    holes = np.argwhere(np.isnan(delay) | np.isnan(bw))
+    if len(holes):
+        ids = scenario.device_ids
+        links += [
+            Link(ids[i], ids[j], delay_ms=UNKNOWN_DELAY_MS, bandwidth_mbps=UNKNOWN_BANDWIDTH_MBPS)
+            for i, j in holes
+        ]
+        scenario = Scenario(devices=devices, links=links, model=jm.model, training=jm.training)
+    return scenario
+
+
+class RosterScorer:
+    """``score(roster, allocation) -> seconds per iteration`` under the job's objective, cached per roster."""
+
+    def __init__(self, spec: JobSpec) -> None:
+        self.jm = job_model(spec)
+        self._scenarios: OrderedDict[bytes, Scenario] = OrderedDict()
+        self._objectives: dict[tuple[bytes, Shape], Objective] = {}
+        self.evaluations = 0
+
+    def scenario(self, roster: Roster) -> Scenario:
+        key = roster.digest
+        found = self._scenarios.get(key)
+        if found is None:
+            found = self._scenarios[key] = roster_scenario(roster, self.jm)
+            while len(self._scenarios) > CACHE_ROSTERS:
+                old, _ = self._scenarios.popitem(last=False)
+                self._objectives = {k: v for k, v in self._objectives.items() if k[0] != old}
+        return found
+
+    def __call__(self, roster: Roster, allocation: Allocation) -> float:
+        """The cost of ``allocation`` exactly as written; ConfigError if it does not fit the roster or the job."""
+        scenario = self.scenario(roster)
+        shape = Shape(allocation.d_pp, allocation.d_dp)
+        key = (roster.digest, shape)
+        obj = self._objectives.get(key)
+        if obj is None:
+            allowed = candidate_shapes(scenario, allow_spares=self.jm.objective == "peerd")
+            if shape not in allowed:
+                raise ConfigError("stages", f"shape {shape} is not allowed for this roster and job")
+            obj = self._objectives[key] = make_objective(Problem(scenario), shape, self.jm.objective)
+        self.evaluations += 1
+        total = float(score_allocation(obj, allocation).total)
+        if not math.isfinite(total):
+            raise ConfigError("allocation", "scored as infinite")
+        return total
+
+    def island(
+        self, scenario: Scenario, seed: int, time_budget: float, config: SearchConfig | None = None
+    ) -> Island:
+        """A search island on a roster's ``scenario`` (the scheduler picks the shape when it is ``auto``).
+
+        Safe to call from the island's thread: it only reads ``scenario`` (built by ``scenario()``).
+        """
+        return make_island(
+            scenario, self.jm.objective, seed=seed, config=config, time_budget=max(time_budget, 0.1)
+        )

@@ -1,0 +1,120 @@
+"""Jobs inside a daemon: builds the ``JobManager`` from the daemon's parts and names its control methods.
+
+The daemon hands over its DHT, identity, transport and three live readings (its device
+profile, its link measurements, the peers table); this module turns them into what the
+planner and the runner need (consensus roster profiles and links, the online peers, a
+``TaskletRunner`` per committed tasklet) so ``daemon.py`` only wires.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+from peerd.jobs.manager import JobManager, ManagerConfig
+from peerd.jobs.records import JobRecord
+from peerd.jobs.runner import TaskletRunner
+from peerd.jobs.spec import JobSpec
+from peerd.jobs.store import DhtStore
+from peerd.sched.consensus_actions import Commit
+from peerd.sched.consensus_messages import DeviceProfile, LinkMeasurement
+from peerd.swarm.node import parse_peer_id
+from peerd.swarm.records import DeviceProfile as PeerProfile
+from peerd.swarm.records import LinkMeasurement as PeerLink
+from peerd.swarm.records import LinkStatus, PeerRecord, PeerState
+from peerd.swarm.transport import Transport
+
+# control method -> (JobManager attribute, help shown by the ``methods`` call)
+METHODS: dict[str, tuple[str, str]] = {
+    "submit": (
+        "submit",
+        "Validate a job spec, sign it with this peer's key and publish it; returns the job id.",
+    ),
+    "cancel": ("cancel", "Cancel a job this peer owns (NOT_OWNER for anybody else's)."),
+    "jobs": ("list_jobs", "The jobs of this swarm: state, allocation, progress."),
+    "job_status": ("job_status", "One job in detail: planning, committed allocation, progress, tasklets."),
+}
+
+
+def roster_profile(profile: PeerProfile | None, region: str) -> DeviceProfile:
+    """What this peer tells a roster about its device: fp32 TFLOPS (what training runs) and usable memory."""
+    if profile is None:
+        return DeviceProfile(0.0, 0, region)
+    tflops = profile.tflops.get("fp32") or max(profile.tflops.values(), default=0.0)
+    memory = (
+        profile.memory_free_bytes if profile.memory_free_bytes is not None else profile.memory_total_bytes
+    )
+    return DeviceProfile(round(float(tflops), 6), int(memory), region)
+
+
+def roster_links(measurements: list[PeerLink], peers: set[str]) -> tuple[LinkMeasurement, ...]:
+    """Successful probes to current peers as one-way delay (RTT / 2) and upload bandwidth, sorted by peer."""
+    out = {}
+    for m in measurements:
+        if m.status != LinkStatus.OK or m.peer_id not in peers or not m.bw_up_mbps or m.rtt_ms is None:
+            continue
+        out[m.peer_id] = LinkMeasurement(m.peer_id, round(m.rtt_ms / 2e3, 9), round(m.bw_up_mbps * 1e6, 3))
+    return tuple(out[p] for p in sorted(out))
+
+
+class JobService:
+    """The daemon's job manager; ``run()`` as a supervised loop, ``call(method, params)`` from the control socket."""
+
+    def __init__(
+        self,
+        *,
+        dht: Any,
+        owner_tag: bytes,
+        peer_id: str,
+        clock: Callable[[], float],
+        swarm: str,
+        transport: Transport,
+        home: Path,
+        region: str,
+        profile: Callable[[], PeerProfile | None],
+        links: Callable[[], list[PeerLink]],
+        peers: Callable[[], list[PeerRecord]],
+        config: ManagerConfig | None = None,
+    ) -> None:
+        self.store = DhtStore(dht, owner_tag, peer_id, clock)
+        self.transport, self.region = transport, region
+        self.checkpoints = home / "checkpoints"
+        self._profile, self._links, self._peers = profile, links, peers
+        self.manager = JobManager(
+            self.store,
+            swarm,
+            local=self.local,
+            online=self.online,
+            runner_factory=self.make_runner,
+            config=config,
+        )
+
+    def online(self) -> list[str]:
+        return [r.peer_id for r in self._peers() if r.state == PeerState.ONLINE and r.profile is not None]
+
+    def local(self) -> tuple[DeviceProfile, tuple[LinkMeasurement, ...]]:
+        return roster_profile(self._profile(), self.region), roster_links(self._links(), set(self.online()))
+
+    def make_runner(self, job: JobRecord, spec: JobSpec, commit: Commit) -> TaskletRunner:
+        return TaskletRunner(
+            job,
+            spec,
+            commit,
+            store=self.store,
+            transport=self.transport,
+            peer_ref=parse_peer_id,
+            checkpoint_root=self.checkpoints,
+        )
+
+    async def run(self) -> None:
+        await self.manager.run()
+
+    async def close(self) -> None:
+        await self.manager.close()
+
+    def handler(self, method: str) -> Callable[[dict[str, Any]], Awaitable[Any]]:
+        return getattr(self.manager, METHODS[method][0])
+
+    def views(self) -> list[dict[str, Any]]:
+        return self.manager.views(detail=True)
