@@ -328,7 +328,9 @@ class _Fields:
 def _timing(f: _Fields) -> ConsensusTiming:
     values = {name: f.num(name) for name in TIMING_FIELDS}
     try:
-        return ConsensusTiming(**values)  # type: ignore[arg-type]
+        timing = ConsensusTiming(**values)  # type: ignore[arg-type]
+        timing.validate()
+        return timing
     except Exception as exc:  # ConsensusTiming.validate raises ConfigError naming the field
         raise f.bad("", f"invalid timing: {exc}") from None
 

@@ -181,7 +181,7 @@ class PlanningSpec:
             vote_s=window,
             adopt_s=window,
             max_skew_s=self.max_skew_s,
-            publish_interval_s=min(2.0, max(0.5, window / 5)),
+            publish_interval_s=min(2.0, max(0.5, round(window / 5, 3))),
         )
 
 
