@@ -24,7 +24,6 @@ import click
 import numpy as np
 
 from peerd.bench import emit_json
-from peerd.sched.allocation import region_string
 from peerd.sched.planner import make_objective, plan
 from peerd.sched.problem import Problem, Shape
 from peerd.sched.scenario import Device, ModelSpec, Regions, Scenario, TrainingSpec, load_scenario
@@ -206,7 +205,7 @@ def bench_peerd_objective(scenario_dir: Path, seed: int, budget: float) -> dict:
             "peerd_total_using_everyone": round(res_everyone.total, 3),
             "using_everyone_shape": f"{res_everyone.shape.d_pp}x{res_everyone.shape.d_dp}",
             "speedup_from_leaving_it_out": round(res_everyone.total / res_slow.total, 2),
-            "pipelines": [region_string(p) for p in res_slow.allocation.pipelines()],
+            "pipeline_devices": [" > ".join(p) for p in res_slow.allocation.pipelines()],
         },
     }
 

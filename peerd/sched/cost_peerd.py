@@ -27,6 +27,8 @@ s = seq, h = hidden, p_l = parameters of layer l (mean p̄ used for the split).
   (or c_dp_bytes scaled by n_k / (L / G)): ``dp_k = max_{d in group k} sum_{d'} 2
   (α + 8 c_k / (D β))``; DP = max_k dp_k (after the pipeline, not overlapped).
 - total = pipe + DP seconds per iteration. Spare devices cost nothing.
+- Stage order: open-loop TSP over the E_e (the sum term), then the better of the
+  two directions (1F1B memory differs); the max term is not part of the TSP.
 
 Reduction to ``dtfm``: identical devices with free compute, one micro-batch per
 tasklet (M = 1), ratios 1 and the same explicit c_dp/c_pp give T_k = 0, an even

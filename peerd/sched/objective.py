@@ -14,6 +14,11 @@ and the edges along the path into ``Cost`` (total seconds, a tie-break, and a
 breakdown). Caches are keyed by the sorted member indices, so the many layouts a
 search visits share their work. ``evaluate`` picks the order by open-loop TSP
 over the edge bottlenecks.
+
+The local search works on *grids* instead ((d_pp, d_dp) device indices: stage
+order and replica pairing fixed as laid out): ``grid_cost`` scores one,
+``swap_scores`` scores many cell swaps at once (models vectorise it), and
+``grid_critical`` names the cells worth moving.
 """
 
 from __future__ import annotations
