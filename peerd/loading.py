@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import json
+import re
 import types
 from pathlib import Path
 from typing import Any, Literal, TypeVar, Union, get_args, get_origin, get_type_hints
@@ -23,6 +24,19 @@ from peerd.errors import ConfigError
 T = TypeVar("T")
 
 
+class _Loader(yaml.SafeLoader):
+    """SafeLoader that also reads ``1.3e9`` as a float (YAML 1.1 wants ``1.3e+9``; people don't write that)."""
+
+
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(
+        r"^[-+]?(?:\d[\d_]*)?(?:\.\d*)?[eE][-+]?\d+$|^[-+]?\d[\d_]*\.\d*$|^[-+]?\.\d+$|^[-+]?\.(?:inf|Inf|INF)$|^\.(?:nan|NaN|NAN)$"
+    ),
+    list("-+0123456789."),
+)
+
+
 def load_mapping(path: str | Path) -> dict[str, Any]:
     """Read a YAML or JSON file whose top level is a mapping."""
     path = Path(path)
@@ -31,7 +45,9 @@ def load_mapping(path: str | Path) -> dict[str, Any]:
     except OSError as exc:
         raise ConfigError(str(path), f"cannot read file: {exc.strerror or exc}") from None
     try:
-        data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+        data = (
+            json.loads(text) if path.suffix == ".json" else yaml.load(text, Loader=_Loader)
+        )  # a SafeLoader subclass
     except (json.JSONDecodeError, yaml.YAMLError) as exc:
         raise ConfigError(
             str(path), f"not valid {'JSON' if path.suffix == '.json' else 'YAML'}: {exc}"

@@ -117,3 +117,10 @@ def test_bad_files_are_config_errors(tmp_path: Path, name: str, text: str, fragm
 def test_missing_file_is_config_error(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="cannot read file"):
         load_mapping(tmp_path / "nope.yaml")
+
+
+def test_yaml_exponent_floats_without_sign_are_numbers(tmp_path: Path) -> None:
+    (tmp_path / "a.yaml").write_text("a: 1.3e9\nb: 2E-3\nc: 7\nd: 1.5\ne: 1e+3\nf: '1e9'\n")
+    data = load_mapping(tmp_path / "a.yaml")
+    assert data == {"a": 1.3e9, "b": 2e-3, "c": 7, "d": 1.5, "e": 1e3, "f": "1e9"}
+    assert isinstance(data["c"], int)
