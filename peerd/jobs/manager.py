@@ -16,7 +16,7 @@ import asyncio
 import contextlib
 import hashlib
 import os
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -123,6 +123,7 @@ class JobManager:
         self.my_jobs: list[str] = []  # ids this peer owns, oldest first
         self.rejected = catalog.Rejections()
         self._index_stored_at = 0.0
+        self._expiry: dict[str, float] = {}
         self._wake = asyncio.Event()
 
     @property
@@ -294,9 +295,7 @@ class JobManager:
             config=replace(self.config.planner, poll_s=poll),
             on_commit=on_commit,
         )
-        entry.planner_task = asyncio.create_task(
-            self._supervised(entry.planner.run(), f"planner {rec.job_id}")
-        )
+        entry.planner_task = asyncio.create_task(self._supervised(entry.planner.run, f"planner {rec.job_id}"))
 
     def _on_commit(self, entry: JobEntry, commit: Commit) -> None:
         old = entry.commit
@@ -319,12 +318,12 @@ class JobManager:
             logger.error("job %s: cannot start this peer's tasklet: %s", entry.record.job_id, exc)
             return
         entry.runner_task = asyncio.create_task(
-            self._supervised(entry.runner.run(), f"tasklet {entry.record.job_id}")
+            self._supervised(entry.runner.run, f"tasklet {entry.record.job_id}")
         )
 
-    async def _supervised(self, coro: Any, what: str) -> Any:
+    async def _supervised(self, run: Callable[[], Awaitable[Any]], what: str) -> Any:
         try:
-            return await coro
+            return await run()
         except asyncio.CancelledError:
             raise
         except Exception:
@@ -358,11 +357,15 @@ class JobManager:
             entry.record = rec.with_state(rec.state, now, rec.reason)
             await self._store_record(entry)
 
+    async def _put(self, key: str, raw: bytes) -> bool:
+        # hivemind replaces a subkey's value only by one that expires later: keep expirations increasing
+        expires = max(self.store.now() + self.config.record_ttl_s, self._expiry.get(key, 0.0) + 1e-3)
+        self._expiry[key] = expires
+        return await self.store.put(key, raw, expires)
+
     async def _store_record(self, entry: JobEntry) -> bool:
         now = self.store.now()
-        ok = await self.store.put(
-            job_key(entry.record.job_id), encode_job(entry.record), now + self.config.record_ttl_s
-        )
+        ok = await self._put(job_key(entry.record.job_id), encode_job(entry.record))
         if ok:
             entry.stored_at = now
         return ok
@@ -370,8 +373,7 @@ class JobManager:
     async def _store_index(self) -> bool:
         now = self.store.now()
         ids = tuple(self.my_jobs[-64:])
-        raw = encode_index(JobIndex(self.me, ids, now))
-        ok = await self.store.put(jobs_key(self.swarm), raw, now + self.config.record_ttl_s)
+        ok = await self._put(jobs_key(self.swarm), encode_index(JobIndex(self.me, ids, now)))
         if ok:
             self._index_stored_at = now
         return ok

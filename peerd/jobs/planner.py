@@ -421,6 +421,12 @@ class JobPlanner:
         if self.on_commit is not None:
             self.on_commit(commit)
 
+    @property
+    def island_started(self) -> bool:
+        """False while this peer's island is still building its first population (simulated clocks wait for it)."""
+        island = self._island
+        return island is None or island.best()[0] > 0 or not island.running
+
     # -- views ----------------------------------------------------------------------------------
 
     def view(self) -> dict[str, Any]:

@@ -19,6 +19,7 @@ from typing import Any
 
 from peerd.errors import ErrorCode, ProtocolError
 from peerd.jobs.spec import JobSpec, JobSpecError, parse_job_spec
+from peerd.jobs.spec_collect import bare_message
 from peerd.loading import to_mapping
 from peerd.sched.consensus_config import ConsensusTiming
 from peerd.swarm.records import PROTOCOL_VERSION, canonical_packb, check_header, unpack_map
@@ -371,7 +372,7 @@ def decode_job(raw: bytes) -> JobRecord:
     except JobSpecError as exc:
         first = exc.errors[0]
         raise ProtocolError(
-            f"job record: spec.{first.field}: {first} ({len(exc.errors)} problem(s))",
+            f"job record: spec.{first.field}: {bare_message(first)} ({len(exc.errors)} problem(s))",
             code=ErrorCode.CONFIG_INVALID,
         ) from None
     expected = job_id_of(rec.owner, spec, nonce, rec.epoch0_start, rec.timing)

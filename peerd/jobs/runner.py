@@ -131,6 +131,7 @@ class TaskletRunner:
         gpt = spec.model.gpt_config()
         self._boundary_raw = gpt.d_model * 4  # fp32 bytes per token crossing a stage boundary
         self._avg_raw_per_step = 0
+        self._expires = 0.0
 
     def _reducer(self) -> GroupAllReduce | None:
         group = self.allocation.stages[self.stage]
@@ -299,7 +300,9 @@ class TaskletRunner:
 
     async def _publish(self) -> bool:
         raw = encode_progress(self.progress())
-        return await self.store.put(progress_key(self.job.job_id), raw, self.store.now() + PROGRESS_TTL_S)
+        # strictly later expirations: hivemind keeps a subkey's value with the latest one
+        self._expires = max(self.store.now() + PROGRESS_TTL_S, self._expires + 1e-3)
+        return await self.store.put(progress_key(self.job.job_id), raw, self._expires)
 
     async def _publish_loop(self) -> None:
         last = -1.0

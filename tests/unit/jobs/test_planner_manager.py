@@ -1,0 +1,113 @@
+"""The job manager offline: submit validation, discovery, owner-only cancel, forged cancels, states, eligibility."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from peerd.errors import ErrorCode, ProtocolError
+from peerd.jobs.manager import JobManager, eligible
+from peerd.jobs.records import JobState, encode_job
+from peerd.jobs.spec import JobSpecError, load_job_spec
+from peerd.jobs.store import MemoryDHT
+from peerd.loading import load_mapping, to_mapping
+from peerd.sched.consensus_messages import DeviceProfile
+from peerd.swarm.keys import job_key
+
+T0 = 2_000_000.0
+OWNER, OTHER, THIRD = ("QmSubmitter" + "x" * 20, "QmStranger" + "y" * 20, "QmWatcher" + "z" * 20)
+DEMO = load_job_spec("configs/jobs/gpt-tiny-demo.yaml")
+
+
+class Managers:
+    def __init__(self, peers: list[str]) -> None:
+        self.clock = [T0]
+        self.dht = MemoryDHT(lambda: self.clock[0])
+        self.by_peer = {
+            p: JobManager(
+                self.dht.client(p),
+                "default",
+                local=lambda: (DeviceProfile(0.1, 1 << 33, "eu"), ()),
+                online=lambda: list(peers),
+            )
+            for p in peers
+        }
+
+    async def sync(self) -> None:
+        for m in self.by_peer.values():
+            await m.discover()
+            await m.tend()
+
+    async def close(self) -> None:
+        for m in self.by_peer.values():
+            await m.close()
+
+
+def test_submit_refuses_a_bad_spec_naming_every_field() -> None:
+    async def scenario() -> None:
+        ms = Managers([OWNER])
+        raw = load_mapping("tests/unit/jobs/invalid-spec.yaml")
+        with pytest.raises(JobSpecError) as err:
+            await ms.by_peer[OWNER].submit({"spec": raw})
+        fields = {e.field for e in err.value.errors}
+        assert len(fields) >= 3  # every bad field is named, not just the first
+        for f in fields:
+            assert f in str(err.value)
+        assert ms.dht.puts == 0  # nothing was published
+
+    asyncio.run(scenario())
+
+
+def test_discovery_owner_only_cancel_and_forged_cancels() -> None:
+    async def scenario() -> None:
+        ms = Managers([OWNER, OTHER, THIRD])
+        try:
+            out = await ms.by_peer[OWNER].submit({"spec": to_mapping(DEMO)})
+            job = out["job_id"]
+            await ms.sync()
+            for m in ms.by_peer.values():
+                assert job in m.jobs, "every daemon discovers the job through the owner's index"
+                assert m.views()[0]["state"] == "pending"
+            # a non-owner's cancel is refused at the control method
+            with pytest.raises(ProtocolError) as err:
+                await ms.by_peer[OTHER].cancel({"job_id": job[:8]})
+            assert err.value.code == ErrorCode.NOT_OWNER
+            # ... and one stored directly in the DHT under the non-owner's subkey is ignored by everyone
+            record = ms.by_peer[OTHER].jobs[job].record
+            forged = record.with_state(JobState.CANCELLED, T0 + 1, "forged")
+            await ms.dht.client(OTHER).put(job_key(job), encode_job(forged), T0 + 10**6)
+            ms.clock[0] = record.epoch0_start + 0.5
+            await ms.sync()
+            for m in ms.by_peer.values():
+                view = m.views()[0]
+                assert view["state"] == "planning" and view["record_state"] != "cancelled"
+                assert m.jobs[job].planner_task is not None
+            assert ms.by_peer[THIRD].rejected.not_owner >= 1
+            # the owner's cancel counts everywhere and stops planning
+            result = await ms.by_peer[OWNER].cancel({"job_id": job, "reason": "test"})
+            assert result == {"job_id": job, "state": "cancelled", "changed": True}
+            await ms.sync()
+            for m in ms.by_peer.values():
+                entry = m.jobs[job]
+                assert m.views()[0]["state"] == "cancelled" and entry.record.reason == "test"
+                assert entry.planner_task is not None and entry.planner_task.done()
+            # listing and unknown ids
+            listed = await ms.by_peer[THIRD].list_jobs({})
+            assert [v["job_id"] for v in listed] == [job] and listed[0]["owner"] == OWNER
+            with pytest.raises(Exception) as missing:
+                await ms.by_peer[THIRD].job_status({"job_id": "ffffffff"})
+            assert "no job" in str(missing.value)
+        finally:
+            await ms.close()
+
+    asyncio.run(scenario())
+
+
+def test_eligibility_caps_the_roster_deterministically() -> None:
+    peers = [f"Qm{i:030d}" for i in range(10)]
+    chosen = [p for p in peers if eligible("job", p, peers, 6)]
+    assert len(chosen) == 6
+    assert all(eligible("job", p, peers, None) for p in peers)
+    assert all(eligible("job", p, peers, 10) for p in peers)
+    assert [p for p in peers if eligible("job2", p, peers, 6)] != chosen  # per job, not always the same peers
