@@ -111,7 +111,7 @@ def submit(spec_file: str, wait: bool, as_json: bool, config_file: str | None, *
     if not as_json:
         click.echo(job_id)
     if wait:
-        final = follow(client, job_id, quiet=as_json)
+        final = follow(client, job_id)  # the bar goes to stderr, so --json output stays clean
         if as_json:
             click.echo(json.dumps(final, sort_keys=True))
         if final["state"] != "done":

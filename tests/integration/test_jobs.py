@@ -1,0 +1,275 @@
+"""Jobs end to end on six real daemons on loopback (3 stages x 2 replicas), through the real ``peerd`` CLI.
+
+One swarm for the module: a bad spec is refused at submit naming each field; the demo job is
+submitted, every daemon commits the same allocation hash whose cost is no worse than the best
+island's, the job trains to completion and ``peerd status --json`` shows it done with a falling
+loss; ``peerd jobs`` lists it, the metrics endpoint exports it, ``peerd fetch`` assembles a model
+that loads; a non-owner's cancel is refused at the CLI and a forged cancel record stored in the
+DHT is ignored by every daemon, while the owner's cancel stops the job everywhere.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from peerd.localswarm import LocalSwarm, converged
+
+pytestmark = pytest.mark.integration
+
+PEERD = [sys.executable, "-c", "from peerd.cli import main; main()"]
+STEPS = 30
+SWARM_OPTIONS = {
+    "record_ttl": 10.0,
+    "refresh_interval": 2.0,
+    "probe_interval": 4.0,
+    "probe_budget": 5,
+    "startup_timeout": 30.0,
+    "shutdown_timeout": 10.0,
+    "device": "cpu",
+}
+
+
+def peerd(*args: str, timeout: float = 60.0) -> subprocess.CompletedProcess:
+    return subprocess.run([*PEERD, *args], capture_output=True, text=True, timeout=timeout)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _demo_spec(tmp: Path, **changes: Any) -> Path:
+    spec = yaml.safe_load(Path("configs/jobs/gpt-tiny-demo.yaml").read_text())
+    spec["planning"]["max_skew_s"] = 1.0  # all daemons share this machine's clock: short windows
+    spec["steps"] = STEPS
+    spec["checkpoint_interval"] = 10
+    spec.update(changes)
+    path = tmp / f"job-{len(list(tmp.glob('job-*.yaml')))}.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    return path
+
+
+class Ctx:
+    def __init__(self, swarm: LocalSwarm, tmp: Path, metrics_port: int) -> None:
+        self.swarm, self.tmp, self.metrics_port = swarm, tmp, metrics_port
+        self.job: str | None = None
+
+    def home(self, i: int) -> str:
+        return str(self.swarm.peers[i].home)
+
+    def job_views(self, job: str) -> dict[str, dict[str, Any]]:
+        return {p.name: p.control().call("job_status", job_id=job) for p in self.swarm.live_peers()}
+
+    def wait(self, job: str, predicate: Any, timeout: float, what: str) -> dict[str, dict[str, Any]]:
+        deadline = time.monotonic() + timeout
+        while True:
+            views = self.job_views(job)
+            if predicate(views):
+                return views
+            if time.monotonic() > deadline:
+                summary = {n: (v["state"], v["progress"]["step"]) for n, v in views.items()}
+                logs = "\n".join(f"--- {p.name}\n{p.log_tail(15)}" for p in self.swarm.peers)
+                pytest.fail(f"timed out waiting for {what}: {summary}\n{logs}")
+            time.sleep(1.0)
+
+
+@pytest.fixture(scope="module")
+def ctx(tmp_path_factory: pytest.TempPathFactory, profile_cache: Path) -> Iterator[Ctx]:
+    root = tmp_path_factory.mktemp("jobs")
+    port = _free_port()
+    regions = ["eu", "eu", "eu", "us", "us", "us"]
+    options = {**SWARM_OPTIONS, "profile_cache": str(profile_cache)}
+    peer_options = [
+        {"region": r, **({"metrics_port": port} if i == 0 else {})} for i, r in enumerate(regions)
+    ]
+    swarm = LocalSwarm(6, root / "s", options=options, peer_options=peer_options, ready_timeout=120)
+    try:
+        swarm.start()
+        names = [p.name for p in swarm.peers]
+        swarm.wait_until(
+            lambda v: converged(v, names), timeout=90, what="all six daemons to measure each other"
+        )
+        yield Ctx(swarm, root, port)
+    finally:
+        swarm.close()
+
+
+def test_a_spec_with_errors_is_refused_at_submit_naming_each_field(ctx: Ctx) -> None:
+    result = peerd("submit", "tests/unit/jobs/invalid-spec.yaml", "--home", ctx.home(0))
+    assert result.returncode == 2, result.stderr
+    for field in (
+        "model.overrides.n_head",
+        "learning_rate",
+        "optimizer.lr",
+        "parallel.d_dp",
+        "compression.forward_bits",
+    ):
+        assert field in result.stderr
+    assert "Traceback" not in result.stderr
+    assert ctx.swarm.peers[0].control().call("jobs") == []  # nothing was published
+
+
+def test_six_peers_commit_one_allocation_and_train_it_to_the_end(ctx: Ctx) -> None:
+    # --wait follows the job to its end; meanwhile this test watches every daemon
+    waiter = subprocess.Popen(
+        [*PEERD, "submit", str(_demo_spec(ctx.tmp)), "--home", ctx.home(0), "--wait", "--json"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        job = _wait_for_job_id(ctx, waiter)
+        _plan_and_train(ctx, job)
+        out, err = waiter.communicate(timeout=60)
+    finally:
+        if waiter.poll() is None:
+            waiter.kill()
+            waiter.communicate()
+    assert waiter.returncode == 0, err
+    final = json.loads(out)
+    assert final["job_id"] == job and final["state"] == "done"
+    assert "step" in err and "loss" in err  # the progress bar went to stderr
+
+
+def _wait_for_job_id(ctx: Ctx, waiter: subprocess.Popen) -> str:
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        listed = ctx.swarm.peers[0].control().call("jobs")
+        if listed:
+            return listed[0]["job_id"]
+        assert waiter.poll() is None, waiter.communicate()
+        time.sleep(0.5)
+    pytest.fail("submit --wait published no job")
+
+
+def _plan_and_train(ctx: Ctx, job: str) -> None:
+    assert len(job) == 32
+    ctx.job = job
+
+    def all_committed(views: dict) -> bool:
+        return len(views) == 6 and all("allocation" in v for v in views.values())
+
+    views = ctx.wait(job, all_committed, timeout=90, what="every daemon to commit")
+    hashes = {v["allocation"]["allocation_hash"] for v in views.values()}
+    assert len(hashes) == 1, f"daemons committed different allocations: {hashes}"
+    alloc = views["peer0"]["allocation"]
+    assert [len(s) for s in alloc["stages"]] == [2, 2, 2]
+    assert sorted(p for s in alloc["stages"] for p in s) == sorted(p.info.peer_id for p in ctx.swarm.peers)
+    # the committed cost is no worse than the best result any single island published
+    islands = [
+        r["best_cost"]
+        for v in views.values()
+        for r in v["planning"]["islands"]
+        if r["epoch"] == alloc["epoch"] and r["best_cost"] is not None
+    ]
+    assert len(islands) >= 4
+    assert alloc["cost"] <= min(islands) * (1 + 1e-9)
+    assert set(alloc["regions"].values()) == {"eu", "us"}
+
+    ctx.wait(
+        job, lambda vs: all(v["state"] == "done" for v in vs.values()), timeout=150, what="training to finish"
+    )
+    status = peerd("status", "--json", "--home", ctx.home(3))
+    assert status.returncode == 0, status.stderr
+    jobs = json.loads(status.stdout)["jobs"]
+    mine = next(j for j in jobs if j["job_id"] == job)
+    assert mine["state"] == "done" and mine["allocation"]["allocation_hash"] in hashes
+    progress = mine["progress"]
+    assert progress["step"] == STEPS
+    losses = [loss for _, loss in progress["losses"]]
+    assert len(losses) >= STEPS // 2
+    first, last = sum(losses[:5]) / 5, sum(losses[-5:]) / 5
+    assert last < first - 0.3, f"loss did not fall: {losses}"
+    assert progress["bytes"]["activations"] > 0 and progress["bytes"]["averaging"] > 0
+    assert progress["compression_ratio"] > 2  # fw 4-bit / bw 8-bit / grad 8-bit vs fp32
+
+    listed = peerd("jobs", "--json", "--home", ctx.home(5))
+    assert listed.returncode == 0, listed.stderr
+    assert any(j["job_id"] == job and j["state"] == "done" for j in json.loads(listed.stdout))
+    table = peerd("status", "--home", ctx.home(0))
+    assert "replica 0: s0:" in table.stdout and "→" in table.stdout and "loss" in table.stdout
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{ctx.metrics_port}/metrics", timeout=10) as reply:
+        metrics = reply.read().decode()
+    assert "peerd_peers_online 6" in metrics
+    assert f'peerd_job_step{{job="{job}"}} {STEPS}' in metrics
+    assert 'peerd_job_wire_bytes_total{job="' + job + '",kind="activations"}' in metrics
+    assert "peerd_link_rtt_seconds{" in metrics
+
+
+def test_fetch_assembles_a_model_that_loads(ctx: Ctx) -> None:
+    if ctx.job is None:
+        pytest.skip("the training test did not produce a job")
+    out = ctx.tmp / "fetched"
+    extra = [arg for p in ctx.swarm.peers[1:] for arg in ("--from", str(p.home / "checkpoints"))]
+    result = peerd("fetch", ctx.job, "--out", str(out), "--home", ctx.home(0), *extra)
+    assert result.returncode == 0, result.stderr
+    from peerd.jobs.fetch import load_model
+
+    model, meta = load_model(out / "model.pt")
+    assert meta["step"] == STEPS and meta["job"] == ctx.job
+    assert model.num_parameters() > 0
+
+
+def test_cancel_is_for_the_owner_only_and_forged_cancels_are_ignored(ctx: Ctx) -> None:
+    # min_peers 7 > 6 daemons: the job plans forever (cheaply) until cancelled
+    result = peerd("submit", str(_demo_spec(ctx.tmp, min_peers=7, max_peers=7)), "--home", ctx.home(1))
+    assert result.returncode == 0, result.stderr
+    job = result.stdout.strip()
+    ctx.wait(
+        job, lambda vs: len(vs) == 6 and all(v["state"] == "planning" for v in vs.values()), 60, "planning"
+    )
+
+    refused = peerd("cancel", job, "--home", ctx.home(4))
+    assert refused.returncode == 1
+    assert "NOT_OWNER" in refused.stderr and "only its owner may cancel" in refused.stderr
+
+    _store_forged_cancel(ctx.swarm.bootstrap_maddrs, job)
+    time.sleep(5)  # several discovery rounds of every daemon
+    views = ctx.job_views(job)
+    assert all(v["state"] == "planning" and v["record_state"] != "cancelled" for v in views.values())
+
+    done = peerd("cancel", job[:10], "--home", ctx.home(1))
+    assert done.returncode == 0, done.stderr
+    assert "cancelled" in done.stdout
+    ctx.wait(job, lambda vs: all(v["state"] == "cancelled" for v in vs.values()), 30, "the owner's cancel")
+
+
+def _store_forged_cancel(bootstrap: list[str], job: str) -> None:
+    """A stranger (a short-lived DHT client with its own key) stores a CANCELLED copy of the job record."""
+    from peerd.jobs.catalog import read_job
+    from peerd.jobs.records import JobState, encode_job
+    from peerd.jobs.store import DhtStore
+    from peerd.swarm.identity import Identity, make_record_validators
+    from peerd.swarm.keys import job_key
+    from peerd.swarm.node import NodeSettings, SwarmNode
+
+    async def forge() -> None:
+        identity = Identity.generate()
+        node = await SwarmNode.start(
+            NodeSettings(initial_peers=bootstrap, client_mode=True),
+            make_record_validators(identity, "default"),
+        )
+        try:
+            store = DhtStore(node.dht, identity.owner_tag, identity.peer_id, node.now)
+            record = await read_job(store, job)
+            assert record is not None and record.state != JobState.CANCELLED
+            forged = record.with_state(JobState.CANCELLED, node.now(), "forged by a stranger")
+            assert await store.put(job_key(job), encode_job(forged), node.now() + 3600)
+        finally:
+            await node.shutdown(timeout=5.0)
+
+    asyncio.run(forge())
