@@ -5,7 +5,9 @@ until ``ram_budget_mb`` is used, then chunks backed by files in ``spill_dir`` (a
 ``torch.from_file`` shared mapping: the OS pages them in and out). Rows freed by
 invalidation are reused. The store may keep rows at reduced precision (float16 / bfloat16);
 the delta codec reads them as float32 and writes its update back, rounding identically on
-both sides.
+both sides. ``state_dict`` / ``load_state_dict`` carry the buffered rows (stored precision,
+spilled rows included), their example ids and visit counts through a checkpoint, so both
+sides of a boundary resume bit-identical.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from __future__ import annotations
 import os
 import tempfile
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
@@ -24,6 +26,7 @@ from peerd.log import get_logger
 log = get_logger(__name__)
 
 _MB = 1 << 20
+STATE_FORMAT = 1
 
 
 @dataclass
@@ -195,6 +198,83 @@ class BufferStore:
             directory = self._tmpdir.name
         os.makedirs(directory, exist_ok=True)
         return os.path.join(directory, f"buffers-{os.getpid()}-{id(self):x}-{index}.bin")
+
+    # -- checkpoints --------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """The buffered rows in their stored precision, their example ids and every visit count.
+
+        Rows go out per chunk: a fully used chunk as the chunk tensor itself (RAM, or the spill
+        file's mapping, which ``torch.save`` streams without a gathered copy), a partly used one
+        as a copy of its used rows. Ids are uint64 (they may use the whole 64-bit range).
+        Full chunks are views of the live rows: save the state before the store changes again.
+        """
+        by_chunk: dict[int, list[tuple[int, int]]] = {}
+        for ex, (c, r) in self._slot.items():
+            by_chunk.setdefault(c, []).append((r, ex))
+        chunks = []
+        for c, pairs in sorted(by_chunk.items()):
+            pairs.sort()
+            rows = self._chunks[c].rows  # (n, *example_shape)
+            used = [r for r, _ in pairs]
+            data = rows if used == list(range(rows.shape[0])) else rows[torch.tensor(used)]
+            chunks.append({"ids": torch.tensor([ex for _, ex in pairs], dtype=torch.uint64), "rows": data})
+        return {
+            "format": STATE_FORMAT,
+            "storage": self.cfg.storage,
+            "example_shape": None if self.example_shape is None else list(self.example_shape),
+            "chunks": chunks,
+            "visit_ids": torch.tensor(list(self._visits), dtype=torch.uint64),
+            "visit_counts": torch.tensor(list(self._visits.values()), dtype=torch.int64),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Replace every buffer by those of ``state`` (from ``state_dict``, maybe of another store).
+
+        Rows saved at another precision are converted (the same rounding on both sides of a
+        boundary, so mirrored stores stay identical). CodecError(MALFORMED) for a state that
+        does not hold together, ConfigError when this store's budgets cannot hold it; either
+        way the store is left empty, never half loaded.
+        """
+        self.close()
+        try:
+            self._load(state)
+        except Exception:
+            self.close()
+            raise
+
+    def _load(self, state: dict[str, Any]) -> None:
+        if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
+            raise CodecError("not an AC-SGD buffer state of a known format", code=ErrorCode.MALFORMED)
+        visit_ids, counts = state["visit_ids"].tolist(), state["visit_counts"].tolist()
+        if len(visit_ids) != len(counts):
+            raise CodecError("buffer state: visit ids and counts differ in length", code=ErrorCode.MALFORMED)
+        shape = state["example_shape"]
+        chunks = state["chunks"]
+        if shape is None:
+            if chunks:
+                raise CodecError("buffer state has rows but no example shape", code=ErrorCode.MALFORMED)
+        else:
+            self.check_shape(tuple(int(d) for d in shape))
+            total = sum(int(c["ids"].numel()) for c in chunks)
+            room = self.room()
+            if room is not None and total > room:
+                raise ConfigError(
+                    "buffers", f"the checkpoint holds {total} buffered examples, the budgets {room}"
+                )
+            if state["storage"] != self.cfg.storage:
+                log.warning("AC-SGD buffers saved as %s are loaded as %s", state["storage"], self.cfg.storage)
+            for chunk in chunks:
+                ids, rows = chunk["ids"].tolist(), chunk["rows"]
+                if tuple(rows.shape) != (len(ids), *self.example_shape):  # type: ignore[misc]
+                    raise CodecError(
+                        f"buffer state rows {tuple(rows.shape)} for {len(ids)} examples",
+                        code=ErrorCode.MALFORMED,
+                    )
+                for j, ex in enumerate(ids):
+                    if ex in self._slot:
+                        raise CodecError(f"buffer state repeats example {ex}", code=ErrorCode.MALFORMED)
+                    self.slot(ex).copy_(rows[j])
+        self._visits = dict(zip(visit_ids, counts, strict=True))
 
     # -- invalidation ---------------------------------------------------------------------
     def invalidate(self, ids: list[int] | None = None) -> None:

@@ -7,13 +7,17 @@ the same exact arithmetic (quant.py), so the two stores stay bit-identical and `
 a visit is exactly that visit's quantization error. The receiver's stage runs on ``m(e)``.
 
 Both sides validate and compute everything before touching their stores, so a rejected
-micro-batch (NaN input, malformed packet) leaves both stores as they were.
+micro-batch (NaN input, malformed packet) leaves both stores as they were. Either side's
+``state_dict`` (buffers + the codec settings they were built with) loads into either side: the
+two are mirror images, so a checkpoint of one end can also seed its replacement.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -29,6 +33,9 @@ from peerd.compress.codecs import (
 )
 from peerd.compress.quant import QuantConfig, Quantized, Workspace, dequantize_into
 from peerd.errors import CodecError, ConfigError, ErrorCode
+from peerd.log import get_logger
+
+log = get_logger(__name__)
 
 
 @dataclass
@@ -182,6 +189,14 @@ class DeltaEncoder:
     def stats(self) -> BufferStats:
         return self.store.stats()
 
+    def state_dict(self) -> dict[str, Any]:
+        """Buffers and visit counts (stored precision) plus the settings they were built with."""
+        return _state(self.cfg, self.store)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume from ``state_dict()`` of this side, or of the other side of the same boundary."""
+        _load_state(self.cfg, self.store, state)
+
     def close(self) -> None:
         self.store.close()
 
@@ -265,8 +280,33 @@ class DeltaDecoder:
     def stats(self) -> BufferStats:
         return self.store.stats()
 
+    def state_dict(self) -> dict[str, Any]:
+        """Buffers and visit counts (stored precision) plus the settings they were built with."""
+        return _state(self.cfg, self.store)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume from ``state_dict()`` of this side, or of the other side of the same boundary."""
+        _load_state(self.cfg, self.store, state)
+
     def close(self) -> None:
         self.store.close()
+
+
+def _state(cfg: DeltaConfig, store: BufferStore) -> dict[str, Any]:
+    return {"codec": dataclasses.asdict(cfg), "buffers": store.state_dict()}
+
+
+def _load_state(cfg: DeltaConfig, store: BufferStore, state: dict[str, Any]) -> None:
+    if not isinstance(state, dict) or "buffers" not in state:
+        raise CodecError("not an AC-SGD codec state", code=ErrorCode.MALFORMED)
+    saved = state.get("codec") or {}
+    mine = dataclasses.asdict(cfg)
+    # Buffers are reconstructions both sides agree on, whatever quantizer made them, so other
+    # delta settings are allowed (e.g. resuming at fewer bits); say so, it changes the curve.
+    changed = sorted(k for k in mine if k != "buffers" and saved.get(k) != mine[k])
+    if changed:
+        log.warning("AC-SGD buffers were saved with other settings (%s): loading them anyway", changed)
+    store.load_state_dict(state["buffers"])
 
 
 def _numel(shape: tuple[int, ...]) -> int:

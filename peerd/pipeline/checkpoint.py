@@ -4,7 +4,9 @@ One directory per (job, stage, replica) holds ``step-NNNNNNNN.pt`` files, ``N`` 
 step to run. A save writes a temporary file in the same directory, fsyncs it, renames it over
 the final name and fsyncs the directory, so a crash leaves either the old or the new file,
 never a torn one; then all but the newest ``keep`` files are deleted. Resuming a pipeline
-needs one step that every stage replica has saved: ``common_step``.
+needs one step that every stage replica has saved: ``common_step``. The optional ``codecs``
+entry holds the stage's AC-SGD buffers (``BoundaryCodecs.state_dict``) in the same file, so
+they are saved and restored atomically with the weights they belong to.
 """
 
 from __future__ import annotations

@@ -141,6 +141,8 @@ class QuantDecoder:
 class DeltaBoundaryEncoder:
     """AC-SGD sender side of one boundary (its buffers mirror the receiver's)."""
 
+    stateful = True  # per-example buffers: saved with the stage checkpoint
+
     def __init__(self, name: str, cfg: DeltaConfig) -> None:
         self.name = name
         self.codec = DeltaEncoder(cfg)
@@ -156,6 +158,7 @@ class DeltaBoundaryDecoder:
     """AC-SGD receiver side: the stage runs on the reconstruction m(id)."""
 
     inline = False
+    stateful = True  # decodes must not run ahead of the stage's checkpoint (see streams.Inbox.hold)
 
     def __init__(self, name: str, cfg: DeltaConfig) -> None:
         self.name = name
@@ -190,6 +193,25 @@ class BoundaryCodecs:
             if side is not None and hasattr(side, "buffers"):
                 out[name] = side.buffers()
         return out
+
+    def state_dict(self) -> dict[str, Any]:
+        """AC-SGD buffers of both boundary sides this stage holds (empty without AC-SGD)."""
+        return {name: side.codec.state_dict() for name, side in self._stateful()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore the sides saved in ``state``; a side it lacks starts with empty buffers."""
+        for name, side in self._stateful():
+            if name in state:
+                side.codec.load_state_dict(state[name])
+            else:
+                side.codec.invalidate()
+
+    def _stateful(self) -> list[tuple[str, Any]]:
+        return [
+            (name, side)
+            for name, side in (("send_act", self.send_act), ("recv_act", self.recv_act))
+            if getattr(side, "stateful", False)
+        ]
 
     def close(self) -> None:
         """Release AC-SGD buffers (spill files)."""

@@ -153,6 +153,8 @@ class Inbox:
         self.step = step
         self._slots: dict[tuple[str, int, int], asyncio.Future[torch.Tensor]] = {}
         self._error: PeerdError | None = None
+        self._hold = False
+        self._moved = asyncio.Event()
 
     @property
     def error(self) -> PeerdError | None:
@@ -189,9 +191,25 @@ class Inbox:
             if fut.done():
                 self._slots.pop(key, None)
 
+    def hold(self, on: bool) -> None:
+        """While on, stateful decoders (AC-SGD buffers) wait with messages of later steps until ``advance``.
+
+        A stage sets it for a step it will checkpoint after: its receiving buffers must then be
+        those of the steps so far, exactly as the sender's are, not already a step ahead.
+        """
+        self._hold = on
+        self._moved.set()
+
+    async def decodable(self, step: int) -> None:
+        """Return when a stateful decoder may apply a message of ``step`` (at once unless held)."""
+        while self._hold and step > self.step and self._error is None:
+            self._moved.clear()
+            await self._moved.wait()
+
     def advance(self, step: int) -> None:
         """Start step ``step``: frames for ``step`` and ``step + 1`` are accepted from now on."""
         self.step = step
+        self._moved.set()
         for key in [k for k in self._slots if k[1] < step]:
             fut = self._slots.pop(key)
             if not fut.done():
@@ -201,6 +219,7 @@ class Inbox:
         """Wake every waiter with ``exc`` (a stream failed, a neighbour aborted)."""
         if self._error is None:
             self._error = exc
+        self._moved.set()
         for fut in self._slots.values():
             if not fut.done():
                 fut.set_exception(exc)
@@ -322,6 +341,8 @@ class StreamReceiver:
             self.stats.out_of_order += 1
             return
         decoder = self.decoders[msg.kind]
+        if getattr(decoder, "stateful", False):
+            await self.inbox.decodable(msg.step)
         if decoder.inline or msg.nbytes <= self.config.inline_decode_bytes:
             tensor = decoder.decode(msg, buf)
         else:

@@ -222,6 +222,9 @@ class StageWorker:
         reports = []
         every = self.cfg.checkpoint_every
         while self.step < end:
+            # a step this worker checkpoints after: its AC-SGD receiver must not decode ahead
+            due = (every and (self.step + 1) % every == 0) or self.step + 1 == end
+            self.inbox.hold(bool(self.cfg.checkpoint_dir) and bool(due))
             reports.append(await self.train_step())
             if self.cfg.checkpoint_dir and every and self.step % every == 0:
                 await self.save_checkpoint()
@@ -388,6 +391,7 @@ class StageWorker:
                 "global_batch": self.cfg.global_batch,
             },
             "averaging": state_of() if state_of is not None else None,
+            "codecs": self.codecs.state_dict(),  # AC-SGD buffers of both boundary sides
             "meta": {
                 "layers": [self.module.spec.start, self.module.spec.end],
                 "codec_buffers": self.codecs.buffers(),
@@ -397,7 +401,11 @@ class StageWorker:
         }
 
     async def save_checkpoint(self) -> None:
-        """Atomically save this tasklet's state (in the compute thread: no step is running)."""
+        """Atomically save this tasklet's state (in the compute thread: no step is running).
+
+        Between steps of ``run`` the AC-SGD buffers saved here match the neighbours' saved at
+        the same step bit for bit (``run`` holds the receiver's decoding of the next step).
+        """
         await self._compute(
             lambda: checkpoint.save(self._dir(), self.state_dict(), self.cfg.keep_checkpoints)
         )
@@ -405,8 +413,9 @@ class StageWorker:
     def restore(self, step: int | None = None) -> int:
         """Load the checkpoint of ``step`` (default: newest) before ``start``; returns the step to run next.
 
-        AC-SGD buffers are not restored: both sides of every boundary start empty again, so the
-        first visit of each example after a resume goes through the seed codec, consistently.
+        AC-SGD buffers are restored too (both sides of a boundary saved them at the same step,
+        so they resume bit-identical and examples keep travelling as deltas); a checkpoint
+        without them (an older one) starts both sides empty.
         """
         state = checkpoint.load(self._dir(), step)
         data = state["data"]
@@ -424,6 +433,7 @@ class StageWorker:
             raise ConfigError("checkpoint_dir", "checkpoint belongs to another job or tasklet")
         self.module.load_state_dict(state["module"])
         self.optimizer.load_state_dict(state["optimizer"])
+        self.codecs.load_state_dict(state.get("codecs") or {})
         load_avg = getattr(self.reducer, "load_state_dict", None)
         if state.get("averaging") is not None and load_avg is not None:
             load_avg(state["averaging"])

@@ -260,6 +260,44 @@ def test_inbox_times_out_typed_accepts_early_frames_and_forgets_old_steps():
     run(go())
 
 
+class RecordingDecoder(RawDecoder):
+    """A stand-in for the AC-SGD decoder: stateful, and it records which steps it decoded."""
+
+    stateful = True
+
+    def __init__(self) -> None:
+        self.steps: list[int] = []
+
+    def decode(self, msg, payload):
+        self.steps.append(msg.step)
+        return super().decode(msg, payload)
+
+
+def test_a_held_inbox_keeps_stateful_decoders_from_running_a_step_ahead():
+    async def go():
+        pair = Pair()
+        decoder = RecordingDecoder()
+        pair.receiver.decoders[KIND_ACT] = decoder
+        pair.inbox.hold(True)  # this stage checkpoints after step 0
+        await pair.sender.start()
+        await pair.send(0, 0, acts(0, 0))
+        await pair.send(1, 0, acts(1, 0))  # the upstream stage already runs step 1
+        assert torch.equal(await pair.inbox.get(KIND_ACT, 0, 0, 5), acts(0, 0))
+        with pytest.raises(PeerUnavailable):
+            await pair.inbox.get(KIND_ACT, 1, 0, 0.3)
+        assert decoder.steps == [0]  # step 1 is received but not applied: the buffers are step 0's
+        pair.inbox.advance(1)  # after the checkpoint
+        assert torch.equal(await pair.inbox.get(KIND_ACT, 1, 0, 5), acts(1, 0))
+        assert decoder.steps == [0, 1]
+        pair.inbox.hold(False)
+        await pair.send(2, 0, acts(2, 0))  # not held: decoded while this stage is still in step 1
+        await pair.sender.flush()
+        assert decoder.steps == [0, 1, 2]
+        await pair.close()
+
+    run(go())
+
+
 def test_stream_config_validation():
     StreamConfig().validate()
     for bad in (dict(chunk_bytes=10), dict(recv_timeout_s=0), dict(window=0), dict(max_resends=-1)):
