@@ -16,7 +16,8 @@ transport the pipeline already uses is simpler and gives more:
   vanished member is reported as PeerUnavailable within one ``timeout`` of no progress,
   which the job runner turns into a retry or a re-plan;
 - compression is peerd.compress's codecs and wire format with error feedback on both the
-  sender and the reducer side (compression.md); hivemind's quantizing averagers keep no
+  sender and the reducer side (compression.md; ``ErrorFeedbackCompressor`` with staged
+  residuals, committed only when the whole group step succeeded); hivemind's quantizing averagers keep no
   error feedback at all (only its PowerSGD averager does);
 - traffic goes through the same link shaper and byte counters as the pipeline streams, so
   benchmarks on emulated WAN links and ``peerd status`` see it;
@@ -31,12 +32,10 @@ cost model's dp term. The arithmetic is pure (``core``), the network shell is ``
 from peerd.averaging.allreduce import PROTOCOL_PREFIX, AveragingStats, GroupAllReduce
 from peerd.averaging.codec import GradientCompression, parse_compressor
 from peerd.averaging.core import MemberMath, simulate
-from peerd.averaging.feedback import ErrorFeedback
 
 __all__ = [
     "PROTOCOL_PREFIX",
     "AveragingStats",
-    "ErrorFeedback",
     "GradientCompression",
     "GroupAllReduce",
     "MemberMath",

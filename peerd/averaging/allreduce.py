@@ -31,10 +31,10 @@ from hivemind.p2p import PeerID
 
 from peerd.averaging.codec import Compressor, decode_share, parse_compressor
 from peerd.averaging.core import MemberMath
-from peerd.averaging.feedback import Encoded
 from peerd.averaging.messages import KIND_PART, KIND_SHARE, AvgMessage, Expect, check, parse
 from peerd.averaging.partition import flatten, group_digest, layout_of, share_bounds, unflatten
 from peerd.averaging.steps import StepBook, StepState
+from peerd.compress.gradient import Encoded
 from peerd.errors import ConfigError, ErrorCode, PeerdError, PeerUnavailable, ProtocolError
 from peerd.log import get_logger
 from peerd.swarm.transport import Connection, Transport

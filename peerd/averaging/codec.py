@@ -15,7 +15,7 @@ from typing import Literal
 import torch
 
 from peerd.compress import wire
-from peerd.compress.codecs import TensorCodec, decode_frame, make_codec
+from peerd.compress.codecs import TensorCodec, all_finite, decode_frame, make_codec
 from peerd.compress.quant import QuantConfig
 from peerd.errors import CodecError, ConfigError, ErrorCode
 
@@ -84,26 +84,9 @@ def build_codec(cfg: GradientCompression | None) -> TensorCodec:
     return make_codec("uniform", cfg.quant_config())
 
 
-def is_lossless(codec: TensorCodec) -> bool:
-    return codec.name == LOSSLESS
-
-
 def finite(x: torch.Tensor) -> bool:
-    """All elements finite, in one reduction pass (on CPU ~7x faster than ``isfinite().all()``; NaN propagates)."""
-    if x.numel() == 0:
-        return True
-    lo, hi = torch.aminmax(x)
-    return bool(torch.isfinite(lo)) and bool(torch.isfinite(hi))
-
-
-def encode_raw(x_N: torch.Tensor) -> bytes:
-    """The fp32 codec's frame for a 1-D float32 tensor, NaN/Inf refused (same bytes as ``make_codec("fp32")``)."""
-    if not finite(x_N):
-        raise CodecError("gradients hold NaN or Inf", code=ErrorCode.NON_FINITE)
-    h = wire.FrameHeader(
-        codec=wire.CODEC_RAW, bits=32, dtype=torch.float32, aux_dtype=torch.float32, shape=(x_N.numel(),)
-    )
-    return wire.build_frame(h, None, x_N.reshape(-1))
+    """All elements finite (one min/max pass; see ``peerd.compress.codecs.all_finite``)."""
+    return all_finite(x)
 
 
 def decode_share(payload: bytes | bytearray | memoryview, numel: int) -> torch.Tensor:

@@ -21,8 +21,8 @@ from collections.abc import Sequence
 import torch
 
 from peerd.averaging.codec import GradientCompression, build_codec, decode_share, finite
-from peerd.averaging.feedback import Encoded, ErrorFeedback
 from peerd.averaging.partition import share_bounds
+from peerd.compress.gradient import Encoded, ErrorFeedbackCompressor
 from peerd.errors import CodecError, ErrorCode
 
 
@@ -33,9 +33,11 @@ class MemberMath:
         assert 0 <= rank < members
         self.rank = rank
         self.members = members
-        # one codec each: codecs reuse scratch buffers, and the two sides may run in different threads
-        self.sender = ErrorFeedback(build_codec(compression))
-        self.reducer = ErrorFeedback(build_codec(compression))
+        # one codec each: codecs reuse scratch buffers, and the two sides may run in different threads.
+        # Residuals are staged: they count only once the whole group step succeeded (a retry
+        # resends the same bytes); share sizes change with the group, so a reshaped key starts over.
+        self.sender = ErrorFeedbackCompressor(codec=build_codec(compression), on_reshape="reset")
+        self.reducer = ErrorFeedbackCompressor(codec=build_codec(compression), on_reshape="reset")
 
     def contributions(self, flat_N: torch.Tensor) -> tuple[torch.Tensor, dict[int, bytes]]:
         """This member's exact own share and one encoded frame per other rank (residuals staged)."""
@@ -45,7 +47,7 @@ class MemberMath:
         frames = {}
         for j, (start, end) in enumerate(bounds):
             if j != self.rank:
-                frames[j] = self.sender.encode(f"send/{j}", flat_N[start:end]).payload
+                frames[j] = self.sender.compress(f"send/{j}", flat_N[start:end], stage=True)
         start, end = bounds[self.rank]
         return flat_N[start:end], frames
 
@@ -56,7 +58,7 @@ class MemberMath:
         for part in parts[2:]:
             acc.add_(part)
         acc.div_(self.members)
-        return self.reducer.encode("reduce", acc)  # both codecs refuse NaN/Inf (NON_FINITE)
+        return self.reducer.encode("reduce", acc, stage=True)  # both codecs refuse NaN/Inf (NON_FINITE)
 
     def commit(self) -> None:
         self.sender.commit()

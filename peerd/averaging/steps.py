@@ -13,8 +13,8 @@ import asyncio
 
 import torch
 
-from peerd.averaging.feedback import Encoded
 from peerd.averaging.messages import AvgMessage, Expect, check
+from peerd.compress.gradient import Encoded
 from peerd.errors import ErrorCode, PeerdError, ProtocolError
 
 MAX_HELD = 2

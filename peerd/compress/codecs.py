@@ -86,6 +86,15 @@ def _check_dtype(x: torch.Tensor) -> None:
         )
 
 
+def all_finite(x: torch.Tensor) -> bool:
+    """No NaN or Inf in ``x``, in one reduction pass (NaN propagates through min/max; on CPU ~7x
+    faster than ``isfinite().all()``, which materialises a bool tensor)."""
+    if x.numel() == 0:
+        return True
+    lo, hi = torch.aminmax(x)
+    return bool(torch.isfinite(lo)) and bool(torch.isfinite(hi))
+
+
 class RawCodec(TensorCodec):
     """Values as float32 / float16 / bfloat16 bytes: the stateless first-visit codec."""
 
@@ -96,7 +105,7 @@ class RawCodec(TensorCodec):
         _check_dtype(x)
         ids = _check_ids(x, ids, seed)
         values = x.detach().to(self.payload_dtype)
-        if not bool(torch.isfinite(values).all()):  # also catches float16 overflow
+        if not all_finite(values):  # also catches float16 overflow
             raise CodecError(
                 f"tensor holds NaN/Inf or values outside the {self.payload_dtype} range",
                 code=ErrorCode.NON_FINITE,
@@ -183,7 +192,7 @@ def decode_frame(
         assert h.aux_dtype is not None
         values = frame.payload.view(h.aux_dtype).reshape(h.shape)
         out = values.to(device=device, dtype=h.dtype, copy=True)
-        if not bool(torch.isfinite(out).all()):  # also a float32 payload beyond a float16 dtype
+        if not all_finite(out):  # also a float32 payload beyond a float16 dtype
             raise CodecError(f"raw frame holds NaN or Inf (as {h.dtype})", code=ErrorCode.NON_FINITE)
         return out.float() if float32 else out
     assert frame.scales is not None

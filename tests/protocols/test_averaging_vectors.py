@@ -20,10 +20,10 @@ import torch
 
 from peerd.averaging.codec import GradientCompression, build_codec, decode_share
 from peerd.averaging.core import MemberMath
-from peerd.averaging.feedback import ErrorFeedback
 from peerd.averaging.messages import KIND_PART, KIND_SHARE, AvgMessage, Expect, check, parse
 from peerd.averaging.partition import FlatLayout, group_digest, share_bounds
 from peerd.compress import wire
+from peerd.compress.gradient import ErrorFeedbackCompressor
 from peerd.errors import ErrorCode, PeerdError
 from peerd.swarm.framing import encode_frame, read_frame
 
@@ -112,10 +112,10 @@ def generate() -> dict[str, dict[str, Any]]:
         "rank 1 answers with the averaged share 1 at 4 bits, groups of 2", share, q4, [0.125, -0.375, 0.0625]
     )
     # error feedback: the same input twice under one key; the second frame carries the first's loss
-    ef = ErrorFeedback(build_codec(_compression(q4)))
+    ef = ErrorFeedbackCompressor(codec=build_codec(_compression(q4)))
     steps = []
     for values in ([0.3, -0.7, 0.11, 0.9, -0.05], [0.3, -0.7, 0.11, 0.9, -0.05]):
-        enc = ef.encode("send/0", _f32(values))
+        enc = ef.encode("send/0", _f32(values), stage=True)
         ef.commit()
         steps.append(
             {
@@ -258,11 +258,11 @@ def test_message_vectors_encode_and_decode_byte_exact(path: Path):
 
 def test_error_feedback_vector():
     case = _load(VECTORS / "error-feedback-q4.json")
-    ef = ErrorFeedback(build_codec(_compression(case["compression"])))
+    ef = ErrorFeedbackCompressor(codec=build_codec(_compression(case["compression"])))
     previous = torch.zeros(len(case["steps"][0]["input"]))
     for step in case["steps"]:
         x = _f32(step["input"])
-        enc = ef.encode("send/0", x)
+        enc = ef.encode("send/0", x, stage=True)
         ef.commit()
         assert enc.payload.hex() == step["payload_hex"]
         assert decode_share(enc.payload, x.numel()).tolist() == step["decoded"]

@@ -9,7 +9,6 @@ from peerd.averaging.codec import (
     GradientCompression,
     build_codec,
     decode_share,
-    encode_raw,
     finite,
     parse_compressor,
 )
@@ -142,15 +141,16 @@ def test_compression_config_validates():
         parse_compressor(GradientCompression(bits=8, group_size=0))
 
 
-def test_fast_raw_paths_match_the_fp32_codec():
+def test_raw_shares_are_the_fp32_codec_and_refuse_non_finite_values():
     x = torch.randn(1001)
-    assert encode_raw(x) == make_codec("fp32").encode(x)[0]
-    assert torch.equal(decode_share(encode_raw(x), 1001), x)
+    fp32 = make_codec("fp32")
+    assert build_codec(None).encode(x)[0] == fp32.encode(x)[0]
+    assert torch.equal(decode_share(fp32.encode(x)[0], 1001), x)
     for bad in (float("nan"), float("inf"), float("-inf")):
         y = x.clone()
         y[500] = bad
         assert not finite(y)
         with pytest.raises(CodecError) as info:
-            encode_raw(y)
+            fp32.encode(y)
         assert info.value.code == ErrorCode.NON_FINITE
     assert finite(x) and finite(torch.empty(0))

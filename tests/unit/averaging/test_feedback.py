@@ -1,4 +1,5 @@
-"""Error feedback: the residual is exactly what was lost, staged until commit, and time averages converge."""
+"""Error feedback as the averaging group uses it (peerd.compress's compressor on the share codecs, staged):
+the residual is exactly what was lost, staged until commit, and time averages converge."""
 
 from __future__ import annotations
 
@@ -6,11 +7,18 @@ import pytest
 import torch
 
 from peerd.averaging.codec import build_codec, decode_share, parse_compressor
-from peerd.averaging.feedback import ErrorFeedback
+from peerd.compress.gradient import ErrorFeedbackCompressor
 
 
-def feedback(name: str | None) -> ErrorFeedback:
-    return ErrorFeedback(build_codec(parse_compressor(name)))
+class Staged(ErrorFeedbackCompressor):
+    """The averaging members' configuration: share codecs, staged residuals, reshaped keys start over."""
+
+    def encode(self, key, x, *, stage=True):
+        return super().encode(key, x, stage=stage)
+
+
+def feedback(name: str | None) -> ErrorFeedbackCompressor:
+    return Staged(codec=build_codec(parse_compressor(name)), on_reshape="reset")
 
 
 @pytest.mark.parametrize("name", ["q2", "q3", "q4", "q8"])
@@ -79,7 +87,7 @@ def test_lossless_codec_keeps_no_residual_and_returns_the_input():
     ef.commit()
     assert torch.equal(enc.decoded, x)
     assert torch.equal(decode_share(enc.payload, 777), x)
-    assert ef.residual("k") is None and ef.nbytes == 0
+    assert ef.residual("k") is None and ef.residual_bytes == 0
 
 
 def test_state_dict_round_trip():

@@ -1,4 +1,4 @@
-"""Gradient compression with error feedback: the error does not accumulate; residuals per key; bad input."""
+"""Gradient compression with error feedback: the error does not accumulate; residuals per key, staged or not; bad input."""
 
 from __future__ import annotations
 
@@ -86,3 +86,32 @@ def test_default_is_8_bit_groups_with_tiny_gradients():
     data = comp.compress("w", g)
     assert 8 < 8 * len(data) / g.numel() < 8.1
     assert float((comp.decompress(data) - g).norm() / g.norm()) < 0.01
+
+
+def test_staged_residuals_wait_for_commit_and_discard_keeps_the_old_ones():
+    gen = torch.Generator().manual_seed(4)
+    staged = ErrorFeedbackCompressor(GradCompressionConfig(quant=Q2))
+    direct = ErrorFeedbackCompressor(GradCompressionConfig(quant=Q2))
+    for _ in range(3):
+        g = torch.randn(500, generator=gen)
+        first = staged.encode("w", g, stage=True)
+        before = None if staged.residual("w") is None else staged.residual("w").clone()
+        staged.discard()  # the group step failed: the retry sends the same bytes
+        assert (staged.residual("w") is None) == (before is None)
+        retry = staged.encode("w", g, stage=True)
+        assert retry.payload == first.payload and torch.equal(retry.decoded, first.decoded)
+        staged.commit()
+        # staging changes when a residual counts, never its value
+        assert direct.compress("w", g) == first.payload
+        assert torch.equal(staged.residual("w"), direct.residual("w"))
+        assert torch.equal(direct.decompress(first.payload), first.decoded)
+
+
+def test_reshape_policy_and_the_announced_dtype():
+    comp = ErrorFeedbackCompressor(GradCompressionConfig(quant=Q2), on_reshape="reset")
+    comp.compress("w", torch.randn(100))
+    comp.compress("w", torch.randn(60))  # a new layout: the old residual is dropped, not an error
+    assert comp.residual("w").shape == (60,)
+    g = torch.randn(256).to(torch.bfloat16)
+    assert comp.decompress(comp.compress("b", g)).dtype == torch.bfloat16  # the frame says what came in
+    assert comp.residual("b").dtype == torch.float32
