@@ -33,6 +33,7 @@ import torch
 
 from peerd.averaging import GroupAllReduce
 from peerd.bench import emit_json
+from peerd.bench.transport import RAW_PROTOCOL, raw_handler, raw_run
 from peerd.data.config import DataConfig
 from peerd.pipeline.codec import CompressionConfig, RawDecoder
 from peerd.pipeline.config import ModelSpec, TrainConfig
@@ -204,40 +205,6 @@ def _stage_params(cfg: TrainConfig) -> list[int]:
 
 # ---------------------------------------------------------------- stream throughput
 
-RAW_PROTOCOL = "peerd-bench/pp-raw/1"
-RAW_CHUNK = 256 * 1024
-
-
-async def _raw_handler(_info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-    try:
-        total = int.from_bytes(await reader.readexactly(8), "big")
-        got = 0
-        while got < total:
-            data = await reader.read(1 << 20)
-            if not data:
-                return
-            got += len(data)
-        writer.write(b"\x01")
-        await writer.drain()
-    finally:
-        writer.close()
-
-
-async def _raw_run(p2p: Any, server: Any, payloads: list[memoryview]) -> float:
-    total = sum(p.nbytes for p in payloads)
-    _info, reader, writer = await p2p.call_binary_stream_handler(server, RAW_PROTOCOL)
-    try:
-        started = time.perf_counter()
-        writer.write(total.to_bytes(8, "big"))
-        for payload in payloads:
-            for off in range(0, payload.nbytes, RAW_CHUNK):
-                writer.write(payload[off : off + RAW_CHUNK])
-                await writer.drain()
-        await reader.readexactly(1)
-        return time.perf_counter() - started
-    finally:
-        writer.close()
-
 
 class _StreamPair:
     """A stage-0 sender and a stage-1 receiver on one persistent stream (as between two stage workers)."""
@@ -307,14 +274,14 @@ async def stream(total_mib: int, message_mib: float, repeats: int) -> dict[str, 
         b = await create_p2p(await a.get_visible_maddrs())
         client, server = Transport(a), Transport(b)
         try:
-            await b.add_binary_stream_handler(RAW_PROTOCOL, _raw_handler)
+            await b.add_binary_stream_handler(RAW_PROTOCOL, raw_handler)
             pair = _StreamPair(client, server, tensor, count)
             await pair.start()
-            await _raw_run(a, b.peer_id, payloads[:2])  # warm-up: connection set-up in both daemons
+            await raw_run(a, b.peer_id, payloads[:2])  # warm-up: connection set-up in both daemons
             await pair.run(0)
             raw, pipe = [], []
             for i in range(repeats):
-                raw.append(total * 8 / await _raw_run(a, b.peer_id, payloads) / 1e9)
+                raw.append(total * 8 / await raw_run(a, b.peer_id, payloads) / 1e9)
                 pipe.append(total * 8 / await pair.run(i + 1) / 1e9)
             await pair.close()
         finally:

@@ -14,6 +14,8 @@ from __future__ import annotations
 import asyncio
 import statistics
 import time
+from collections.abc import Sequence
+from typing import Any
 
 import click
 
@@ -25,25 +27,26 @@ FRAMED_PROTOCOL = "peerd-bench/framed/1"
 RAW_CHUNK = 256 * 1024
 
 
-async def _raw_run(p2p_client, server_id, payload: memoryview, total: int) -> float:
+async def raw_run(p2p_client: Any, server_id: Any, payloads: Sequence[memoryview]) -> float:
+    """Seconds to push ``payloads`` (in 256 KiB slices) through a raw hivemind binary stream
+    to ``raw_handler`` and get its one-byte answer: the baseline both stream benchmarks use."""
+    total = sum(p.nbytes for p in payloads)
     _info, reader, writer = await p2p_client.call_binary_stream_handler(server_id, RAW_PROTOCOL)
     try:
         started = time.perf_counter()
         writer.write(total.to_bytes(8, "big"))
-        sent = 0
-        while sent < total:
-            n = min(payload.nbytes, total - sent)
-            for offset in range(0, n, RAW_CHUNK):
-                writer.write(payload[offset : min(n, offset + RAW_CHUNK)])
+        for payload in payloads:
+            for offset in range(0, payload.nbytes, RAW_CHUNK):
+                writer.write(payload[offset : offset + RAW_CHUNK])
                 await writer.drain()
-            sent += n
         await reader.readexactly(1)
         return time.perf_counter() - started
     finally:
         writer.close()
 
 
-async def _raw_handler(_info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+async def raw_handler(_info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    """Serve ``RAW_PROTOCOL``: read the announced byte count, discard it, answer one byte."""
     try:
         total = int.from_bytes(await reader.readexactly(8), "big")
         got = 0
@@ -56,6 +59,12 @@ async def _raw_handler(_info, reader: asyncio.StreamReader, writer: asyncio.Stre
         await writer.drain()
     finally:
         writer.close()
+
+
+def repeated(payload: memoryview, total: int) -> list[memoryview]:
+    """``total`` bytes as whole copies of ``payload`` and one cut-off piece (views, no copies)."""
+    full, rest = divmod(total, payload.nbytes)
+    return [payload] * full + ([payload[:rest]] if rest else [])
 
 
 async def _framed_handler(conn: Connection) -> None:
@@ -93,17 +102,17 @@ async def _run(total_mib: int, frame_mibs: list[float], repeats: int) -> dict:
         b = await create_p2p(await a.get_visible_maddrs())
         server, client = Transport(a), Transport(b)
         try:
-            await a.add_binary_stream_handler(RAW_PROTOCOL, _raw_handler)
+            await a.add_binary_stream_handler(RAW_PROTOCOL, raw_handler)
             await server.serve(FRAMED_PROTOCOL, _framed_handler)
             # warm-up: first streams pay for connection set-up in both daemons
-            await _raw_run(b, a.peer_id, largest, min(total, 16 << 20))
+            await raw_run(b, a.peer_id, repeated(largest, min(total, 16 << 20)))
             await _framed_run(client, a.peer_id, largest, min(total, 16 << 20))
             rows = []
             for frame_mib in frame_mibs:
                 payload = largest[: int(frame_mib * (1 << 20))]
                 raw, framed = [], []
                 for _ in range(repeats):
-                    raw.append(total * 8 / await _raw_run(b, a.peer_id, largest, total) / 1e9)
+                    raw.append(total * 8 / await raw_run(b, a.peer_id, repeated(largest, total)) / 1e9)
                     framed.append(total * 8 / await _framed_run(client, a.peer_id, payload, total) / 1e9)
                 raw_med, framed_med = statistics.median(raw), statistics.median(framed)
                 rows.append(

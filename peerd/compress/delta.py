@@ -110,13 +110,47 @@ def _update_rows(
             out[r].copy_(m)
 
 
-class DeltaEncoder:
-    """Sender side of one boundary: activations + example ids -> packet bytes."""
+class _BoundarySide:
+    """What both ends of a boundary have: the settings, the buffer store, invalidation and checkpoints."""
 
-    def __init__(self, cfg: DeltaConfig | None = None, generator: torch.Generator | None = None) -> None:
+    def __init__(self, cfg: DeltaConfig | None) -> None:
         self.cfg = cfg or DeltaConfig()
         self.cfg.validate()
         self.store = BufferStore(self.cfg.buffers)
+
+    def invalidate(self, ids: list[int] | None = None) -> None:
+        """The other side lost its buffers (new neighbour, restart): start over with first visits."""
+        self.store.invalidate(ids)
+
+    def stats(self) -> BufferStats:
+        return self.store.stats()
+
+    def state_dict(self) -> dict[str, Any]:
+        """Buffers and visit counts (stored precision) plus the settings they were built with."""
+        return {"codec": dataclasses.asdict(self.cfg), "buffers": self.store.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume from ``state_dict()`` of this side, or of the other side of the same boundary."""
+        if not isinstance(state, dict) or "buffers" not in state:
+            raise CodecError("not an AC-SGD codec state", code=ErrorCode.MALFORMED)
+        saved = state.get("codec") or {}
+        mine = dataclasses.asdict(self.cfg)
+        # Buffers are reconstructions both sides agree on, whatever quantizer made them, so other
+        # delta settings are allowed (e.g. resuming at fewer bits); say so, it changes the curve.
+        changed = sorted(k for k in mine if k != "buffers" and saved.get(k) != mine[k])
+        if changed:
+            log.warning("AC-SGD buffers were saved with other settings (%s): loading them anyway", changed)
+        self.store.load_state_dict(state["buffers"])
+
+    def close(self) -> None:
+        self.store.close()
+
+
+class DeltaEncoder(_BoundarySide):
+    """Sender side of one boundary: activations + example ids -> packet bytes."""
+
+    def __init__(self, cfg: DeltaConfig | None = None, generator: torch.Generator | None = None) -> None:
+        super().__init__(cfg)
         self.delta_codec = UniformCodec(self.cfg.quant, generator=generator)
         self.seed_codec = make_codec(self.cfg.seed_codec)
 
@@ -182,32 +216,12 @@ class DeltaEncoder:
         q = self.delta_codec.quantize(delta, inplace=True)
         return self.delta_codec.frame(q, acts.dtype, codec=wire.CODEC_DELTA, ids=[ids[r] for r in rows]), q
 
-    def invalidate(self, ids: list[int] | None = None) -> None:
-        """The receiver lost its buffers (new neighbour, restart): start over with first visits."""
-        self.store.invalidate(ids)
 
-    def stats(self) -> BufferStats:
-        return self.store.stats()
-
-    def state_dict(self) -> dict[str, Any]:
-        """Buffers and visit counts (stored precision) plus the settings they were built with."""
-        return _state(self.cfg, self.store)
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Resume from ``state_dict()`` of this side, or of the other side of the same boundary."""
-        _load_state(self.cfg, self.store, state)
-
-    def close(self) -> None:
-        self.store.close()
-
-
-class DeltaDecoder:
+class DeltaDecoder(_BoundarySide):
     """Receiver side of one boundary: packet bytes -> reconstructed activations (B, *S)."""
 
     def __init__(self, cfg: DeltaConfig | None = None, device: torch.device | str = "cpu") -> None:
-        self.cfg = cfg or DeltaConfig()
-        self.cfg.validate()
-        self.store = BufferStore(self.cfg.buffers)
+        super().__init__(cfg)
         self.device = torch.device(device)
         self.work = Workspace()
 
@@ -273,40 +287,6 @@ class DeltaDecoder:
                 out[rows] = target
         dtype = dtypes.pop()
         return (out if dtype == torch.float32 else out.to(dtype)), ids
-
-    def invalidate(self, ids: list[int] | None = None) -> None:
-        self.store.invalidate(ids)
-
-    def stats(self) -> BufferStats:
-        return self.store.stats()
-
-    def state_dict(self) -> dict[str, Any]:
-        """Buffers and visit counts (stored precision) plus the settings they were built with."""
-        return _state(self.cfg, self.store)
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Resume from ``state_dict()`` of this side, or of the other side of the same boundary."""
-        _load_state(self.cfg, self.store, state)
-
-    def close(self) -> None:
-        self.store.close()
-
-
-def _state(cfg: DeltaConfig, store: BufferStore) -> dict[str, Any]:
-    return {"codec": dataclasses.asdict(cfg), "buffers": store.state_dict()}
-
-
-def _load_state(cfg: DeltaConfig, store: BufferStore, state: dict[str, Any]) -> None:
-    if not isinstance(state, dict) or "buffers" not in state:
-        raise CodecError("not an AC-SGD codec state", code=ErrorCode.MALFORMED)
-    saved = state.get("codec") or {}
-    mine = dataclasses.asdict(cfg)
-    # Buffers are reconstructions both sides agree on, whatever quantizer made them, so other
-    # delta settings are allowed (e.g. resuming at fewer bits); say so, it changes the curve.
-    changed = sorted(k for k in mine if k != "buffers" and saved.get(k) != mine[k])
-    if changed:
-        log.warning("AC-SGD buffers were saved with other settings (%s): loading them anyway", changed)
-    store.load_state_dict(state["buffers"])
 
 
 def _numel(shape: tuple[int, ...]) -> int:

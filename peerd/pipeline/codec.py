@@ -230,32 +230,24 @@ def _delta_config(cfg: CompressionConfig) -> DeltaConfig:
     return d
 
 
+def _side(cfg: CompressionConfig, direction: str, sending: bool) -> Any:
+    """The encoder (``sending``) or decoder of one direction (``forward`` / ``backward``)."""
+    kind = getattr(cfg, direction)
+    name = cfg.forward_name if direction == "forward" else cfg.backward_name
+    if kind == "acsgd":
+        return (DeltaBoundaryEncoder if sending else DeltaBoundaryDecoder)(name, _delta_config(cfg))
+    if kind == "quant":
+        bits = cfg.forward_bits if direction == "forward" else cfg.backward_bits
+        return (QuantEncoder if sending else QuantDecoder)(name, cfg.quant(bits))
+    return RawEncoder() if sending else RawDecoder()
+
+
 def build_codecs(cfg: CompressionConfig, *, first: bool, last: bool) -> BoundaryCodecs:
     """Codecs of a stage: the first stage receives no activations, the last sends none."""
     cfg.validate()
     out = BoundaryCodecs()
     if not last:
-        if cfg.forward == "acsgd":
-            out.send_act = DeltaBoundaryEncoder(cfg.forward_name, _delta_config(cfg))
-        elif cfg.forward == "quant":
-            out.send_act = QuantEncoder(cfg.forward_name, cfg.quant(cfg.forward_bits))
-        else:
-            out.send_act = RawEncoder()
-        out.recv_grad = (
-            RawDecoder()
-            if cfg.backward == "none"
-            else QuantDecoder(cfg.backward_name, cfg.quant(cfg.backward_bits))
-        )
+        out.send_act, out.recv_grad = _side(cfg, "forward", True), _side(cfg, "backward", False)
     if not first:
-        if cfg.forward == "acsgd":
-            out.recv_act = DeltaBoundaryDecoder(cfg.forward_name, _delta_config(cfg))
-        elif cfg.forward == "quant":
-            out.recv_act = QuantDecoder(cfg.forward_name, cfg.quant(cfg.forward_bits))
-        else:
-            out.recv_act = RawDecoder()
-        out.send_grad = (
-            RawEncoder()
-            if cfg.backward == "none"
-            else QuantEncoder(cfg.backward_name, cfg.quant(cfg.backward_bits))
-        )
+        out.recv_act, out.send_grad = _side(cfg, "forward", False), _side(cfg, "backward", True)
     return out

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from peerd.averaging import GroupAllReduce
+from peerd.bench.pipeline import group_allreduce
 from peerd.data.config import DataConfig, build_dataset
 from peerd.models.gpt import GPT
 from peerd.pipeline import checkpoint
@@ -41,17 +41,6 @@ CFG = TrainConfig(
 )
 
 
-def group_allreduce(transport, group, me, key, cfg: TrainConfig) -> GroupAllReduce:
-    return GroupAllReduce(
-        transport,
-        group,
-        me,
-        key=key,
-        compressor=cfg.compression.gradient_compressor,
-        timeout=cfg.averaging_timeout_s,
-    )
-
-
 class Cluster:
     def __init__(self) -> None:
         self.loop = asyncio.new_event_loop()
@@ -64,6 +53,27 @@ class Cluster:
     def train(self, cfg: TrainConfig, **kw) -> RunResult:
         allocation = Allocation.grid(STAGES, REPLICAS)
         return self.run(run_allocation(cfg, allocation, self.peers, reducer_factory=group_allreduce, **kw))
+
+    def kill_after(self, cfg: TrainConfig, step: int) -> None:
+        """Train ``cfg`` and stop every peer abruptly once step ``step`` is reported (no clean shutdown)."""
+
+        async def killed() -> None:
+            task: asyncio.Task | None = None
+
+            def on_report(report: StepReport) -> None:
+                if report.step == step and task is not None:
+                    task.cancel()
+
+            allocation = Allocation.grid(STAGES, REPLICAS)
+            task = asyncio.ensure_future(
+                run_allocation(
+                    cfg, allocation, self.peers, reducer_factory=group_allreduce, on_report=on_report
+                )
+            )
+            with pytest.raises(asyncio.CancelledError):
+                await task
+
+        self.run(killed())
 
 
 @pytest.fixture(scope="module")
@@ -157,26 +167,7 @@ def test_acsgd_fw4_bw8_with_8bit_gradients_stays_within_3_percent(cluster: Clust
 def test_killed_run_resumes_from_checkpoints_on_the_same_curve(cluster: Cluster, tmp_path: Path):
     cfg = dataclasses.replace(CFG, job="resume", steps=12, checkpoint_dir=str(tmp_path), checkpoint_every=4)
 
-    async def killed() -> None:
-        task: asyncio.Task | None = None
-
-        def on_report(report: StepReport) -> None:
-            if report.step == 6 and task is not None:
-                task.cancel()  # stop every peer abruptly in step 7: no clean-shutdown checkpoint
-
-        task = asyncio.ensure_future(
-            run_allocation(
-                cfg,
-                Allocation.grid(2, 2),
-                cluster.peers,
-                reducer_factory=group_allreduce,
-                on_report=on_report,
-            )
-        )
-        with pytest.raises(asyncio.CancelledError):
-            await task
-
-    cluster.run(killed())
+    cluster.kill_after(cfg, 6)  # every peer stops abruptly in step 7: no clean-shutdown checkpoint
     result = cluster.train(cfg, resume=True)
     assert result.ok, result.errors
     assert result.start_step == 4  # the newest checkpoint every tasklet has
@@ -214,26 +205,7 @@ def test_killed_acsgd_run_resumes_with_its_buffers_on_the_uninterrupted_curve(
     assert whole.ok, whole.errors
     killed_cfg = dataclasses.replace(cfg, checkpoint_dir=str(tmp_path), checkpoint_every=4)
 
-    async def killed() -> None:
-        task: asyncio.Task | None = None
-
-        def on_report(report: StepReport) -> None:
-            if report.step == 9 and task is not None:
-                task.cancel()  # every peer stops abruptly in step 10
-
-        task = asyncio.ensure_future(
-            run_allocation(
-                killed_cfg,
-                Allocation.grid(2, 2),
-                cluster.peers,
-                reducer_factory=group_allreduce,
-                on_report=on_report,
-            )
-        )
-        with pytest.raises(asyncio.CancelledError):
-            await task
-
-    cluster.run(killed())
+    cluster.kill_after(killed_cfg, 9)  # every peer stops abruptly in step 10
     restored: dict[int, dict[str, dict]] = {}  # replica -> side -> AC-SGD state
 
     def snapshot(workers) -> None:  # the live buffers right after the restore, before training
