@@ -259,6 +259,7 @@ class StageWorker:
         inputs: dict[int, torch.Tensor] = {}  # mb -> input leaf (stages > 0)
         outputs: dict[int, torch.Tensor] = {}  # mb -> output, or weighted loss on the last stage
         out_grads: dict[int, torch.Tensor] = {}
+        encoded: dict[tuple[Op, int], Any] = {}  # (SEND_ACT | SEND_GRAD, mb) -> payload
         loss_sum = 0.0
         await self._compute(self.optimizer.zero_grad, True)
         for action in actions:
@@ -268,23 +269,27 @@ class StageWorker:
                 x = await self.inbox.get(KIND_ACT, step, mb, timeout)
                 inputs[mb] = x.requires_grad_(True)
             elif op is Op.FORWARD:
-                y, loss = await self._compute(self._forward, ids, inputs.get(mb), len(ids) / examples)
+                y, loss, payload = await self._compute(
+                    self._forward, ids, inputs.get(mb), len(ids) / examples
+                )
                 outputs[mb] = y
                 loss_sum += loss
+                encoded[(Op.SEND_ACT, mb)] = payload
             elif op is Op.SEND_ACT:
-                assert self.to_next is not None and self.codecs.send_act is not None
-                y = outputs[mb].detach()
-                payload = await self._compute(self.codecs.send_act.encode, tuple(ids), y)
+                assert self.to_next is not None
+                y, payload = outputs[mb], encoded.pop((Op.SEND_ACT, mb))
                 await self.to_next.send(self._message(KIND_ACT, step, mb, ids, y, payload), payload)
             elif op is Op.RECV_GRAD:
                 out_grads[mb] = await self.inbox.get(KIND_GRAD, step, mb, timeout)
             elif op is Op.BACKWARD:
-                await self._compute(self._backward, outputs.pop(mb), out_grads.pop(mb, None))
+                y, grad = outputs.pop(mb), out_grads.pop(mb, None)
+                encoded[(Op.SEND_GRAD, mb)] = await self._compute(
+                    self._backward, ids, y, grad, inputs.get(mb)
+                )
             elif op is Op.SEND_GRAD:
-                assert self.to_prev is not None and self.codecs.send_grad is not None
-                x = inputs.pop(mb)
+                assert self.to_prev is not None
+                x, payload = inputs.pop(mb), encoded.pop((Op.SEND_GRAD, mb))
                 assert x.grad is not None, "stage input got no gradient"
-                payload = await self._compute(self.codecs.send_grad.encode, tuple(ids), x.grad)
                 await self.to_prev.send(self._message(KIND_GRAD, step, mb, ids, x.grad, payload), payload)
         for sender in (self.to_next, self.to_prev):  # everything of this step is accepted downstream
             if sender is not None:
@@ -314,22 +319,36 @@ class StageWorker:
             self.on_report(report)
         return report
 
-    def _forward(self, ids: list[int], x: torch.Tensor | None, weight: float) -> tuple[torch.Tensor, float]:
-        """(output, 0) or, on the last stage, (weighted loss, weighted loss value). Runs in the compute thread."""
+    # Forward and backward encode what they send in the same trip to the compute thread: every
+    # hop between the event loop and that thread waits for the GIL, which on busy cores costs
+    # more than a small micro-batch's encode.
+
+    def _forward(
+        self, ids: list[int], x: torch.Tensor | None, weight: float
+    ) -> tuple[torch.Tensor, float, Any]:
+        """(output, 0, encoded output) or, on the last stage, (weighted loss, its value, None). Compute thread."""
         if self.first:
             x = self.dataset.inputs(ids)  # (b, T) token ids
         assert x is not None
         y = self.module(x)
         if not self.last:
-            return y, 0.0  # (b, T, C)
+            assert self.codecs.send_act is not None
+            return y, 0.0, self.codecs.send_act.encode(tuple(ids), y.detach())  # y: (b, T, C)
         loss = lm_loss(y, self.dataset.targets(ids))
-        return loss * weight, loss.item() * weight  # this micro-batch's share of the replica's mean
+        return loss * weight, loss.item() * weight, None  # this micro-batch's share of the replica's mean
 
-    def _backward(self, y: torch.Tensor, grad: torch.Tensor | None) -> None:
+    def _backward(
+        self, ids: list[int], y: torch.Tensor, grad: torch.Tensor | None, x: torch.Tensor | None
+    ) -> Any:
+        """Backward through the stage; the encoded gradient of its input ``x`` (None on the first stage)."""
         if self.last:
             y.backward()
         else:
             y.backward(grad)
+        if self.first:
+            return None
+        assert x is not None and x.grad is not None and self.codecs.send_grad is not None
+        return self.codecs.send_grad.encode(tuple(ids), x.grad)
 
     def _message(
         self, kind: str, step: int, mb: int, ids: list[int], t: torch.Tensor, payload: Any
