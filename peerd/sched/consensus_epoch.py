@@ -125,8 +125,9 @@ class EpochState:
             if cid is None or cid not in self.seen:
                 continue
             cand = self.seen[cid]
-            if self.scores.get(cid) is not None:  # the first copy may carry a false claim
-                cand = dataclasses.replace(cand, cost=self.scores[cid])
+            rescored = self.scores.get(cid)
+            if rescored is not None:  # the first copy may carry a false claim
+                cand = dataclasses.replace(cand, cost=rescored)
             votes = tuple(v for v in counted if v.candidate == cid)
             return CommitRecord(job, self.epoch, rnd, me, now, cand, self.roster.refs, votes)
         return None

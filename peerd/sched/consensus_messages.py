@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar, overload
 
 import msgpack
 
@@ -58,7 +58,7 @@ class DeviceProfile:
         region = f.m.get("region", "")
         if not isinstance(region, str):
             raise malformed("profile.region", "must be a string")
-        return cls(f.float("tflops"), f.int("memory_bytes"), region)
+        return cls(f.number("tflops"), f.uint("memory_bytes"), region)
 
 
 @dataclass(frozen=True)
@@ -77,7 +77,7 @@ class LinkMeasurement:
     @classmethod
     def from_wire(cls, m: Any) -> LinkMeasurement:
         f = Fields(m, "links[]")
-        return cls(f.str("peer"), f.float("delay_s"), f.float("bandwidth_bps", positive=True))
+        return cls(f.text("peer"), f.number("delay_s"), f.number("bandwidth_bps", positive=True))
 
 
 @dataclass(frozen=True)
@@ -104,15 +104,15 @@ class RosterEntry:
 
     @classmethod
     def from_body(cls, f: Fields) -> RosterEntry:
-        links = tuple(LinkMeasurement.from_wire(x) for x in f.list("links"))
+        links = tuple(LinkMeasurement.from_wire(x) for x in f.array("links"))
         peers = [x.peer for x in links]
         if peers != sorted(set(peers)):
             raise malformed("links", "must be sorted by peer, one per peer")
         return cls(
-            f.str("job"),
-            f.int("epoch"),
-            f.str("peer"),
-            f.float("issued_at"),
+            f.text("job"),
+            f.uint("epoch"),
+            f.text("peer"),
+            f.number("issued_at"),
             DeviceProfile.from_wire(f.get("profile")),
             links,
         )
@@ -160,12 +160,12 @@ class Candidate:
         if not set(allocation.devices) | set(allocation.spares) <= set(members):
             raise malformed(f.name("allocation"), "uses a peer that is not in members")
         return cls(
-            f.str("job"),
-            f.int("epoch"),
-            f.str("author"),
-            f.float("issued_at"),
+            f.text("job"),
+            f.uint("epoch"),
+            f.text("author"),
+            f.number("issued_at"),
             allocation,
-            f.float("cost"),
+            f.number("cost"),
             members,
             f.hash("roster_digest"),
         )
@@ -204,13 +204,13 @@ class Vote:
     @classmethod
     def from_body(cls, f: Fields) -> Vote:
         return cls(
-            f.str("job"),
-            f.int("epoch"),
-            f.int("round", hi=1),
-            f.str("voter"),
-            f.float("issued_at"),
+            f.text("job"),
+            f.uint("epoch"),
+            f.uint("round", hi=1),
+            f.text("voter"),
+            f.number("issued_at"),
             f.hash("candidate"),
-            f.float("cost"),
+            f.number("cost"),
             f.hash("roster_digest"),
         )
 
@@ -249,7 +249,7 @@ class CommitRecord:
     @classmethod
     def from_body(cls, f: Fields) -> CommitRecord:
         roster = []
-        for item in f.list("roster"):
+        for item in f.array("roster"):
             ok = isinstance(item, list) and len(item) == 2 and isinstance(item[0], str) and item[0]
             if not ok or not isinstance(item[1], bytes) or len(item[1]) != 32:
                 raise malformed("roster[]", "must be [peer id, 32-byte entry hash]")
@@ -257,14 +257,14 @@ class CommitRecord:
         if [p for p, _ in roster] != sorted({p for p, _ in roster}):
             raise malformed("roster", "must be sorted by peer, one per peer")
         return cls(
-            f.str("job"),
-            f.int("epoch"),
-            f.int("round", hi=1),
-            f.str("author"),
-            f.float("issued_at"),
+            f.text("job"),
+            f.uint("epoch"),
+            f.uint("round", hi=1),
+            f.text("author"),
+            f.number("issued_at"),
             _from_envelope(f.get("candidate"), Candidate, "candidate"),
             tuple(roster),
-            tuple(_from_envelope(v, Vote, "votes[]") for v in f.list("votes")),
+            tuple(_from_envelope(v, Vote, "votes[]") for v in f.array("votes")),
         )
 
 
@@ -302,14 +302,22 @@ class Roster:
 
 
 Message = RosterEntry | Candidate | Vote | CommitRecord
-KINDS: dict[str, type] = {c.KIND: c for c in (RosterEntry, Candidate, Vote, CommitRecord)}
+KINDS: dict[str, type[Message]] = {c.KIND: c for c in (RosterEntry, Candidate, Vote, CommitRecord)}
 
 
 def _envelope(msg: Message) -> dict[str, Any]:
     return sorted_map({"version": VERSION, "kind": msg.KIND, **msg.body()})
 
 
-def _from_envelope(m: Any, expect: type | None, where: str) -> Any:
+# A message class passed as ``expect`` types the decoded result.
+M = TypeVar("M", bound=Message)
+
+
+@overload
+def _from_envelope(m: Any, expect: type[M], where: str) -> M: ...
+@overload
+def _from_envelope(m: Any, expect: None, where: str) -> Message: ...
+def _from_envelope(m: Any, expect: type[M] | None, where: str) -> Message:
     f = Fields(m, where)
     version = f.m.get("version")
     if isinstance(version, bool) or not isinstance(version, int):
@@ -338,7 +346,11 @@ def encode(msg: Message) -> bytes:
     return data
 
 
-def decode(data: bytes, expect: type | None = None) -> Message:
+@overload
+def decode(data: bytes, expect: type[M]) -> M: ...
+@overload
+def decode(data: bytes, expect: None = None) -> Message: ...
+def decode(data: bytes, expect: type[M] | None = None) -> Message:
     """Parse bytes into a message; ``expect`` restricts the kind. Raises ``ProtocolError``."""
     if not isinstance(data, bytes | bytearray | memoryview):
         raise malformed("", f"message must be bytes, got {type(data).__name__}")

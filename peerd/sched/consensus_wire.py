@@ -35,7 +35,11 @@ def malformed(field: str, what: str) -> ProtocolError:
 
 
 class Fields:
-    """Typed access to one decoded msgpack map; ``where`` prefixes field names in errors."""
+    """Typed access to one decoded msgpack map; ``where`` prefixes field names in errors.
+
+    Readers are not named after builtins (``str``, ``int``, ...): in a class body such a
+    method would shadow the builtin for every later annotation.
+    """
 
     def __init__(self, m: Any, where: str) -> None:
         if not isinstance(m, dict):
@@ -50,13 +54,13 @@ class Fields:
             raise malformed(self.name(field), "missing")
         return self.m[field]
 
-    def str(self, field: str) -> str:
+    def text(self, field: str) -> str:
         v = self.get(field)
         if not isinstance(v, str) or not v:
             raise malformed(self.name(field), f"must be a non-empty string, got {v!r}")
         return v
 
-    def int(self, field: str, hi: int | None = None) -> int:
+    def uint(self, field: str, hi: int | None = None) -> int:
         v = self.get(field)
         if isinstance(v, bool) or not isinstance(v, int) or v < 0 or (hi is not None and v > hi):
             raise malformed(
@@ -64,7 +68,7 @@ class Fields:
             )
         return v
 
-    def float(self, field: str, *, positive: bool = False) -> float:
+    def number(self, field: str, *, positive: bool = False) -> float:
         v = self.get(field)
         if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v) or v < 0:
             raise malformed(self.name(field), f"must be a finite number >= 0, got {v!r}")
@@ -78,14 +82,14 @@ class Fields:
             raise malformed(self.name(field), "must be a 32-byte hash")
         return v
 
-    def list(self, field: str) -> list:
+    def array(self, field: str) -> list[Any]:
         v = self.get(field)
         if not isinstance(v, list):
             raise malformed(self.name(field), f"must be an array, got {type(v).__name__}")
         return v
 
     def peers(self, field: str, *, sorted_unique: bool = False) -> tuple[str, ...]:
-        v = self.list(field)
+        v = self.array(field)
         if not all(isinstance(p, str) and p for p in v):
             raise malformed(self.name(field), "must be an array of non-empty peer ids")
         if sorted_unique and v != sorted(set(v)):
@@ -113,7 +117,7 @@ def allocation_from_wire(m: Any, where: str) -> Allocation:
         raise malformed(f.name("layers"), "must be nil or an array of integers")
     spares = f.peers("spares") if "spares" in f.m else ()
     try:
-        return Allocation.from_plain(f.list("stages"), spares, layers).canonical()
+        return Allocation.from_plain(f.array("stages"), spares, layers).canonical()
     except ConfigError as exc:
         text = Exception.__str__(exc).removeprefix(f"{exc.field}: ")
         raise malformed(f.name(exc.field), text) from None

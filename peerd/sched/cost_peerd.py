@@ -39,6 +39,7 @@ rankings are too (tested).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -56,6 +57,28 @@ class PeerdGroup:
     memory: float  # smallest member, bytes
     a: np.ndarray  # per member: sum of 2 * delay to the rest of the group (s)
     b: np.ndarray  # per member: sum of 16 / (D * bandwidth), times bytes gives seconds
+
+
+class LayoutArrays(NamedTuple):
+    """What ``batch_cost`` needs about P layouts of G stages with D replicas each."""
+
+    tflops: np.ndarray  # (P, G) slowest device per stage
+    memory: np.ndarray  # (P, G) smallest device per stage, bytes
+    a: np.ndarray  # (P, G, D) latency part of each member's data-parallel exchange
+    b: np.ndarray  # (P, G, D) per-byte part of it
+    emax: np.ndarray  # (P, G-1) boundary bottlenecks
+    emean: np.ndarray  # (P, G-1) boundary mean pair costs
+
+
+class BatchDetail(NamedTuple):
+    """``batch_cost``'s totals with the pieces they are made of."""
+
+    total: np.ndarray  # (P,) seconds per iteration
+    soft: np.ndarray  # (P,) tie-break
+    n: np.ndarray  # (P, G) layers per stage
+    dp: np.ndarray  # (P, G) data-parallel seconds per stage
+    pipe: np.ndarray  # (P,) pipelined forward/backward seconds
+    stage: np.ndarray  # (P, G) compute seconds per stage per micro-batch
 
 
 class PeerdObjective(Objective):
@@ -147,8 +170,14 @@ class PeerdObjective(Objective):
         )
 
     # --- the batched core: every cost goes through here ----------------------------------
-    def batch_cost(self, tflops, memory, a, b, emax, emean, detail: bool = False):
-        """Totals and softs for P layouts: tflops/memory (P, G), a/b (P, G, D), emax/emean (P, G-1)."""
+    def batch_cost(self, x: LayoutArrays) -> tuple[np.ndarray, np.ndarray]:
+        """Totals and softs (P,) for P layouts."""
+        d = self.batch_detail(x)
+        return d.total, d.soft
+
+    def batch_detail(self, x: LayoutArrays) -> BatchDetail:
+        """Totals, softs and their parts for P layouts."""
+        tflops, memory, a, b, emax, emean = x
         n_layers, g = self.layers, tflops.shape[1]
         t = self.layer_flops / (tflops * 1e12)  # (P, G) s per layer per micro-batch
         per_layer_mem = self.layer_static + self.inflight[None, :g] * self.layer_act
@@ -164,21 +193,19 @@ class PeerdObjective(Objective):
         total = pipe + dp.max(axis=1)
         total = np.where(short > 0, INFEASIBLE * (1.0 + short), total)
         soft = dp.mean(axis=1) + emean.sum(axis=1) + stage.mean(axis=1)
-        if detail:
-            return total, soft, n, dp, pipe, stage
-        return total, soft
+        return BatchDetail(total, soft, n, dp, pipe, stage)
 
-    def _arrays(self, groups: list[PeerdGroup], edges: list[Edge]):
+    def _arrays(self, groups: list[PeerdGroup], edges: list[Edge]) -> LayoutArrays:
         tflops = np.array([[x.tflops for x in groups]])
         memory = np.array([[x.memory for x in groups]])
         a = np.stack([x.a for x in groups])[None]
         b = np.stack([x.b for x in groups])[None]
         emax = np.array([[e.value for e in edges]]).reshape(1, len(edges))
         emean = np.array([[e.mean for e in edges]]).reshape(1, len(edges))
-        return tflops, memory, a, b, emax, emean
+        return LayoutArrays(tflops, memory, a, b, emax, emean)
 
     def combine(self, groups: list[PeerdGroup], edges: list[Edge], spares: np.ndarray) -> Cost:
-        total, soft, _n, dp, pipe, stage = self.batch_cost(*self._arrays(groups, edges), detail=True)
+        total, soft, _n, dp, pipe, stage = self.batch_detail(self._arrays(groups, edges))
         # total = dp + pp here (pp is the whole pipelined forward/backward, compute included).
         parts = {
             "dp": float(dp[0].max()),
@@ -190,11 +217,11 @@ class PeerdObjective(Objective):
         return Cost(float(total[0]), float(soft[0]), parts)
 
     def layer_split(self, groups: list[PeerdGroup], edges: list[Edge]) -> tuple[int, ...] | None:
-        _, _, n, *_ = self.batch_cost(*self._arrays(groups, edges), detail=True)
+        n = self.batch_detail(self._arrays(groups, edges)).n
         return tuple(int(x) for x in n[0])
 
     def critical(self, groups: list[PeerdGroup], edges: list[Edge]) -> list[int]:
-        total, _, n, dp, _, stage = self.batch_cost(*self._arrays(groups, edges), detail=True)
+        total, _, n, dp, _, stage = self.batch_detail(self._arrays(groups, edges))
         out: list[int] = []
         top = dp[0].max()
         for k, grp in enumerate(groups):
@@ -260,7 +287,7 @@ class PeerdObjective(Objective):
             emax, emean = pmat.max(axis=2), pmat.mean(axis=2)
         else:
             emax = emean = np.zeros((npairs, 0))
-        return self.batch_cost(tflops, memory, a, b, emax, emean)
+        return self.batch_cost(LayoutArrays(tflops, memory, a, b, emax, emean))
 
 
 def split_layers(t: np.ndarray, cap: np.ndarray, n_layers: int) -> tuple[np.ndarray, np.ndarray]:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 import numpy as np
 from deap import base, creator, tools
@@ -50,6 +51,13 @@ if not hasattr(creator, "PeerdFitness"):
     # Lexicographic: seconds per iteration first, then the plateau tie-break.
     creator.create("PeerdFitness", base.Fitness, weights=(-1.0, -1.0))
     creator.create("PeerdIndividual", list, fitness=creator.PeerdFitness, ev=None)
+
+
+class Individual(Protocol):
+    """A ``creator.PeerdIndividual``: deap's list of genes (device indices) plus these."""
+
+    ev: Evaluation
+    fitness: Any  # deap's Fitness (deap has no type hints)
 
 
 @dataclass
@@ -97,7 +105,7 @@ class Island:
         self.toolbox.register("mate", self._crossover)
         self.toolbox.register("mutate", self._mutate)
         self.toolbox.register("improve", self._improve)
-        self.population: list = []
+        self.population: list[Individual] = []
         self._seed_population(initial, deadline)
 
     # --- public API ------------------------------------------------------------------------
@@ -142,7 +150,7 @@ class Island:
         return taken
 
     # --- internals -------------------------------------------------------------------------
-    def _individual(self, ev: Evaluation) -> list:
+    def _individual(self, ev: Evaluation) -> Individual:
         groups = sorted((np.sort(g) for g in ev.groups), key=lambda g: int(g[0]))
         genes = [int(d) for g in groups for d in g] + [int(d) for d in np.sort(ev.spares)]
         ind = creator.PeerdIndividual(genes)
@@ -202,7 +210,7 @@ class Island:
             if deadline is not None and time.monotonic() > deadline:
                 break
         before = self.best_cost()
-        pool = []
+        pool: list[Individual] = []
         for ind in self.population + children:
             if not any(ind == other for other in pool):
                 pool.append(ind)
@@ -220,7 +228,7 @@ class Island:
         """Keep the better half; replace the rest by heavily mutated copies of the best."""
         keep = self.population[: max(1, len(self.population) // 2)]
         best = self.hall[0].ev
-        fresh = []
+        fresh: list[Individual] = []
         for _ in range(len(self.population) - len(keep)):
             groups, spares = self._mutate(
                 [g.copy() for g in best.groups], best.spares.copy(), self.obj.shape.d_dp
@@ -232,7 +240,7 @@ class Island:
         self.population = keep + fresh
         self.hall.update(fresh)
 
-    def _tournament(self, population: list, k: int) -> list:
+    def _tournament(self, population: list[Individual], k: int) -> list[Individual]:
         out = []
         for _ in range(k):
             idx = self.rng.choice(

@@ -119,7 +119,8 @@ def _heuristic_path(w: np.ndarray) -> tuple[float, list[int]]:
     for start in range(n):
         order, left = [start], set(range(n)) - {start}
         while left:
-            nxt = min(left, key=lambda j, last=order[-1]: (w[last, j], j))
+            row = w[order[-1]]
+            nxt = min((row[j], j) for j in left)[1]  # nearest, ties to the lowest index
             order.append(nxt)
             left.remove(nxt)
         cost = path_cost(w, order)

@@ -229,12 +229,12 @@ def _screen_shapes(problem: Problem, shapes: list[Shape], objective: str, deadli
     if len(objs) <= SHAPES_SEARCHED:
         return objs
     chains = device_chains(objs[0].pair_cost, max_cuts=1)
-    scored = []
+    scored: list[tuple[float, float, Shape, Objective]] = []
     for obj in objs:
         if time.monotonic() > deadline and scored:
             break
         s = obj.shape
-        best = None
+        best: Cost | None = None
         for chain in chains:
             active = active_devices(obj, s.active)
             sub = chain[np.isin(chain, active)]
@@ -243,6 +243,7 @@ def _screen_shapes(problem: Problem, shapes: list[Shape], objective: str, deadli
                 ev = obj.evaluate(grid_groups(sub, s.d_pp, s.d_dp, h, w, True, True), spares)
                 if best is None or ev.cost.better_than(best):
                     best = ev.cost
+        assert best is not None, "device_chains returns at least one chain"
         scored.append((best.total, best.soft, s, obj))
     scored.sort(key=lambda x: (x[0], x[1], x[2]))
     return [x[3] for x in scored[:SHAPES_SEARCHED]]

@@ -17,7 +17,7 @@ import numpy as np
 from scipy.cluster.hierarchy import fcluster, leaves_list, linkage
 from scipy.spatial.distance import squareform
 
-from peerd.sched.objective import Evaluation, Objective
+from peerd.sched.objective import Cost, Evaluation, Objective
 
 
 def device_chains(distance: np.ndarray, max_cuts: int = 4) -> list[np.ndarray]:
@@ -68,7 +68,7 @@ def grid_layout(
     pipelines. (h=1, w=d_dp): groups along the chain; (h=d_pp, w=1): pipelines along it.
     """
     assert d_pp % h == 0 and d_dp % w == 0 and len(chain) == d_pp * d_dp
-    cells = []
+    cells: list[tuple[int, int]] = []  # (stage, replica) in visiting order
     outer = [(br, bc) for br in range(d_pp // h) for bc in range(d_dp // w)]
     if not blocks_across:
         outer.sort(key=lambda rc: (rc[1], rc[0]))
@@ -114,7 +114,8 @@ def constructions(obj: Objective, exact_limit: int | None = None) -> list[Evalua
     active = active_devices(obj, shape.active)
     spares = np.setdiff1d(np.arange(n), active)
     sub = obj.pair_cost[np.ix_(active, active)]
-    seen, laid = set(), []
+    seen: set[tuple[bytes, ...]] = set()
+    laid: list[tuple[Cost, int, np.ndarray]] = []  # (cost as laid out, tie-break, grid)
     for chain in device_chains(sub):
         chain = active[chain]
         for h in divisors(shape.d_pp):
