@@ -14,6 +14,7 @@ BENCHMARKS = {
     "transport": "peerd.bench.transport",
     "pipeline": "peerd.bench.pipeline",
     "averaging": "peerd.bench.averaging",
+    "consensus": "peerd.bench.consensus",
 }
 
 

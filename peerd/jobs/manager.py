@@ -124,6 +124,7 @@ class JobManager:
         self.rejected = catalog.Rejections()
         self._index_stored_at = 0.0
         self._expiry: dict[str, float] = {}
+        self._discovering = asyncio.Lock()
         self._wake = asyncio.Event()
 
     @property
@@ -232,7 +233,15 @@ class JobManager:
             await self._stop(entry)
 
     async def discover(self) -> None:
-        """Read the job indexes and the records of every job not known to be finished."""
+        """Read the job indexes and the records of every job not known to be finished.
+
+        Serialized: the loop and control calls (``jobs``, an unknown id) both discover, and
+        two interleaved discoveries must never create two entries (two planners) for one job.
+        """
+        async with self._discovering:
+            await self._discover()
+
+    async def _discover(self) -> None:
         ids: set[str] = set()
         for index in await catalog.read_indexes(self.store, self.swarm, self.rejected):
             ids.update(index.job_ids)
@@ -245,6 +254,7 @@ class JobManager:
             record = await catalog.read_job(self.store, job_id, self.rejected)
             if record is None:
                 continue
+            entry = self.jobs.get(job_id)  # submit() may have added it meanwhile
             if entry is None:
                 try:
                     spec = record.job_spec()

@@ -128,6 +128,7 @@ class JobPlanner:
         profile, links = local()
         self.machine = ConsensusMachine(job.job_id, store.me, self.consensus, self.scorer, profile, links)
         self.committed: Commit | None = None
+        self.committed_at: float | None = None  # DHT time this peer committed
         self.islands: dict[int, IslandReport] = {}
         self.stats: Counter[str] = Counter()
         self.banned: set[str] = set()
@@ -187,20 +188,36 @@ class JobPlanner:
     # -- reading --------------------------------------------------------------------------------
 
     async def _read(self, now: float) -> None:
+        """Read the keys this phase needs concurrently (a loaded DHT answers slowly), then feed in order."""
         job, t = self.job.job_id, self.consensus.timing
-        if self.machine.committed is not None or self.machine.epoch < 0:
-            if now - self._last_commit_read >= self.config.committed_poll_s:
-                await self._read_commits(now)
-            return
+        keys: list[str] = []
         epoch = self.machine.epoch
-        at = now - self.consensus.start(epoch)
-        if at < t.freeze + t.max_skew_s:
-            await self._feed_entries(await self.store.read(roster_key(job, epoch)), now)
-        if at >= t.freeze - t.max_skew_s:
-            await self._feed_entries(await self.store.read(candidates_key(job, epoch)), now)
-        if at >= t.decide - t.max_skew_s:
-            await self._read_votes(epoch, now)
-        await self._read_commits(now)
+        if self.machine.committed is None and epoch >= 0:
+            at = now - self.consensus.start(epoch)
+            if at < t.freeze + t.max_skew_s:
+                keys.append(roster_key(job, epoch))
+            if at >= t.freeze - t.max_skew_s:
+                keys.append(candidates_key(job, epoch))
+            if at >= t.decide - t.max_skew_s:
+                keys.append(votes_key(job, epoch))
+            keys.append(commit_key(job))
+        elif now - self._last_commit_read >= self.config.committed_poll_s:
+            keys.append(commit_key(job))
+        results = await asyncio.gather(*(self.store.read(k) for k in keys), return_exceptions=True)
+        for key, found in zip(keys, results, strict=True):
+            if isinstance(found, PeerdError):
+                self.stats["read_failed"] += 1
+                logger.debug("job %s: reading %s failed: %s", job, key, found)
+                continue
+            if isinstance(found, BaseException):
+                raise found
+            now = self.store.now()
+            if key == commit_key(job):
+                await self._feed_commits(found, now)
+            elif key == votes_key(job, epoch):
+                await self._feed_votes(found, epoch, now)
+            else:
+                await self._feed_entries(found, now)
 
     async def _feed_entries(self, entries: list[Any], now: float) -> None:
         for entry in entries:
@@ -215,7 +232,10 @@ class JobPlanner:
             await self._handle(self.machine.on_message(msg, now))
 
     async def _read_votes(self, epoch: int, now: float) -> None:
-        for entry in await self.store.read(votes_key(self.job.job_id, epoch)):
+        await self._feed_votes(await self.store.read(votes_key(self.job.job_id, epoch)), epoch, now)
+
+    async def _feed_votes(self, entries: list[Any], epoch: int, now: float) -> None:
+        for entry in entries:
             if entry.value in self._fed or entry.author in self.banned:
                 continue
             self._fed.add(entry.value)
@@ -238,9 +258,9 @@ class JobPlanner:
                     self._fed.add(raw)
                     await self._handle(self.machine.on_vote(vote, now))
 
-    async def _read_commits(self, now: float) -> None:
+    async def _feed_commits(self, entries: list[Any], now: float) -> None:
         self._last_commit_read = now
-        for entry in await self.store.read(commit_key(self.job.job_id)):
+        for entry in entries:
             if entry.author in self.banned:
                 continue
             record = self._decode(entry.value)
@@ -410,6 +430,7 @@ class JobPlanner:
     def _committed(self, commit: Commit) -> None:
         self._stop_island(None)
         self.committed = commit
+        self.committed_at = self.store.now()
         logger.info(
             "job %s: committed allocation %s (epoch %d, round %d, cost %.6g)",
             self.job.job_id,
@@ -442,6 +463,10 @@ class JobPlanner:
         }
         if c is not None:
             out["commit"] = commit_view(c)
+            out["committed_at"] = self.committed_at
+            t, start = self.consensus.timing, self.consensus.start(c.epoch)
+            out["roster_closed_at"] = start + t.roster_s
+            out["votes_opened_at"] = start + t.decide
         return out
 
 

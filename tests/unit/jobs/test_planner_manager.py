@@ -111,3 +111,55 @@ def test_eligibility_caps_the_roster_deterministically() -> None:
     assert all(eligible("job", p, peers, None) for p in peers)
     assert all(eligible("job", p, peers, 10) for p in peers)
     assert [p for p in peers if eligible("job2", p, peers, 6)] != chosen  # per job, not always the same peers
+
+
+def test_concurrent_discoveries_start_one_planner_per_job() -> None:
+    """The loop and control calls both discover; interleaved reads must not duplicate a job's planner."""
+
+    class SlowStore:
+        """The first read of a job record takes a while (a slow DHT lookup); everything yields."""
+
+        def __init__(self, inner) -> None:
+            self.inner, self.me, self.slow = inner, inner.me, True
+
+        def now(self) -> float:
+            return self.inner.now()
+
+        async def put(self, key, value, expires_at):
+            return await self.inner.put(key, value, expires_at)
+
+        async def read(self, key):
+            delay = 0.0
+            if key.startswith("peerd/v1/job/") and self.slow:
+                self.slow, delay = False, 0.1
+            await asyncio.sleep(delay)
+            return await self.inner.read(key)
+
+    async def scenario() -> None:
+        ms = Managers([OWNER])
+        watcher = JobManager(
+            SlowStore(ms.dht.client(THIRD)),
+            "default",
+            local=lambda: (DeviceProfile(0.1, 1 << 33, "eu"), ()),
+            online=lambda: [OWNER, THIRD],
+        )
+        started = []
+        original = watcher._start_planner
+        watcher._start_planner = lambda entry: (started.append(entry.record.job_id), original(entry))[1]
+        try:
+            job = (await ms.by_peer[OWNER].submit({"spec": to_mapping(DEMO)}))["job_id"]
+
+            async def loop_round() -> None:
+                await asyncio.sleep(0.01)  # the control call's (slow) discovery is already reading
+                await watcher.discover()
+                await watcher.tend()
+
+            await asyncio.gather(watcher.job_status({"job_id": job}), loop_round())
+            await watcher.tend()
+            assert started == [job]
+            assert watcher.jobs[job].planner_task is not None
+        finally:
+            await watcher.close()
+            await ms.close()
+
+    asyncio.run(scenario())
