@@ -228,9 +228,12 @@ class GPT(nn.Module):
         cfg.validate()
         self.cfg = cfg
         self.seed = seed
-        self.layers = nn.ModuleList(build_layer(cfg, i, seed) for i in range(cfg.num_layers))
+        layers = [build_layer(cfg, i, seed) for i in range(cfg.num_layers)]
         if cfg.tie_weights:
-            self.layers[-1].lm_head.weight = self.layers[0].tok.weight
+            head, embedding = layers[-1], layers[0]
+            assert isinstance(head, Head) and isinstance(embedding, Embedding)  # build_layer's order
+            head.lm_head.weight = embedding.tok.weight
+        self.layers = nn.ModuleList(layers)
 
     def forward(self, tokens_BT: torch.Tensor) -> torch.Tensor:
         x = tokens_BT

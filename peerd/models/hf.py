@@ -41,6 +41,34 @@ def _causal_mask(h_BTC: torch.Tensor) -> torch.Tensor:
     return torch.triu(mask, diagonal=1)[None, None]
 
 
+def _sub(module: nn.Module, name: str) -> nn.Module:
+    """``module.<name>`` as a submodule (torch types attribute access as ``Tensor | Module``)."""
+    sub = getattr(module, name, None)
+    if not isinstance(sub, nn.Module):
+        raise ConfigError(
+            "model.hf", f"{type(module).__name__} has no submodule {name!r} (an unexpected HF layout)"
+        )
+    return sub
+
+
+def _embedding(module: nn.Module, name: str) -> nn.Embedding:
+    sub = _sub(module, name)
+    if not isinstance(sub, nn.Embedding):
+        raise ConfigError(
+            "model.hf", f"{type(module).__name__}.{name} is a {type(sub).__name__}, not an Embedding"
+        )
+    return sub
+
+
+def _blocks(module: nn.Module, name: str) -> nn.ModuleList:
+    sub = _sub(module, name)
+    if not isinstance(sub, nn.ModuleList):
+        raise ConfigError(
+            "model.hf", f"{type(module).__name__}.{name} is a {type(sub).__name__}, not a ModuleList"
+        )
+    return sub
+
+
 def _first(out: Any) -> torch.Tensor:
     # transformers < 5 returns (hidden_states, ...) from a decoder layer; >= 5 returns the tensor.
     return out[0] if isinstance(out, tuple) else out
@@ -107,17 +135,22 @@ class HFStagedLM(nn.Module):
         super().__init__()
         config = getattr(model, "config", None)
         model_type = getattr(config, "model_type", None)
+        layers: list[nn.Module]
         if model_type == "gpt2":
-            tr = model.transformer
-            layers = [GPT2Embedding(tr.wte, tr.wpe, tr.drop), *(GPT2BlockAdapter(b) for b in tr.h)]
-            layers.append(NormHead(tr.ln_f, model.lm_head))
-        elif model_type == "llama":
-            core = model.model
+            tr = _sub(model, "transformer")
             layers = [
-                LlamaEmbedding(core.embed_tokens),
-                *(LlamaBlockAdapter(b, core.rotary_emb) for b in core.layers),
+                GPT2Embedding(_embedding(tr, "wte"), _embedding(tr, "wpe"), _sub(tr, "drop")),
+                *(GPT2BlockAdapter(b) for b in _blocks(tr, "h")),
             ]
-            layers.append(NormHead(core.norm, model.lm_head))
+            layers.append(NormHead(_sub(tr, "ln_f"), _sub(model, "lm_head")))
+        elif model_type == "llama":
+            core = _sub(model, "model")
+            rotary = _sub(core, "rotary_emb")
+            layers = [
+                LlamaEmbedding(_embedding(core, "embed_tokens")),
+                *(LlamaBlockAdapter(b, rotary) for b in _blocks(core, "layers")),
+            ]
+            layers.append(NormHead(_sub(core, "norm"), _sub(model, "lm_head")))
         else:
             raise ConfigError(
                 "model.hf", f"model type {model_type!r} is not supported (supported: {', '.join(SUPPORTED)})"

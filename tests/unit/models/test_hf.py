@@ -78,3 +78,14 @@ def test_unsupported_model_types_are_config_errors() -> None:
         build_hf_model("bert")
     with pytest.raises(ConfigError, match="not supported"):
         HFStagedLM(torch.nn.Linear(2, 2))
+
+
+def test_unexpected_hf_layout_is_a_config_error_naming_the_submodule() -> None:
+    model = build_hf_model("llama", **LLAMA)
+    del model.model.rotary_emb  # what a differently structured checkpoint class would look like
+    with pytest.raises(ConfigError, match="rotary_emb"):
+        HFStagedLM(model)
+    gpt2 = build_hf_model("gpt2", **GPT2)
+    gpt2.transformer.h = torch.nn.Linear(2, 2)  # blocks that are not a ModuleList
+    with pytest.raises(ConfigError, match="not a ModuleList"):
+        HFStagedLM(gpt2)
