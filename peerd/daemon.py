@@ -36,7 +36,7 @@ from peerd.swarm.links import LinkProber, ProbeConfig, ProbeResponder
 from peerd.swarm.membership import Announcer, PeerEntry, fetch_peers, peers_view
 from peerd.swarm.node import NodeSettings, SwarmNode, parse_peer_id
 from peerd.swarm.profiling import with_live_memory
-from peerd.swarm.records import PeerRecord, PeerState, fit_peer_record
+from peerd.swarm.records import DeviceProfile, PeerRecord, PeerState, fit_peer_record
 from peerd.swarm.shaper import LinkShaper
 from peerd.swarm.transport import Transport
 
@@ -85,7 +85,7 @@ class Daemon:
         self.responder: ProbeResponder | None = None
         self.prober: LinkProber | None = None
         self.announcer: Announcer | None = None
-        self.profile = None
+        self.profile: DeviceProfile | None = None  # measured in start(), off the event loop
         self.entries: dict[str, PeerEntry] = {}  # peer id -> latest validated record
         self.control = ControlServer(self.config.control_socket)  # type: ignore[arg-type]
         self._tasks: dict[str, asyncio.Task] = {}
