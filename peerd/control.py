@@ -258,8 +258,11 @@ def _decode_reply(line: bytes) -> Any:
     if msg["ok"]:
         return msg.get("result")
     err = msg.get("error") or {}
+    if not isinstance(err, dict):
+        raise ProtocolError(f"daemon reply's 'error' is a {type(err).__name__}, not a map")
+    raw_code = err.get("code")
     try:
-        code = ErrorCode(err.get("code"))
+        code = ErrorCode(raw_code) if isinstance(raw_code, int) else ErrorCode.INTERNAL
     except ValueError:
         code = ErrorCode.INTERNAL
     raise ControlError(str(err.get("message", "unknown error")), code=code)

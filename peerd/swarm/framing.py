@@ -155,8 +155,10 @@ def error_from_header(header: Mapping[str, Any]) -> PeerdError:
     """The typed exception an ``error`` frame from the remote stands for."""
     raw_code, message = header.get("code"), header.get("message", "")
     try:
-        code = ErrorCode(raw_code)
+        code = ErrorCode(raw_code) if isinstance(raw_code, int) else None
     except ValueError:
+        code = None
+    if code is None:
         return ProtocolError(f"remote sent error frame with unknown code {raw_code!r}: {message}")
     if code in _UNAVAILABLE_CODES:
         return PeerUnavailable(f"remote: {message}", code=code)

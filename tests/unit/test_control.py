@@ -6,13 +6,14 @@ import asyncio
 import json
 import socket
 import stat
+import threading
 from pathlib import Path
 
 import pytest
 
 import peerd.control as control
 from peerd.control import ControlClient, ControlError, ControlServer, DaemonNotRunning
-from peerd.errors import ConfigError, ErrorCode, PeerUnavailable
+from peerd.errors import ConfigError, ErrorCode, PeerUnavailable, ProtocolError
 
 
 @pytest.fixture
@@ -200,3 +201,41 @@ def test_register_twice_is_a_bug():
     server.register("x", handler)
     with pytest.raises(ValueError):
         server.register("x", handler)
+
+
+def test_malformed_error_replies_from_a_daemon_are_typed_errors(sock_path):
+    """A daemon speaking a broken dialect: the client raises typed errors, not AttributeError."""
+    replies = [
+        b'{"ok": false, "error": "boom"}\n',
+        b'{"ok": false, "error": {"code": "400", "message": "string code"}}\n',
+        b'{"ok": false, "error": {"code": 12345, "message": "unknown code"}}\n',
+        b'{"ok": false, "error": {"code": 400, "message": "known code"}}\n',
+    ]
+    srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    srv.bind(str(sock_path))
+    srv.listen()
+    srv.settimeout(10)
+
+    def serve() -> None:
+        with srv:
+            for reply in replies:
+                conn, _ = srv.accept()
+                with conn:
+                    conn.recv(65536)
+                    conn.sendall(reply)
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    client = ControlClient(sock_path, timeout=5)
+    with pytest.raises(ProtocolError, match="not a map"):
+        client.call("status")
+    for message, code in (
+        ("string code", ErrorCode.INTERNAL),
+        ("unknown code", ErrorCode.INTERNAL),
+        ("known code", ErrorCode.CONFIG_INVALID),
+    ):
+        with pytest.raises(ControlError, match=message) as info:
+            client.call("status")
+        assert info.value.code == code
+    thread.join(5)
+    assert not thread.is_alive()

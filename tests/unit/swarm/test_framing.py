@@ -169,6 +169,7 @@ def test_error_frames_map_to_typed_errors(code, cls):
     assert type(err) is cls and err.code == code and "why" in str(err)
 
 
-def test_error_frame_with_unknown_code_is_malformed():
-    err = error_from_header({"kind": "error", "code": 12345, "message": "?"})
-    assert isinstance(err, ProtocolError) and err.code == ErrorCode.MALFORMED
+@pytest.mark.parametrize("raw_code", [12345, "300", None, 300.0, [300]])
+def test_error_frame_with_unknown_or_non_integer_code_is_malformed(raw_code):
+    err = error_from_header({"kind": "error", "code": raw_code, "message": "?"})
+    assert type(err) is ProtocolError and err.code == ErrorCode.MALFORMED
