@@ -66,22 +66,29 @@ async def _run(
         b = await create_p2p(await a.get_visible_maddrs())
         try:
             baseline = await _probe_once(a, b, None, config)
-            cells = []
+            cells: list[dict[str, object]] = []
             worst = 0.0
             for mbps in bandwidths:
                 for delay_ms in delays:
                     spec = LinkSpec(delay_s=delay_ms / 1e3, bandwidth_bps=mbps * 1e6)
                     runs = [await _probe_once(a, b, spec, config) for _ in range(repeats)]
                     got = {key: _median([r[key] for r in runs]) for key in ("rtt_ms", "up_mbps", "down_mbps")}
-                    got["status"] = ",".join(sorted({r["status"] for r in runs}))
-                    got["runs"] = runs
                     ratios = {
                         "rtt": _ratio(got["rtt_ms"], 2 * delay_ms),
                         "up": _ratio(got["up_mbps"], mbps),
                         "down": _ratio(got["down_mbps"], mbps),
                     }
                     worst = max([worst, *(abs(r - 1) for r in ratios.values() if r is not None)])
-                    cells.append({"shaped_mbps": mbps, "shaped_one_way_ms": delay_ms, **got, "ratio": ratios})
+                    cells.append(
+                        {
+                            "shaped_mbps": mbps,
+                            "shaped_one_way_ms": delay_ms,
+                            **got,
+                            "status": ",".join(sorted({r["status"] for r in runs})),
+                            "runs": runs,
+                            "ratio": ratios,
+                        }
+                    )
         finally:
             await b.shutdown()
     finally:

@@ -24,9 +24,11 @@ import click
 import numpy as np
 
 from peerd.bench import emit_json
-from peerd.sched.planner import make_objective, plan
+from peerd.errors import ConfigError
+from peerd.sched.cost_peerd import PeerdObjective
+from peerd.sched.planner import PlanResult, make_objective, plan
 from peerd.sched.problem import Problem, Shape
-from peerd.sched.scenario import Device, ModelSpec, Regions, Scenario, TrainingSpec, load_scenario
+from peerd.sched.scenario import Auto, Device, ModelSpec, Regions, Scenario, TrainingSpec, load_scenario
 from peerd.sched.seeding import constructions, random_layout
 from peerd.sched.synthetic import random_cluster
 
@@ -42,12 +44,18 @@ SPOT_PAIRED = 37.59  # pairing spot devices inside their instances, per the issu
 SCENARIO_DIR = Path(__file__).resolve().parents[2] / "configs" / "scenarios"
 
 
+def fixed_shape(scenario: Scenario) -> Shape:
+    """The shape ``scenario`` fixes: random search and the greedy baseline need one."""
+    tr = scenario.training
+    if tr is None or tr.d_pp == "auto" or tr.d_dp == "auto":
+        raise ConfigError("training", f"scenario {scenario.name!r} must set d_pp and d_dp for this benchmark")
+    return Shape(tr.d_pp, tr.d_dp)
+
+
 def random_best(scenario: Scenario, objective: str, count: int, seed: int) -> tuple[float, float]:
     """Best total of ``count`` uniformly random allocations, and the seconds it took."""
     start = time.perf_counter()
-    problem = Problem(scenario)
-    tr = scenario.training
-    obj = make_objective(problem, Shape(int(tr.d_pp), int(tr.d_dp)), objective)
+    obj = make_objective(Problem(scenario), fixed_shape(scenario), objective)
     rng = np.random.default_rng(seed)
     best = min(random_layout(obj, rng).cost.total for _ in range(count))
     return best, time.perf_counter() - start
@@ -55,8 +63,7 @@ def random_best(scenario: Scenario, objective: str, count: int, seed: int) -> tu
 
 def greedy(scenario: Scenario, objective: str) -> float:
     """The best cluster-aware construction, without any search."""
-    tr = scenario.training
-    obj = make_objective(Problem(scenario), Shape(int(tr.d_pp), int(tr.d_dp)), objective)
+    obj = make_objective(Problem(scenario), fixed_shape(scenario), objective)
     return constructions(obj)[0].cost.total
 
 
@@ -73,18 +80,20 @@ def shuffled(scenario: Scenario, rng: np.random.Generator, relabel: bool) -> Sce
 
 
 def bench_dtfm_cases(scenario_dir: Path, budget: float, n_random: int, shuffles: int, seed: int) -> dict:
+    def fixed_plan(scenario: Scenario) -> PlanResult:
+        # Hash equality needs the same amount of search: a fixed number of generations, not a clock.
+        return plan(scenario, "dtfm", seed=seed, generations=3, patience=None, time_budget=600.0)
+
     out = {}
     for case, (ref_total, ref_seconds, ref_random) in REFERENCE.items():
         sc = load_scenario(scenario_dir / f"dtfm-case{case}.yaml")
         res = plan(sc, "dtfm", seed=seed, time_budget=budget)
         rnd, rnd_s = random_best(sc, "dtfm", n_random, seed)
         rng = np.random.default_rng(seed + 100 + case)
-        # Hash equality needs the same amount of search: a fixed number of generations, not a clock.
-        fixed = {"seed": seed, "generations": 3, "patience": None, "time_budget": 600.0}
-        reference_hash = plan(sc, "dtfm", **fixed).digest
+        reference_hash = fixed_plan(sc).digest
         same_ids, relabelled = [], []
         for _ in range(shuffles):
-            r = plan(shuffled(sc, rng, relabel=False), "dtfm", **fixed)
+            r = fixed_plan(shuffled(sc, rng, relabel=False))
             same_ids.append((r.digest == reference_hash, r.total))
             r = plan(shuffled(sc, rng, relabel=True), "dtfm", seed=seed, time_budget=budget)
             relabelled.append(r.total)
@@ -154,11 +163,13 @@ def bench_peerd_objective(scenario_dir: Path, seed: int, budget: float) -> dict:
     sc = load_scenario(scenario_dir / "mixed-gpus.yaml")
     res = plan(sc, "peerd", seed=seed, time_budget=budget)
     problem = Problem(sc)
-    obj = make_objective(problem, res.shape, "peerd")
+    obj = PeerdObjective(problem, res.shape)
+    layers = res.allocation.layers
+    assert layers is not None, "the peerd objective always chooses a layer split"
     stages = []
     for k, stage in enumerate(res.allocation.stages):
         idx = [problem.index[d] for d in stage]
-        n_layers = res.allocation.layers[k]
+        n_layers = layers[k]
         need = n_layers * (obj.layer_static + obj.inflight[k] * obj.layer_act)
         stages.append(
             {
@@ -173,12 +184,11 @@ def bench_peerd_objective(scenario_dir: Path, seed: int, budget: float) -> dict:
     memory_ok = all(s["memory_needed_gb"] <= s["smallest_memory_gb"] for s in stages)
     even = dataclasses.replace(sc, devices=[dataclasses.replace(d, tflops=100.0) for d in sc.devices])
     res_even = plan(even, "peerd", seed=seed, time_budget=budget)
-    slow = _slow_peer_scenario()
-    res_slow = plan(slow, "peerd", seed=seed, time_budget=budget)
+    res_slow = plan(_slow_peer_scenario(), "peerd", seed=seed, time_budget=budget)
     # Same objective, but every device must hold a tasklet (9 = 9 x 1 or 3 x 3).
     everyone = [
         plan(
-            dataclasses.replace(slow, training=dataclasses.replace(slow.training, d_pp=pp, d_dp=dp)),
+            _slow_peer_scenario(d_pp=pp, d_dp=dp),
             "peerd",
             seed=seed,
             time_budget=budget,
@@ -210,8 +220,8 @@ def bench_peerd_objective(scenario_dir: Path, seed: int, budget: float) -> dict:
     }
 
 
-def _slow_peer_scenario() -> Scenario:
-    """Eight well-connected GPUs and one behind a 20 Mbit/s uplink; d_pp and d_dp auto."""
+def _slow_peer_scenario(d_pp: int | Auto = "auto", d_dp: int | Auto = "auto") -> Scenario:
+    """Eight well-connected GPUs and one behind a 20 Mbit/s uplink; d_pp and d_dp auto by default."""
     devices = [Device(id=f"gpu{i}", region="dc", tflops=100.0, memory_gb=40.0) for i in range(8)]
     devices.append(Device(id="slow", region="home", tflops=100.0, memory_gb=40.0))
     return Scenario(
@@ -223,7 +233,7 @@ def _slow_peer_scenario() -> Scenario:
         ),
         devices=devices,
         model=ModelSpec(layers=24, hidden=2048, seq=1024, params=1.3e9),
-        training=TrainingSpec(global_batch=72, micro_batch=1),
+        training=TrainingSpec(global_batch=72, micro_batch=1, d_pp=d_pp, d_dp=d_dp),
     )
 
 
@@ -244,12 +254,21 @@ def _slow_peer_scenario() -> Scenario:
     help="Folder holding dtfm-case*.yaml and mixed-gpus.yaml.",
 )
 @click.option("--out", type=click.Path(dir_okay=False), default=None, help="Also write the JSON here.")
-def command(budget, n_random, shuffles, sizes, seed, quick, scenarios, out) -> None:
+def command(
+    budget: float,
+    n_random: int,
+    shuffles: int,
+    sizes: str,
+    seed: int,
+    quick: bool,
+    scenarios: Path,
+    out: str | None,
+) -> None:
     """Allocation search vs the DT-FM reference, random search and a greedy baseline (JSON)."""
     if quick:
         budget, n_random, shuffles = budget / 2, n_random // 10, 1
     started = time.perf_counter()
-    result = {
+    result: dict[str, object] = {
         "dtfm_cases": bench_dtfm_cases(scenarios, budget, n_random, shuffles, seed),
         "random_clusters": bench_random_clusters([int(s) for s in sizes.split(",") if s], seed, quick),
         "peerd_objective": bench_peerd_objective(scenarios, seed, budget),
