@@ -2,19 +2,32 @@
 
 Part 1 (``training``): a 2-stage x 2-replica GPT job, one OS process per peer (each its own
 p2pd), links between pipeline neighbours shaped to each ``--links`` setting (replica-group
-links unshaped, as within a site). Per link setting it runs the job uncompressed and with
-every ``--codecs`` setting on the same processes, and reports steady-state tokens/s (after
-``--warmup`` steps, one epoch by default, so AC-SGD sends deltas, not first-visit seeds),
-the speed-up over uncompressed, the final loss, and bytes on the wire per step per boundary
-by direction. Part 2 (``stream``): activation messages through the pipeline stream
-(StreamSender -> StreamReceiver, acks, validation, decode) vs a raw hivemind binary stream
-carrying the same bytes, alternating runs, medians and their ratio (target >= 0.8).
+links unshaped, as within a site). Per schedule and link setting it runs the job uncompressed
+and with every ``--codecs`` setting on the same processes (same model, data, steps and seed:
+only the codecs differ), and reports steady-state tokens/s (after ``--warmup`` steps, one
+epoch, so AC-SGD sends deltas, not first-visit seeds), the speed-up over uncompressed, the
+final loss, and bytes on the wire per step per boundary by direction. Part 2 (``stream``):
+activation messages through the pipeline stream (StreamSender -> StreamReceiver, acks,
+validation, decode) vs a raw hivemind binary stream of the same bytes, alternating runs,
+medians and their ratio (target >= 0.8).
 
-Default model: a GPT with 2 blocks, d_model 64, 256-token sequences, global batch 64 in
-micro-batches of 8. Its activations are 4 MiB per step and boundary in each direction: a
-20 Mbit/s link needs ~1.7 s for them, while the compute floor of 4 peer processes sharing 2
-CPU cores is ~0.4 s per step. Wider models are compute-bound on such CPUs already at
-100 Mbit/s (the GPUs of the AC-SGD paper compute ~1000x faster); ``--d-model`` etc. change it.
+Which regime the default job is in, and why (the AC-SGD paper's claim is about
+communication-bound training: uncompressed GPT2-XL at 100 Mbit/s ran ~5x below its
+compute-bound speed). A token crossing a boundary is ``4 * d_model`` bytes each way, 0.32 us
+per channel at 100 Mbit/s; computing it costs ~72 d_model^2 FLOP per block plus attention
+(~12 seq_len d_model) and the vocab-256 head, i.e. compute grows with d_model^2 and seq_len,
+bytes only with d_model. Measured on these 2 cores (one thread per stage, both stages, fwd +
+bwd): d_model 64 costs 21 us per token at seq_len 256 but 15 us at 32, d_model 128 41 us,
+against 20.5 us of link time per direction at 100 Mbit/s; and the 4 peer processes share 2
+cores, so each replica's two stages get about one core. The default is therefore the most
+communication-heavy model that is still a transformer worth the name: 2 blocks, d_model 64,
+32-token sequences (attention's seq_len term was 40 % of the FLOPs at 256 and carries no
+bytes), 16384 tokens per step in 8 micro-batches per replica (a small pipeline bubble). Even
+so, on 2 CPU cores 100 Mbit/s is only ~1.4x link-bound per direction; with GPipe (the AC-SGD
+paper's schedule: all forwards, then all backwards, so the two directions do not overlap)
+~2.8x; 1F1B overlaps them. 20 Mbit/s is where these cores sit in the paper's regime. The
+JSON reports the measured ratio of fp32 link time to compute time per link (``regime``),
+so each speed-up can be read against how communication-bound its baseline really was.
 
 Run as a module (``python -m peerd.bench.pipeline``) this file is the peer process.
 """
@@ -29,27 +42,21 @@ from dataclasses import replace
 from typing import Any
 
 import click
-import torch
 
 from peerd.averaging import GroupAllReduce
 from peerd.bench import emit_json
-from peerd.bench.transport import RAW_PROTOCOL, raw_handler, raw_run
+from peerd.bench.transport import pipeline_stream
 from peerd.data.config import DataConfig
-from peerd.pipeline.codec import CompressionConfig, RawDecoder
+from peerd.pipeline.codec import CompressionConfig
 from peerd.pipeline.config import ModelSpec, TrainConfig
-from peerd.pipeline.frames import KIND_ACT, Expectation, TensorMessage, raw_payload
 from peerd.pipeline.launch import Allocation, RunResult
 from peerd.pipeline.processes import PeerProcesses, child_main
-from peerd.pipeline.sender import StreamSender
+from peerd.pipeline.schedule import available_schedules
 from peerd.pipeline.streams import (
-    Inbox,
     StreamConfig,
-    StreamReceiver,
-    StreamStats,
-    stage_protocol,
 )
 from peerd.swarm.shaper import LinkSpec
-from peerd.swarm.transport import Transport, create_p2p
+from peerd.swarm.transport import Transport
 
 CODECS = {
     "none": CompressionConfig(),
@@ -86,7 +93,7 @@ def parse_links(text: str) -> list[tuple[str, LinkSpec]]:
     return out
 
 
-def job_config(args: dict[str, Any]) -> TrainConfig:
+def job_config(args: dict[str, Any], schedule: str = "gpipe") -> TrainConfig:
     per_epoch = args["warmup"]  # steps per epoch: the dataset holds exactly warmup global batches
     examples = per_epoch * args["global_batch"]
     return TrainConfig(
@@ -105,6 +112,7 @@ def job_config(args: dict[str, Any]) -> TrainConfig:
         global_batch=args["global_batch"],
         micro_batch_size=args["micro_batch"],
         steps=args["warmup"] + args["steps"],
+        schedule=schedule,
         lr=1e-3,
         streams=StreamConfig(recv_timeout_s=300, ack_timeout_s=300, stall_timeout_s=120),
         averaging_timeout_s=300,
@@ -154,37 +162,30 @@ def summarize(results: list[RunResult], cfg: TrainConfig, warmup: int) -> dict[s
 
 
 async def training(
-    args: dict[str, Any], links: list[tuple[str, LinkSpec]], codecs: list[str]
+    args: dict[str, Any], links: list[tuple[str, LinkSpec]], codecs: list[str], schedules: list[str]
 ) -> dict[str, Any]:
-    cfg = job_config(args)
+    cfg = job_config(args, schedules[0])
     allocation = Allocation.grid(2, 2)
-    rows: dict[str, Any] = {}
+    by_schedule: dict[str, Any] = {}
     procs = PeerProcesses(
         4, [sys.executable, "-m", "peerd.bench.pipeline"], threads=1, log_dir=args["log_dir"]
     )
     runs = 0
     try:
         await procs.start()
-        for name, spec in [("unshaped", None), *links]:
-            results: dict[str, list[RunResult]] = {}
-            for _ in range(args["train_repeats"]):  # codecs interleaved: noise hits them alike
-                for codec in codecs if spec is not None else ["none"]:
-                    runs += 1
-                    job = replace(cfg, job=f"bench-{runs}", compression=CODECS[codec])
-                    results.setdefault(codec, []).append(
-                        await procs.run(job, allocation, link=spec, timeout=900)
-                    )
-            row = {codec: summarize(rs, cfg, args["warmup"]) for codec, rs in results.items()}
-            base = row["none"].get("tokens_per_s")
-            for codec, r in row.items():
-                if codec != "none" and base and "tokens_per_s" in r:
-                    r["speedup_vs_none"] = round(r["tokens_per_s"] / base, 2)
-            rows[name] = row
-        ceiling = rows["unshaped"]["none"].get("tokens_per_s")
-        for row in rows.values():
-            for r in row.values():
-                if ceiling and "tokens_per_s" in r:
-                    r["fraction_of_unshaped"] = round(r["tokens_per_s"] / ceiling, 2)
+        for schedule in schedules:
+            rows: dict[str, Any] = {}
+            for name, spec in [("unshaped", None), *links]:
+                results: dict[str, list[RunResult]] = {}
+                for _ in range(args["train_repeats"]):  # codecs interleaved: noise hits them alike
+                    for codec in codecs if spec is not None else ["none"]:
+                        runs += 1
+                        job = replace(cfg, job=f"bench-{runs}", schedule=schedule, compression=CODECS[codec])
+                        results.setdefault(codec, []).append(
+                            await procs.run(job, allocation, link=spec, timeout=900)
+                        )
+                rows[name] = _row(results, cfg, args["warmup"])
+            by_schedule[schedule] = _with_regime(rows, cfg, links)
     finally:
         await procs.close()
     return {
@@ -193,114 +194,43 @@ async def training(
         "steps": {"warmup": args["warmup"], "measured": args["steps"], "repeats": args["train_repeats"]},
         "activation_bytes_per_step_fp32": cfg.global_batch * cfg.data.seq_len * cfg.model.gpt().d_model * 4,
         "shaped": "links between pipeline neighbours (stage 0 <-> stage 1 of each replica), both directions",
-        "by_link": rows,
+        "by_schedule": by_schedule,
     }
+
+
+def _row(results: dict[str, list[RunResult]], cfg: TrainConfig, warmup: int) -> dict[str, Any]:
+    row = {codec: summarize(rs, cfg, warmup) for codec, rs in results.items()}
+    base = row["none"].get("tokens_per_s")
+    for codec, r in row.items():
+        if codec != "none" and base and "tokens_per_s" in r:
+            r["speedup_vs_none"] = round(r["tokens_per_s"] / base, 2)
+    return row
+
+
+def _with_regime(rows: dict[str, Any], cfg: TrainConfig, links: list[tuple[str, LinkSpec]]) -> dict[str, Any]:
+    """Rows plus how link-bound each uncompressed run is: fp32 link time per step vs the unshaped step time."""
+    compute_s = rows["unshaped"]["none"].get("step_s_median")
+    ceiling = rows["unshaped"]["none"].get("tokens_per_s")
+    for row in rows.values():
+        for r in row.values():
+            if ceiling and "tokens_per_s" in r:
+                r["fraction_of_unshaped"] = round(r["tokens_per_s"] / ceiling, 2)
+    # one replica's boundary link, one direction: its share of the step's activations
+    per_link = cfg.global_batch // 2 * cfg.data.seq_len * cfg.model.gpt().d_model * 4
+    regime: dict[str, Any] = {"unshaped_step_s": compute_s}
+    for name, spec in links:
+        link_s = per_link * 8 / spec.bandwidth_bps if spec.bandwidth_bps else 0.0
+        regime[name] = {
+            "fp32_link_s_per_direction": round(link_s, 4),
+            "link_over_compute": round(link_s / compute_s, 2) if compute_s else None,
+        }
+    return {"regime": regime, "by_link": rows}
 
 
 def _stage_params(cfg: TrainConfig) -> list[int]:
     from peerd.models.costs import stage_costs
 
     return [c.params for c in stage_costs(cfg.model.gpt(), cfg.layers_per_stage, cfg.data.seq_len)]
-
-
-# ---------------------------------------------------------------- stream throughput
-
-
-class _StreamPair:
-    """A stage-0 sender and a stage-1 receiver on one persistent stream (as between two stage workers)."""
-
-    def __init__(self, client: Transport, server: Transport, tensor: torch.Tensor, count: int) -> None:
-        self.client, self.server, self.tensor, self.count = client, server, tensor, count
-        self.inbox, self.stats = Inbox(0), StreamStats()
-        self.config = StreamConfig(recv_timeout_s=120, ack_timeout_s=120)
-        self.protocol = stage_protocol("stream", 1)
-        self.payload = raw_payload(tensor)
-        self.receiver = StreamReceiver(
-            upstream=client.peer_id,
-            downstream=None,
-            expectations={KIND_ACT: self._expect},
-            decoders={KIND_ACT: RawDecoder()},
-            inbox=self.inbox,
-            stats=self.stats,
-            config=self.config,
-        )
-        self.sender = StreamSender(
-            client, server.peer_id, self.protocol, config=self.config, stats=StreamStats()
-        )
-
-    def _ids_of(self, step: int, mb: int) -> list[int] | None:
-        b = self.tensor.shape[0]
-        return list(range(mb * b, (mb + 1) * b)) if 0 <= mb < self.count else None
-
-    def _expect(self, step: int) -> Expectation:
-        row = tuple(self.tensor.shape[1:])
-        return Expectation("stream", KIND_ACT, 0, "none", "float32", row, (step, step + 1), self._ids_of)
-
-    async def start(self) -> None:
-        await self.receiver.serve(self.server, self.protocol)
-        await self.sender.start()
-
-    async def run(self, step: int) -> float:
-        """Seconds until ``count`` activation messages of step ``step`` are accepted by the receiver."""
-        self.inbox.advance(step)
-        started = time.perf_counter()
-        for mb in range(self.count):
-            ids = self._ids_of(step, mb)
-            assert ids is not None
-            shape = tuple(self.tensor.shape)
-            msg = TensorMessage(
-                KIND_ACT, "stream", step, mb, 0, tuple(ids), "none", shape, "float32", 0, self.payload.nbytes
-            )
-            await self.sender.send(msg, self.payload)
-        for mb in range(self.count):
-            await self.inbox.get(KIND_ACT, step, mb, 120)
-        elapsed = time.perf_counter() - started
-        await self.sender.flush()
-        return elapsed
-
-    async def close(self) -> None:
-        await self.sender.close()
-        await self.server.stop_serving(self.protocol)
-
-
-async def stream(total_mib: int, message_mib: float, repeats: int) -> dict[str, Any]:
-    rows = max(1, int(message_mib * (1 << 20)) // (256 * 512 * 4))
-    tensor = torch.randn(rows, 256, 512)  # (B, T, C) activations, fp32
-    count = max(1, (total_mib << 20) // (tensor.numel() * 4))
-    payloads = [raw_payload(tensor)] * count
-    total = count * tensor.numel() * 4
-    a = await create_p2p()
-    try:
-        b = await create_p2p(await a.get_visible_maddrs())
-        client, server = Transport(a), Transport(b)
-        try:
-            await b.add_binary_stream_handler(RAW_PROTOCOL, raw_handler)
-            pair = _StreamPair(client, server, tensor, count)
-            await pair.start()
-            await raw_run(a, b.peer_id, payloads[:2])  # warm-up: connection set-up in both daemons
-            await pair.run(0)
-            raw, pipe = [], []
-            for i in range(repeats):
-                raw.append(total * 8 / await raw_run(a, b.peer_id, payloads) / 1e9)
-                pipe.append(total * 8 / await pair.run(i + 1) / 1e9)
-            await pair.close()
-        finally:
-            await client.close()
-            await server.close()
-            await b.shutdown()
-    finally:
-        await a.shutdown()
-    raw_med, pipe_med = statistics.median(raw), statistics.median(pipe)
-    return {
-        "message_mib": round(tensor.numel() * 4 / (1 << 20), 3),
-        "messages": count,
-        "raw_gbps": [round(x, 3) for x in raw],
-        "pipeline_gbps": [round(x, 3) for x in pipe],
-        "raw_gbps_median": round(raw_med, 3),
-        "pipeline_gbps_median": round(pipe_med, 3),
-        "ratio_pipeline_over_raw": round(pipe_med / raw_med, 3),
-        "target_ratio": 0.8,
-    }
 
 
 @click.command("pipeline")
@@ -317,13 +247,19 @@ async def stream(total_mib: int, message_mib: float, repeats: int) -> dict[str, 
 @click.option(
     "--n-layer", default=2, show_default=True, help="Transformer blocks (split evenly over the 2 stages)."
 )
-@click.option("--seq-len", default=256, show_default=True)
-@click.option("--global-batch", default=64, show_default=True)
-@click.option("--micro-batch", default=8, show_default=True)
+@click.option("--seq-len", default=32, show_default=True)
+@click.option("--global-batch", default=512, show_default=True, help="Sequences per step (both replicas).")
+@click.option("--micro-batch", default=32, show_default=True)
 @click.option(
-    "--warmup", default=3, show_default=True, help="Unmeasured steps = one epoch (the dataset's size)."
+    "--schedules",
+    default="gpipe,1f1b",
+    show_default=True,
+    help="Micro-batch schedules to measure (each: every link and codec).",
 )
-@click.option("--steps", default=6, show_default=True, help="Measured steps per run.")
+@click.option(
+    "--warmup", default=2, show_default=True, help="Unmeasured steps = one epoch (the dataset's size)."
+)
+@click.option("--steps", default=5, show_default=True, help="Measured steps per run.")
 @click.option("--train-repeats", default=2, show_default=True, help="Runs per link and codec (interleaved).")
 @click.option("--stream-mib", default=128, show_default=True, help="Bytes per stream-throughput run.")
 @click.option(
@@ -349,12 +285,17 @@ def command(**args: Any) -> None:
         codecs.insert(0, "none")
     if args["warmup"] < 1 or args["steps"] < 1 or args["train_repeats"] < 1:
         raise click.BadParameter("--warmup, --steps and --train-repeats must be >= 1")
+    schedules = [x.strip() for x in args["schedules"].split(",") if x.strip()]
+    if not schedules or any(x not in available_schedules() for x in schedules):
+        raise click.BadParameter(f"--schedules: from {', '.join(available_schedules())}")
     result: dict[str, Any] = {"benchmark": "pipeline", "machine_cores": _cores()}
     started = time.perf_counter()
     if args["part"] in ("all", "training"):
-        result["training"] = asyncio.run(training(args, links, codecs))
+        result["training"] = asyncio.run(training(args, links, codecs, schedules))
     if args["part"] in ("all", "stream"):
-        result["stream"] = asyncio.run(stream(args["stream_mib"], args["message_mib"], args["repeats"]))
+        result["stream"] = asyncio.run(
+            pipeline_stream(args["stream_mib"], args["message_mib"], args["repeats"])
+        )
     result["wall_s"] = round(time.perf_counter() - started, 1)
     emit_json(result, args["out"])
 

@@ -6,7 +6,9 @@ and discards them and answers one byte. peerd: the same N bytes as frames of
 each ``--frame-mib`` size through ``Connection.send``; the handler ``recv``s every frame
 (materialised in one buffer, as a stage worker needs it) and answers one ack frame.
 Runs alternate (raw, peerd, raw, peerd, ...) so machine noise hits both; the report
-gives the median Gbit/s of each and their ratio (target >= 0.8).
+gives the median Gbit/s of each and their ratio (target >= 0.8). ``pipeline_stream`` (part 2
+of ``peerd bench pipeline``) measures the pipeline's reliable stream on top against the same
+raw baseline.
 """
 
 from __future__ import annotations
@@ -18,8 +20,13 @@ from collections.abc import Sequence
 from typing import Any
 
 import click
+import torch
 
 from peerd.bench import emit_json
+from peerd.pipeline.codec import RawDecoder
+from peerd.pipeline.frames import KIND_ACT, Expectation, TensorMessage, raw_payload
+from peerd.pipeline.sender import StreamSender
+from peerd.pipeline.streams import Inbox, StreamConfig, StreamReceiver, StreamStats, stage_protocol
 from peerd.swarm.transport import Connection, Transport, create_p2p
 
 RAW_PROTOCOL = "peerd-bench/raw/1"
@@ -137,6 +144,107 @@ async def _run(total_mib: int, frame_mibs: list[float], repeats: int) -> dict:
         "config": {"total_mib": total_mib, "repeats": repeats},
         "by_frame_size": rows,
         "min_ratio": min(r["ratio_transport_over_raw"] for r in rows),
+        "target_ratio": 0.8,
+    }
+
+
+# ---------------------------------------------------------------- the pipeline stream on top
+
+
+class _StreamPair:
+    """A stage-0 sender and a stage-1 receiver on one persistent stream (as between two stage workers)."""
+
+    def __init__(self, client: Transport, server: Transport, tensor: torch.Tensor, count: int) -> None:
+        self.client, self.server, self.tensor, self.count = client, server, tensor, count
+        self.inbox, self.stats = Inbox(0), StreamStats()
+        self.config = StreamConfig(recv_timeout_s=120, ack_timeout_s=120)
+        self.protocol = stage_protocol("stream", 1)
+        self.payload = raw_payload(tensor)
+        self.receiver = StreamReceiver(
+            upstream=client.peer_id,
+            downstream=None,
+            expectations={KIND_ACT: self._expect},
+            decoders={KIND_ACT: RawDecoder()},
+            inbox=self.inbox,
+            stats=self.stats,
+            config=self.config,
+        )
+        self.sender = StreamSender(
+            client, server.peer_id, self.protocol, config=self.config, stats=StreamStats()
+        )
+
+    def _ids_of(self, step: int, mb: int) -> list[int] | None:
+        b = self.tensor.shape[0]
+        return list(range(mb * b, (mb + 1) * b)) if 0 <= mb < self.count else None
+
+    def _expect(self, step: int) -> Expectation:
+        row = tuple(self.tensor.shape[1:])
+        return Expectation("stream", KIND_ACT, 0, "none", "float32", row, (step, step + 1), self._ids_of)
+
+    async def start(self) -> None:
+        await self.receiver.serve(self.server, self.protocol)
+        await self.sender.start()
+
+    async def run(self, step: int) -> float:
+        """Seconds until ``count`` activation messages of step ``step`` are accepted by the receiver."""
+        self.inbox.advance(step)
+        started = time.perf_counter()
+        for mb in range(self.count):
+            ids = self._ids_of(step, mb)
+            assert ids is not None
+            shape = tuple(self.tensor.shape)
+            msg = TensorMessage(
+                KIND_ACT, "stream", step, mb, 0, tuple(ids), "none", shape, "float32", 0, self.payload.nbytes
+            )
+            await self.sender.send(msg, self.payload)
+        for mb in range(self.count):
+            await self.inbox.get(KIND_ACT, step, mb, 120)
+        elapsed = time.perf_counter() - started
+        await self.sender.flush()
+        return elapsed
+
+    async def close(self) -> None:
+        await self.sender.close()
+        await self.server.stop_serving(self.protocol)
+
+
+async def pipeline_stream(total_mib: int, message_mib: float, repeats: int) -> dict[str, Any]:
+    """Activation messages through StreamSender -> StreamReceiver vs raw_run of the same bytes (``peerd bench pipeline``)."""
+    rows = max(1, int(message_mib * (1 << 20)) // (256 * 512 * 4))
+    tensor = torch.randn(rows, 256, 512)  # (B, T, C) activations, fp32
+    count = max(1, (total_mib << 20) // (tensor.numel() * 4))
+    payloads = [raw_payload(tensor)] * count
+    total = count * tensor.numel() * 4
+    a = await create_p2p()
+    try:
+        b = await create_p2p(await a.get_visible_maddrs())
+        client, server = Transport(a), Transport(b)
+        try:
+            await b.add_binary_stream_handler(RAW_PROTOCOL, raw_handler)
+            pair = _StreamPair(client, server, tensor, count)
+            await pair.start()
+            await raw_run(a, b.peer_id, payloads[:2])  # warm-up: connection set-up in both daemons
+            await pair.run(0)
+            raw, pipe = [], []
+            for i in range(repeats):
+                raw.append(total * 8 / await raw_run(a, b.peer_id, payloads) / 1e9)
+                pipe.append(total * 8 / await pair.run(i + 1) / 1e9)
+            await pair.close()
+        finally:
+            await client.close()
+            await server.close()
+            await b.shutdown()
+    finally:
+        await a.shutdown()
+    raw_med, pipe_med = statistics.median(raw), statistics.median(pipe)
+    return {
+        "message_mib": round(tensor.numel() * 4 / (1 << 20), 3),
+        "messages": count,
+        "raw_gbps": [round(x, 3) for x in raw],
+        "pipeline_gbps": [round(x, 3) for x in pipe],
+        "raw_gbps_median": round(raw_med, 3),
+        "pipeline_gbps_median": round(pipe_med, 3),
+        "ratio_pipeline_over_raw": round(pipe_med / raw_med, 3),
         "target_ratio": 0.8,
     }
 

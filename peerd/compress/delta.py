@@ -80,6 +80,20 @@ def _check_groups(store: BufferStore, quant: QuantConfig) -> None:
         )
 
 
+def _stacked(views: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """(n, *S) float32 copy of ``views`` on ``device``: one stack instead of n conversions."""
+    return torch.stack(views).to(device=device, dtype=torch.float32)
+
+
+def _write(views: list[torch.Tensor], rows: torch.Tensor) -> None:
+    """views[i] <- rows[i], rounding to the storage dtype (the same rounding on both sides)."""
+    if rows.device == views[0].device:
+        torch._foreach_copy_(views, list(rows.unbind(0)))  # one dispatch for all rows
+    else:
+        for v, row in zip(views, rows.unbind(0), strict=True):
+            v.copy_(row)
+
+
 def _update_rows(
     store: BufferStore,
     ids: Sequence[int],
@@ -89,25 +103,23 @@ def _update_rows(
     work: Workspace,
     out: torch.Tensor | None = None,
 ) -> None:
-    """m(id) += k_row * s for each row (identical arithmetic on both sides); new m copied into ``out``."""
+    """m(id) += k_row * s for all rows at once (identical arithmetic on both sides); new m copied into ``out``.
+
+    Element-wise, the same as row by row: channel scales are shared by every row, and groups
+    never straddle examples (``_check_groups``), so one batched dequantize is exact.
+    """
     per = store.example_numel
     n = per * len(ids)
     # Levels as float32 once: a mixed int8 x float addcmul_ would cast per call into a fresh temporary.
     kf = work.get("levels_f32", n, torch.float32, k.device)
     kf.copy_(k[:n])
-    for r, ex in enumerate(ids):
-        m = store.get(ex)
-        cur = m.to(device=k.device, dtype=torch.float32)  # the buffer itself on CPU float32
-        s = (
-            scales
-            if quant.layout == "channel"
-            else scales[r * per // quant.group_size : (r + 1) * per // quant.group_size]
-        )
-        dequantize_into(cur, kf[r * per : (r + 1) * per], s, quant, add=1.0)
-        if cur is not m:
-            m.copy_(cur)  # rounds to the storage dtype, the same way on both sides
-        if out is not None:
-            out[r].copy_(m)
+    views = [store.get(ex) for ex in ids]
+    cur = _stacked(views, k.device)  # (n, *S) float32
+    dequantize_into(cur, kf, scales, quant, add=1.0)
+    _write(views, cur)
+    if out is not None:
+        # what the store now holds (its dtype's rounding of cur), as float32
+        out.copy_(cur if views[0].dtype == torch.float32 else torch.stack(views))
 
 
 class _BoundarySide:
@@ -191,8 +203,7 @@ class DeltaEncoder(_BoundarySide):
             frames.append(data)
         # 2. commit: both sides apply exactly these updates
         if seed is not None:
-            for j, r in enumerate(seed_rows):
-                store.slot(ids[r]).copy_(seed[j])
+            _write([store.slot(ids[r]) for r in seed_rows], seed)
         if pending is not None:
             k = self.delta_codec.levels(pending)
             rows = [ids[r] for r in delta_rows]
@@ -210,9 +221,8 @@ class DeltaEncoder(_BoundarySide):
         for d in shape:
             n *= d
         delta = self.delta_codec.work.get("mat", n, torch.float32, acts.device).view(shape)
-        for j, r in enumerate(rows):
-            m = self.store.get(ids[r]).to(device=acts.device, dtype=torch.float32)
-            torch.sub(acts[r], m, out=delta[j])
+        m = _stacked([self.store.get(ids[r]) for r in rows], acts.device)  # (n, *S)
+        torch.sub(acts[rows] if len(rows) < len(ids) else acts, m, out=delta)
         q = self.delta_codec.quantize(delta, inplace=True)
         return self.delta_codec.frame(q, acts.dtype, codec=wire.CODEC_DELTA, ids=[ids[r] for r in rows]), q
 
@@ -271,10 +281,11 @@ class DeltaDecoder(_BoundarySide):
         for f, values in plain:
             rows = [pos[i] for i in f.header.ids]
             if f.header.seed:
-                for j, ex in enumerate(f.header.ids):
-                    m = store.slot(ex)
-                    m.copy_(values[j])
-                    out[rows[j]].copy_(m)
+                views = [store.slot(ex) for ex in f.header.ids]
+                _write(views, values)
+                # the stage runs on what the store holds (the storage dtype's rounding of the seed)
+                same = views[0].dtype == torch.float32 and views[0].device == values.device
+                out[rows] = values if same else _stacked(views, out.device)
             else:
                 out[rows] = values
         for f, k in deltas:
