@@ -343,7 +343,7 @@ class JobPlanner:
             await self._put(roster_key(job, msg.epoch), encode(msg), end)
         elif action.kind == "candidate":
             await self._put(candidates_key(job, msg.epoch), encode(msg), end)
-        else:
+        elif isinstance(msg, Vote):
             mine = self._my_votes.setdefault(msg.epoch, [])
             raw = encode(msg)
             mine.append(raw)

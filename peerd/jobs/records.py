@@ -273,7 +273,7 @@ class _Fields:
             raise self.bad(key, "missing")
         return value
 
-    def str(self, key: str, max_chars: int = 128, optional: bool = False) -> str:
+    def text(self, key: str, max_chars: int = 128, optional: bool = False) -> str:
         value = self.get(key, optional)
         if value is None:
             return ""
@@ -281,13 +281,13 @@ class _Fields:
             raise self.bad(key, f"expected a string of at most {max_chars} characters")
         return value
 
-    def int(self, key: str) -> int:
+    def count(self, key: str) -> int:
         value = self.get(key)
         if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 2**63:
             raise self.bad(key, f"expected a non-negative integer, got {value!r}")
         return value
 
-    def float(self, key: str, optional: bool = False, positive: bool = False) -> float | None:
+    def opt_real(self, key: str, optional: bool = False, positive: bool = False) -> float | None:
         value = self.get(key, optional)
         if value is None:
             return None
@@ -298,25 +298,25 @@ class _Fields:
             raise self.bad(key, f"expected a finite number {'> 0' if positive else '>= 0'}, got {value!r}")
         return value
 
-    def num(self, key: str, positive: bool = False) -> float:
-        value = self.float(key, positive=positive)
+    def real(self, key: str, positive: bool = False) -> float:
+        value = self.opt_real(key, positive=positive)
         assert value is not None
         return value
 
     def peer(self, key: str) -> str:
-        value = self.str(key)
+        value = self.text(key)
         if not _BASE58_RE.fullmatch(value):
             raise self.bad(key, f"{value!r} is not a base58 libp2p peer id")
         return value
 
     def job_id(self, key: str = "job_id") -> str:
-        value = self.str(key)
+        value = self.text(key)
         if not _JOB_ID_RE.fullmatch(value):
             raise self.bad(key, f"{value!r} is not a job id (32 lowercase hex digits)")
         return value
 
     def enum(self, cls: type[StrEnum], key: str) -> Any:
-        value = self.str(key, max_chars=32)
+        value = self.text(key, max_chars=32)
         try:
             return cls(value)
         except ValueError:
@@ -327,9 +327,9 @@ class _Fields:
 
 
 def _timing(f: _Fields) -> ConsensusTiming:
-    values = {name: f.num(name) for name in TIMING_FIELDS}
+    values = {name: f.real(name) for name in TIMING_FIELDS}
     try:
-        timing = ConsensusTiming(**values)  # type: ignore[arg-type]
+        timing = ConsensusTiming(**values)
         timing.validate()
         return timing
     except Exception as exc:  # ConsensusTiming.validate raises ConfigError naming the field
@@ -356,16 +356,16 @@ def decode_job(raw: bytes) -> JobRecord:
     rec = JobRecord(
         job_id=f.job_id(),
         owner=f.peer("owner"),
-        swarm=f.str("swarm", 64),
+        swarm=f.text("swarm", 64),
         nonce=nonce,
         spec=spec,
-        epoch0_start=planning.num("epoch0_start"),
+        epoch0_start=planning.real("epoch0_start"),
         timing=_timing(planning.sub("timing")),
-        created_at=f.num("created_at"),
+        created_at=f.real("created_at"),
         state=f.enum(JobState, "state"),
-        seq=f.int("seq"),
-        updated_at=f.num("updated_at"),
-        reason=f.str("reason", MAX_REASON_CHARS, optional=True),
+        seq=f.count("seq"),
+        updated_at=f.real("updated_at"),
+        reason=f.text("reason", MAX_REASON_CHARS, optional=True),
     )
     try:
         parse_job_spec(spec)
@@ -398,7 +398,7 @@ def decode_index(raw: bytes) -> JobIndex:
             raise f.bad(f"job_ids[{i}]", f"{job_id!r} is not a job id")
     if len(set(ids)) != len(ids):
         raise f.bad("job_ids", "lists a job id twice")
-    return JobIndex(owner=f.peer("owner"), job_ids=tuple(ids), updated_at=f.num("updated_at"))
+    return JobIndex(owner=f.peer("owner"), job_ids=tuple(ids), updated_at=f.real("updated_at"))
 
 
 def decode_progress(raw: bytes) -> Progress:
@@ -411,7 +411,7 @@ def decode_progress(raw: bytes) -> Progress:
     for kind in counters:
         if not _BYTES_KIND_RE.fullmatch(kind):
             raise f.bad("bytes", f"bad kind name {kind!r}")
-        sent[kind] = byte_fields.int(kind)
+        sent[kind] = byte_fields.count(kind)
     points = f.get("losses", optional=True) or []
     if not isinstance(points, list) or len(points) > MAX_LOSS_POINTS:
         raise f.bad("losses", f"expected a list of at most {MAX_LOSS_POINTS} [step, loss] pairs")
@@ -428,19 +428,19 @@ def decode_progress(raw: bytes) -> Progress:
     p = Progress(
         job_id=f.job_id(),
         peer=f.peer("peer"),
-        epoch=f.int("epoch"),
-        stage=f.int("stage"),
-        replica=f.int("replica"),
-        step=f.int("step"),
-        steps=f.int("steps"),
+        epoch=f.count("epoch"),
+        stage=f.count("stage"),
+        replica=f.count("replica"),
+        step=f.count("step"),
+        steps=f.count("steps"),
         state=f.enum(TaskState, "state"),
-        tokens_per_s=f.num("tokens_per_s"),
-        updated_at=f.num("updated_at"),
-        started_at=f.num("started_at"),
-        loss=f.float("loss", optional=True),
+        tokens_per_s=f.real("tokens_per_s"),
+        updated_at=f.real("updated_at"),
+        started_at=f.real("started_at"),
+        loss=f.opt_real("loss", optional=True),
         losses=tuple(losses),
         bytes=sent,
-        reason=f.str("reason", MAX_REASON_CHARS, optional=True),
+        reason=f.text("reason", MAX_REASON_CHARS, optional=True),
     )
     if p.step > p.steps:
         raise f.bad("step", f"{p.step} exceeds steps {p.steps}")

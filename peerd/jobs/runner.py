@@ -132,6 +132,7 @@ class TaskletRunner:
         self._boundary_raw = gpt.d_model * 4  # fp32 bytes per token crossing a stage boundary
         self._avg_raw_per_step = 0
         self._expires = 0.0
+        self._group: GroupAllReduce | None = None
 
     def _reducer(self) -> GroupAllReduce | None:
         group = self.allocation.stages[self.stage]
@@ -166,8 +167,8 @@ class TaskletRunner:
         try:
             self.worker = await asyncio.get_running_loop().run_in_executor(None, self._build_worker)
             await self.worker.start()  # serve the stage protocol ...
-            if self.worker.reducer is not None:
-                await self.worker.reducer.start()  # ... and the replica group's
+            if self._group is not None:
+                await self._group.start()  # ... and the replica group's
             await self._publish()  # step 0: "this tasklet serves" (the ready handshake)
             await self._wait_ready()
             await self.worker.connect()
@@ -224,7 +225,7 @@ class TaskletRunner:
             await asyncio.sleep(READY_POLL_S)
 
     def _build_worker(self) -> StageWorker:
-        reducer = self._reducer()
+        reducer = self._group = self._reducer()
         self._avg_raw_per_step = 0
         worker = StageWorker(
             self.cfg,
