@@ -108,6 +108,8 @@ def submit(spec_file: str, wait: bool, as_json: bool, config_file: str | None, *
     if as_json and not wait:
         click.echo(json.dumps(result, sort_keys=True))
         return
+    for warning in result.get("warnings") or []:
+        click.echo(f"warning: {warning}", err=True)
     if not as_json:
         click.echo(job_id)
     if wait:

@@ -35,7 +35,7 @@ from peerd.jobs.records import (
     encode_job,
     new_job_record,
 )
-from peerd.jobs.runner import TaskletRunner, tasklet_of
+from peerd.jobs.runner import TaskletRunner, tasklet_of, unsupported
 from peerd.jobs.scoring import job_model
 from peerd.jobs.spec import JobSpec, parse_job_spec
 from peerd.jobs.store import RecordStore
@@ -137,6 +137,9 @@ class JobManager:
         """Validate ``params["spec"]`` (a mapping), sign and publish it; returns the job id."""
         spec = parse_job_spec(params.get("spec"), source=str(params.get("source") or "spec"))
         job_model(spec)  # the planner can size it (ConfigError otherwise)
+        errors, warnings = unsupported(spec)
+        if errors:
+            raise errors[0]
         now = self.store.now()
         nonce = os.urandom(NONCE_BYTES)
         record = new_job_record(
@@ -163,6 +166,7 @@ class JobManager:
             "epoch0_start": record.epoch0_start,
             "owner": self.me,
             "name": spec.name,
+            "warnings": warnings,
         }
 
     async def cancel(self, params: dict[str, Any]) -> dict[str, Any]:

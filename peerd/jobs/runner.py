@@ -55,6 +55,29 @@ def tasklet_of(allocation: Allocation, peer: str) -> tuple[int, int] | None:
     return None
 
 
+def unsupported(spec: JobSpec) -> tuple[list[ConfigError], list[str]]:
+    """(errors, warnings) for running ``spec`` with the pipeline worker as it is today.
+
+    Errors: what the runner cannot do at all (a fine-tune from ``init_checkpoint``). Warnings:
+    settings it ignores, because the stage worker runs AdamW at a constant learning rate.
+    """
+    errors = []
+    if spec.kind == "finetune":
+        errors.append(
+            ConfigError("kind", "finetune jobs cannot run yet: the runner does not load init_checkpoint")
+        )
+    opt, warnings = spec.optimizer, []
+    if opt.name != "adamw":
+        warnings.append(f"optimizer.name {opt.name!r} (the stage worker uses AdamW)")
+    if opt.schedule != "constant" or opt.warmup_steps:
+        warnings.append("optimizer.schedule/warmup_steps (the learning rate stays at optimizer.lr)")
+    if opt.betas is not None:
+        warnings.append("optimizer.betas (AdamW defaults 0.9, 0.999)")
+    if opt.grad_clip is not None:
+        warnings.append("optimizer.grad_clip (no clipping)")
+    return errors, [f"ignored by the runner: {w}" for w in warnings]
+
+
 def train_config(
     job_id: str, spec: JobSpec, allocation: Allocation, checkpoint_root: Path | None
 ) -> TrainConfig:

@@ -163,3 +163,21 @@ def test_concurrent_discoveries_start_one_planner_per_job() -> None:
             await ms.close()
 
     asyncio.run(scenario())
+
+
+def test_submit_refuses_what_the_runner_cannot_run_and_warns_about_ignored_settings(tmp_path) -> None:
+    async def scenario() -> None:
+        ms = Managers([OWNER])
+        try:
+            ckpt = tmp_path / "init"
+            ckpt.mkdir()
+            finetune = {**to_mapping(DEMO), "kind": "finetune", "init_checkpoint": str(ckpt)}
+            with pytest.raises(Exception) as err:
+                await ms.by_peer[OWNER].submit({"spec": finetune})
+            assert "finetune" in str(err.value) and err.value.code == ErrorCode.CONFIG_INVALID
+            out = await ms.by_peer[OWNER].submit({"spec": to_mapping(DEMO)})
+            assert any("schedule" in w for w in out["warnings"])  # the demo asks for cosine + warm-up
+        finally:
+            await ms.close()
+
+    asyncio.run(scenario())
