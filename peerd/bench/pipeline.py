@@ -1,6 +1,6 @@
 """``peerd bench pipeline``: pipeline training throughput on shaped loopback links, uncompressed vs AC-SGD.
 
-Part 1 (``training``): a 2-stage x 2-replica GPT job, one OS process per peer (each its own
+Part 1 (``training``): a 2-stage x 2-replica GPT job (``--replicas``), one OS process per peer (each its own
 p2pd), links between pipeline neighbours shaped to each ``--links`` setting (replica-group
 links unshaped, as within a site). Per schedule and link setting it runs the job uncompressed
 and with every ``--codecs`` setting on the same processes (same model, data, steps and seed:
@@ -165,10 +165,11 @@ async def training(
     args: dict[str, Any], links: list[tuple[str, LinkSpec]], codecs: list[str], schedules: list[str]
 ) -> dict[str, Any]:
     cfg = job_config(args, schedules[0])
-    allocation = Allocation.grid(2, 2)
+    replicas = args["replicas"]
+    allocation = Allocation.grid(2, replicas)
     by_schedule: dict[str, Any] = {}
     procs = PeerProcesses(
-        4, [sys.executable, "-m", "peerd.bench.pipeline"], threads=1, log_dir=args["log_dir"]
+        2 * replicas, [sys.executable, "-m", "peerd.bench.pipeline"], threads=1, log_dir=args["log_dir"]
     )
     runs = 0
     try:
@@ -185,10 +186,11 @@ async def training(
                             await procs.run(job, allocation, link=spec, timeout=900)
                         )
                 rows[name] = _row(results, cfg, args["warmup"])
-            by_schedule[schedule] = _with_regime(rows, cfg, links)
+            by_schedule[schedule] = _with_regime(rows, cfg, links, replicas)
     finally:
         await procs.close()
     return {
+        "layout": f"2 stages x {replicas} replicas, {2 * replicas} peer processes on {_cores()} cores",
         "model": {**cfg.model.overrides, "params_per_stage": _stage_params(cfg)},
         "batch": {"global": cfg.global_batch, "micro": cfg.micro_batch_size, "seq_len": cfg.data.seq_len},
         "steps": {"warmup": args["warmup"], "measured": args["steps"], "repeats": args["train_repeats"]},
@@ -207,7 +209,9 @@ def _row(results: dict[str, list[RunResult]], cfg: TrainConfig, warmup: int) -> 
     return row
 
 
-def _with_regime(rows: dict[str, Any], cfg: TrainConfig, links: list[tuple[str, LinkSpec]]) -> dict[str, Any]:
+def _with_regime(
+    rows: dict[str, Any], cfg: TrainConfig, links: list[tuple[str, LinkSpec]], replicas: int
+) -> dict[str, Any]:
     """Rows plus how link-bound each uncompressed run is: fp32 link time per step vs the unshaped step time."""
     compute_s = rows["unshaped"]["none"].get("step_s_median")
     ceiling = rows["unshaped"]["none"].get("tokens_per_s")
@@ -216,7 +220,7 @@ def _with_regime(rows: dict[str, Any], cfg: TrainConfig, links: list[tuple[str, 
             if ceiling and "tokens_per_s" in r:
                 r["fraction_of_unshaped"] = round(r["tokens_per_s"] / ceiling, 2)
     # one replica's boundary link, one direction: its share of the step's activations
-    per_link = cfg.global_batch // 2 * cfg.data.seq_len * cfg.model.gpt().d_model * 4
+    per_link = cfg.global_batch // replicas * cfg.data.seq_len * cfg.model.gpt().d_model * 4
     regime: dict[str, Any] = {"unshaped_step_s": compute_s}
     for name, spec in links:
         link_s = per_link * 8 / spec.bandwidth_bps if spec.bandwidth_bps else 0.0
@@ -250,6 +254,13 @@ def _stage_params(cfg: TrainConfig) -> list[int]:
 @click.option("--seq-len", default=32, show_default=True)
 @click.option("--global-batch", default=512, show_default=True, help="Sequences per step (both replicas).")
 @click.option("--micro-batch", default=32, show_default=True)
+@click.option(
+    "--replicas",
+    default=2,
+    show_default=True,
+    type=click.IntRange(1, 4),
+    help="Replicas per stage (2 stages each); 1 gives each stage its own core on 2 cores.",
+)
 @click.option(
     "--schedules",
     default="gpipe,1f1b",

@@ -14,6 +14,7 @@ import torch
 from hivemind.p2p import P2P
 
 from peerd.averaging import GroupAllReduce, MemberMath, simulate
+from peerd.averaging import allreduce as allreduce_module
 from peerd.averaging.codec import build_codec, parse_compressor
 from peerd.averaging.messages import KIND_PART, AvgMessage
 from peerd.averaging.partition import flatten, layout_of
@@ -116,6 +117,21 @@ def test_uncompressed_mean_is_exact_and_identical_on_every_member(cluster: Clust
         assert ideal <= a.stats.bytes_sent <= 1.03 * ideal
         assert ideal <= a.stats.bytes_received <= 1.03 * ideal
         assert a.stats.steps == 2 and a.stats.failed == 0 and not a.stats.rejected
+
+
+@pytest.mark.parametrize("compressor", [None, "q8"])
+def test_large_gradients_take_the_worker_thread_path_with_the_same_result(
+    cluster: Cluster, monkeypatch, compressor: str | None
+):
+    inputs = [[grads(70 + 10 * s + r) for r in range(3)] for s in range(2)]
+    results = {}
+    for inline in (True, False):  # the same arithmetic on the loop and in worker threads
+        monkeypatch.setattr(allreduce_module, "INLINE_NUMEL", 1 << 30 if inline else 0)
+        avgs = make_group(cluster, 3, f"path-{inline}-{compressor}", timeout=10, compressor=compressor)
+        results[inline] = cluster.run(steps(avgs, inputs))
+    for a, b in zip(results[True], results[False], strict=True):
+        for out_a, out_b in zip(a, b, strict=True):
+            assert all(torch.equal(x, y) for x, y in zip(out_a, out_b, strict=True))
 
 
 @pytest.mark.parametrize(("size", "compressor", "bits"), [(3, "q8", 8), (4, "q4", 4)])
