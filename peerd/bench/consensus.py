@@ -110,7 +110,13 @@ def _latency(n: int, root: Path, skew: float, budget: float, timeout: float) -> 
         after_close = [p["committed_at"] - p["roster_closed_at"] for p in done]
         after_votes = [p["committed_at"] - p["votes_opened_at"] for p in done]
         hashes = {p["commit"]["allocation_hash"] for p in done}
-        islands = [r["best_cost"] for p in done for r in p["islands"] if r.get("best_cost") is not None]
+        epoch = done[0]["commit"]["epoch"]
+        islands = [
+            r["best_cost"]
+            for p in done
+            for r in p["islands"]
+            if r["epoch"] == epoch and r.get("best_cost") is not None
+        ]
         cost = done[0]["commit"]["cost"]
         out.update(
             same_allocation=len(hashes) == 1,
