@@ -11,23 +11,27 @@ activation messages through the pipeline stream (StreamSender -> StreamReceiver,
 validation, decode) vs a raw hivemind binary stream of the same bytes, alternating runs,
 medians and their ratio (target >= 0.8).
 
-Which regime the default job is in, and why (the AC-SGD paper's claim is about
-communication-bound training: uncompressed GPT2-XL at 100 Mbit/s ran ~5x below its
-compute-bound speed). A token crossing a boundary is ``4 * d_model`` bytes each way, 0.32 us
-per channel at 100 Mbit/s; computing it costs ~72 d_model^2 FLOP per block plus attention
-(~12 seq_len d_model) and the vocab-256 head, i.e. compute grows with d_model^2 and seq_len,
-bytes only with d_model. Measured on these 2 cores (one thread per stage, both stages, fwd +
-bwd): d_model 64 costs 21 us per token at seq_len 256 but 15 us at 32, d_model 128 41 us,
-against 20.5 us of link time per direction at 100 Mbit/s; and the 4 peer processes share 2
-cores, so each replica's two stages get about one core. The default is therefore the most
-communication-heavy model that is still a transformer worth the name: 2 blocks, d_model 64,
-32-token sequences (attention's seq_len term was 40 % of the FLOPs at 256 and carries no
-bytes), 16384 tokens per step in 8 micro-batches per replica (a small pipeline bubble). Even
-so, on 2 CPU cores 100 Mbit/s is only ~1.4x link-bound per direction; with GPipe (the AC-SGD
-paper's schedule: all forwards, then all backwards, so the two directions do not overlap)
-~2.8x; 1F1B overlaps them. 20 Mbit/s is where these cores sit in the paper's regime. The
-JSON reports the measured ratio of fp32 link time to compute time per link (``regime``),
-so each speed-up can be read against how communication-bound its baseline really was.
+Which regime the default job is in, and why. The AC-SGD paper's speed-ups are claims about
+communication-bound training (third-party GPT2-XL numbers: uncompressed at 100 Mbit/s ran
+~4-6x below the compressed run's compute-bound speed). A token crossing a boundary is
+``4 * d_model`` bytes each way, 0.32 us per channel at 100 Mbit/s; computing it costs ~72
+d_model^2 FLOP per block plus attention (~12 seq_len d_model) plus the vocab-256 head: compute
+grows with d_model^2 and seq_len, bytes only with d_model. Measured on these 2 cores (one
+thread, both stages, forward + backward): d_model 64 costs 21 us per token at seq_len 256 and
+15 us at 32, d_model 128 41 us, d_model 32 6 us, against 20.5 us (d_model 64) of link time
+per direction at 100 Mbit/s; the 4 peer processes share the 2 cores, so each replica's two
+stages get about one. The default job is therefore the most communication-heavy model that is
+still a transformer worth the name: 2 blocks, d_model 64 and 32-token sequences (attention's
+seq_len term was 40 % of the FLOPs at 256 and carries no bytes), 16384 tokens per step in 8
+micro-batches per replica (a small pipeline bubble), with GPipe, the paper's schedule (all
+forwards, then all backwards). Even so, 2 stages x 2 replicas on 2 shared CPU cores at 100
+Mbit/s are only about as link-bound as compute-bound (``regime.link_over_compute`` ~0.6:
+fp32 link time per direction over the unshaped step time), so expect ~1.5x there; 20 Mbit/s
+is where these cores sit in the paper's regime (ratio ~3), and ``--replicas 1`` (a core per
+stage) makes 100 Mbit/s ~2x link-bound. ``--schedules 1f1b`` overlaps the two link
+directions (a faster uncompressed baseline on delay-free links) but keeps only 2 micro-batches
+in flight, so a 25 ms link makes it latency-bound, compressed or not. The compared runs
+differ only in their codecs: same model, data, steps, seed and schedule.
 
 Run as a module (``python -m peerd.bench.pipeline``) this file is the peer process.
 """
@@ -196,6 +200,12 @@ async def training(
         "steps": {"warmup": args["warmup"], "measured": args["steps"], "repeats": args["train_repeats"]},
         "activation_bytes_per_step_fp32": cfg.global_batch * cfg.data.seq_len * cfg.model.gpt().d_model * 4,
         "shaped": "links between pipeline neighbours (stage 0 <-> stage 1 of each replica), both directions",
+        "why_this_job": (
+            "communication-heavy on CPUs: a token is 4*d_model bytes each way but ~72*d_model^2 FLOP per "
+            "block, so a narrow model with short sequences maximises link time over compute; "
+            "regime.link_over_compute = fp32 link time per direction / unshaped step time says how "
+            "link-bound each uncompressed baseline is (the paper's 100 Mbit/s setting: ~4-6)"
+        ),
         "by_schedule": by_schedule,
     }
 
@@ -263,7 +273,7 @@ def _stage_params(cfg: TrainConfig) -> list[int]:
 )
 @click.option(
     "--schedules",
-    default="gpipe,1f1b",
+    default="gpipe",
     show_default=True,
     help="Micro-batch schedules to measure (each: every link and codec).",
 )
