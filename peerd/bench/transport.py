@@ -14,9 +14,10 @@ raw baseline.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import click
@@ -101,43 +102,50 @@ async def _framed_run(client: Transport, server_id, payload: memoryview, total: 
         await conn.close()
 
 
-async def _run(total_mib: int, frame_mibs: list[float], repeats: int) -> dict:
-    total = total_mib << 20
-    largest = memoryview(bytearray(b"\xa5" * int(max(frame_mibs) * (1 << 20))))
+@contextlib.asynccontextmanager
+async def _loopback_pair() -> AsyncIterator[tuple[Any, Any, Transport, Transport]]:
+    """Two p2pd daemons on loopback (``b`` bootstraps from ``a``) and a Transport on each; all closed after."""
     a = await create_p2p()
     try:
         b = await create_p2p(await a.get_visible_maddrs())
-        server, client = Transport(a), Transport(b)
+        ta, tb = Transport(a), Transport(b)
         try:
-            await a.add_binary_stream_handler(RAW_PROTOCOL, raw_handler)
-            await server.serve(FRAMED_PROTOCOL, _framed_handler)
-            # warm-up: first streams pay for connection set-up in both daemons
-            await raw_run(b, a.peer_id, repeated(largest, min(total, 16 << 20)))
-            await _framed_run(client, a.peer_id, largest, min(total, 16 << 20))
-            rows = []
-            for frame_mib in frame_mibs:
-                payload = largest[: int(frame_mib * (1 << 20))]
-                raw, framed = [], []
-                for _ in range(repeats):
-                    raw.append(total * 8 / await raw_run(b, a.peer_id, repeated(largest, total)) / 1e9)
-                    framed.append(total * 8 / await _framed_run(client, a.peer_id, payload, total) / 1e9)
-                raw_med, framed_med = statistics.median(raw), statistics.median(framed)
-                rows.append(
-                    {
-                        "frame_mib": frame_mib,
-                        "raw_gbps": [round(x, 3) for x in raw],
-                        "transport_gbps": [round(x, 3) for x in framed],
-                        "raw_gbps_median": round(raw_med, 3),
-                        "transport_gbps_median": round(framed_med, 3),
-                        "ratio_transport_over_raw": round(framed_med / raw_med, 3),
-                    }
-                )
+            yield a, b, ta, tb
         finally:
-            await client.close()
-            await server.close()
+            await tb.close()
+            await ta.close()
             await b.shutdown()
     finally:
         await a.shutdown()
+
+
+async def _run(total_mib: int, frame_mibs: list[float], repeats: int) -> dict:
+    total = total_mib << 20
+    largest = memoryview(bytearray(b"\xa5" * int(max(frame_mibs) * (1 << 20))))
+    async with _loopback_pair() as (a, b, server, client):
+        await a.add_binary_stream_handler(RAW_PROTOCOL, raw_handler)
+        await server.serve(FRAMED_PROTOCOL, _framed_handler)
+        # warm-up: first streams pay for connection set-up in both daemons
+        await raw_run(b, a.peer_id, repeated(largest, min(total, 16 << 20)))
+        await _framed_run(client, a.peer_id, largest, min(total, 16 << 20))
+        rows = []
+        for frame_mib in frame_mibs:
+            payload = largest[: int(frame_mib * (1 << 20))]
+            raw, framed = [], []
+            for _ in range(repeats):
+                raw.append(total * 8 / await raw_run(b, a.peer_id, repeated(largest, total)) / 1e9)
+                framed.append(total * 8 / await _framed_run(client, a.peer_id, payload, total) / 1e9)
+            raw_med, framed_med = statistics.median(raw), statistics.median(framed)
+            rows.append(
+                {
+                    "frame_mib": frame_mib,
+                    "raw_gbps": [round(x, 3) for x in raw],
+                    "transport_gbps": [round(x, 3) for x in framed],
+                    "raw_gbps_median": round(raw_med, 3),
+                    "transport_gbps_median": round(framed_med, 3),
+                    "ratio_transport_over_raw": round(framed_med / raw_med, 3),
+                }
+            )
     return {
         "benchmark": "transport",
         "what": "loopback throughput: peerd Transport frames vs raw hivemind binary stream, same bytes",
@@ -215,27 +223,17 @@ async def pipeline_stream(total_mib: int, message_mib: float, repeats: int) -> d
     count = max(1, (total_mib << 20) // (tensor.numel() * 4))
     payloads = [raw_payload(tensor)] * count
     total = count * tensor.numel() * 4
-    a = await create_p2p()
-    try:
-        b = await create_p2p(await a.get_visible_maddrs())
-        client, server = Transport(a), Transport(b)
-        try:
-            await b.add_binary_stream_handler(RAW_PROTOCOL, raw_handler)
-            pair = _StreamPair(client, server, tensor, count)
-            await pair.start()
-            await raw_run(a, b.peer_id, payloads[:2])  # warm-up: connection set-up in both daemons
-            await pair.run(0)
-            raw, pipe = [], []
-            for i in range(repeats):
-                raw.append(total * 8 / await raw_run(a, b.peer_id, payloads) / 1e9)
-                pipe.append(total * 8 / await pair.run(i + 1) / 1e9)
-            await pair.close()
-        finally:
-            await client.close()
-            await server.close()
-            await b.shutdown()
-    finally:
-        await a.shutdown()
+    async with _loopback_pair() as (a, b, client, server):
+        await b.add_binary_stream_handler(RAW_PROTOCOL, raw_handler)
+        pair = _StreamPair(client, server, tensor, count)
+        await pair.start()
+        await raw_run(a, b.peer_id, payloads[:2])  # warm-up: connection set-up in both daemons
+        await pair.run(0)
+        raw, pipe = [], []
+        for i in range(repeats):
+            raw.append(total * 8 / await raw_run(a, b.peer_id, payloads) / 1e9)
+            pipe.append(total * 8 / await pair.run(i + 1) / 1e9)
+        await pair.close()
     raw_med, pipe_med = statistics.median(raw), statistics.median(pipe)
     return {
         "message_mib": round(tensor.numel() * 4 / (1 << 20), 3),
