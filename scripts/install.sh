@@ -20,10 +20,12 @@ if ! "$VPY" -c "import torch" >/dev/null 2>&1; then
   elif command -v nvidia-smi >/dev/null 2>&1; then
     "$VPY" -m pip install -q torch
   else
-    # CPU-only machine: a wheel already on local disk (this machine kind ships torch 2.13.0 CPU),
-    # then the official CPU index; never the default CUDA build.
-    "$VPY" -m pip install -q --no-index torch==2.13.0 2>/dev/null \
-      || "$VPY" -m pip install -q torch --index-url https://download.pytorch.org/whl/cpu \
+    # CPU-only machine: never the default CUDA build. First a CPU wheel that pip's configured
+    # find-links/indexes already carry (some machines ship torch 2.13.0+cpu on local disk; the
+    # "+cpu" local version exists on no public index, so elsewhere this fails at once), then the
+    # official CPU index (failing fast where it is unreachable), then whatever pip resolves.
+    "$VPY" -m pip install -q "torch==2.13.0+cpu" 2>/dev/null \
+      || "$VPY" -m pip install -q --retries 1 --timeout 15 torch --index-url https://download.pytorch.org/whl/cpu \
       || "$VPY" -m pip install -q torch
   fi
 fi
