@@ -128,7 +128,7 @@ async def _run(total_mib: int, frame_mibs: list[float], repeats: int) -> dict:
         # warm-up: first streams pay for connection set-up in both daemons
         await raw_run(b, a.peer_id, repeated(largest, min(total, 16 << 20)))
         await _framed_run(client, a.peer_id, largest, min(total, 16 << 20))
-        rows = []
+        rows: list[dict[str, Any]] = []
         for frame_mib in frame_mibs:
             payload = largest[: int(frame_mib * (1 << 20))]
             raw, framed = [], []

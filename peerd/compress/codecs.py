@@ -35,7 +35,9 @@ class TensorCodec(ABC):
         computed without re-parsing; otherwise None.
         """
 
-    def decode(self, data: bytes | memoryview, device: torch.device | str | None = None) -> torch.Tensor:
+    def decode(
+        self, data: bytes | bytearray | memoryview, device: torch.device | str | None = None
+    ) -> torch.Tensor:
         return decode_frame(wire.parse_frame(data), device=device)
 
 

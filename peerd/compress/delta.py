@@ -235,7 +235,7 @@ class DeltaDecoder(_BoundarySide):
         self.device = torch.device(device)
         self.work = Workspace()
 
-    def decode(self, data: bytes | memoryview) -> tuple[torch.Tensor, tuple[int, ...]]:
+    def decode(self, data: bytes | bytearray | memoryview) -> tuple[torch.Tensor, tuple[int, ...]]:
         """The micro-batch the sender encoded, as reconstructed on this side, and its example ids."""
         ids, frames = wire.parse_packet(data)
         store = self.store

@@ -249,6 +249,8 @@ def parse_control(header: Mapping[str, Any]) -> Ack | Nack | Abort:
         return Ack(_int(header, "seq"))
     raw_code, text = header.get("code"), header.get("message", "")
     try:
+        if not isinstance(raw_code, int):
+            raise ValueError(raw_code)
         code = ErrorCode(raw_code)
     except ValueError:
         raise _bad(f"unknown error code {raw_code!r}") from None

@@ -291,7 +291,10 @@ class StreamReceiver:
                 self.stats.reject(exc.code)
                 logger.info("rejected a frame from %s: %s", conn.peer_id, exc)
                 seq = header.get("seq")
-                await conn.send(nack_header(seq if _is_seq(seq) else -1, exc.code, plain(exc)), timeout=5.0)
+                await conn.send(
+                    nack_header(seq if isinstance(seq, int) and _is_seq(seq) else -1, exc.code, plain(exc)),
+                    timeout=5.0,
+                )
 
     async def _aborted(self, conn: Connection, header: dict) -> None:
         try:
