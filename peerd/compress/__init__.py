@@ -2,8 +2,11 @@
 
 - ``make_codec(name, QuantConfig)``: stateless codecs by name (``fp32``/``fp16``/``bf16`` raw,
   ``q2``/``q3``/``q4``/``q8``/``uniform`` quantized); backward gradients use one directly.
-- ``DeltaEncoder`` / ``DeltaDecoder``: the two ends of one AC-SGD boundary (per-example buffers).
-- ``ErrorFeedbackCompressor``: ``compress(key, tensor) -> bytes`` for the averaging layer.
+- ``DeltaEncoder`` / ``DeltaDecoder``: the two ends of one AC-SGD boundary (per-example buffers,
+  ``state_dict``/``load_state_dict`` for checkpoints).
+- ``ErrorFeedbackCompressor``: ``compress(key, tensor) -> bytes`` / ``encode`` (bytes + what receivers
+  decode) with per-key residuals, applied at once or staged (``stage=True``, then ``commit``/``discard``:
+  the averaging layer's group steps).
 - ``LoopbackHook``: a boundary hook for in-process pipelines that goes through real bytes.
 Wire format: protocols/compressed-tensor.md.
 """
