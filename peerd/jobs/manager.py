@@ -125,6 +125,7 @@ class JobManager:
         self._index_stored_at = 0.0
         self._expiry: dict[str, float] = {}
         self._discovering = asyncio.Lock()
+        self.unusable: set[str] = set()  # jobs whose spec this peer cannot use (logged once)
         self._wake = asyncio.Event()
 
     @property
@@ -260,9 +261,12 @@ class JobManager:
                 continue
             entry = self.jobs.get(job_id)  # submit() may have added it meanwhile
             if entry is None:
+                if job_id in self.unusable:
+                    continue
                 try:
                     spec = record.job_spec()
                 except ConfigError as exc:
+                    self.unusable.add(job_id)
                     logger.warning("job %s has a spec this peer cannot use: %s", job_id, exc)
                     continue
                 self.jobs[job_id] = JobEntry(record, spec)

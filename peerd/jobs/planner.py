@@ -151,7 +151,15 @@ class JobPlanner:
     async def run(self) -> None:
         try:
             while True:
-                await self.poll_once()
+                try:
+                    await self.poll_once()
+                except asyncio.CancelledError:
+                    raise
+                except Exception:
+                    # a bug must not end planning: the message that hit it is marked fed and not retried
+                    self.stats["poll_failed"] += 1
+                    if self.stats["poll_failed"] <= 3:
+                        logger.exception("job %s: a planning poll failed", self.job.job_id)
                 await asyncio.sleep(self.config.poll_s)
         finally:
             self.close()
