@@ -1,6 +1,7 @@
 """The v1 job records in the DHT — job, job index, progress — with their canonical msgpack codec.
 
-Spec and byte-exact vectors: ``protocols/jobs.md``, ``protocols/vectors/jobs/``. Pure: no
+Spec and byte-exact vectors: ``protocols/jobs.md``, ``protocols/vectors/jobs/`` (field readers:
+``jobs.wire``). Pure: no
 hivemind, no clocks. A job record is written only by its owner (under the owner's subkey of
 ``job_key(id)``); its id is the hash of its immutable part (owner, normalized spec, nonce,
 planning terms), so a reader can check that a record really is the job it claims to be and
@@ -20,6 +21,7 @@ from typing import Any
 from peerd.errors import ErrorCode, ProtocolError
 from peerd.jobs.spec import JobSpec, JobSpecError, parse_job_spec
 from peerd.jobs.spec_collect import bare_message
+from peerd.jobs.wire import JOB_ID_RE, Fields
 from peerd.loading import to_mapping
 from peerd.sched.consensus_config import ConsensusTiming
 from peerd.swarm.records import PROTOCOL_VERSION, canonical_packb, check_header, unpack_map
@@ -44,8 +46,6 @@ TIMING_FIELDS = (
     "max_skew_s",
     "publish_interval_s",
 )
-_BASE58_RE = re.compile(r"^[1-9A-HJ-NP-Za-km-z]{16,128}$")
-_JOB_ID_RE = re.compile(r"^[0-9a-f]{32}$")
 _BYTES_KIND_RE = re.compile(r"^[a-z0-9_]{1,32}$")
 
 
@@ -256,77 +256,7 @@ def encode_progress(p: Progress) -> bytes:
 # ---------------------------------------------------------------- decoding
 
 
-class _Fields:
-    """Typed reads of one decoded map; errors are MALFORMED and name the dotted field."""
-
-    def __init__(self, m: Any, what: str, where: str = "") -> None:
-        if not isinstance(m, dict) or not all(isinstance(k, str) for k in m):
-            raise ProtocolError(f"{what}: {where or 'top level'}: expected a map with string keys")
-        self.m, self.what, self.where = m, what, where
-
-    def bad(self, key: str, why: str) -> ProtocolError:
-        return ProtocolError(f"{self.what}: {self.where}{key}: {why}")
-
-    def get(self, key: str, optional: bool = False) -> Any:
-        value = self.m.get(key)
-        if value is None and not optional:
-            raise self.bad(key, "missing")
-        return value
-
-    def text(self, key: str, max_chars: int = 128, optional: bool = False) -> str:
-        value = self.get(key, optional)
-        if value is None:
-            return ""
-        if not isinstance(value, str) or len(value) > max_chars:
-            raise self.bad(key, f"expected a string of at most {max_chars} characters")
-        return value
-
-    def count(self, key: str) -> int:
-        value = self.get(key)
-        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 2**63:
-            raise self.bad(key, f"expected a non-negative integer, got {value!r}")
-        return value
-
-    def opt_real(self, key: str, optional: bool = False, positive: bool = False) -> float | None:
-        value = self.get(key, optional)
-        if value is None:
-            return None
-        if isinstance(value, bool) or not isinstance(value, int | float):
-            raise self.bad(key, f"expected a number, got {type(value).__name__}")
-        value = float(value)
-        if not math.isfinite(value) or value < 0 or (positive and value == 0):
-            raise self.bad(key, f"expected a finite number {'> 0' if positive else '>= 0'}, got {value!r}")
-        return value
-
-    def real(self, key: str, positive: bool = False) -> float:
-        value = self.opt_real(key, positive=positive)
-        assert value is not None
-        return value
-
-    def peer(self, key: str) -> str:
-        value = self.text(key)
-        if not _BASE58_RE.fullmatch(value):
-            raise self.bad(key, f"{value!r} is not a base58 libp2p peer id")
-        return value
-
-    def job_id(self, key: str = "job_id") -> str:
-        value = self.text(key)
-        if not _JOB_ID_RE.fullmatch(value):
-            raise self.bad(key, f"{value!r} is not a job id (32 lowercase hex digits)")
-        return value
-
-    def enum(self, cls: type[StrEnum], key: str) -> Any:
-        value = self.text(key, max_chars=32)
-        try:
-            return cls(value)
-        except ValueError:
-            raise self.bad(key, f"unknown value {value!r}") from None
-
-    def sub(self, key: str) -> _Fields:
-        return _Fields(self.get(key), self.what, f"{self.where}{key}.")
-
-
-def _timing(f: _Fields) -> ConsensusTiming:
+def _timing(f: Fields) -> ConsensusTiming:
     values = {name: f.real(name) for name in TIMING_FIELDS}
     try:
         timing = ConsensusTiming(**values)
@@ -345,7 +275,7 @@ def decode_job(raw: bytes) -> JobRecord:
     """
     m = unpack_map(raw, max_bytes=MAX_JOB_BYTES, what="job record")
     check_header(m, JOB_KIND, "job record")
-    f = _Fields(m, "job record")
+    f = Fields(m, "job record")
     nonce = f.get("nonce")
     if not isinstance(nonce, bytes) or len(nonce) != NONCE_BYTES:
         raise f.bad("nonce", f"expected {NONCE_BYTES} bytes")
@@ -389,12 +319,12 @@ def decode_job(raw: bytes) -> JobRecord:
 def decode_index(raw: bytes) -> JobIndex:
     m = unpack_map(raw, max_bytes=MAX_INDEX_BYTES, what="job index")
     check_header(m, INDEX_KIND, "job index")
-    f = _Fields(m, "job index")
+    f = Fields(m, "job index")
     ids = f.get("job_ids")
     if not isinstance(ids, list) or len(ids) > MAX_INDEX_IDS:
         raise f.bad("job_ids", f"expected a list of at most {MAX_INDEX_IDS} job ids")
     for i, job_id in enumerate(ids):
-        if not isinstance(job_id, str) or not _JOB_ID_RE.fullmatch(job_id):
+        if not isinstance(job_id, str) or not JOB_ID_RE.fullmatch(job_id):
             raise f.bad(f"job_ids[{i}]", f"{job_id!r} is not a job id")
     if len(set(ids)) != len(ids):
         raise f.bad("job_ids", "lists a job id twice")
@@ -404,9 +334,9 @@ def decode_index(raw: bytes) -> JobIndex:
 def decode_progress(raw: bytes) -> Progress:
     m = unpack_map(raw, max_bytes=MAX_PROGRESS_BYTES, what="progress record")
     check_header(m, PROGRESS_KIND, "progress record")
-    f = _Fields(m, "progress record")
+    f = Fields(m, "progress record")
     counters = f.get("bytes", optional=True) or {}
-    byte_fields = _Fields(counters, "progress record", "bytes.")
+    byte_fields = Fields(counters, "progress record", "bytes.")
     sent = {}
     for kind in counters:
         if not _BYTES_KIND_RE.fullmatch(kind):
