@@ -1,8 +1,7 @@
 """The v1 job records in the DHT — job, job index, progress — with their canonical msgpack codec.
 
-Spec and byte-exact vectors: ``protocols/jobs.md``, ``protocols/vectors/jobs/`` (field readers:
-``jobs.wire``). Pure: no
-hivemind, no clocks. A job record is written only by its owner (under the owner's subkey of
+Spec and byte-exact vectors: ``protocols/jobs.md``, ``protocols/vectors/jobs/``; field readers:
+``jobs.wire``. Pure: no hivemind, no clocks. A job record is written only by its owner (under the owner's subkey of
 ``job_key(id)``); its id is the hash of its immutable part (owner, normalized spec, nonce,
 planning terms), so a reader can check that a record really is the job it claims to be and
 that nobody but the owner produced it. Cancelling is the owner re-storing the record with
