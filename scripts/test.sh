@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The test command: install (dev extras), lint, check import layers, run the whole test suite.
+# The test command: install (dev extras), lint, check import layers, type-check, run the whole test suite.
 # Extra arguments go to pytest, e.g. scripts/test.sh -k records -x
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -9,5 +9,7 @@ echo "== ruff"
 ruff check peerd tests scripts protocols
 echo "== import layers"
 lint-imports
+echo "== mypy"
+mypy
 echo "== pytest"
 python -m pytest "$@"

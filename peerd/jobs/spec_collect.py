@@ -40,7 +40,7 @@ def collect(cls: type, data: Any, path: str = "", *, check: bool = True) -> tupl
                 converted = False
             continue
         tp = hints[name]
-        if dataclasses.is_dataclass(tp):
+        if isinstance(tp, type) and dataclasses.is_dataclass(tp):
             obj, errs = collect(tp, data[name], where)
         else:
             try:

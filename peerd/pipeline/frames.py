@@ -153,7 +153,7 @@ def raw_payload(tensor: torch.Tensor) -> memoryview:
     t = tensor.detach().contiguous().cpu()
     if t.numel() == 0:
         return memoryview(b"")
-    return memoryview(t.view(torch.uint8).numpy()).cast("B")
+    return t.view(torch.uint8).numpy().data.cast("B")
 
 
 def raw_tensor(msg: TensorMessage, payload: bytearray | memoryview) -> torch.Tensor:

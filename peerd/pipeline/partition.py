@@ -104,7 +104,7 @@ def partition(model: nn.Module, layers_per_stage: Sequence[int]) -> list[StageMo
     """All stages of ``model``; they share the model's layer objects (no copies)."""
     layers = model_layers(model)
     return [
-        StageModule(spec, layers[spec.start : spec.end])
+        StageModule(spec, list(layers[spec.start : spec.end]))
         for spec in stage_specs(len(layers), layers_per_stage)
     ]
 
