@@ -243,17 +243,17 @@ def _quality(n: int, islands: int, generations: int, migrate_every: int, seed: i
     "--peers", "peers_text", default="4,8,16", show_default=True, help="Swarm sizes for the latency run."
 )
 @click.option(
-    "--devices", "devices_text", default="16,32", show_default=True, help="Cluster sizes for the quality run."
+    "--devices", "devices_text", default="32,64", show_default=True, help="Cluster sizes for the quality run."
 )
 @click.option(
     "--islands",
     type=click.IntRange(min=2),
-    default=8,
+    default=6,
     show_default=True,
     help="Islands (peers) in the quality run.",
 )
 @click.option(
-    "--generations", type=click.IntRange(min=1), default=20, show_default=True, help="Generations per island."
+    "--generations", type=click.IntRange(min=1), default=8, show_default=True, help="Generations per island."
 )
 @click.option(
     "--migrate-every",
