@@ -8,7 +8,7 @@ may vote earlier) as the baseline: ``ratio = measured / floor``. The job is canc
 after the commit, so nothing trains. 16 daemons on 2 cores is heavy: the run reports what
 it managed (startup and convergence times included) rather than failing the rest.
 
-**Quality** (``--devices 16,32``, in-process, deterministic): a heterogeneous synthetic
+**Quality** (``--devices 32,64``, in-process, deterministic): a heterogeneous synthetic
 cluster as a consensus roster, the job's shared cost model, K islands seeded as the
 consensus machine seeds them (hash of job, epoch, peer). (a) consensus: the K islands
 exchange their bests every ``--migrate-every`` generations (what the DHT migration does),
