@@ -1,37 +1,38 @@
 """``peerd bench pipeline``: pipeline training throughput on shaped loopback links, uncompressed vs AC-SGD.
 
-Part 1 (``training``): a 2-stage x 2-replica GPT job (``--replicas``), one OS process per peer (each its own
-p2pd), links between pipeline neighbours shaped to each ``--links`` setting (replica-group
-links unshaped, as within a site). Per schedule and link setting it runs the job uncompressed
-and with every ``--codecs`` setting on the same processes (same model, data, steps and seed:
-only the codecs differ), and reports steady-state tokens/s (after ``--warmup`` steps, one
-epoch, so AC-SGD sends deltas, not first-visit seeds), the speed-up over uncompressed, the
-final loss, and bytes on the wire per step per boundary by direction. Part 2 (``stream``):
-activation messages through the pipeline stream (StreamSender -> StreamReceiver, acks,
-validation, decode) vs a raw hivemind binary stream of the same bytes, alternating runs,
-medians and their ratio (target >= 0.8).
+Part 1 (``training``): a 2-stage GPT job, one OS process per peer (each its own p2pd), links
+between pipeline neighbours shaped to each ``--links`` setting (replica-group links unshaped,
+as within a site), in two layouts (``--layouts``): 2 stages x 2 replicas, the issue's setting,
+and 2 stages x 1 replica. Per layout, schedule and link it runs the job uncompressed and with
+every ``--codecs`` setting on the same processes (same model, data, steps, seed and schedule:
+only the codecs differ; every replica gets the same batch in both layouts), and reports
+steady-state tokens/s (median step, and the fastest step: the machine is shared), the
+speed-up over uncompressed, the final loss, and bytes on the wire per step per boundary by
+direction, all after ``--warmup`` steps (one epoch, so AC-SGD sends deltas, not first-visit
+seeds). Part 2 (``stream``, ``peerd.bench.transport.pipeline_stream``): activation messages
+through the pipeline stream vs a raw hivemind binary stream of the same bytes (target >= 0.8).
 
-Which regime the default job is in, and why. The AC-SGD paper's speed-ups are claims about
-communication-bound training (third-party GPT2-XL numbers: uncompressed at 100 Mbit/s ran
-~4-6x below the compressed run's compute-bound speed). A token crossing a boundary is
-``4 * d_model`` bytes each way, 0.32 us per channel at 100 Mbit/s; computing it costs ~72
-d_model^2 FLOP per block plus attention (~12 seq_len d_model) plus the vocab-256 head: compute
-grows with d_model^2 and seq_len, bytes only with d_model. Measured on these 2 cores (one
-thread, both stages, forward + backward): d_model 64 costs 21 us per token at seq_len 256 and
-15 us at 32, d_model 128 41 us, d_model 32 6 us, against 20.5 us (d_model 64) of link time
-per direction at 100 Mbit/s; the 4 peer processes share the 2 cores, so each replica's two
-stages get about one. The default job is therefore the most communication-heavy model that is
-still a transformer worth the name: 2 blocks, d_model 64 and 32-token sequences (attention's
-seq_len term was 40 % of the FLOPs at 256 and carries no bytes), 16384 tokens per step in 8
-micro-batches per replica (a small pipeline bubble), with GPipe, the paper's schedule (all
-forwards, then all backwards). Even so, 2 stages x 2 replicas on 2 shared CPU cores at 100
-Mbit/s are only about as link-bound as compute-bound (``regime.link_over_compute`` ~0.6:
-fp32 link time per direction over the unshaped step time), so expect ~1.5x there; 20 Mbit/s
-is where these cores sit in the paper's regime (ratio ~3), and ``--replicas 1`` (a core per
-stage) makes 100 Mbit/s ~2x link-bound. ``--schedules 1f1b`` overlaps the two link
+Which regime, and why. The AC-SGD paper's speed-ups are claims about communication-bound
+training (third-party GPT2-XL numbers: uncompressed at 100 Mbit/s ran ~4-6x below the
+compressed run's compute-bound speed). A token crossing a boundary is ``4 * d_model`` bytes
+each way, 0.32 us per channel at 100 Mbit/s; computing it costs ~72 d_model^2 FLOP per block
+plus attention (~12 seq_len d_model) plus the vocab-256 head: compute grows with d_model^2
+and seq_len, bytes only with d_model. Measured on these 2 cores (one thread, both stages,
+forward + backward): d_model 64 costs 21 us per token at seq_len 256 and 15 us at 32,
+d_model 128 41 us, against 20.5 us (d_model 64) of link time per direction at 100 Mbit/s.
+The default job is therefore the most communication-heavy model that is still a transformer
+worth the name: 2 blocks, d_model 64 and 32-token sequences (attention's seq_len term was
+40 % of the FLOPs at 256 and carries no bytes), 8192 tokens per replica and step in 8
+micro-batches (a small pipeline bubble), with GPipe, the paper's schedule (all forwards, then
+all backwards). In the 2x2 layout the 4 peer processes share the 2 cores, so a replica's two
+stages get about one core and 100 Mbit/s is only about as link-bound as compute-bound
+(``regime.link_over_compute`` ~0.6-0.9: fp32 link time per direction over the unshaped step
+time): expect ~1.5-2x there, and the paper's regime at 20 Mbit/s. The 2x1 layout gives each
+stage a core of its own, as each stage has its own GPU in the paper: 100 Mbit/s is then
+clearly link-bound (ratio ~1.3 per direction, ~2.5 with GPipe's directions in series), the
+setting the paper's 100 Mbit/s numbers describe. ``--schedules 1f1b`` overlaps the two link
 directions (a faster uncompressed baseline on delay-free links) but keeps only 2 micro-batches
-in flight, so a 25 ms link makes it latency-bound, compressed or not. The compared runs
-differ only in their codecs: same model, data, steps, seed and schedule.
+in flight, so a 25 ms link makes it latency-bound, compressed or not.
 
 Run as a module (``python -m peerd.bench.pipeline``) this file is the peer process.
 """
@@ -97,9 +98,10 @@ def parse_links(text: str) -> list[tuple[str, LinkSpec]]:
     return out
 
 
-def job_config(args: dict[str, Any], schedule: str = "gpipe") -> TrainConfig:
+def job_config(args: dict[str, Any], schedule: str = "gpipe", replicas: int = 2) -> TrainConfig:
+    global_batch = args["replica_batch"] * replicas  # every layout gives a replica the same work
     per_epoch = args["warmup"]  # steps per epoch: the dataset holds exactly warmup global batches
-    examples = per_epoch * args["global_batch"]
+    examples = per_epoch * global_batch
     return TrainConfig(
         job="bench",
         model=ModelSpec(
@@ -113,7 +115,7 @@ def job_config(args: dict[str, Any], schedule: str = "gpipe") -> TrainConfig:
         ),
         data=DataConfig(seq_len=args["seq_len"], max_bytes=examples * args["seq_len"] + 1),
         layers_per_stage=_halves(args["n_layer"] + 2),
-        global_batch=args["global_batch"],
+        global_batch=global_batch,
         micro_batch_size=args["micro_batch"],
         steps=args["warmup"] + args["steps"],
         schedule=schedule,
@@ -172,45 +174,59 @@ def summarize(results: list[RunResult], cfg: TrainConfig, warmup: int) -> dict[s
 async def training(
     args: dict[str, Any], links: list[tuple[str, LinkSpec]], codecs: list[str], schedules: list[str]
 ) -> dict[str, Any]:
-    cfg = job_config(args, schedules[0])
-    replicas = args["replicas"]
-    allocation = Allocation.grid(2, replicas)
-    by_schedule: dict[str, Any] = {}
+    layouts: list[int] = args["layouts"]
+    by_setup: dict[str, Any] = {}
     procs = PeerProcesses(
-        2 * replicas, [sys.executable, "-m", "peerd.bench.pipeline"], threads=1, log_dir=args["log_dir"]
+        2 * max(layouts), [sys.executable, "-m", "peerd.bench.pipeline"], threads=1, log_dir=args["log_dir"]
     )
     runs = 0
     try:
         await procs.start()
-        for schedule in schedules:
-            rows: dict[str, Any] = {}
-            for name, spec in [("unshaped", None), *links]:
-                results: dict[str, list[RunResult]] = {}
-                for _ in range(args["train_repeats"]):  # codecs interleaved: noise hits them alike
-                    for codec in codecs if spec is not None else ["none"]:
-                        runs += 1
-                        job = replace(cfg, job=f"bench-{runs}", schedule=schedule, compression=CODECS[codec])
-                        results.setdefault(codec, []).append(
-                            await procs.run(job, allocation, link=spec, timeout=900)
-                        )
-                rows[name] = _row(results, cfg, args["warmup"])
-            by_schedule[schedule] = _with_regime(rows, cfg, links, replicas)
+        for replicas in layouts:  # a layout with fewer replicas runs on the first peer processes
+            allocation = Allocation.grid(2, replicas)
+            for schedule in schedules:
+                cfg = job_config(args, schedule, replicas)
+                rows: dict[str, Any] = {}
+                for name, spec in [("unshaped", None), *links]:
+                    results: dict[str, list[RunResult]] = {}
+                    for _ in range(args["train_repeats"]):  # codecs interleaved: noise hits them alike
+                        for codec in codecs if spec is not None else ["none"]:
+                            runs += 1
+                            job = replace(cfg, job=f"bench-{runs}", compression=CODECS[codec])
+                            results.setdefault(codec, []).append(
+                                await procs.run(job, allocation, link=spec, timeout=900)
+                            )
+                    rows[name] = _row(results, cfg, args["warmup"])
+                by_setup[f"2x{replicas}-{schedule}"] = {
+                    "layout": f"2 stages x {replicas} replicas: {2 * replicas} peer processes on {_cores()} cores",
+                    "global_batch": cfg.global_batch,
+                    **_with_regime(rows, cfg, links, replicas),
+                }
     finally:
         await procs.close()
+    cfg = job_config(args)
     return {
-        "layout": f"2 stages x {replicas} replicas, {2 * replicas} peer processes on {_cores()} cores",
         "model": {**cfg.model.overrides, "params_per_stage": _stage_params(cfg)},
-        "batch": {"global": cfg.global_batch, "micro": cfg.micro_batch_size, "seq_len": cfg.data.seq_len},
+        "batch": {
+            "per_replica": args["replica_batch"],
+            "micro": cfg.micro_batch_size,
+            "seq_len": cfg.data.seq_len,
+            "tokens_per_replica_step": args["replica_batch"] * cfg.data.seq_len,
+        },
         "steps": {"warmup": args["warmup"], "measured": args["steps"], "repeats": args["train_repeats"]},
-        "activation_bytes_per_step_fp32": cfg.global_batch * cfg.data.seq_len * cfg.model.gpt().d_model * 4,
+        "activation_bytes_per_replica_step_fp32": args["replica_batch"]
+        * cfg.data.seq_len
+        * cfg.model.gpt().d_model
+        * 4,
         "shaped": "links between pipeline neighbours (stage 0 <-> stage 1 of each replica), both directions",
         "why_this_job": (
             "communication-heavy on CPUs: a token is 4*d_model bytes each way but ~72*d_model^2 FLOP per "
             "block, so a narrow model with short sequences maximises link time over compute; "
             "regime.link_over_compute = fp32 link time per direction / unshaped step time says how "
-            "link-bound each uncompressed baseline is (the paper's 100 Mbit/s setting: ~4-6)"
+            "link-bound each uncompressed baseline is (the paper's 100 Mbit/s setting: ~4-6); 2x1 gives "
+            "each stage its own core, as each stage has its own GPU in the paper"
         ),
-        "by_schedule": by_schedule,
+        "by_setup": by_setup,
     }
 
 
@@ -267,14 +283,13 @@ def _stage_params(cfg: TrainConfig) -> list[int]:
     "--n-layer", default=2, show_default=True, help="Transformer blocks (split evenly over the 2 stages)."
 )
 @click.option("--seq-len", default=32, show_default=True)
-@click.option("--global-batch", default=512, show_default=True, help="Sequences per step (both replicas).")
+@click.option("--replica-batch", default=256, show_default=True, help="Sequences per step and replica.")
 @click.option("--micro-batch", default=32, show_default=True)
 @click.option(
-    "--replicas",
-    default=2,
+    "--layouts",
+    default="2,1",
     show_default=True,
-    type=click.IntRange(1, 4),
-    help="Replicas per stage (2 stages each); 1 gives each stage its own core on 2 cores.",
+    help="Replicas per stage to measure (2 stages each), e.g. 2,1: 2x2 as in the issue, 2x1 a core per stage.",
 )
 @click.option(
     "--schedules",
@@ -301,7 +316,7 @@ def _stage_params(cfg: TrainConfig) -> list[int]:
 )
 @click.option("--out", default=None, type=click.Path(dir_okay=False), help="Also write the JSON here.")
 def command(**args: Any) -> None:
-    """Tokens/s of 2 stages x 2 replicas on shaped links (uncompressed vs AC-SGD) and stream vs raw throughput."""
+    """Tokens/s of 2-stage pipelines (2x2, 2x1) on shaped links, uncompressed vs AC-SGD; stream vs raw throughput."""
     links = parse_links(args["links"])
     codecs = [c.strip() for c in args["codecs"].split(",") if c.strip()]
     unknown = [c for c in codecs if c not in CODECS]
@@ -311,6 +326,12 @@ def command(**args: Any) -> None:
         codecs.insert(0, "none")
     if args["warmup"] < 1 or args["steps"] < 1 or args["train_repeats"] < 1:
         raise click.BadParameter("--warmup, --steps and --train-repeats must be >= 1")
+    try:
+        args["layouts"] = [int(x) for x in args["layouts"].split(",") if x.strip()]
+    except ValueError:
+        raise click.BadParameter("--layouts: comma-separated replica counts, e.g. 2,1") from None
+    if not args["layouts"] or not all(1 <= r <= 4 for r in args["layouts"]):
+        raise click.BadParameter("--layouts: 1 to 4 replicas each")
     schedules = [x.strip() for x in args["schedules"].split(",") if x.strip()]
     if not schedules or any(x not in available_schedules() for x in schedules):
         raise click.BadParameter(f"--schedules: from {', '.join(available_schedules())}")
