@@ -27,12 +27,13 @@ micro-batches (a small pipeline bubble), with GPipe, the paper's schedule (all f
 all backwards). In the 2x2 layout the 4 peer processes share the 2 cores, so a replica's two
 stages get about one core and 100 Mbit/s is only about as link-bound as compute-bound
 (``regime.link_over_compute`` ~0.6-0.9: fp32 link time per direction over the unshaped step
-time): expect ~1.5-2x there, and the paper's regime at 20 Mbit/s. The 2x1 layout gives each
-stage a core of its own, as each stage has its own GPU in the paper: 100 Mbit/s is then
-clearly link-bound (ratio ~1.3 per direction, ~2.5 with GPipe's directions in series), the
-setting the paper's 100 Mbit/s numbers describe. ``--schedules 1f1b`` overlaps the two link
-directions (a faster uncompressed baseline on delay-free links) but keeps only 2 micro-batches
-in flight, so a 25 ms link makes it latency-bound, compressed or not.
+time): measured ~1.8x there, ~4.5x at 20 Mbit/s, where these cores are in the paper's regime.
+The 2x1 layout gives each stage a core of its own, as each stage has its own GPU in the paper:
+100 Mbit/s is then clearly link-bound (ratio ~1.3-1.4 per direction, ~2.7 with GPipe's
+directions in series), the setting the paper's 100 Mbit/s numbers describe: measured ~3x.
+``--schedules 1f1b`` overlaps the two link directions, a faster uncompressed baseline on
+delay-free links (speed-ups at 100 Mbit/s ~1.45x for 2x2, ~2.1x for 2x1), but keeps only 2
+micro-batches in flight, so a 25 ms link makes it latency-bound, compressed or not.
 
 Run as a module (``python -m peerd.bench.pipeline``) this file is the peer process.
 """
@@ -224,7 +225,9 @@ async def training(
             "block, so a narrow model with short sequences maximises link time over compute; "
             "regime.link_over_compute = fp32 link time per direction / unshaped step time says how "
             "link-bound each uncompressed baseline is (the paper's 100 Mbit/s setting: ~4-6); 2x1 gives "
-            "each stage its own core, as each stage has its own GPU in the paper"
+            "each stage its own core, as each stage has its own GPU in the paper; GPipe is the paper's "
+            "schedule, --schedules gpipe,1f1b adds 1F1B (both link directions overlap: a faster "
+            "uncompressed baseline without link delay)"
         ),
         "by_setup": by_setup,
     }
