@@ -135,17 +135,7 @@ async def _run(total_mib: int, frame_mibs: list[float], repeats: int) -> dict:
             for _ in range(repeats):
                 raw.append(total * 8 / await raw_run(b, a.peer_id, repeated(largest, total)) / 1e9)
                 framed.append(total * 8 / await _framed_run(client, a.peer_id, payload, total) / 1e9)
-            raw_med, framed_med = statistics.median(raw), statistics.median(framed)
-            rows.append(
-                {
-                    "frame_mib": frame_mib,
-                    "raw_gbps": [round(x, 3) for x in raw],
-                    "transport_gbps": [round(x, 3) for x in framed],
-                    "raw_gbps_median": round(raw_med, 3),
-                    "transport_gbps_median": round(framed_med, 3),
-                    "ratio_transport_over_raw": round(framed_med / raw_med, 3),
-                }
-            )
+            rows.append({"frame_mib": frame_mib, **_versus_raw(raw, framed, "transport")})
     return {
         "benchmark": "transport",
         "what": "loopback throughput: peerd Transport frames vs raw hivemind binary stream, same bytes",
@@ -234,16 +224,23 @@ async def pipeline_stream(total_mib: int, message_mib: float, repeats: int) -> d
             raw.append(total * 8 / await raw_run(a, b.peer_id, payloads) / 1e9)
             pipe.append(total * 8 / await pair.run(i + 1) / 1e9)
         await pair.close()
-    raw_med, pipe_med = statistics.median(raw), statistics.median(pipe)
     return {
         "message_mib": round(tensor.numel() * 4 / (1 << 20), 3),
         "messages": count,
-        "raw_gbps": [round(x, 3) for x in raw],
-        "pipeline_gbps": [round(x, 3) for x in pipe],
-        "raw_gbps_median": round(raw_med, 3),
-        "pipeline_gbps_median": round(pipe_med, 3),
-        "ratio_pipeline_over_raw": round(pipe_med / raw_med, 3),
+        **_versus_raw(raw, pipe, "pipeline"),
         "target_ratio": 0.8,
+    }
+
+
+def _versus_raw(raw: list[float], other: list[float], name: str) -> dict[str, Any]:
+    """Gbit/s per run of the raw baseline and of ``name``, their medians, and the ratio of the medians."""
+    raw_med, other_med = statistics.median(raw), statistics.median(other)
+    return {
+        "raw_gbps": [round(x, 3) for x in raw],
+        f"{name}_gbps": [round(x, 3) for x in other],
+        "raw_gbps_median": round(raw_med, 3),
+        f"{name}_gbps_median": round(other_med, 3),
+        f"ratio_{name}_over_raw": round(other_med / raw_med, 3),
     }
 
 
