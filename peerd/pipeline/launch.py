@@ -244,7 +244,7 @@ async def run_workers(
                 await pending
         outcomes = await asyncio.gather(*(w.run(until) for w in workers), return_exceptions=True)
     finally:
-        await asyncio.gather(*(_close(w) for w in workers))
+        await asyncio.gather(*(close_tasklet(w) for w in workers))
     result = RunResult(start_step=start)
     for w, outcome in zip(workers, outcomes, strict=True):
         result.stats[f"s{w.stage}r{w.replica}"] = w.stats.snapshot()
@@ -257,7 +257,8 @@ async def run_workers(
     return result
 
 
-async def _close(worker: StageWorker) -> None:
+async def close_tasklet(worker: StageWorker) -> None:
+    """Close a worker and its gradient reducer; never raises (shutdown paths call it)."""
     with contextlib.suppress(Exception):
         await worker.close()
     close = getattr(worker.reducer, "close", None)

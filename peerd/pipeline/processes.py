@@ -40,6 +40,7 @@ from peerd.pipeline.launch import (
     RunResult,
     TaskletError,
     build_workers,
+    close_tasklet,
 )
 from peerd.pipeline.launch import resume_step as common_resume_step
 from peerd.pipeline.streams import plain
@@ -288,12 +289,7 @@ async def _run_plan(
         _emit("error", code=exc.code.name, message=plain(exc))
     finally:
         for w in workers:
-            with contextlib.suppress(Exception):
-                await w.close()
-            close = getattr(w.reducer, "close", None)
-            if close is not None:
-                with contextlib.suppress(Exception):
-                    await close()
+            await close_tasklet(w)
         await transport.close()
 
 
