@@ -207,6 +207,7 @@ class StageWorker:
             await start()
 
     async def close(self) -> None:
+        self.inbox.hold(False)  # nothing more to checkpoint: no decode may wait for a step that never comes
         for sender in (self.to_next, self.to_prev):
             if sender is not None:
                 await sender.close()
