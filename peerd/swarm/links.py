@@ -296,7 +296,11 @@ class LinkProber:
             measured_at=self._now(),
             status=status,
         )
-        self.measurements[measurement.peer_id] = measurement
+        previous = self.measurements.get(measurement.peer_id)
+        # BUSY means the peer is alive but serving other probers: keep its last good numbers (still
+        # the best estimate, and left stalest so it is retried first) instead of blanking the link.
+        if not (status is LinkStatus.BUSY and previous is not None and previous.status is LinkStatus.OK):
+            self.measurements[measurement.peer_id] = measurement
         return measurement
 
     async def _session(self, peer: PeerID, partial: list[_Partial]) -> None:

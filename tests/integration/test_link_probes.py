@@ -207,6 +207,22 @@ def test_responder_over_its_session_budget_answers_busy(peers: Peers):
     assert ok.status == LinkStatus.OK
 
 
+def test_a_busy_answer_keeps_the_last_good_measurement(peers: Peers):
+    async def go():
+        await ProbeResponder(peers.transport(peers.a), ProbeConfig(max_sessions=1)).start()
+        prober = LinkProber(peers.transport(peers.b), QUICK)
+        good = await prober.probe(peers.a.peer_id)
+        holder = await peers.transport(peers.c).connect(peers.a.peer_id, PROBE_PROTOCOL)
+        await holder.request({"kind": "probe.ping", "seq": 0})  # the one session slot is now taken
+        busy = await prober.probe(peers.a.peer_id)
+        await holder.close()
+        return good, busy, prober.measurements[peers.a.peer_id.to_base58()]
+
+    good, busy, kept = peers.run(go())
+    assert good.status == LinkStatus.OK and busy.status == LinkStatus.BUSY
+    assert kept == good  # a peer busy with other probers is alive: its link is not blanked
+
+
 def test_malformed_probe_answers_are_errors_and_bad_requests_are_refused(peers: Peers):
     async def go():
         async def liar(conn: Connection) -> None:
