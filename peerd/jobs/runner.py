@@ -32,6 +32,7 @@ from peerd.jobs.store import RecordStore
 from peerd.log import get_logger
 from peerd.pipeline.codec import CompressionConfig
 from peerd.pipeline.config import ModelSpec, TrainConfig
+from peerd.pipeline.launch import close_tasklet
 from peerd.pipeline.partition import balanced_layers_per_stage
 from peerd.pipeline.streams import StreamConfig
 from peerd.pipeline.worker import StageWorker, StepReport
@@ -213,7 +214,8 @@ class TaskletRunner:
                 "job %s: tasklet s%dr%d failed: %s", self.job.job_id, self.stage, self.replica, exc
             )
         finally:
-            await self._close()
+            if self.worker is not None:
+                await close_tasklet(self.worker)
             publisher.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await publisher
@@ -266,17 +268,6 @@ class TaskletRunner:
             d = self.allocation.d_dp
             self._avg_raw_per_step = int(numel * 4 * 2 * (d - 1) / d)  # fp32 reduce-scatter + all-gather
         return worker
-
-    async def _close(self) -> None:
-        worker = self.worker
-        if worker is None:
-            return
-        with contextlib.suppress(Exception):
-            await worker.close()
-        close = getattr(worker.reducer, "close", None)
-        if close is not None:
-            with contextlib.suppress(Exception):
-                await close()
 
     def _on_report(self, report: StepReport) -> None:
         self.step = report.step + 1
