@@ -24,6 +24,8 @@ from typing import Any
 import pytest
 import yaml
 
+from peerd.control import ControlError
+from peerd.errors import ErrorCode
 from peerd.localswarm import LocalSwarm, converged
 
 pytestmark = pytest.mark.integration
@@ -76,7 +78,14 @@ class Ctx:
     def wait(self, job: str, predicate: Any, timeout: float, what: str) -> dict[str, dict[str, Any]]:
         deadline = time.monotonic() + timeout
         while True:
-            views = self.job_views(job)
+            try:
+                views = self.job_views(job)
+            except ControlError as exc:  # a daemon whose DHT read has not found the new job yet
+                if time.monotonic() > deadline:
+                    raise
+                assert exc.code is ErrorCode.CONFIG_INVALID, exc
+                time.sleep(1.0)
+                continue
             if predicate(views):
                 return views
             if time.monotonic() > deadline:
