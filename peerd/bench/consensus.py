@@ -169,7 +169,7 @@ def _quality_spec(n: int) -> dict[str, Any]:
 
 
 def _roster(n: int, seed: int) -> Any:
-    from peerd.sched.consensus_messages import DeviceProfile, LinkMeasurement, Roster, RosterEntry
+    from peerd.sched.consensus.messages import DeviceProfile, LinkMeasurement, Roster, RosterEntry
     from peerd.sched.problem import Problem
     from peerd.sched.synthetic import random_cluster
 

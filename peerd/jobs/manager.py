@@ -41,7 +41,7 @@ from peerd.jobs.spec import JobSpec, parse_job_spec
 from peerd.jobs.store import RecordStore
 from peerd.jobs.views import job_view, resolve_job_id
 from peerd.log import get_logger
-from peerd.sched.consensus_actions import Commit
+from peerd.sched.consensus.actions import Commit
 from peerd.swarm.keys import job_key, jobs_key
 
 logger = get_logger(__name__)

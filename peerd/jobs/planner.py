@@ -31,8 +31,7 @@ from peerd.jobs.scoring import RosterScorer
 from peerd.jobs.spec import JobSpec
 from peerd.jobs.store import RecordStore
 from peerd.log import get_logger
-from peerd.sched.consensus import ConsensusConfig, ConsensusMachine
-from peerd.sched.consensus_actions import (
+from peerd.sched.consensus.actions import (
     Action,
     Commit,
     Migrate,
@@ -42,7 +41,8 @@ from peerd.sched.consensus_actions import (
     StartSearch,
     StopSearch,
 )
-from peerd.sched.consensus_messages import (
+from peerd.sched.consensus.machine import ConsensusConfig, ConsensusMachine
+from peerd.sched.consensus.messages import (
     CommitRecord,
     DeviceProfile,
     LinkMeasurement,

@@ -22,7 +22,7 @@ from peerd.jobs.spec import JobSpec, JobSpecError, parse_job_spec
 from peerd.jobs.spec_collect import bare_message
 from peerd.jobs.wire import JOB_ID_RE, Fields
 from peerd.loading import to_mapping
-from peerd.sched.consensus_config import ConsensusTiming
+from peerd.sched.consensus.config import ConsensusTiming
 from peerd.swarm.records import PROTOCOL_VERSION, canonical_packb, check_header, unpack_map
 
 JOB_KIND, INDEX_KIND, PROGRESS_KIND = "job", "jobs", "progress"

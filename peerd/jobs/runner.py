@@ -37,7 +37,7 @@ from peerd.pipeline.partition import balanced_layers_per_stage
 from peerd.pipeline.streams import StreamConfig
 from peerd.pipeline.worker import StageWorker, StepReport
 from peerd.sched.allocation import Allocation
-from peerd.sched.consensus_actions import Commit
+from peerd.sched.consensus.actions import Commit
 from peerd.swarm.keys import progress_key
 from peerd.swarm.transport import Transport
 

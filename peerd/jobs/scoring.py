@@ -21,7 +21,7 @@ from peerd.errors import ConfigError
 from peerd.jobs.spec import JobSpec
 from peerd.models.costs import layer_costs
 from peerd.sched.allocation import Allocation
-from peerd.sched.consensus_messages import Roster
+from peerd.sched.consensus.messages import Roster
 from peerd.sched.evolution import Island, SearchConfig
 from peerd.sched.layout import score_allocation
 from peerd.sched.objective import Objective

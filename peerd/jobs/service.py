@@ -17,8 +17,8 @@ from peerd.jobs.records import JobRecord
 from peerd.jobs.runner import TaskletRunner
 from peerd.jobs.spec import JobSpec
 from peerd.jobs.store import DhtStore
-from peerd.sched.consensus_actions import Commit
-from peerd.sched.consensus_messages import DeviceProfile, LinkMeasurement
+from peerd.sched.consensus.actions import Commit
+from peerd.sched.consensus.messages import DeviceProfile, LinkMeasurement
 from peerd.swarm.node import parse_peer_id
 from peerd.swarm.records import DeviceProfile as PeerProfile
 from peerd.swarm.records import LinkMeasurement as PeerLink

@@ -21,7 +21,7 @@ from peerd.errors import ConfigError
 from peerd.jobs.spec_collect import bare_message, collect, prefixed
 from peerd.loading import from_mapping, load_mapping
 from peerd.models.gpt import PRESETS, GPTConfig
-from peerd.sched.consensus_config import ConsensusTiming
+from peerd.sched.consensus.config import ConsensusTiming
 
 Auto = Literal["auto"]
 

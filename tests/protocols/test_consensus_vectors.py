@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 
 from peerd.errors import ErrorCode, ProtocolError
-from peerd.sched.consensus_messages import decode, encode
+from peerd.sched.consensus.messages import decode, encode
 
 VECTORS = Path(__file__).resolve().parents[2] / "protocols" / "vectors" / "consensus"
 FILES = sorted(VECTORS.glob("*.json"))
@@ -154,7 +154,7 @@ def test_invalid_vector_is_refused_with_its_code(path: Path) -> None:
 
 def _write_vectors() -> None:  # pragma: no cover - run by hand
     from peerd.sched.allocation import Allocation
-    from peerd.sched.consensus_messages import (
+    from peerd.sched.consensus.messages import (
         Candidate,
         CommitRecord,
         DeviceProfile,

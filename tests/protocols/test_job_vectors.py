@@ -179,7 +179,7 @@ def _write_vectors() -> None:  # pragma: no cover - run by hand
         new_job_record,
     )
     from peerd.jobs.spec import load_job_spec
-    from peerd.sched.consensus_messages import Vote, encode
+    from peerd.sched.consensus.messages import Vote, encode
     from peerd.swarm.records import canonical_packb
 
     def wire(data: bytes) -> Any:

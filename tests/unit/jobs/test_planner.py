@@ -21,8 +21,8 @@ from peerd.jobs.records import new_job_record
 from peerd.jobs.scoring import RosterScorer
 from peerd.jobs.spec import JobSpec, PlanningSpec, parse_job_spec
 from peerd.jobs.store import MemoryDHT
-from peerd.sched.consensus_actions import Commit
-from peerd.sched.consensus_messages import (
+from peerd.sched.consensus.actions import Commit
+from peerd.sched.consensus.messages import (
     CommitRecord,
     DeviceProfile,
     LinkMeasurement,

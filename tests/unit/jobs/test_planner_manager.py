@@ -12,7 +12,7 @@ from peerd.jobs.records import JobState, encode_job
 from peerd.jobs.spec import JobSpecError, load_job_spec
 from peerd.jobs.store import MemoryDHT
 from peerd.loading import load_mapping, to_mapping
-from peerd.sched.consensus_messages import DeviceProfile
+from peerd.sched.consensus.messages import DeviceProfile
 from peerd.swarm.keys import job_key
 
 T0 = 2_000_000.0

@@ -19,9 +19,9 @@ import random
 from dataclasses import dataclass, field
 
 from peerd.sched.allocation import Allocation
-from peerd.sched.consensus import ConsensusConfig, ConsensusMachine, ConsensusTiming
-from peerd.sched.consensus_actions import Commit, Migrate, NextEpoch, Publish, StartSearch, StopSearch
-from peerd.sched.consensus_messages import (
+from peerd.sched.consensus.actions import Commit, Migrate, NextEpoch, Publish, StartSearch, StopSearch
+from peerd.sched.consensus.machine import ConsensusConfig, ConsensusMachine, ConsensusTiming
+from peerd.sched.consensus.messages import (
     Candidate,
     DeviceProfile,
     LinkMeasurement,

@@ -8,10 +8,9 @@ from collections.abc import Callable
 import pytest
 
 from peerd.errors import ConfigError, InfeasibleError
-from peerd.sched import consensus
 from peerd.sched.allocation import Allocation
-from peerd.sched.consensus import ConsensusConfig, ConsensusMachine, ConsensusTiming
-from peerd.sched.consensus_actions import (
+from peerd.sched.consensus import machine as consensus
+from peerd.sched.consensus.actions import (
     Commit,
     Migrate,
     Misbehaviour,
@@ -20,7 +19,8 @@ from peerd.sched.consensus_actions import (
     StartSearch,
     StopSearch,
 )
-from peerd.sched.consensus_messages import (
+from peerd.sched.consensus.machine import ConsensusConfig, ConsensusMachine, ConsensusTiming
+from peerd.sched.consensus.messages import (
     Candidate,
     CommitRecord,
     DeviceProfile,
@@ -30,7 +30,7 @@ from peerd.sched.consensus_messages import (
     decode,
     encode,
 )
-from peerd.sched.consensus_wire import roster_digest
+from peerd.sched.consensus.wire import roster_digest
 
 JOB = "job-1"
 T0 = 100.0

@@ -9,7 +9,7 @@ import pytest
 
 from peerd.errors import ErrorCode, ProtocolError
 from peerd.sched.allocation import Allocation
-from peerd.sched.consensus_messages import (
+from peerd.sched.consensus.messages import (
     Candidate,
     CommitRecord,
     DeviceProfile,

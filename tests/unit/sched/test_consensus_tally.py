@@ -6,8 +6,8 @@ import itertools
 
 import pytest
 
-from peerd.sched.consensus_messages import Vote
-from peerd.sched.consensus_tally import Ballot, adoption_choice, quorum
+from peerd.sched.consensus.messages import Vote
+from peerd.sched.consensus.tally import Ballot, adoption_choice, quorum
 
 VIEW = b"v" * 32
 X, Y, Z = b"x" * 32, b"y" * 32, b"z" * 32

@@ -13,8 +13,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from peerd.sched.allocation import Allocation
-from peerd.sched.consensus_messages import Candidate, CommitRecord, Message, Roster, RosterEntry, Vote
-from peerd.sched.consensus_tally import Ballot, quorum, winner
+from peerd.sched.consensus.messages import Candidate, CommitRecord, Message, Roster, RosterEntry, Vote
+from peerd.sched.consensus.tally import Ballot, quorum, winner
 
 
 @dataclass

@@ -2,7 +2,7 @@
 
 Spec and byte-exact vectors: ``protocols/consensus.md``, ``protocols/vectors/consensus/``.
 Every message is a msgpack map with ``version`` and ``kind``, keys in sorted order
-(``consensus_wire``). Decoding is tolerant within v1: unknown keys are ignored (and not
+(``wire``). Decoding is tolerant within v1: unknown keys are ignored (and not
 covered by any hash), missing or mistyped known keys raise ``ProtocolError``.
 Authenticity is not checked here: the DHT layer's signature validator guarantees that
 ``peer`` / ``author`` / ``voter`` wrote the record.
@@ -18,7 +18,7 @@ import msgpack
 
 from peerd.errors import ErrorCode, ProtocolError
 from peerd.sched.allocation import Allocation
-from peerd.sched.consensus_wire import (
+from peerd.sched.consensus.wire import (
     Fields,
     allocation_from_wire,
     allocation_to_wire,

@@ -10,7 +10,7 @@ them up to clock skew. Phases of an epoch (``now`` is this peer's DHT time)::
               -> Migrate
     stop      StopSearch; the final best is published and has exchange_s to propagate
     decide    re-score every valid candidate; vote (round 0) for the cheapest, ties by id
-    adopt     no commit yet: round-1 vote by the adoption rule (``consensus_tally``)
+    adopt     no commit yet: round-1 vote by the adoption rule (``tally``)
     end       still no commit: NextEpoch(e + 1) and a new roster entry
 
 A commit happens whenever a quorum of this peer's roster view votes for one candidate in
@@ -31,7 +31,7 @@ from collections.abc import Callable
 from peerd.errors import PeerdError
 from peerd.log import get_logger
 from peerd.sched.allocation import Allocation
-from peerd.sched.consensus_actions import (
+from peerd.sched.consensus.actions import (
     Action,
     Commit,
     Migrate,
@@ -41,9 +41,9 @@ from peerd.sched.consensus_actions import (
     StartSearch,
     StopSearch,
 )
-from peerd.sched.consensus_config import ConsensusConfig, ConsensusTiming
-from peerd.sched.consensus_epoch import EpochState
-from peerd.sched.consensus_messages import (
+from peerd.sched.consensus.config import ConsensusConfig, ConsensusTiming
+from peerd.sched.consensus.epoch import EpochState
+from peerd.sched.consensus.messages import (
     Candidate,
     CommitRecord,
     DeviceProfile,
@@ -53,8 +53,8 @@ from peerd.sched.consensus_messages import (
     RosterEntry,
     Vote,
 )
-from peerd.sched.consensus_tally import adoption_choice, verify_record
-from peerd.sched.consensus_wire import allocation_hash
+from peerd.sched.consensus.tally import adoption_choice, verify_record
+from peerd.sched.consensus.wire import allocation_hash
 
 __all__ = ["ConsensusConfig", "ConsensusMachine", "ConsensusTiming", "ScoreFn"]
 

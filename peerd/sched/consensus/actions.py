@@ -6,12 +6,12 @@ from dataclasses import dataclass
 from typing import Literal
 
 from peerd.sched.allocation import Allocation
-from peerd.sched.consensus_messages import CommitRecord, Message, Roster
+from peerd.sched.consensus.messages import CommitRecord, Message, Roster
 
 
 @dataclass(frozen=True)
 class Publish:
-    """Store ``payload`` (encode with ``consensus_messages.encode``) in the DHT, signed by this peer."""
+    """Store ``payload`` (encode with ``consensus.messages.encode``) in the DHT, signed by this peer."""
 
     kind: Literal["roster", "candidate", "vote", "commit"]
     payload: Message
@@ -50,7 +50,7 @@ class Commit:
     epoch: int
     round: int
     allocation: Allocation
-    allocation_hash: str  # hex of consensus_messages.allocation_hash
+    allocation_hash: str  # hex of consensus.messages.allocation_hash
     candidate_id: str  # hex of the candidate id the quorum voted for
     cost: float
     record: CommitRecord  # the proof; also published

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
-from peerd.sched.consensus_messages import Candidate, CommitRecord, Vote, roster_digest
+from peerd.sched.consensus.messages import Candidate, CommitRecord, Vote, roster_digest
 
 
 def quorum(n: int, faulty: int = 0) -> int:

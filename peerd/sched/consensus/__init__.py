@@ -1,0 +1,1 @@
+"""Planning consensus, sans-IO: the state machine, its messages and wire form, tallies, epochs, config, actions."""
