@@ -29,7 +29,6 @@ from peerd.jobs.records import (
     JobIndex,
     JobRecord,
     JobState,
-    Progress,
     TaskState,
     encode_index,
     encode_job,
@@ -39,7 +38,7 @@ from peerd.jobs.runner import TaskletRunner, tasklet_of, unsupported
 from peerd.jobs.scoring import job_model
 from peerd.jobs.spec import JobSpec, parse_job_spec
 from peerd.jobs.store import RecordStore
-from peerd.jobs.views import job_view, resolve_job_id
+from peerd.jobs.views import JobEntry, effective_state, job_view, resolve_job_id
 from peerd.log import get_logger
 from peerd.sched.consensus.actions import Commit
 from peerd.swarm.keys import job_key, jobs_key
@@ -60,39 +59,6 @@ class ManagerConfig:
     refresh_s: float = 600.0
     """The owner re-stores its job records and index this often."""
     planner: PlannerConfig = field(default_factory=PlannerConfig)
-
-
-@dataclass
-class JobEntry:
-    """What this daemon knows and runs for one job."""
-
-    record: JobRecord
-    spec: JobSpec
-    planner: JobPlanner | None = None
-    planner_task: asyncio.Task | None = None
-    runner: TaskletRunner | None = None
-    runner_task: asyncio.Task | None = None
-    commit: Commit | None = None
-    progress: dict[str, Progress] = field(default_factory=dict)
-    stored_at: float = 0.0  # owner only: when the record was last stored
-    final_progress: bool = False  # progress read once after the job ended: nothing changes any more
-
-
-def effective_state(entry: JobEntry, now: float) -> JobState:
-    """The job's state from public records: the owner's word if final, else what the records show."""
-    rec = entry.record
-    if rec.state in TERMINAL:
-        return rec.state
-    if entry.commit is not None:
-        tasklets = [p for p in entry.progress.values() if p.epoch == entry.commit.epoch]
-        if any(p.state == TaskState.FAILED for p in tasklets):
-            return JobState.FAILED
-        allocated = set(entry.commit.allocation.devices)
-        done = {p.peer for p in tasklets if p.state == TaskState.DONE}
-        if allocated and allocated <= done:
-            return JobState.DONE
-        return JobState.RUNNING
-    return JobState.PLANNING if now >= rec.epoch0_start else JobState.PENDING
 
 
 def eligible(job_id: str, me: str, online: list[str], max_peers: int | None) -> bool:
@@ -198,12 +164,12 @@ class JobManager:
 
     async def job_status(self, params: dict[str, Any]) -> dict[str, Any]:
         entry = await self._find(params.get("job_id"))
-        return job_view(entry, self.me, effective_state(entry, self.store.now()), detail=True)
+        return job_view(entry, self.me, self.store.now(), detail=True)
 
     def views(self, detail: bool = True) -> list[dict[str, Any]]:
         now = self.store.now()
         entries = sorted(self.jobs.values(), key=lambda e: e.record.created_at, reverse=True)
-        return [job_view(e, self.me, effective_state(e, now), detail=detail) for e in entries]
+        return [job_view(e, self.me, now, detail=detail) for e in entries]
 
     async def _find(self, job_id: Any) -> JobEntry:
         if not isinstance(job_id, str) or not job_id:

@@ -1,6 +1,6 @@
-"""JSON views of jobs for ``peerd status`` / ``peerd jobs`` / the metrics endpoint: state, allocation, progress.
+"""A job as one daemon knows it (``JobEntry``), its state from public records, and its JSON views.
 
-``progress_summary`` folds the tasklets' progress records into the job's numbers: the step
+The views serve ``peerd status`` / ``peerd jobs`` / the metrics endpoint. ``progress_summary`` folds the tasklets' progress records into the job's numbers: the step
 every tasklet has completed, the loss curve of the last stage (mean over its replicas per
 step), the job's throughput, and bytes on the wire by kind with what they would have been
 uncompressed.
@@ -8,17 +8,51 @@ uncompressed.
 
 from __future__ import annotations
 
+import asyncio
+from dataclasses import dataclass, field
 from statistics import median
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from peerd.jobs.planner import commit_view
-from peerd.jobs.records import JobState, Progress
+from peerd.jobs.planner import JobPlanner, commit_view
+from peerd.jobs.records import TERMINAL, JobRecord, JobState, Progress, TaskState
+from peerd.jobs.runner import TaskletRunner
 from peerd.jobs.spec import JobSpec
-
-if TYPE_CHECKING:  # the manager imports this module; this only names its type
-    from peerd.jobs.manager import JobEntry
+from peerd.sched.consensus.actions import Commit
 
 WIRE_KINDS = ("activations", "gradients", "averaging")
+
+
+@dataclass
+class JobEntry:
+    """What this daemon knows and runs for one job."""
+
+    record: JobRecord
+    spec: JobSpec
+    planner: JobPlanner | None = None
+    planner_task: asyncio.Task | None = None
+    runner: TaskletRunner | None = None
+    runner_task: asyncio.Task | None = None
+    commit: Commit | None = None
+    progress: dict[str, Progress] = field(default_factory=dict)
+    stored_at: float = 0.0  # owner only: when the record was last stored
+    final_progress: bool = False  # progress read once after the job ended: nothing changes any more
+
+
+def effective_state(entry: JobEntry, now: float) -> JobState:
+    """The job's state from public records: the owner's word if final, else what the records show."""
+    rec = entry.record
+    if rec.state in TERMINAL:
+        return rec.state
+    if entry.commit is not None:
+        tasklets = [p for p in entry.progress.values() if p.epoch == entry.commit.epoch]
+        if any(p.state == TaskState.FAILED for p in tasklets):
+            return JobState.FAILED
+        allocated = set(entry.commit.allocation.devices)
+        done = {p.peer for p in tasklets if p.state == TaskState.DONE}
+        if allocated and allocated <= done:
+            return JobState.DONE
+        return JobState.RUNNING
+    return JobState.PLANNING if now >= rec.epoch0_start else JobState.PENDING
 
 
 def resolve_job_id(text: str, known: Any) -> str | None:
@@ -97,7 +131,8 @@ def progress_summary(progress: dict[str, Progress], epoch: int | None, steps: in
     return out
 
 
-def job_view(entry: JobEntry, me: str, state: JobState, *, detail: bool) -> dict[str, Any]:
+def job_view(entry: JobEntry, me: str, now: float, *, detail: bool) -> dict[str, Any]:
+    """One job as ``peerd jobs`` lists it (``detail``: as ``peerd job status`` shows it)."""
     rec = entry.record
     view: dict[str, Any] = {
         "job_id": rec.job_id,
@@ -105,7 +140,7 @@ def job_view(entry: JobEntry, me: str, state: JobState, *, detail: bool) -> dict
         "name": entry.spec.name,
         "owner": rec.owner,
         "owner_is_me": rec.owner == me,
-        "state": state.value,
+        "state": effective_state(entry, now).value,
         "record_state": rec.state.value,
         "reason": rec.reason,
         "created_at": rec.created_at,
