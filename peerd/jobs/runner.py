@@ -32,7 +32,6 @@ from peerd.jobs.store import RecordStore
 from peerd.log import get_logger
 from peerd.pipeline.codec import CompressionConfig
 from peerd.pipeline.config import ModelSpec, TrainConfig
-from peerd.pipeline.launch import close_tasklet
 from peerd.pipeline.partition import balanced_layers_per_stage
 from peerd.pipeline.streams import StreamConfig
 from peerd.pipeline.worker import StageWorker, StepReport
@@ -215,7 +214,7 @@ class TaskletRunner:
             )
         finally:
             if self.worker is not None:
-                await close_tasklet(self.worker)
+                await self.worker.close()
             publisher.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await publisher

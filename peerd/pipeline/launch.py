@@ -244,7 +244,7 @@ async def run_workers(
                 await pending
         outcomes = await asyncio.gather(*(w.run(until) for w in workers), return_exceptions=True)
     finally:
-        await asyncio.gather(*(close_tasklet(w) for w in workers))
+        await asyncio.gather(*(w.close() for w in workers))
     result = RunResult(start_step=start)
     for w, outcome in zip(workers, outcomes, strict=True):
         result.stats[f"s{w.stage}r{w.replica}"] = w.stats.snapshot()
@@ -255,16 +255,6 @@ async def run_workers(
             raise outcome  # a bug, not a network or input failure
     result.reports.sort(key=lambda r: (r.step, r.stage, r.replica))
     return result
-
-
-async def close_tasklet(worker: StageWorker) -> None:
-    """Close a worker and its gradient reducer; never raises (shutdown paths call it)."""
-    with contextlib.suppress(Exception):
-        await worker.close()
-    close = getattr(worker.reducer, "close", None)
-    if close is not None:
-        with contextlib.suppress(Exception):
-            await close()
 
 
 async def run_allocation(

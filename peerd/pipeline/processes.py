@@ -40,7 +40,6 @@ from peerd.pipeline.launch import (
     RunResult,
     TaskletError,
     build_workers,
-    close_tasklet,
 )
 from peerd.pipeline.launch import resume_step as common_resume_step
 from peerd.pipeline.streams import plain
@@ -289,7 +288,7 @@ async def _run_plan(
         _emit("error", code=exc.code.name, message=plain(exc))
     finally:
         for w in workers:
-            await close_tasklet(w)
+            await w.close()
         await transport.close()
 
 

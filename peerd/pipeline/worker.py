@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -207,6 +208,15 @@ class StageWorker:
             await start()
 
     async def close(self) -> None:
+        """Release the streams, compute thread, codecs and gradient reducer; never raises (shutdown paths call it)."""
+        with contextlib.suppress(Exception):
+            await self._release()
+        close = getattr(self.reducer, "close", None)  # connect() started it: this worker stops it
+        if close is not None:
+            with contextlib.suppress(Exception):
+                await close()
+
+    async def _release(self) -> None:
         self.inbox.hold(False)  # nothing more to checkpoint: no decode may wait for a step that never comes
         for sender in (self.to_next, self.to_prev):
             if sender is not None:
