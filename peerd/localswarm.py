@@ -152,16 +152,6 @@ class LocalSwarm:
                 return list(peer.info.maddrs)
         raise PeerUnavailable("no peer of the local swarm is running")
 
-    def add_peer(self, name: str | None = None, **options: Any) -> LocalPeer:
-        """Start one more daemon joining the running swarm; returns once it is ready."""
-        index = len(self.peers)
-        name = name or f"peer{index}"
-        peer = LocalPeer(index=index, name=name, home=self.root / name, options={**self.options, **options})
-        self.peers.append(peer)
-        self._launch(peer, initial_peers=self.bootstrap_maddrs)
-        self._wait_ready([peer])
-        return peer
-
     def config_for(self, peer: LocalPeer, initial_peers: list[str]) -> DaemonConfig:
         mapping = {"host_maddrs": [LOOPBACK], **peer.options}
         mapping.update(name=peer.name, home=str(peer.home), initial_peers=list(initial_peers))
