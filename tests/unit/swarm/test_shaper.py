@@ -1,16 +1,16 @@
-"""Link shaper: token-bucket pacing math on a fake clock, scenario mapping, and pacing of a real socket stream."""
+"""Link shaper: token-bucket pacing math and a paced stream on a fake clock, scenario mapping, a real socket."""
 
 from __future__ import annotations
 
 import asyncio
-import time
+import selectors
 from pathlib import Path
 
 import pytest
 
 from peerd.errors import ConfigError
 from peerd.sched.scenario import load_scenario
-from peerd.swarm.shaper import LinkShaper, LinkSpec, TokenBucket, _Link
+from peerd.swarm.shaper import LOOKAHEAD_S, LinkShaper, LinkSpec, TokenBucket, _Link
 
 SCENARIOS = Path(__file__).resolve().parents[3] / "configs" / "scenarios"
 
@@ -74,27 +74,106 @@ def test_from_scenario_rejects_a_self_name_outside_the_scenario():
         LinkShaper.from_scenario(scenario, "peer7", lambda _p: None)
 
 
-def test_real_stream_is_delayed_and_paced_without_dividing_throughput():
-    """2 Mbit/s, 100 ms one-way over a loopback TCP socket: first byte after ~delay, total ~ delay + size/rate.
+class _VirtualClock:
+    now = 0.0
 
-    Bounds are loose on the late side: a busy host wakes timers late, which only delays bytes.
-    The exact pacing arithmetic is checked on a fake clock above.
+
+class _VirtualSelector(selectors.DefaultSelector):
+    """Never blocks: when nothing is ready, the loop's clock jumps to the next timer instead."""
+
+    def __init__(self, clock: _VirtualClock) -> None:
+        super().__init__()
+        self._clock = clock
+
+    def select(self, timeout: float | None = None):
+        events = super().select(0)
+        if not events and timeout is None:
+            raise RuntimeError("deadlock: no timer is pending and nothing can become ready")
+        if not events and timeout:
+            self._clock.now += timeout
+        return events
+
+
+class _VirtualTimeLoop(asyncio.SelectorEventLoop):
+    """An event loop on virtual time: ``asyncio.sleep`` and the shaper's clock advance together, instantly."""
+
+    def __init__(self) -> None:
+        self.clock = _VirtualClock()
+        super().__init__(_VirtualSelector(self.clock))
+
+    def time(self) -> float:
+        return self.clock.now
+
+
+class _RecordingWriter:
+    """Stands in for the socket's StreamWriter: notes (virtual time, bytes) of every write."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self.writes: list[tuple[float, bytes]] = []
+
+    def write(self, data: bytes) -> None:
+        self.writes.append((self._loop.time(), bytes(data)))
+
+    async def drain(self) -> None:
+        return None
+
+
+def test_stream_is_delayed_once_and_paced_at_the_link_rate_on_virtual_time():
+    """2 Mbit/s, 100 ms one-way: each piece reaches the socket at delay + its paced send time, exactly.
+
+    A delay paid per write (instead of pipelined) would put the last byte at 1 + 50 x 0.1 = 6 s;
+    a rate divided by the delay would stretch every gap. Both show up as exact mismatches here.
     """
-    spec = LinkSpec(delay_s=0.1, bandwidth_bps=2_000_000)
-    total = 250_000  # 1.0 s at 250 kB/s, sent as 50 writes of 5 kB
+    spec = LinkSpec(delay_s=0.1, bandwidth_bps=2_000_000)  # 250 kB/s
+    total, write_bytes = 250_000, 5000  # 50 writes of 5 kB, like frames
+    piece, rate = spec.piece_bytes, spec.rate_Bps
+    loop = _VirtualTimeLoop()
 
     async def go():
-        arrivals: list[tuple[float, int]] = []
+        writer = _RecordingWriter(loop)
+        channel = LinkShaper.uniform(spec, clock=loop.time).channel("peer", writer)
+        assert channel is not None
+        payload = bytes(range(256)) * (total // 256) + bytes(total % 256)
+        for offset in range(0, total, write_bytes):
+            await channel.write(memoryview(payload)[offset : offset + write_bytes])
+        returned = loop.time()
+        await channel.flush()
+        channel.close()
+        return payload, writer.writes, returned
+
+    try:
+        payload, writes, returned = loop.run_until_complete(go())
+    finally:
+        loop.close()
+    assert b"".join(data for _, data in writes) == payload  # every byte, in order
+    sent = 0
+    for at, data in writes:
+        sent += len(data)
+        # the first piece is the bucket's burst; every later byte waits for its share of the rate
+        assert at == pytest.approx(spec.delay_s + (sent - piece) / rate, abs=1e-9)
+    paced_s = (total - piece) / rate
+    assert writes[0][0] == pytest.approx(spec.delay_s)
+    assert writes[-1][0] == pytest.approx(spec.delay_s + paced_s)
+    # the writer returns once its last piece is reserved, up to the look-ahead before it leaves
+    assert returned == pytest.approx(paced_s - LOOKAHEAD_S)
+
+
+def test_real_socket_stream_arrives_whole_and_in_order():
+    """The same channel over a loopback TCP socket (real drain, real timers): only what load cannot change."""
+    spec = LinkSpec(delay_s=0.02, bandwidth_bps=8_000_000)
+    payload = bytes(range(256)) * 200  # 51 200 bytes, ~50 ms at 1 MB/s
+
+    async def go():
+        received = bytearray()
         done = asyncio.Event()
 
         async def on_client(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-            got = 0
-            while got < total:
+            while len(received) < len(payload):
                 data = await reader.read(65536)
                 if not data:
                     break
-                got += len(data)
-                arrivals.append((time.monotonic(), got))
+                received.extend(data)
             done.set()
             writer.close()
 
@@ -103,25 +182,13 @@ def test_real_stream_is_delayed_and_paced_without_dividing_throughput():
         _reader, writer = await asyncio.open_connection("127.0.0.1", port)
         channel = LinkShaper.uniform(spec).channel("peer", writer)
         assert channel is not None
-        started = time.monotonic()
-        for _ in range(0, total, 5000):  # many small sends, like frames
-            await channel.write(memoryview(bytes(5000)))
-        returned = time.monotonic() - started
+        for offset in range(0, len(payload), 3000):
+            await channel.write(memoryview(payload)[offset : offset + 3000])
         await channel.flush()
-        await asyncio.wait_for(done.wait(), 10)
+        await asyncio.wait_for(done.wait(), 30)  # a hang guard only
         channel.close()
         writer.close()
         server.close()
-        return started, returned, arrivals
+        return bytes(received)
 
-    started, returned, arrivals = asyncio.run(go())
-    first = arrivals[0][0] - started
-    last = arrivals[-1][0] - started
-    assert arrivals[-1][1] == total
-    assert 0.095 <= first < 0.4  # nothing arrives before the one-way delay
-    # the sender is paced (~1 s less the 50 ms look-ahead) and the last byte arrives one delay
-    # after its slot: ~1.1 s, where a delay paid per write would take 1 + 50 x 0.1 = 6 s
-    assert 0.85 <= returned < 1.5
-    assert 1.0 <= last < 1.8
-    rate = (arrivals[-1][1] - arrivals[0][1]) / (arrivals[-1][0] - arrivals[0][0])
-    assert rate == pytest.approx(spec.rate_Bps, rel=0.2)
+    assert asyncio.run(go()) == payload
