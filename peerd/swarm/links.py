@@ -167,6 +167,11 @@ class ProbeResponder:
         self._active = 0
         self.sessions_served = 0
 
+    @property
+    def active_sessions(self) -> int:
+        """Probe sessions being served right now (at most ``max_sessions``; the rest are answered BUSY)."""
+        return self._active
+
     async def start(self) -> None:
         await self.transport.serve(PROBE_PROTOCOL, self._handle)
 

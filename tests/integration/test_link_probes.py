@@ -154,20 +154,18 @@ def test_refresh_probes_a_bounded_number_stalest_first_and_marks_dead_peers(peer
         for _ in range(3):
             by_age = sorted(prober.measurements.values(), key=lambda m: m.measured_at)
             oldest_before_round.append([m.peer_id for m in by_age[:2]])
-            started = time.monotonic()
             batch = await prober.refresh(everyone)
-            rounds.append(([m.peer_id for m in batch], time.monotonic() - started))
+            rounds.append([m.peer_id for m in batch])
         return rounds, oldest_before_round, prober
 
     rounds, oldest_before_round, prober = peers.run(go())
     a, c, nobody = (p.to_base58() for p in (peers.a.peer_id, peers.c.peer_id, NOBODY))
-    assert all(len(ids) == 2 for ids, _ in rounds)
-    assert {*rounds[0][0], *rounds[1][0]} == {a, c, nobody}  # nobody waits two refreshes
-    assert rounds[2][0] == oldest_before_round[2]  # once all are known: oldest measurement first
+    assert all(len(ids) == 2 for ids in rounds)
+    assert {*rounds[0], *rounds[1]} == {a, c, nobody}  # nobody waits two refreshes
+    assert rounds[2] == oldest_before_round[2]  # once all are known: oldest measurement first
+    # a dead peer ends at its connect deadline (UNREACHABLE), not at the probe budget (that is TIMEOUT)
     assert prober.measurements[nobody].status == LinkStatus.UNREACHABLE
     assert prober.measurements[a].status == prober.measurements[c].status == LinkStatus.OK
-    # a dead peer costs at most its connect deadline, never the whole probe budget
-    assert all(elapsed < 2 * QUICK.probe_timeout_s for _, elapsed in rounds)
     prober.forget([peers.a.peer_id])
     assert list(prober.measurements) == [a]
 
@@ -187,18 +185,22 @@ def test_peer_that_stops_answering_is_marked_timeout_not_waited_on(peers: Peers)
         return m, time.monotonic() - started
 
     m, elapsed = peers.run(go())
+    # TIMEOUT is the probe budget firing: the ping's own deadline would have said UNREACHABLE
     assert m.status == LinkStatus.TIMEOUT and m.rtt_ms is None
-    assert 0.9 <= elapsed < 2.5
+    assert elapsed < 20  # a hang guard: the mute peer would hold the stream for 30 s
 
 
 def test_responder_over_its_session_budget_answers_busy(peers: Peers):
     async def go():
-        await ProbeResponder(peers.transport(peers.a), ProbeConfig(max_sessions=1)).start()
+        responder = ProbeResponder(peers.transport(peers.a), ProbeConfig(max_sessions=1))
+        await responder.start()
         holder = await peers.transport(peers.c).connect(peers.a.peer_id, PROBE_PROTOCOL)
         await holder.request({"kind": "probe.ping", "seq": 0})  # the one session slot is now taken
         busy = await LinkProber(peers.transport(peers.b), QUICK).probe(peers.a.peer_id)
         await holder.close()
-        await asyncio.sleep(0.2)  # let the responder see the close and free its slot
+        async with asyncio.timeout(20):  # the responder sees the close and frees its slot
+            while responder.active_sessions:
+                await asyncio.sleep(0.01)
         ok = await LinkProber(peers.transport(peers.b), QUICK).probe(peers.a.peer_id)
         return busy, ok
 
