@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import os
-import time
 from collections.abc import Iterator
 
 import numpy as np
@@ -46,6 +45,7 @@ class Swarm:
             self.b, retry=RetryPolicy(attempts=2, base_backoff_s=0.05, ban_after_failures=2)
         )
         self.failures: list[tuple[PeerID, BaseException]] = []  # errors the server-side handlers saw
+        self.failure_seen = asyncio.Event()  # set with each entry of ``failures``
 
         async def echo(conn: Connection) -> None:
             while True:
@@ -56,6 +56,7 @@ class Swarm:
                         exc, StreamClosed
                     ):  # clean closes of earlier tests' streams are not news
                         self.failures.append((conn.peer_id, exc))
+                        self.failure_seen.set()
                     raise
                 if header["kind"] == "fail":
                     raise ProtocolError("this step is gone", code=ErrorCode.WRONG_STEP)
@@ -69,6 +70,14 @@ class Swarm:
         await self.server.serve("test/echo/1", echo, limits=FrameLimits(max_payload=128 << 20))
         await self.server.serve("test/only-c/1", echo, allowed=lambda peer: peer == self.c_id)
         self.c_id: PeerID | None = None
+
+    def clear_failures(self) -> None:
+        self.failures.clear()
+        self.failure_seen.clear()
+
+    async def wait_for_failure(self, timeout: float = 20.0) -> None:
+        """Until a server-side handler has seen an error (the timeout only guards against a hang)."""
+        await asyncio.wait_for(self.failure_seen.wait(), timeout)
 
     async def stop(self) -> None:
         for transport in (self.client, self.server):
@@ -199,7 +208,7 @@ def test_malformed_frames_get_typed_errors_and_server_keeps_serving(
 
 
 def test_truncated_frame_is_seen_by_the_server_as_truncated(swarm: Swarm):
-    swarm.failures.clear()
+    swarm.clear_failures()
 
     async def go():
         _info, _reader, writer = await swarm.b.call_binary_stream_handler(swarm.a.peer_id, "test/echo/1")
@@ -207,10 +216,7 @@ def test_truncated_frame_is_seen_by_the_server_as_truncated(swarm: Swarm):
         writer.write(frame[:-500])
         await writer.drain()
         writer.close()
-        for _ in range(100):  # the handler notices the stream end; poll, bounded
-            if swarm.failures:
-                break
-            await asyncio.sleep(0.05)
+        await swarm.wait_for_failure()  # the handler notices the stream end
 
     swarm.run(go())
     assert [(peer, type(e), e.code) for peer, e in swarm.failures] == [
@@ -222,37 +228,34 @@ def test_recv_timeout_is_typed_and_the_connection_survives(swarm: Swarm):
     async def go():
         async with await swarm.client.connect(swarm.a.peer_id, "test/echo/1") as conn:
             await conn.send({"kind": "silent"})
-            started = time.monotonic()
             with pytest.raises(PeerUnavailable) as info:
-                await conn.recv(timeout=0.3)
-            waited = time.monotonic() - started
+                await conn.recv(timeout=0.3)  # the server never answers: only this deadline ends it
             header, _ = await conn.request({"kind": "x"}, b"after")  # nothing was consumed: still in sync
-            return info.value.code, waited, header["n"]
+            return info.value.code, header["n"]
 
-    code, waited, n = swarm.run(go())
-    assert code == ErrorCode.TIMEOUT and 0.25 <= waited < 2.0 and n == 5
+    code, n = swarm.run(go())
+    assert code == ErrorCode.TIMEOUT and n == 5
 
 
 def test_connect_to_missing_protocol_or_peer_fails_typed_then_bans(swarm: Swarm):
     async def go():
         with pytest.raises(PeerUnavailable):
             await swarm.client.connect(swarm.a.peer_id, "test/nobody-serves-this/1", timeout=5)
-        started = time.monotonic()
         errors = []
-        for _ in range(3):
+        for _ in range(3):  # unbounded, a dial to nobody would outlast swarm.run's 30 s
             try:
                 await swarm.client.connect(NOBODY, "test/echo/1", timeout=2)
             except PeerUnavailable as exc:
                 errors.append(str(exc))
-        return errors, time.monotonic() - started
+        return errors
 
-    errors, elapsed = swarm.run(go())
-    assert len(errors) == 3 and elapsed < 3 * 2 + 1  # every attempt is bounded by its timeout
+    errors = swarm.run(go())
+    assert len(errors) == 3
     assert "banned" in errors[-1] and "banned" not in errors[0]  # ban after 2 failed connects
 
 
 def test_peer_vanishing_mid_stream_fails_fast_on_both_sides(swarm: Swarm):
-    swarm.failures.clear()
+    swarm.clear_failures()
 
     async def go():
         # a third daemon C sends half a frame to A and dies: A's handler must see a typed error
@@ -261,10 +264,7 @@ def test_peer_vanishing_mid_stream_fails_fast_on_both_sides(swarm: Swarm):
         writer.write(encode_frame({"kind": "x"}, bytes(4 << 20))[: 1 << 20])
         await writer.drain()
         await c.shutdown()
-        for _ in range(200):
-            if swarm.failures:
-                break
-            await asyncio.sleep(0.05)
+        await swarm.wait_for_failure()
         server_saw = [e for peer, e in swarm.failures if peer == c.peer_id]
 
         # B talks to a server D that dies while B waits for its answer: B's recv must not hang
@@ -283,17 +283,17 @@ def test_peer_vanishing_mid_stream_fails_fast_on_both_sides(swarm: Swarm):
         await entered.wait()
         await d_transport.close()
         await d.shutdown()
-        started = time.monotonic()
         try:
             await conn.recv(timeout=20)
         except PeerdError as exc:
             client_saw = exc
-        return server_saw, client_saw, time.monotonic() - started
+        return server_saw, client_saw
 
-    server_saw, client_saw, waited = swarm.run(go(), timeout=60)
+    server_saw, client_saw = swarm.run(go(), timeout=60)
     assert len(server_saw) == 1 and isinstance(server_saw[0], ProtocolError | PeerUnavailable)
     assert isinstance(client_saw, StreamClosed | ProtocolError | PeerUnavailable)
-    assert waited < 10  # noticed the dead peer, not the 20 s timeout
+    # noticed the dead peer, not the 20 s timeout (which would be a TIMEOUT)
+    assert client_saw.code != ErrorCode.TIMEOUT, client_saw
     # and A still serves
     assert swarm.run(_echo_len(swarm, b"alive")) == 5
 
