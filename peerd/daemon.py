@@ -27,10 +27,10 @@ from peerd import __version__
 from peerd.config import DaemonConfig
 from peerd.control import ControlServer
 from peerd.errors import ConfigError, ErrorCode, PeerdError, PeerUnavailable
-from peerd.jobs.metrics import MetricsServer
 from peerd.jobs.service import METHODS as JOB_METHODS
 from peerd.jobs.service import JobService
 from peerd.log import get_logger
+from peerd.metrics import MetricsServer
 from peerd.swarm.identity import Identity, make_record_validators
 from peerd.swarm.links import LinkProber, ProbeConfig, ProbeResponder
 from peerd.swarm.membership import Announcer, PeerEntry, fetch_peers, peers_view

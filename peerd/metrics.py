@@ -1,0 +1,148 @@
+"""Prometheus metrics of a daemon's status view, served by ``prometheus_client`` on a loopback HTTP port.
+
+The numbers are the ones ``peerd status --json`` shows: peers online, link RTT and bandwidth,
+and per job its state, step, loss, tokens per second and bytes on the wire by kind (with the
+uncompressed equivalent; the job numbers come from ``peerd.jobs.views``). ``StatusCollector``
+reads the live view at every scrape, nothing is kept between scrapes. prometheus_client's
+server answers in its own thread while the view belongs to the daemon's event loop, so
+``MetricsServer`` reads it on that loop. Loopback only: scrape it locally or through your own
+exporter/proxy. Any GET path answers with the metrics (prometheus_client's choice).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Iterator
+from typing import Any
+from wsgiref.simple_server import WSGIServer
+
+from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from peerd.errors import ConfigError
+from peerd.log import get_logger
+
+logger = get_logger(__name__)
+
+VIEW_TIMEOUT_S = 5.0  # a scrape waits this long for the event loop to hand over the view
+LINK_LABELS = ["src", "dst", "src_name", "dst_name"]
+
+
+def _add(family: GaugeMetricFamily | CounterMetricFamily, value: float | None, *labels: str) -> None:
+    if value is not None:
+        family.add_metric(list(labels), float(value))
+
+
+class StatusCollector(Collector):
+    """Yields the peerd_* series of ``view()`` (``peers``, ``links``, ``jobs``, as ``peerd status --json``)."""
+
+    def __init__(self, view: Callable[[], dict[str, Any]]) -> None:
+        self.view = view
+
+    def collect(self) -> Iterator[Metric]:
+        view = self.view()
+        yield from self._peers(view)
+        yield from self._jobs(view.get("jobs", []))
+
+    def _peers(self, view: dict[str, Any]) -> Iterator[Metric]:
+        states: dict[str, int] = {}
+        for peer in view.get("peers", []):
+            states[peer["state"]] = states.get(peer["state"], 0) + 1
+        yield GaugeMetricFamily(
+            "peerd_peers_online", "Peers of the swarm this daemon sees ONLINE.", value=states.get("online", 0)
+        )
+        peers = GaugeMetricFamily("peerd_peers", "Peers this daemon sees, by state.", labels=["state"])
+        for state, n in sorted(states.items()):
+            _add(peers, n, state)
+        yield peers
+        rtt = GaugeMetricFamily(
+            "peerd_link_rtt_seconds", "Measured round-trip time of a link (src -> dst).", labels=LINK_LABELS
+        )
+        bw = GaugeMetricFamily(
+            "peerd_link_bandwidth_bits_per_second",
+            "Measured upload bandwidth src -> dst.",
+            labels=LINK_LABELS,
+        )
+        names = {p["peer_id"]: p["name"] for p in view.get("peers", [])}
+        for link in view.get("links", []):
+            if link.get("status") != "ok":
+                continue
+            ends = (link["src"], link["dst"], names.get(link["src"], ""), names.get(link["dst"], ""))
+            if link.get("rtt_ms") is not None:
+                _add(rtt, link["rtt_ms"] / 1e3, *ends)
+            if link.get("bw_up_mbps") is not None:
+                _add(bw, link["bw_up_mbps"] * 1e6, *ends)
+        yield rtt
+        yield bw
+
+    def _jobs(self, jobs: list[dict[str, Any]]) -> Iterator[Metric]:
+        def gauge(name: str, help_text: str, labels: tuple[str, ...] = ("job",)) -> GaugeMetricFamily:
+            return GaugeMetricFamily(name, help_text, labels=list(labels))
+
+        info = gauge(
+            "peerd_job_info",
+            "1 per known job, labelled with its name and state.",
+            ("job", "name", "state", "owner"),
+        )
+        step = gauge("peerd_job_step", "Optimizer steps every tasklet of the job has completed.")
+        steps = gauge("peerd_job_steps", "Optimizer steps the job runs in total.")
+        loss = gauge("peerd_job_loss", "Training loss of the job's latest step.")
+        tps = gauge("peerd_job_tokens_per_second", "Training throughput of the job (tokens/s).")
+        wire = CounterMetricFamily(
+            "peerd_job_wire_bytes", "Bytes the job's tasklets sent, by kind.", labels=["job", "kind"]
+        )
+        raw = CounterMetricFamily(
+            "peerd_job_raw_bytes", "What those bytes would have been uncompressed.", labels=["job", "kind"]
+        )
+        cost = gauge(
+            "peerd_job_allocation_cost_seconds", "Cost-model seconds per step of the committed allocation."
+        )
+        for job in jobs:
+            jid = job["job_id"]
+            _add(info, 1, jid, job.get("name", ""), job["state"], job.get("owner", ""))
+            progress = job.get("progress") or {}
+            _add(step, progress.get("step"), jid)
+            _add(steps, progress.get("steps"), jid)
+            _add(loss, progress.get("loss"), jid)
+            _add(tps, progress.get("tokens_per_s"), jid)
+            for kind, n in sorted((progress.get("bytes") or {}).items()):
+                _add(raw if kind.endswith("_raw") else wire, n, jid, kind.removesuffix("_raw"))
+            if job.get("allocation"):
+                _add(cost, job["allocation"].get("cost"), jid)
+        yield from (info, step, steps, loss, tps, wire, raw, cost)
+
+
+class MetricsServer:
+    """``GET /metrics`` on ``127.0.0.1:port`` with the series of ``view()``; ``start()`` / ``close()``."""
+
+    def __init__(self, port: int, view: Callable[[], dict[str, Any]], host: str = "127.0.0.1") -> None:
+        if not 0 < port < 65536:
+            raise ConfigError("metrics_port", f"must be a TCP port 1-65535, got {port}")
+        self.host, self.port, self.view = host, port, view
+        self._httpd: WSGIServer | None = None
+
+    async def start(self) -> None:
+        loop = asyncio.get_running_loop()
+
+        async def read() -> dict[str, Any]:
+            return self.view()
+
+        def on_loop() -> dict[str, Any]:  # runs in the HTTP server's thread
+            return asyncio.run_coroutine_threadsafe(read(), loop).result(VIEW_TIMEOUT_S)
+
+        registry = CollectorRegistry(auto_describe=False)
+        registry.register(StatusCollector(on_loop))
+        try:
+            self._httpd, _ = start_http_server(self.port, self.host, registry)
+        except OSError as exc:
+            raise ConfigError(
+                "metrics_port", f"cannot listen on {self.host}:{self.port}: {exc.strerror or exc}"
+            ) from None
+        logger.info("metrics on http://%s:%d/metrics", self.host, self.port)
+
+    async def close(self) -> None:
+        httpd, self._httpd = self._httpd, None
+        if httpd is not None:
+            await asyncio.get_running_loop().run_in_executor(None, httpd.shutdown)  # waits out a poll
+            httpd.server_close()
