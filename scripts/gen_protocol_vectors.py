@@ -30,12 +30,12 @@ from peerd.errors import ErrorCode, PeerdError
 from peerd.swarm.records import (
     MAX_LINKS,
     MAX_PEER_RECORD_BYTES,
-    canonical_packb,
     check_record_time,
     decode_peer_record,
     encode_peer_record,
     peer_record_to_wire,
 )
+from peerd.wire import canonical_pack
 
 OUT = Path(__file__).resolve().parents[1] / "protocols" / "vectors" / "peer_record"
 T0 = 1_767_225_600.0  # 2026-01-01T00:00:00Z: every timestamp below is T0 + a small offset
@@ -129,7 +129,7 @@ def encode_vectors() -> dict[str, dict[str, Any]]:
     }
     out = {}
     for name, (description, wire) in records.items():
-        raw = canonical_packb(wire)
+        raw = canonical_pack(wire)
         rec = decode_peer_record(raw)
         assert encode_peer_record(rec) == raw and peer_record_to_wire(rec) == wire, name
         out[f"encode-{name}"] = {
@@ -173,7 +173,7 @@ def decode_vectors() -> dict[str, dict[str, Any]]:
 
 
 def reject_vectors() -> dict[str, dict[str, Any]]:
-    pack = canonical_packb
+    pack = canonical_pack
     good = pack(base())
     too_many = base(links=[link(fake_peer_id(f"n{i}"), rtt_ms=1.0) for i in range(MAX_LINKS + 1)])
     padded = pack({**base(), "padding": "x" * MAX_PEER_RECORD_BYTES})
@@ -306,7 +306,7 @@ def time_vectors() -> dict[str, dict[str, Any]]:
     }
     out = {}
     for name, (description, wire, now, expiration, code) in cases.items():
-        raw = canonical_packb(wire)
+        raw = canonical_pack(wire)
         rec = decode_peer_record(raw)
         try:
             check_record_time(rec, now, expiration_time=expiration)

@@ -23,7 +23,8 @@ from peerd.jobs.spec_collect import bare_message
 from peerd.jobs.wire import JOB_ID_RE, Fields
 from peerd.loading import to_mapping
 from peerd.sched.consensus.config import ConsensusTiming
-from peerd.swarm.records import PROTOCOL_VERSION, canonical_packb, check_header, unpack_map
+from peerd.swarm.records import PROTOCOL_VERSION
+from peerd.wire import canonical_pack, check_envelope, decode_map
 
 JOB_KIND, INDEX_KIND, PROGRESS_KIND = "job", "jobs", "progress"
 # hivemind's DHT pipe splits messages above 16 KiB (see swarm.records): every record stays well below.
@@ -140,7 +141,7 @@ def job_id_of(
     """Hex of the first 16 bytes of sha256 over the canonical msgpack of the record's immutable part."""
     terms = {"epoch0_start": float(epoch0_start), "timing": timing_to_wire(timing)}
     body = {"nonce": bytes(nonce), "owner": owner, "planning": terms, "spec": spec}
-    return hashlib.sha256(canonical_packb(body)).digest()[:JOB_ID_BYTES].hex()
+    return hashlib.sha256(canonical_pack(body)).digest()[:JOB_ID_BYTES].hex()
 
 
 def new_job_record(
@@ -231,7 +232,7 @@ def progress_to_wire(p: Progress) -> dict[str, Any]:
 
 def _encode(wire: dict[str, Any], limit: int, what: str, decode: Any) -> bytes:
     try:
-        raw = canonical_packb(wire)
+        raw = canonical_pack(wire)
     except (TypeError, ValueError, OverflowError) as exc:
         raise ProtocolError(f"{what} not encodable: {exc}") from None
     if len(raw) > limit:
@@ -272,8 +273,8 @@ def decode_job(raw: bytes) -> JobRecord:
     CONFIG_INVALID when the spec inside does not validate). Ownership is the reader's
     check: the subkey's peer id must be ``owner``.
     """
-    m = unpack_map(raw, max_bytes=MAX_JOB_BYTES, what="job record")
-    check_header(m, JOB_KIND, "job record")
+    m = decode_map(raw, max_bytes=MAX_JOB_BYTES, what="job record")
+    check_envelope(m, what="job record", version=PROTOCOL_VERSION, kind=JOB_KIND)
     f = Fields(m, "job record")
     nonce = f.get("nonce")
     if not isinstance(nonce, bytes) or len(nonce) != NONCE_BYTES:
@@ -316,8 +317,8 @@ def decode_job(raw: bytes) -> JobRecord:
 
 
 def decode_index(raw: bytes) -> JobIndex:
-    m = unpack_map(raw, max_bytes=MAX_INDEX_BYTES, what="job index")
-    check_header(m, INDEX_KIND, "job index")
+    m = decode_map(raw, max_bytes=MAX_INDEX_BYTES, what="job index")
+    check_envelope(m, what="job index", version=PROTOCOL_VERSION, kind=INDEX_KIND)
     f = Fields(m, "job index")
     ids = f.get("job_ids")
     if not isinstance(ids, list) or len(ids) > MAX_INDEX_IDS:
@@ -331,8 +332,8 @@ def decode_index(raw: bytes) -> JobIndex:
 
 
 def decode_progress(raw: bytes) -> Progress:
-    m = unpack_map(raw, max_bytes=MAX_PROGRESS_BYTES, what="progress record")
-    check_header(m, PROGRESS_KIND, "progress record")
+    m = decode_map(raw, max_bytes=MAX_PROGRESS_BYTES, what="progress record")
+    check_envelope(m, what="progress record", version=PROTOCOL_VERSION, kind=PROGRESS_KIND)
     f = Fields(m, "progress record")
     counters = f.get("bytes", optional=True) or {}
     byte_fields = Fields(counters, "progress record", "bytes.")

@@ -24,9 +24,8 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import msgpack
-
 from peerd.errors import ErrorCode, PeerdError, PeerUnavailable, ProtocolError
+from peerd.wire import canonical_pack, decode_map
 
 MAGIC = b"PD"
 VERSION = 1
@@ -65,28 +64,14 @@ DEFAULT_LIMITS = FrameLimits()
 # ---------------------------------------------------------------- pure encode / decode
 
 
-def _canonical(value: Any) -> Any:
-    """Maps with their str keys sorted, tuples as lists: one header has exactly one encoding."""
-    if isinstance(value, Mapping):
-        if not all(isinstance(k, str) for k in value):
-            raise ProtocolError("frame header map keys must be str", code=ErrorCode.MALFORMED)
-        return {k: _canonical(value[k]) for k in sorted(value)}
-    if isinstance(value, list | tuple):
-        return [_canonical(v) for v in value]
-    return value
-
-
 def encode_header(header: Mapping[str, Any]) -> bytes:
     """Canonical msgpack of a header map (keys sorted at every level); ``kind`` must be a non-empty str."""
     kind = header.get("kind")
     if not isinstance(kind, str) or not kind:
         raise ProtocolError("frame header needs a non-empty str 'kind'", code=ErrorCode.MALFORMED)
-    try:
-        return msgpack.packb(_canonical(header), use_bin_type=True)
-    except (TypeError, ValueError, OverflowError) as exc:
-        raise ProtocolError(
-            f"frame header is not msgpack-encodable: {exc}", code=ErrorCode.MALFORMED
-        ) from None
+    if not all(isinstance(k, str) for k in header):
+        raise ProtocolError("frame header map keys must be str", code=ErrorCode.MALFORMED)
+    return canonical_pack(header)
 
 
 def encode_prefix(header_len: int, payload_len: int) -> bytes:
@@ -133,14 +118,7 @@ def parse_prefix(prefix: bytes, limits: FrameLimits = DEFAULT_LIMITS) -> tuple[i
 
 def parse_header(raw: bytes) -> Header:
     """Decode a msgpack header: a map with str keys and a non-empty str ``kind``; other keys pass through."""
-    try:
-        header = msgpack.unpackb(raw, raw=False, strict_map_key=True)
-    except Exception as exc:  # msgpack raises several unrelated types for bad input
-        raise ProtocolError(f"frame header is not valid msgpack: {exc}", code=ErrorCode.MALFORMED) from None
-    if not isinstance(header, dict):
-        raise ProtocolError(f"frame header is a {type(header).__name__}, not a map", code=ErrorCode.MALFORMED)
-    if not all(isinstance(k, str) for k in header):
-        raise ProtocolError("frame header keys must be str", code=ErrorCode.MALFORMED)
+    header = decode_map(raw, max_bytes=len(raw), what="frame header")
     kind = header.get("kind")
     if not isinstance(kind, str) or not kind:
         raise ProtocolError("frame header lacks a str 'kind'", code=ErrorCode.MALFORMED)

@@ -9,7 +9,7 @@ restart skips it and an upgrade re-measures. Free memory is always read live.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
+import msgspec
 import hashlib
 import json
 import os
@@ -133,7 +133,7 @@ def memory_info(dev: torch.device) -> tuple[int, int | None]:
 def with_live_memory(profile: DeviceProfile, device: str = "auto") -> DeviceProfile:
     """``profile`` with total/free memory re-read now (cheap); call it for every record a daemon publishes."""
     total, free = memory_info(resolve_device(device))
-    return dataclasses.replace(profile, memory_total_bytes=total, memory_free_bytes=free)
+    return msgspec.structs.replace(profile, memory_total_bytes=total, memory_free_bytes=free)
 
 
 def _synchronize(dev: torch.device) -> None:

@@ -15,6 +15,7 @@ import functools
 import time
 from collections.abc import Iterator
 
+import msgspec
 import pytest
 from hivemind.dht import DHT
 from hivemind.dht.crypto import RSASignatureValidator
@@ -31,10 +32,10 @@ from peerd.swarm.records import (
     DeviceProfile,
     PeerRecord,
     PeerState,
-    canonical_packb,
     encode_peer_record,
     peer_record_to_wire,
 )
+from peerd.wire import canonical_pack
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(90)]
 
@@ -105,7 +106,7 @@ def make_record(
         updated_at=now,
         seq=seq,
     )
-    return dataclasses.replace(rec, **changes)
+    return msgspec.structs.replace(rec, **changes)
 
 
 @dataclasses.dataclass
@@ -223,7 +224,7 @@ def _attack_value(swarm: Swarm, attack: str) -> tuple[bytes, object, float]:
         # a well-formed record (unknown fields are tolerated) that is simply too big; kept under
         # 16 KiB so that the attacker's own DHT pipe survives it (see MAX_PEER_RECORD_BYTES)
         wire = peer_record_to_wire(make_record(att, name=attack, now=now))
-        value = canonical_packb({**wire, "padding": "x" * MAX_PEER_RECORD_BYTES})
+        value = canonical_pack({**wire, "padding": "x" * MAX_PEER_RECORD_BYTES})
         assert MAX_PEER_RECORD_BYTES < len(value) < MAX_PEER_RECORD_BYTES + 1024
     elif attack == "future":
         value = encode_peer_record(make_record(att, name=attack, now=now + 3600))

@@ -180,7 +180,7 @@ def _write_vectors() -> None:  # pragma: no cover - run by hand
     )
     from peerd.jobs.spec import load_job_spec
     from peerd.sched.consensus.messages import Vote, encode
-    from peerd.swarm.records import canonical_packb
+    from peerd.wire import canonical_pack
 
     def wire(data: bytes) -> Any:
         def conv(x: Any) -> Any:
@@ -268,7 +268,7 @@ def _write_vectors() -> None:  # pragma: no cover - run by hand
     def invalid(
         name: str, description: str, kind: str, wire_map: dict, error: str, field: str | None = None
     ) -> None:
-        raw = canonical_packb(wire_map)
+        raw = canonical_pack(wire_map)
         out[name] = {
             "type": "invalid",
             "description": description,

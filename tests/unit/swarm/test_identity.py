@@ -8,6 +8,7 @@ import pickle
 import stat
 from concurrent.futures import ThreadPoolExecutor
 
+import msgspec
 import pytest
 from cryptography.hazmat.primitives.asymmetric import ed25519
 from hivemind.dht.routing import DHTID
@@ -145,7 +146,7 @@ def record_of(ident: Identity, **changes) -> PeerRecord:
         updated_at=now,
         seq=1,
     )
-    return dataclasses.replace(rec, **changes)
+    return msgspec.structs.replace(rec, **changes)
 
 
 def dht_record(subkey: object, value: object, *, key: bytes = KEY_ID, ttl: float = 30.0) -> DHTRecord:

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import logging
-from dataclasses import replace
 
 import pytest
 from hivemind.utils.timed_storage import ValueWithExpiration
+from msgspec.structs import replace
 
 from peerd.swarm.identity import Identity
 from peerd.swarm.membership import parse_peer_entries, peers_view, short_id

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import msgpack
+import msgspec
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -73,7 +73,7 @@ def record(**changes) -> PeerRecord:
         updated_at=NOW,
         seq=4,
     )
-    return dataclasses.replace(rec, **changes)
+    return msgspec.structs.replace(rec, **changes)
 
 
 def test_round_trip_and_types():
@@ -87,8 +87,8 @@ def test_round_trip_and_types():
 
 
 def test_encoding_is_canonical_regardless_of_construction_order():
-    a = record(profile=dataclasses.replace(record().profile, tflops={"bf16": 0.4, "fp32": 0.2}))
-    b = record(profile=dataclasses.replace(record().profile, tflops={"fp32": 0.2, "bf16": 0.4}))
+    a = record(profile=msgspec.structs.replace(record().profile, tflops={"bf16": 0.4, "fp32": 0.2}))
+    b = record(profile=msgspec.structs.replace(record().profile, tflops={"fp32": 0.2, "bf16": 0.4}))
     assert encode_peer_record(a) == encode_peer_record(b)
     # integers given for float fields are written as float64, so equal records have equal bytes
     assert encode_peer_record(record(updated_at=int(NOW))) == encode_peer_record(record(updated_at=NOW))
@@ -122,7 +122,7 @@ def test_unknown_fields_are_tolerated_at_every_level():
         (record(peer_id="not base58!"), ErrorCode.MALFORMED),
         (record(started_at=NOW + 1), ErrorCode.MALFORMED),
         (
-            record(profile=dataclasses.replace(record().profile, tflops={"fp32": math.nan})),
+            record(profile=msgspec.structs.replace(record().profile, tflops={"fp32": math.nan})),
             ErrorCode.MALFORMED,
         ),
         (
@@ -185,7 +185,7 @@ def test_time_checks_at_the_skew_boundary():
 
 
 def test_profile_and_link_timestamps_are_checked_too():
-    future_profile = record(profile=dataclasses.replace(record().profile, measured_at=NOW + 60))
+    future_profile = record(profile=msgspec.structs.replace(record().profile, measured_at=NOW + 60))
     with pytest.raises(ProtocolError) as info:
         check_record_time(future_profile, NOW)
     assert info.value.code == ErrorCode.FROM_FUTURE and "profile" in str(info.value)

@@ -1,0 +1,181 @@
+"""The canonical encoder and the bounded decoder every peerd message goes through.
+
+Canonical form (``protocols/README.md``): msgpack maps with str keys in sorted order, struct
+fields under their wire names, floats as float64, ints in their shortest form, ``bin`` for
+bytes, no extension types, absent optional fields omitted. One value has exactly one byte
+string, which is what signatures and digests cover.
+
+Every decoding failure is a ``ProtocolError`` whose message names the field
+(``what: a.b[2].c: why``): OVERSIZED for anything longer than its declared limit,
+UNSUPPORTED_VERSION / UNKNOWN_KIND from the envelope, MALFORMED for the rest.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from enum import Enum
+from functools import cache
+from typing import Any, Generic, TypeVar
+
+import msgspec
+
+from peerd.errors import ErrorCode, ProtocolError
+
+T = TypeVar("T")
+
+_ENCODER = msgspec.msgpack.Encoder(order="sorted")
+_PATH = re.compile(r" - at `\$(.*)`$")
+
+
+def sha256(data: bytes) -> bytes:
+    return hashlib.sha256(data).digest()
+
+
+def canonical_pack(tree: Any) -> bytes:
+    """Canonical msgpack of a tree of builtins or structs (map keys and struct fields sorted)."""
+    try:
+        return _ENCODER.encode(to_builtin(tree))
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise ProtocolError(f"not encodable as msgpack: {exc}", code=ErrorCode.MALFORMED) from None
+
+
+@cache
+def _fields(cls: type[msgspec.Struct]) -> tuple[tuple[str, str, bool], ...]:
+    """(attribute, wire name, omitted-when-None) per field of a struct type."""
+    return tuple((f.name, f.encode_name, f.default is None) for f in msgspec.structs.fields(cls))
+
+
+def to_builtin(obj: Any) -> Any:
+    """Structs as maps of their wire names (absent optionals left out, the tag written), enums as values."""
+    if isinstance(obj, msgspec.Struct):
+        out: dict[str, Any] = {}
+        config = obj.__struct_config__
+        if config.tag_field is not None:
+            out[config.tag_field] = config.tag
+        for attr, name, optional in _fields(type(obj)):
+            value = getattr(obj, attr)
+            if value is None and optional:
+                continue
+            out[name] = to_builtin(value)
+        return out
+    if isinstance(obj, Enum):
+        return obj.value
+    if isinstance(obj, list | tuple):
+        return [to_builtin(x) for x in obj]
+    if isinstance(obj, Mapping):
+        return {k: to_builtin(v) for k, v in obj.items()}
+    return obj
+
+
+def _reject_ext(code: int, data: memoryview) -> Any:
+    raise ValueError(f"msgpack extension type {code} is not allowed")
+
+
+_ANY_DECODER = msgspec.msgpack.Decoder(ext_hook=_reject_ext)
+
+
+def decode_map(raw: Any, *, max_bytes: int, what: str) -> dict[str, Any]:
+    """Size-check and unpack one msgpack map with str keys (no ext types, no trailing bytes)."""
+    if not isinstance(raw, bytes | bytearray | memoryview):
+        raise ProtocolError(f"{what}: expected bytes, got {type(raw).__name__}")
+    if len(raw) > max_bytes:
+        raise ProtocolError(
+            f"{what}: {len(raw)} bytes exceeds the {max_bytes}-byte limit", code=ErrorCode.OVERSIZED
+        )
+    try:
+        obj = _ANY_DECODER.decode(raw)
+    except Exception as exc:  # DecodeError, or the ValueError of _reject_ext
+        raise ProtocolError(f"{what}: not valid msgpack: {exc}") from None
+    if not isinstance(obj, dict):
+        raise ProtocolError(f"{what}: top level must be a map, got {type(obj).__name__}")
+    if not all(isinstance(k, str) for k in obj):
+        raise ProtocolError(f"{what}: map keys must be strings")
+    return obj
+
+
+def check_envelope(
+    m: Mapping[str, Any], *, what: str, version: int, kind: str | None, version_field: str = "v"
+) -> None:
+    """The version and kind every peerd message carries: UNSUPPORTED_VERSION / UNKNOWN_KIND before any field."""
+    got = m.get(version_field)
+    if isinstance(got, bool) or not isinstance(got, int):
+        raise ProtocolError(f"{what}: missing or non-integer version {version_field!r}")
+    if got != version:
+        raise ProtocolError(
+            f"{what}: unsupported version {got} (this peer speaks {version})",
+            code=ErrorCode.UNSUPPORTED_VERSION,
+        )
+    if kind is None:
+        return
+    got_kind = m.get("kind")
+    if not isinstance(got_kind, str):
+        raise ProtocolError(f"{what}: missing or non-string 'kind'")
+    if got_kind != kind:
+        raise ProtocolError(f"{what}: unexpected kind {got_kind[:32]!r}", code=ErrorCode.UNKNOWN_KIND)
+
+
+def protocol_error(exc: msgspec.ValidationError, what: str) -> ProtocolError:
+    """A msgspec validation error as a ProtocolError naming the dotted field."""
+    text = str(exc)
+    match = _PATH.search(text)
+    path = (match.group(1).lstrip(".") if match else "") or "top level"
+    detail = text[: match.start()] if match else text
+    # too many items is OVERSIZED (the spec's limits on counts); a too-long string is just MALFORMED
+    code = ErrorCode.OVERSIZED if re.match(r"Expected `(array|object)` of length <=", detail) else ErrorCode.MALFORMED
+    return ProtocolError(f"{what}: {path}: {detail[:1].lower()}{detail[1:]}", code=code)
+
+
+def convert(m: Any, cls: type[T], *, what: str) -> T:
+    """Validate an unpacked map against a schema: types, bounds and the schema's own checks."""
+    try:
+        return msgspec.convert(m, cls, strict=True)
+    except msgspec.ValidationError as exc:
+        raise protocol_error(exc, what) from None
+
+
+@dataclass(frozen=True)
+class Schema(Generic[T]):
+    """One message type on the wire: its struct, size limit and envelope."""
+
+    cls: type[T]
+    what: str
+    """How errors name the message ("peer record", "consensus vote", ...)."""
+    max_bytes: int
+    version: int = 1
+    kind: str | None = None
+    """The ``kind`` the envelope must carry (None: the struct's tag, if any, checks it)."""
+    version_field: str = "v"
+    rules: Callable[[T], None] | None = None
+    """Checks across fields (raise ``ProtocolError``), run after the schema on decode and encode."""
+
+    def check(self, m: Mapping[str, Any]) -> T:
+        """Envelope, schema, then rules, of an already unpacked map (a frame header)."""
+        check_envelope(m, what=self.what, version=self.version, kind=self.kind, version_field=self.version_field)
+        return self._checked(m)
+
+    def _checked(self, m: Any) -> T:
+        obj = convert(m, self.cls, what=self.what)
+        if self.rules is not None:
+            self.rules(obj)
+        return obj
+
+    def decode(self, raw: Any) -> T:
+        return self.check(decode_map(raw, max_bytes=self.max_bytes, what=self.what))
+
+    def encode(self, obj: T) -> bytes:
+        """Canonical bytes of ``obj``, after the checks a receiver runs (a bug must not reach the wire).
+
+        Going through the schema also makes every float field a float64 on the wire, even where
+        the value was built from an int.
+        """
+        checked = self._checked(to_builtin(obj))
+        raw = canonical_pack(checked)
+        if len(raw) > self.max_bytes:
+            raise ProtocolError(
+                f"{self.what}: {len(raw)} bytes exceeds the {self.max_bytes}-byte limit",
+                code=ErrorCode.OVERSIZED,
+            )
+        return raw
