@@ -9,7 +9,6 @@ restart skips it and an upgrade re-measures. Free memory is always read live.
 from __future__ import annotations
 
 import contextlib
-import msgspec
 import hashlib
 import json
 import os
@@ -20,6 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import torch
 from hivemind.utils import get_dht_time
 
