@@ -19,7 +19,6 @@ generations). Ratios < 1 mean the consensus winner is cheaper.
 
 from __future__ import annotations
 
-import hashlib
 import statistics
 import tempfile
 import time
@@ -30,6 +29,7 @@ import click
 import numpy as np
 
 from peerd.bench import emit_json
+from peerd.sched.consensus.machine import island_seed
 
 
 def _ints(text: str) -> list[int]:
@@ -37,11 +37,6 @@ def _ints(text: str) -> list[int]:
         return [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
         raise click.BadParameter(f"expected comma-separated integers, got {text!r}") from None
-
-
-def island_seed(job: str, epoch: int, peer: str) -> int:
-    """The seed the consensus machine gives a peer's island (``ConsensusMachine._island_seed``, seed 0)."""
-    return int.from_bytes(hashlib.sha256(f"{job}|{epoch}|{peer}|0".encode()).digest()[:8], "big")
 
 
 # -- latency on real daemons ----------------------------------------------------------------------

@@ -185,12 +185,3 @@ def build_hf_model(model_type: str, seed: int = 0, **config: Any) -> nn.Module:
         torch.manual_seed(seed)
         model = tf.AutoModelForCausalLM.from_config(hf_config)
     return model
-
-
-def load_hf_model(path: str) -> nn.Module:
-    """A causal LM from a local checkpoint directory (never downloads)."""
-    tf = _transformers()
-    try:
-        return tf.AutoModelForCausalLM.from_pretrained(path, local_files_only=True)
-    except (OSError, ValueError) as exc:
-        raise ConfigError("model.hf.path", f"cannot load a causal LM from {path!r}: {exc}") from None

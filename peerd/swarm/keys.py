@@ -46,12 +46,6 @@ def _check_epoch(epoch: int) -> int:
     return epoch
 
 
-def _check_stage(stage: int) -> int:
-    if isinstance(stage, bool) or not isinstance(stage, int) or not 0 <= stage < 4096:
-        raise ConfigError("stage", f"{stage!r} is not a valid stage index (integer 0..4095)")
-    return stage
-
-
 def peers_key(swarm: str = DEFAULT_SWARM) -> str:
     """Membership: one key per swarm; subkey = the peer's owner tag, value = an encoded PeerRecord.
 
@@ -94,10 +88,3 @@ def commit_key(job_id: str) -> str:
 def progress_key(job_id: str) -> str:
     """Training progress (step, loss, throughput, bytes on the wire); subkey per stage worker."""
     return f"{KEY_PREFIX}/job/{check_job_id(job_id)}/progress"
-
-
-def averaging_prefix(job_id: str, epoch: int, stage: int) -> str:
-    """Matchmaking prefix for the data-parallel group of one pipeline stage in one allocation epoch."""
-    return (
-        f"{KEY_PREFIX}/job/{check_job_id(job_id)}/epoch/{_check_epoch(epoch)}/stage/{_check_stage(stage)}/avg"
-    )

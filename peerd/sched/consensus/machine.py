@@ -389,8 +389,7 @@ class ConsensusMachine:
         return self._epochs[epoch]
 
     def _island_seed(self, epoch: int) -> int:
-        digest = hashlib.sha256(f"{self.job}|{epoch}|{self.me}|{self.seed}".encode()).digest()
-        return int.from_bytes(digest[:8], "big")
+        return island_seed(self.job, epoch, self.me, self.seed)
 
     def _hold(self, held: list[Message], msg: Message) -> list[Action]:
         if len(held) >= MAX_HELD:
@@ -413,3 +412,9 @@ class ConsensusMachine:
         self.stats["misbehaviour"] += 1
         log.warning("job %s epoch %d: peer %s: %s", self.job, epoch, peer, what)
         return [Misbehaviour(epoch, peer, what)]
+
+
+def island_seed(job: str, epoch: int, peer: str, seed: int = 0) -> int:
+    """The seed of ``peer``'s island in ``epoch``: distinct per peer, reproducible by anyone (benchmarks)."""
+    digest = hashlib.sha256(f"{job}|{epoch}|{peer}|{seed}".encode()).digest()
+    return int.from_bytes(digest[:8], "big")
