@@ -116,7 +116,13 @@ def _bad(path: str, why: str, code: ErrorCode = ErrorCode.MALFORMED) -> Protocol
 
 
 PEER_RECORD = Schema(
-    PeerRecord, "peer record", MAX_PEER_RECORD_BYTES, version=PROTOCOL_VERSION, kind="peer", rules=_record_rules
+    PeerRecord,
+    "peer record",
+    MAX_PEER_RECORD_BYTES,
+    version=PROTOCOL_VERSION,
+    kind="peer",
+    rules=_record_rules,
+    nil_is_absent=True,  # peer-record.md: nil in an optional field means absent
 )
 
 

@@ -136,6 +136,14 @@ def convert(m: Any, cls: type[T], *, what: str) -> T:
         raise protocol_error(exc, what) from None
 
 
+def _without_nils(tree: Any) -> Any:
+    if isinstance(tree, dict):
+        return {k: _without_nils(v) for k, v in tree.items() if v is not None}
+    if isinstance(tree, list):
+        return [_without_nils(v) for v in tree]
+    return tree
+
+
 @dataclass(frozen=True)
 class Schema(Generic[T]):
     """One message type on the wire: its struct, size limit and envelope."""
@@ -150,6 +158,10 @@ class Schema(Generic[T]):
     version_field: str = "v"
     rules: Callable[[T], None] | None = None
     """Checks across fields (raise ``ProtocolError``), run after the schema on decode and encode."""
+    nil_is_absent: bool = False
+    """Read ``nil`` anywhere in a map as an absent key (so a field with a default takes it, a required
+    one is missing), for message families whose spec says so; elsewhere ``nil`` is a type error
+    unless the field is declared nullable."""
 
     def check(self, m: Mapping[str, Any]) -> T:
         """Envelope, schema, then rules, of an already unpacked map (a frame header)."""
@@ -157,7 +169,7 @@ class Schema(Generic[T]):
         return self._checked(m)
 
     def _checked(self, m: Any) -> T:
-        obj = convert(m, self.cls, what=self.what)
+        obj = convert(_without_nils(m) if self.nil_is_absent else m, self.cls, what=self.what)
         if self.rules is not None:
             self.rules(obj)
         return obj

@@ -29,6 +29,7 @@ from peerd.swarm.records import (
     peer_record_to_wire,
     validate_peer_record,
 )
+from peerd.wire import canonical_pack
 
 NOW = 1_800_000_000.0
 PEER = "QmYyQSo1c1Ym7orWxLYvCrM2EmxFTANf8wXmmE7DWjhx5N"
@@ -291,3 +292,11 @@ def test_corrupted_bytes_only_ever_raise_protocol_error(data):
             ErrorCode.UNSUPPORTED_VERSION,
             ErrorCode.UNKNOWN_KIND,
         }
+
+
+def test_nil_in_a_defaulted_list_reads_as_absent_and_nil_in_a_required_field_as_missing():
+    wire = peer_record_to_wire(record())
+    assert decode_peer_record(canonical_pack({**wire, "maddrs": None, "links": None})).maddrs == []
+    with pytest.raises(ProtocolError, match="seq") as info:
+        decode_peer_record(canonical_pack({**wire, "seq": None}))
+    assert info.value.code == ErrorCode.MALFORMED
