@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -45,9 +46,9 @@ def profile_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-@pytest.fixture
-def local_swarm(tmp_path: Path, profile_cache: Path) -> Iterator[Callable[..., Any]]:
-    """``local_swarm(n, **options)`` starts n daemons on loopback with fast timers; all are reaped afterwards."""
+@contextlib.contextmanager
+def _launching_swarms(root: Path, profile_cache: Path) -> Iterator[Callable[..., Any]]:
+    """Yields ``start(n, **options)``; every swarm it started is reaped on exit."""
     from peerd.localswarm import LocalSwarm
 
     # A short root keeps control-socket paths well under the 108-byte unix-socket limit.
@@ -55,13 +56,31 @@ def local_swarm(tmp_path: Path, profile_cache: Path) -> Iterator[Callable[..., A
 
     def start(size: int, *, ready_timeout: float = 90.0, **options: Any) -> LocalSwarm:
         merged = {**FAST_SWARM, "device": "cpu", "profile_cache": str(profile_cache), **options}
-        swarm = LocalSwarm(size, tmp_path / f"s{len(swarms)}", options=merged, ready_timeout=ready_timeout)
+        swarm = LocalSwarm(size, root / f"s{len(swarms)}", options=merged, ready_timeout=ready_timeout)
         swarms.append(swarm)
         return swarm.start()
 
-    yield start
-    for swarm in swarms:
-        swarm.close()
+    try:
+        yield start
+    finally:
+        for swarm in swarms:
+            swarm.close()
+
+
+@pytest.fixture
+def local_swarm(tmp_path: Path, profile_cache: Path) -> Iterator[Callable[..., Any]]:
+    """``local_swarm(n, **options)`` starts n daemons on loopback with fast timers; all are reaped afterwards."""
+    with _launching_swarms(tmp_path, profile_cache) as start:
+        yield start
+
+
+@pytest.fixture(scope="module")
+def module_local_swarm(
+    tmp_path_factory: pytest.TempPathFactory, profile_cache: Path
+) -> Iterator[Callable[..., Any]]:
+    """``local_swarm`` for one module's tests to share (scenarios that leave each other's peers alone)."""
+    with _launching_swarms(tmp_path_factory.mktemp("swarm"), profile_cache) as start:
+        yield start
 
 
 def run_peerd(
