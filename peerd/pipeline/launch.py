@@ -1,4 +1,4 @@
-"""Run a fixed allocation (stages × replicas → peers) of a pipeline job on loopback peers, in one process.
+"""Run a fixed placement (stages × replicas → peers) of a pipeline job on loopback peers, in one process.
 
 Each peer is its own hivemind P2P (a real p2pd) with its own Transport; every tasklet is a
 ``StageWorker``. The start is a ready handshake, never a sleep: all workers serve their stage
@@ -6,8 +6,9 @@ protocol first, then all connect to their neighbours, then all train. Links betw
 pipeline neighbours can be shaped (bandwidth, delay) while links inside a replica group stay
 as they are. Gradient averaging is injected as a ``ReducerFactory`` (``peerd.averaging`` sits
 beside this package, so the composition happens in the caller: tests, scripts, benchmarks,
-the job runner). ``peerd.pipeline.processes`` runs the same allocation as one OS process per
-peer. The consensus issue replaces the fixed allocation with an agreed one.
+the job runner). ``peerd.pipeline.processes`` runs the same placement as one OS process per
+peer. A ``Placement`` names launched peers by index; the daemon's jobs run an agreed
+``peerd.sched.allocation.Allocation`` of peer ids instead (``peerd.jobs.runner``).
 """
 
 from __future__ import annotations
@@ -36,13 +37,13 @@ Prepare = Callable[[list["StageWorker"]], Awaitable[None] | None]
 
 
 @dataclass(frozen=True)
-class Allocation:
-    """Which peer runs each tasklet: ``peers[stage][replica]`` is an index into the launched peers."""
+class Placement:
+    """Which launched peer runs each tasklet: ``peers[stage][replica]`` is an index into the launched peers."""
 
     peers: list[list[int]]
 
     @classmethod
-    def grid(cls, stages: int, replicas: int) -> Allocation:
+    def grid(cls, stages: int, replicas: int) -> Placement:
         """Peer ``stage * replicas + replica`` runs tasklet (stage, replica)."""
         return cls([[s * replicas + r for r in range(replicas)] for s in range(stages)])
 
@@ -59,6 +60,13 @@ class Allocation:
         for s, row in enumerate(self.peers):
             for r, peer in enumerate(row):
                 yield s, r, peer
+
+    def tasklet_of(self, peer: int) -> tuple[int, int]:
+        """(stage, replica) that launched peer ``peer`` runs."""
+        for s, r, p in self.tasklets():
+            if p == peer:
+                return s, r
+        raise ConfigError("allocation", f"peer {peer} runs no tasklet")
 
     def validate(self, cfg: TrainConfig, num_peers: int) -> None:
         if self.stages != cfg.num_stages:
@@ -77,6 +85,9 @@ class Allocation:
             for s in range(self.stages - 1)
             for r in range(self.replicas)
         }
+
+
+Allocation = Placement  # the old name: peerd/bench/pipeline.py and scripts/run_allocation.py still use it
 
 
 @dataclass
@@ -177,7 +188,7 @@ class RunResult:
 
 def build_workers(
     cfg: TrainConfig,
-    allocation: Allocation,
+    placement: Placement,
     peers: list[LocalPeer],
     *,
     reducer_factory: ReducerFactory | None = None,
@@ -187,17 +198,17 @@ def build_workers(
     """One StageWorker per tasklet (only those of the peers in ``here``, if given), wired to its
     allocated neighbours and replica group."""
     cfg.validate()
-    allocation.validate(cfg, len(peers))
-    if allocation.replicas > 1 and reducer_factory is None:
+    placement.validate(cfg, len(peers))
+    if placement.replicas > 1 and reducer_factory is None:
         raise ConfigError("allocation", "replicas > 1 need a reducer_factory (gradient averaging)")
     workers = []
-    for s, r, p in allocation.tasklets():
+    for s, r, p in placement.tasklets():
         if here is not None and p not in here:
             continue
         peer = peers[p]
-        group = [peers[q].peer_id for q in allocation.peers[s]]
+        group = [peers[q].peer_id for q in placement.peers[s]]
         reducer = None
-        if allocation.replicas > 1:
+        if placement.replicas > 1:
             assert reducer_factory is not None
             reducer = reducer_factory(peer.transport, group, peer.peer_id, f"{cfg.job}/s{s}", cfg)
         workers.append(
@@ -205,10 +216,10 @@ def build_workers(
                 cfg,
                 stage=s,
                 replica=r,
-                replicas=allocation.replicas,
+                replicas=placement.replicas,
                 transport=peer.transport,
-                upstream=peers[allocation.peers[s - 1][r]].peer_id if s > 0 else None,
-                downstream=peers[allocation.peers[s + 1][r]].peer_id if s + 1 < allocation.stages else None,
+                upstream=peers[placement.peers[s - 1][r]].peer_id if s > 0 else None,
+                downstream=peers[placement.peers[s + 1][r]].peer_id if s + 1 < placement.stages else None,
                 reducer=reducer,
                 on_report=on_report,
             )
@@ -216,11 +227,11 @@ def build_workers(
     return workers
 
 
-def resume_step(cfg: TrainConfig, allocation: Allocation) -> int | None:
+def resume_step(cfg: TrainConfig, placement: Placement) -> int | None:
     """The newest step every tasklet has a checkpoint of (None: start from scratch)."""
     if cfg.checkpoint_dir is None:
         return None
-    return checkpoint.common_step(cfg.checkpoint_dir, cfg.job, ((s, r) for s, r, _ in allocation.tasklets()))
+    return checkpoint.common_step(cfg.checkpoint_dir, cfg.job, ((s, r) for s, r, _ in placement.tasklets()))
 
 
 async def run_workers(
@@ -259,7 +270,7 @@ async def run_workers(
 
 async def run_allocation(
     cfg: TrainConfig,
-    allocation: Allocation,
+    placement: Placement,
     peers: list[LocalPeer],
     *,
     reducer_factory: ReducerFactory | None = None,
@@ -268,9 +279,9 @@ async def run_allocation(
     on_report: Callable[[StepReport], None] | None = None,
     prepare: Prepare | None = None,
 ) -> RunResult:
-    """Train ``cfg`` on ``peers`` as ``allocation`` says; with ``resume`` continue from the newest common checkpoint."""
-    step = resume_step(cfg, allocation) if resume else None
+    """Train ``cfg`` on ``peers`` as ``placement`` says; with ``resume`` continue from the newest common checkpoint."""
+    step = resume_step(cfg, placement) if resume else None
     if resume and step is None:
         logger.info("no common checkpoint for job %s: starting from step 0", cfg.job)
-    workers = build_workers(cfg, allocation, peers, reducer_factory=reducer_factory, on_report=on_report)
+    workers = build_workers(cfg, placement, peers, reducer_factory=reducer_factory, on_report=on_report)
     return await run_workers(workers, until=until, resume=step, prepare=prepare)

@@ -1,4 +1,4 @@
-"""Run fixed allocations with one OS process per peer: spawn, ready handshakes over JSON lines, collect, reap.
+"""Run fixed placements with one OS process per peer: spawn, ready handshakes over JSON lines, collect, reap.
 
 The parent (``PeerProcesses``) starts ``count`` children running ``child_main`` and talks to
 each over its stdin (commands) and stdout (events), one JSON object per line:
@@ -29,13 +29,13 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from peerd.errors import ConfigError, ErrorCode, PeerdError, PeerUnavailable
+from peerd.errors import ErrorCode, PeerdError, PeerUnavailable
 from peerd.loading import from_mapping, to_mapping
 from peerd.log import get_logger
 from peerd.pipeline.config import TrainConfig
 from peerd.pipeline.launch import (
-    Allocation,
     LocalPeer,
+    Placement,
     ReducerFactory,
     RunResult,
     TaskletError,
@@ -119,27 +119,27 @@ class PeerProcesses:
     async def run(
         self,
         cfg: TrainConfig,
-        allocation: Allocation,
+        placement: Placement,
         *,
         link: LinkSpec | None = None,
         until: int | None = None,
         resume: bool = False,
         timeout: float = 600.0,
     ) -> RunResult:
-        """Run ``cfg`` as ``allocation`` across the processes; ``link`` shapes the pipeline neighbours' links."""
-        allocation.validate(cfg, self.count)
-        step = common_resume_step(cfg, allocation) if resume else None
+        """Run ``cfg`` as ``placement`` across the processes; ``link`` shapes the pipeline neighbours' links."""
+        placement.validate(cfg, self.count)
+        step = common_resume_step(cfg, placement) if resume else None
         plan = {
             "cmd": "plan",
             "config": to_mapping(cfg),
-            "allocation": allocation.peers,
+            "allocation": placement.peers,
             "peer_ids": self.peer_ids,
             "link": None if link is None else asdict(link),
             "until": until,
             "resume": step,
         }
         result = RunResult(start_step=step or 0)
-        used = sorted({p for _, _, p in allocation.tasklets()})
+        used = sorted({p for _, _, p in placement.tasklets()})
         for i in used:
             await self.children[i].send(plan)
         for i in used:
@@ -155,10 +155,10 @@ class PeerProcesses:
             try:
                 done = await self.children[i].expect("done", timeout, collect)
             except PeerdError as exc:
-                s, r = _tasklet_of(allocation, i)
+                s, r = placement.tasklet_of(i)
                 result.errors.append(TaskletError(s, r, exc.code.name, plain(exc)))
                 return
-            s, r = _tasklet_of(allocation, i)
+            s, r = placement.tasklet_of(i)
             result.stats[f"s{s}r{r}"] = done["stats"]
             for e in done.get("errors", []):
                 result.errors.append(TaskletError(**e))
@@ -194,13 +194,6 @@ class PeerProcesses:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
-
-
-def _tasklet_of(allocation: Allocation, peer: int) -> tuple[int, int]:
-    for s, r, p in allocation.tasklets():
-        if p == peer:
-            return s, r
-    raise ConfigError("allocation", f"peer {peer} runs no tasklet")
 
 
 # ---------------------------------------------------------------- child side
@@ -244,13 +237,13 @@ async def _run_plan(
     p2p: Any, plan: dict[str, Any], next_cmd: Any, reducer_factory: ReducerFactory | None
 ) -> None:
     cfg = from_mapping(TrainConfig, plan["config"])
-    allocation = Allocation(plan["allocation"])
+    placement = Placement(plan["allocation"])
     ids = [parse_peer_id(p) for p in plan["peer_ids"]]
     me = ids.index(p2p.peer_id)
     shaper = None
     if plan["link"] is not None:
         link = LinkSpec(**plan["link"])
-        shaped = allocation.neighbour_pairs()
+        shaped = placement.neighbour_pairs()
         index_of = {pid: i for i, pid in enumerate(ids)}
         shaper = LinkShaper(lambda peer: link if frozenset((me, index_of.get(peer, -1))) in shaped else None)
     transport = Transport(p2p, shaper)
@@ -260,7 +253,7 @@ async def _run_plan(
     try:
         workers = build_workers(
             cfg,
-            allocation,
+            placement,
             peers,
             reducer_factory=reducer_factory,
             on_report=lambda report: _emit("report", report=asdict(report)),

@@ -17,8 +17,8 @@ from peerd.models.gpt import GPT
 from peerd.pipeline.config import ModelSpec, TrainConfig
 from peerd.pipeline.frames import KIND_ACT, KIND_GRAD, TensorMessage, part_header, raw_payload
 from peerd.pipeline.launch import (
-    Allocation,
     LocalPeer,
+    Placement,
     RunResult,
     build_workers,
     run_workers,
@@ -33,7 +33,7 @@ from peerd.swarm.transport import Transport
 
 pytestmark = pytest.mark.integration
 
-ALLOC = Allocation([[0], [1]])  # peer 2 is in the swarm but not in the pipeline
+ALLOC = Placement([[0], [1]])  # peer 2 is in the swarm but not in the pipeline
 CFG = TrainConfig(
     job="faults",
     model=ModelSpec("tiny"),
@@ -111,7 +111,7 @@ def test_non_neighbours_are_refused_and_malformed_frames_rejected_typed_and_coun
             finally:
                 await conn.close()
 
-        # a peer outside the allocation: refused by both stages before a frame is read
+        # a peer outside the placement: refused by both stages before a frame is read
         seen["outsider->s1"] = await first_reply(outsider.transport, b, 1, (header, payload))
         seen["outsider->s0"] = await first_reply(outsider.transport, a, 0, (header, payload))
         # the downstream neighbour may only send gradients upstream

@@ -13,7 +13,7 @@ import pytest
 from peerd.data.config import DataConfig, build_dataset
 from peerd.models.gpt import GPT
 from peerd.pipeline.config import ModelSpec, TrainConfig
-from peerd.pipeline.launch import Allocation
+from peerd.pipeline.launch import Placement
 from peerd.pipeline.local import LocalRunConfig, train_pipelined
 from peerd.pipeline.processes import PeerProcesses
 from peerd.swarm.shaper import LinkSpec
@@ -37,10 +37,10 @@ def test_peer_processes_train_like_the_reference_and_leave_nothing_behind():
         procs = PeerProcesses(2, [sys.executable, "-m", "peerd.bench.pipeline"], threads=1)
         try:
             await procs.start()
-            plain = await procs.run(CFG, Allocation([[0], [1]]), timeout=120)
+            plain = await procs.run(CFG, Placement([[0], [1]]), timeout=120)
             slow = dataclasses.replace(CFG, job="procs-shaped", steps=2)
             # 2 Mbit/s + 20 ms: 2 x 16 KiB per micro-batch each way cannot take less than ~0.15 s a step
-            shaped = await procs.run(slow, Allocation([[1], [0]]), link=LinkSpec(0.02, 2e6), timeout=120)
+            shaped = await procs.run(slow, Placement([[1], [0]]), link=LinkSpec(0.02, 2e6), timeout=120)
         finally:
             await procs.close()
         return procs, plain, shaped

@@ -19,7 +19,7 @@ from peerd.models.gpt import GPT
 from peerd.pipeline import checkpoint
 from peerd.pipeline.codec import CompressionConfig
 from peerd.pipeline.config import ModelSpec, TrainConfig
-from peerd.pipeline.launch import Allocation, LocalPeer, RunResult, run_allocation, start_peers, stop_peers
+from peerd.pipeline.launch import LocalPeer, Placement, RunResult, run_allocation, start_peers, stop_peers
 from peerd.pipeline.local import LocalRunConfig, train_pipelined, train_unstaged
 from peerd.pipeline.streams import StreamConfig
 from peerd.pipeline.worker import StepReport
@@ -51,8 +51,8 @@ class Cluster:
         return self.loop.run_until_complete(asyncio.wait_for(coro, timeout))
 
     def train(self, cfg: TrainConfig, **kw) -> RunResult:
-        allocation = Allocation.grid(STAGES, REPLICAS)
-        return self.run(run_allocation(cfg, allocation, self.peers, reducer_factory=group_allreduce, **kw))
+        placement = Placement.grid(STAGES, REPLICAS)
+        return self.run(run_allocation(cfg, placement, self.peers, reducer_factory=group_allreduce, **kw))
 
     def kill_after(self, cfg: TrainConfig, step: int) -> None:
         """Train ``cfg`` and stop every peer abruptly once step ``step`` is reported (no clean shutdown)."""
@@ -64,10 +64,10 @@ class Cluster:
                 if report.step == step and task is not None:
                     task.cancel()
 
-            allocation = Allocation.grid(STAGES, REPLICAS)
+            placement = Placement.grid(STAGES, REPLICAS)
             task = asyncio.ensure_future(
                 run_allocation(
-                    cfg, allocation, self.peers, reducer_factory=group_allreduce, on_report=on_report
+                    cfg, placement, self.peers, reducer_factory=group_allreduce, on_report=on_report
                 )
             )
             with pytest.raises(asyncio.CancelledError):

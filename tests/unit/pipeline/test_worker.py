@@ -123,21 +123,24 @@ def test_a_middle_stage_expects_its_neighbours_frames():
     asyncio.run(w.close())
 
 
-def test_allocation_grid_validation_and_the_links_to_shape():
-    from peerd.pipeline.launch import Allocation, RunResult
+def test_placement_grid_validation_and_the_links_to_shape():
+    from peerd.pipeline.launch import Placement, RunResult
 
     two_by_two = dataclasses.replace(CFG, layers_per_stage=[2, 2])
-    grid = Allocation.grid(2, 2)
+    grid = Placement.grid(2, 2)
     assert grid.peers == [[0, 1], [2, 3]] and list(grid.tasklets())[1] == (0, 1, 1)
     grid.validate(two_by_two, 4)
+    assert grid.tasklet_of(2) == (1, 0)
+    with pytest.raises(ConfigError, match="no tasklet"):
+        grid.tasklet_of(4)
     assert grid.neighbour_pairs() == {frozenset((0, 2)), frozenset((1, 3))}
-    for bad, peers in ((Allocation([[0, 1], [2]]), 4), (Allocation([[0, 1], [1, 3]]), 4), (grid, 3)):
+    for bad, peers in ((Placement([[0, 1], [2]]), 4), (Placement([[0, 1], [1, 3]]), 4), (grid, 3)):
         with pytest.raises(ConfigError):
             bad.validate(two_by_two, peers)
     with pytest.raises(ConfigError, match="stages"):
-        Allocation.grid(3, 1).validate(two_by_two, 3)
+        Placement.grid(3, 1).validate(two_by_two, 3)
     with pytest.raises(ConfigError, match="global_batch"):
-        Allocation.grid(2, 3).validate(two_by_two, 6)  # 8 examples do not split over 3 replicas
+        Placement.grid(2, 3).validate(two_by_two, 6)  # 8 examples do not split over 3 replicas
 
     def report(step: int, replica: int, loss: float | None):
         from peerd.pipeline.worker import StepReport
