@@ -2,21 +2,21 @@
 
 Each command lives in its own module under ``peerd/cli/`` and is imported only
 when invoked, so ``peerd --help`` stays fast and a broken optional feature
-cannot break the others. Exit codes: 0 ok, 1 the operation or job failed,
-2 usage or configuration error, 3 startup failure (daemon, bootstrap).
+cannot break the others. What they share is in ``options`` (exit codes, the
+CLI error, config flags, the daemon client) and ``render`` (tables, progress).
 """
 
 from __future__ import annotations
 
 import importlib
 import sys
+from typing import Any
 
 import click
 
 from peerd import __version__
-from peerd.errors import ConfigError, PeerdError
-
-EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_STARTUP = 0, 1, 2, 3
+from peerd.cli.options import EXIT_OK, exit_code_of
+from peerd.errors import PeerdError
 
 # command name -> "module:attribute"; the modules are imported on first use.
 COMMANDS: dict[str, str] = {
@@ -30,6 +30,10 @@ COMMANDS: dict[str, str] = {
     "jobs": "peerd.cli.jobs:jobs",
     "fetch": "peerd.cli.jobs:fetch",
 }
+
+
+# Every command's help shows its options' defaults (those that are not None or empty).
+SETTINGS: dict[str, Any] = {"help_option_names": ["-h", "--help"], "show_default": True}
 
 
 class LazyGroup(click.Group):
@@ -49,12 +53,11 @@ class LazyGroup(click.Group):
         return super().get_command(ctx, name)
 
 
-@click.group(cls=LazyGroup, lazy=COMMANDS, context_settings={"help_option_names": ["-h", "--help"]})
+@click.group(cls=LazyGroup, lazy=COMMANDS, context_settings=SETTINGS)
 @click.version_option(__version__, prog_name="peerd")
 @click.option(
     "--log-level",
     default="INFO",
-    show_default=True,
     type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False),
     help="Verbosity of peerd's log output (stderr).",
 )
@@ -81,13 +84,10 @@ def main(argv: list[str] | None = None) -> None:
     except (click.Abort, KeyboardInterrupt):
         click.echo("Aborted.", err=True)
         sys.exit(130)  # the shell's convention for SIGINT
-    except click.ClickException as exc:
+    except click.ClickException as exc:  # a UsageError's exit_code is 2, a CliError's its own
         exc.show()
-        sys.exit(EXIT_USAGE if isinstance(exc, click.UsageError) else exc.exit_code)
-    except ConfigError as exc:
-        click.echo(f"error: {exc}", err=True)
-        sys.exit(EXIT_USAGE)
+        sys.exit(exc.exit_code)
     except PeerdError as exc:
         click.echo(f"error: {exc}", err=True)
-        sys.exit(getattr(exc, "exit_code", EXIT_FAILED))
+        sys.exit(exit_code_of(exc))
     sys.exit(EXIT_OK)

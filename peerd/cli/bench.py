@@ -2,33 +2,23 @@
 
 from __future__ import annotations
 
-import importlib
-
 import click
 
-# benchmark name -> module under peerd.bench exposing ``command`` (a click.Command)
-BENCHMARKS = {
-    "scheduler": "peerd.bench.scheduler",
-    "compress": "peerd.bench.compress",
-    "links": "peerd.bench.links",
-    "transport": "peerd.bench.transport",
-    "pipeline": "peerd.bench.pipeline",
-    "averaging": "peerd.bench.averaging",
-    "consensus": "peerd.bench.consensus",
-}
+from peerd.cli import LazyGroup
+
+# Each is a module peerd.bench.NAME exposing ``command`` (a click.Command), imported when run.
+BENCHMARKS = ("scheduler", "compress", "links", "transport", "pipeline", "averaging", "consensus")
 
 
-class _BenchGroup(click.Group):
-    def list_commands(self, ctx: click.Context) -> list[str]:
-        return sorted(BENCHMARKS)
-
-    def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
-        if name not in BENCHMARKS:
-            return None
-        return importlib.import_module(BENCHMARKS[name]).command
-
-
-@click.group(cls=_BenchGroup)
+@click.group(
+    cls=LazyGroup,
+    lazy={name: f"peerd.bench.{name}:command" for name in BENCHMARKS},
+    epilog="""\b
+Examples:
+  peerd bench scheduler --quick         allocation search vs DT-FM, random and greedy (JSON)
+  peerd bench compress --help           the options of one benchmark
+  peerd bench links > links.json        probe accuracy on shaped loopback links, kept to compare""",
+)
 def bench() -> None:
     """Measure peerd against a baseline run in the same process; prints JSON.
 

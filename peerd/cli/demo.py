@@ -16,19 +16,12 @@ from pathlib import Path
 from typing import Any
 
 import click
-from rich.console import Console, Group, RenderableType
+from rich.console import Console
 from rich.text import Text
 
-from peerd.cli import EXIT_FAILED, EXIT_STARTUP
-from peerd.errors import ErrorCode, PeerdError, PeerUnavailable
-
-
-class DemoFailed(click.ClickException):
-    exit_code = EXIT_FAILED
-
-
-class DemoStartupFailed(click.ClickException):
-    exit_code = EXIT_STARTUP
+from peerd.cli.options import CliError
+from peerd.cli.render import console as make_console
+from peerd.cli.render import follow_job, render_status
 
 
 @click.command(
@@ -45,15 +38,10 @@ Examples:
     "size",
     type=click.IntRange(min=1, max=16),
     default=6,
-    show_default=True,
     help="Daemons to start (each runs its own p2pd). The demo job uses 3x2 of six, fewer below.",
 )
 @click.option(
-    "--timeout",
-    type=click.FloatRange(min=5),
-    default=90.0,
-    show_default=True,
-    help="Seconds to wait for the swarm to converge.",
+    "--timeout", type=click.FloatRange(min=5), default=90.0, help="Seconds to wait for the swarm to converge."
 )
 @click.option(
     "--dir",
@@ -66,7 +54,7 @@ Examples:
 @click.option(
     "--json", "as_json", is_flag=True, help="Print the final status view as JSON instead of tables."
 )
-@click.option("--job/--no-job", default=True, show_default=True, help="Submit and train the demo job.")
+@click.option("--job/--no-job", default=True, help="Submit and train the demo job.")
 @click.option(
     "--spec",
     "spec_file",
@@ -85,7 +73,6 @@ Examples:
     "--job-timeout",
     type=click.FloatRange(min=10),
     default=900.0,
-    show_default=True,
     help="Seconds the job may take from submit to its end.",
 )
 def demo(
@@ -109,10 +96,9 @@ def demo(
     plot, and shuts every daemon down (each announces OFFLINE). Exit code 1 when the job
     does not finish.
     """
-    from peerd.cli.swarm import render_status
     from peerd.localswarm import LocalSwarm, converged, describe
 
-    console = Console(stderr=as_json)
+    console = make_console(stderr=as_json)
     workdir = Path(root) if root else Path(tempfile.mkdtemp(prefix="peerd-demo-"))
     # Short timers so that the demo converges in seconds; the defaults suit real swarms.
     options: dict[str, Any] = {
@@ -127,22 +113,15 @@ def demo(
     swarm = LocalSwarm(size, workdir, options=options, peer_options=peer_options, ready_timeout=timeout)
     try:
         console.print(f"starting {size} daemons on loopback (state in {workdir}) ...")
-        try:
-            swarm.start()
-        except PeerUnavailable as exc:
-            raise DemoStartupFailed(str(exc)) from None
+        swarm.start()  # PeerUnavailable reaches main: exit code 3
         console.print(
             f"all {size} daemons are up after {time.monotonic() - started:.1f} s; waiting for them to meet ..."
         )
         names = [p.name for p in swarm.peers]
-        try:
-            views = swarm.wait_until(
-                lambda v: converged(v, names), timeout=timeout, what="every peer to see every other"
-            )
-        except PeerdError as exc:
-            if exc.code == ErrorCode.TIMEOUT:
-                raise DemoFailed(str(exc)) from None
-            raise
+        # a timeout (PeerdError) reaches main: exit code 1
+        views = swarm.wait_until(
+            lambda v: converged(v, names), timeout=timeout, what="every peer to see every other"
+        )
         view = views[names[0]]
         console.print(f"converged after {time.monotonic() - started:.1f} s:\n{describe(views)}", markup=False)
         if not as_json:
@@ -161,9 +140,9 @@ def demo(
         elif job:
             console.print(render_status(view))
         if summary is not None and summary["state"] != "done":
-            raise DemoFailed(f"the demo job ended {summary['state']}; logs are in {workdir}")
+            raise CliError(f"the demo job ended {summary['state']}; logs are in {workdir}")
     except KeyboardInterrupt:
-        raise click.Abort() from None  # after the cleanup below: "Aborted.", exit code 1
+        raise click.Abort() from None  # after the cleanup below: "Aborted.", exit code 130
     finally:
         console.print("shutting the swarm down ...")
         swarm.close()
@@ -184,9 +163,8 @@ def _run_job(
     limit: float,
 ) -> dict[str, Any]:
     """Submit the demo job through peer0, show it live until it ends, print the summary, write the plot."""
-    from rich.live import Live
-
-    from peerd.jobs.demo import demo_spec, summarize, write_loss_plot
+    from peerd.cli.plot import write_loss_plot
+    from peerd.jobs.demo import demo_spec, summarize
     from peerd.jobs.records import normalized_spec
     from peerd.jobs.spec import parse_job_spec
     from peerd.loading import load_mapping
@@ -200,19 +178,7 @@ def _run_job(
         f"submitted job {job_id} ({spec.name}: {spec.steps} steps, {spec.parallel.d_pp}x{spec.parallel.d_dp})"
     )
     names = {p.info.peer_id: p.name for p in swarm.peers if p.info is not None}
-    view = client.call("job_status", job_id=job_id)
-    with Live(_live(view, names, 0.0), console=console, refresh_per_second=2, transient=False) as live:
-        while view["state"] not in ("done", "failed", "cancelled"):
-            if time.monotonic() - submitted > limit:
-                console.print(f"the job did not finish within {limit:.0f} s")
-                break
-            time.sleep(1.0)
-            try:
-                view = client.call("job_status", job_id=job_id)
-            except PeerdError as exc:
-                console.print(f"status read failed ({exc}); retrying")
-                continue
-            live.update(_live(view, names, time.monotonic() - submitted))
+    view = follow_job(lambda: client.call("job_status", job_id=job_id), console, names=names, limit=limit)
     console.print()
     summary = summarize(view, submitted)
     summary["seconds"] = round(time.monotonic() - submitted, 1)
@@ -220,23 +186,6 @@ def _run_job(
     summary["plot"] = str(written) if written else None
     console.print(_summary_text(summary))
     return summary
-
-
-def _live(view: dict[str, Any], names: dict[str, str], elapsed: float) -> RenderableType:
-    from peerd.cli.jobs import job_panel
-
-    parts: list[RenderableType] = [Text(f"[{elapsed:5.0f} s] ", style="dim")]
-    planning = view.get("planning") or {}
-    if view["state"] in ("pending", "planning"):
-        islands = planning.get("islands") or []
-        best = [r["best_cost"] for r in islands if r.get("best_cost") is not None]
-        line = f"planning epoch {planning.get('epoch', 0)}: "
-        line += f"{len(islands)} island(s) searched" if islands else "roster open"
-        if best:
-            line += f", this island's best {best[-1]:.4g} s/step"
-        parts.append(Text(line))
-    parts.append(job_panel(view, names))
-    return Group(*parts)
 
 
 def _summary_text(s: dict[str, Any]) -> Text:
@@ -252,11 +201,9 @@ def _summary_text(s: dict[str, Any]) -> Text:
             f"({s['compression_ratio']:.1f}x less, {s['bytes_saved'] / 1e6:.1f} MB saved)"
         )
     if s["allocation_cost"] is not None:
+        best = f" (best island {s['island_best_cost']:.4g})" if s["island_best_cost"] else ""
         lines.append(
-            f"  allocation {str(s['allocation_hash'])[:12]}: cost {s['allocation_cost']:.4g} s/step "
-            f"(best island {s['island_best_cost']:.4g})"
-            if s["island_best_cost"]
-            else f"  allocation {str(s['allocation_hash'])[:12]}: cost {s['allocation_cost']:.4g} s/step"
+            f"  allocation {str(s['allocation_hash'])[:12]}: cost {s['allocation_cost']:.4g} s/step{best}"
         )
     if s.get("plot"):
         lines.append(f"  loss plot: {s['plot']}")

@@ -11,22 +11,24 @@ from peerd.sched.planner import plan as run_plan
 from peerd.sched.scenario import load_scenario
 
 
-@click.command("plan")
+@click.command(
+    "plan",
+    epilog="""\b
+Examples:
+  peerd plan configs/scenarios/dtfm-case0.yaml               DT-FM's cost, 10 s of search
+  peerd plan scenario.yaml --objective peerd --seed 3        compute, memory and spares too
+  peerd plan scenario.yaml --generations 50 --json | jq .total""",
+)
 @click.argument("scenario", type=click.Path(exists=True, dir_okay=False))
 @click.option(
     "--objective",
     type=click.Choice(sorted(OBJECTIVES)),
     default="dtfm",
-    show_default=True,
     help="dtfm: DT-FM's communication yardstick; peerd: iteration time with compute, memory, spares.",
 )
-@click.option("--seed", type=int, default=0, show_default=True, help="Search seed (same seed, same plan).")
+@click.option("--seed", type=int, default=0, help="Search seed (same seed, same plan).")
 @click.option(
-    "--time-budget",
-    type=click.FloatRange(min=0.1),
-    default=10.0,
-    show_default=True,
-    help="Seconds of search at most.",
+    "--time-budget", type=click.FloatRange(min=0.1), default=10.0, help="Seconds of search at most."
 )
 @click.option(
     "--generations", type=click.IntRange(min=0), default=None, help="Stop after this many generations."

@@ -1,15 +1,14 @@
-"""The job ``peerd demo`` runs: the built-in tiny GPT spec sized to the local swarm, its summary and loss plot.
+"""The job ``peerd demo`` runs: the built-in tiny GPT spec sized to the local swarm, and its summary.
 
 The embedded spec is ``configs/jobs/gpt-tiny-demo.yaml`` (so the demo works from an installed
 wheel, where ``configs/`` is absent) with short planning windows, because every daemon of
 the demo shares this machine's clock. ``summarize`` turns the final job view into the
-numbers the demo prints; ``write_loss_plot`` draws the loss curve with matplotlib.
+numbers the demo prints (``peerd.cli.plot`` draws its loss curve).
 """
 
 from __future__ import annotations
 
 import copy
-from pathlib import Path
 from typing import Any
 
 DEMO_SPEC: dict[str, Any] = {
@@ -88,30 +87,3 @@ def summarize(view: dict[str, Any], submitted_at: float) -> dict[str, Any]:
         "submitted_at": submitted_at,
     }
     return out
-
-
-def write_loss_plot(view: dict[str, Any], path: Path) -> Path | None:
-    """Loss vs step of the job (the last stage's replicas, averaged); None when there is no curve yet."""
-    points = (view.get("progress") or {}).get("losses") or []
-    if not points:
-        return None
-    import matplotlib
-
-    matplotlib.use("Agg")  # files only: no display needed
-    import matplotlib.pyplot as plt
-
-    steps, losses = zip(*points, strict=True)
-    fig, ax = plt.subplots(figsize=(6, 3.5), dpi=120)
-    ax.plot(steps, losses, marker=".", linewidth=1.2)
-    ax.set_xlabel("step")
-    ax.set_ylabel("training loss (nats/byte)")
-    name = view.get("name") or view["job_id"][:8]
-    alloc = view.get("allocation") or {}
-    shape = f"{len(alloc['stages'])}x{len(alloc['stages'][0])} pipeline" if alloc.get("stages") else ""
-    ax.set_title(f"peerd demo: {name} {shape}".strip())
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path)
-    plt.close(fig)
-    return path

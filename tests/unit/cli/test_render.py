@@ -1,0 +1,94 @@
+"""CLI rendering off a terminal: tables at full width, a progress line per change, the loss plot."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from peerd.cli.plot import write_loss_plot
+from peerd.cli.render import console, follow_job, job_line, render_status
+
+DEVICE = "NVIDIA GeForce RTX 4090 Laptop GPU (cuda:0, driver 550.54.14)"
+
+
+def _peer(name: str, peer_id: str, **extra: Any) -> dict[str, Any]:
+    return {
+        "peer_id": peer_id,
+        "short_id": peer_id[-8:],
+        "name": name,
+        "state": "online",
+        "device": DEVICE,
+        "tflops": {"fp32": 0.41, "bf16": 1.6},
+        "memory_free_bytes": 7 * 2**30,
+        "memory_total_bytes": 8 * 2**30,
+        "last_seen_s": 2.0,
+        **extra,
+    }
+
+
+def test_tables_off_a_terminal_are_not_cut(capsys, monkeypatch) -> None:
+    monkeypatch.setenv("COLUMNS", "40")  # what rich would otherwise fit a pipe's output into
+    a, b = "Qm" + "a" * 44, "Qm" + "b" * 44
+    link = {"src": a, "dst": b, "status": "ok", "rtt_ms": 0.4, "bw_up_mbps": 1000.0, "bw_down_mbps": 987.0}
+    view = {"peers": [_peer("alpha", a, self=True), _peer("beta", b)], "links": [link]}
+    console().print(render_status(view))
+    out = capsys.readouterr().out
+    assert "…" not in out
+    assert DEVICE in out and "0.4 / 1000" in out and "0.4 / 987" in out
+    assert "mem: free/total GiB" in out  # the caption too
+
+
+def _job(state: str, step: int = 0, loss: float | None = None, tps: float | None = None) -> dict[str, Any]:
+    progress = {"step": step, "steps": 3, "loss": loss, "tokens_per_s": tps, "losses": []}
+    return {"job_id": "ab" * 16, "name": "demo", "state": state, "progress": progress, "planning": {}}
+
+
+def test_follow_job_off_a_terminal_prints_a_line_each_time_the_job_changes(capsys) -> None:
+    views = iter(
+        [
+            _job("pending"),
+            _job("planning"),
+            _job("running", 1, 5.5, 900.0),
+            _job("running", 1, 5.5, 900.0),  # nothing new: no line
+            _job("running", 2, 4.25, 1200.0),
+            _job("done", 3, 3.0, 1250.0),
+        ]
+    )
+    final = follow_job(lambda: next(views), console(), interval=0.0)
+    assert final["state"] == "done"
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split("] ", 1)[1] for line in lines] == [
+        "pending epoch 0: roster open",
+        "planning epoch 0: roster open",
+        "running step 1/3 loss 5.5000 900 tok/s",
+        "running step 2/3 loss 4.2500 1,200 tok/s",
+        "done step 3/3 loss 3.0000 1,250 tok/s",
+    ]
+    assert all(line.startswith("[") and " s] " in line for line in lines)
+
+
+def test_job_line_while_planning_names_the_islands() -> None:
+    view = {
+        **_job("planning"),
+        "planning": {"epoch": 2, "islands": [{"best_cost": 0.25}, {"best_cost": None}]},
+    }
+    assert job_line(view) == "planning epoch 2: 2 island(s) searched, this island's best 0.25 s/step"
+
+
+def test_loss_plot(tmp_path: Path) -> None:
+    view = {
+        "job_id": "ab" * 16,
+        "name": "demo",
+        "progress": {"losses": [[0, 5.5], [1, 4.0], [2, 3.0]]},
+        "allocation": {"stages": [["a"], ["b"]]},
+    }
+    path = write_loss_plot(view, tmp_path / "plot" / "loss.png")
+    assert path is not None and path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert write_loss_plot({**view, "progress": {}}, tmp_path / "none.png") is None
+
+
+@pytest.mark.parametrize("state", ["failed", "cancelled"])
+def test_follow_job_returns_on_any_final_state(state: str, capsys) -> None:
+    assert follow_job(lambda: _job(state), console())["state"] == state
