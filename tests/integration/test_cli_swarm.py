@@ -4,12 +4,17 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
 import sys
 
 import pytest
+from click.testing import CliRunner
+
+from peerd.cli import cli
+from peerd.localswarm import converged
 
 pytestmark = pytest.mark.integration
 
@@ -84,27 +89,20 @@ def test_one_daemon_table_watch_and_home_lock(local_swarm, peerd_cli):
     assert result.returncode == 0, result.stderr
     assert "peer0*" in result.stdout and "ONLINE" in result.stdout and peer.info.peer_id[-8:] in result.stdout
 
+    # off a terminal (click's runner is not one) no cell is cut, however narrow COLUMNS says it is
+    narrow = CliRunner(env={"COLUMNS": "40"}).invoke(cli, ["status", "--home", str(peer.home)])
+    assert narrow.exit_code == 0, narrow.output
+    device = peer.status()["peers"][0]["device"]
+    assert device in narrow.output and "…" not in narrow.output
+
+    # --watch into a pipe: a whole new frame per refresh, not one frame redrawn in place
+    frames = _watch_frames(peer.home, "--interval", "0.3")
+    assert len(frames) == 3 and all("peer0*" in f and "ONLINE" in f for f in frames)
+
     # --watch --json: one document per refresh until Ctrl-C, which is a normal exit
-    watch = subprocess.Popen(
-        [*PEERD, "status", "--home", str(peer.home), "--watch", "--json", "--interval", "0.3"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        seqs = []
-        for _ in range(3):
-            doc = json.loads(watch.stdout.readline())
-            seqs.append(doc["self"]["seq"])
-            assert [p["name"] for p in doc["peers"]] == ["peer0"]
-        watch.send_signal(signal.SIGINT)
-        _, stderr = watch.communicate(timeout=30)
-    finally:
-        if watch.poll() is None:
-            watch.kill()
-            watch.wait()
-    assert watch.returncode == 0, stderr
-    assert "Traceback" not in stderr
+    docs = [json.loads(line) for line in _watch_frames(peer.home, "--json", "--interval", "0.3")]
+    assert all([p["name"] for p in doc["peers"]] == ["peer0"] for doc in docs)
+    seqs = [doc["self"]["seq"] for doc in docs]
     assert seqs == sorted(seqs)
 
     # a second daemon on the same home is refused before it starts anything
@@ -121,6 +119,25 @@ def test_one_daemon_table_watch_and_home_lock(local_swarm, peerd_cli):
     assert not peer.control_socket.exists()
 
 
+def test_two_daemons_status_and_jobs_off_a_terminal(local_swarm):
+    swarm = local_swarm(2)
+    names = [p.name for p in swarm.peers]
+    swarm.wait_until(lambda v: converged(v, names), timeout=90, what="both daemons to measure each other")
+    home = str(swarm.peers[0].home)
+    runner = CliRunner(env={"COLUMNS": "40"})  # not a terminal, and a narrow one if it were
+
+    result = runner.invoke(cli, ["status", "--home", home])
+    assert result.exit_code == 0, result.output
+    assert "…" not in result.output
+    assert len(re.findall(r"\d+\.\d / \d+", result.output)) == 2  # peer0 -> peer1 and back, in full
+
+    result = runner.invoke(cli, ["jobs", "--home", home])
+    assert result.exit_code == 0 and "no jobs in this swarm yet" in result.output
+    for prefix, message in (("ab", "too short"), ("abcdef", "no job 'abcdef' is known")):
+        result = runner.invoke(cli, ["cancel", prefix, "--home", home])
+        assert result.exit_code == 2 and message in result.output, result.output
+
+
 def test_demo_runs_a_swarm_and_cleans_up(peerd_cli, tmp_path):
     root = tmp_path / "demo"
     cache = {"XDG_CACHE_HOME": str(tmp_path / "cache")}  # the demo uses the machine-wide profile cache
@@ -133,12 +150,47 @@ def test_demo_runs_a_swarm_and_cleans_up(peerd_cli, tmp_path):
     assert all(p["state"] == "online" and p["tflops"]["fp32"] > 0 for p in view["peers"])
     assert {x["status"] for x in view["links"]} == {"ok"} and len(view["links"]) == 2
     assert "shutting the swarm down" in result.stderr
+    # stderr is a pipe: the job's progress is a line per change, not one redrawn line
+    steps = re.findall(r"^\[ *\d+ s\] running step (\d+)/\d+ loss \S+ \S+ tok/s$", result.stderr, re.M)
+    assert len(steps) >= 2 and len(set(steps)) == len(steps), result.stderr[-3000:]
+    assert view["demo"]["state"] == "done" and "loss plot" in result.stderr
     for name in ("peer0", "peer1"):
         log = (root / name / "daemon.log").read_text()
         assert "announced OFFLINE" in log, log[-2000:]
         assert not (root / name / "control.sock").exists()
     _no_traceback(result)
     assert _processes_mentioning(str(root)) == []  # no daemon, DHT process or p2pd of the demo survived
+
+
+def _watch_frames(home, *args: str, count: int = 3) -> list[str]:
+    """The first ``count`` refreshes of ``peerd status --watch`` into a pipe, then Ctrl-C (a normal exit).
+
+    A JSON refresh is one line; a table refresh starts with its ``-- HH:MM:SS --`` line.
+    """
+    watch = subprocess.Popen(
+        [*PEERD, "status", "--home", str(home), "--watch", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    frames: list[str] = []
+    try:
+        while len(frames) <= count:
+            line = watch.stdout.readline()
+            assert line, "peerd status --watch stopped early"
+            if "--json" in args or line.startswith("-- "):
+                frames.append(line)
+            elif frames:
+                frames[-1] += line
+        watch.send_signal(signal.SIGINT)
+        _, stderr = watch.communicate(timeout=30)
+    finally:
+        if watch.poll() is None:
+            watch.kill()
+            watch.wait()
+    assert watch.returncode == 0, stderr
+    assert "Traceback" not in stderr
+    return frames[:count]
 
 
 def _processes_mentioning(text: str) -> list[str]:
