@@ -1,32 +1,31 @@
-"""The v1 job records in the DHT — job, job index, progress — with their canonical msgpack codec.
+"""The v1 job records in the DHT — job, job index, progress — declared once as ``peerd.wire`` schemas.
 
-Spec and byte-exact vectors: ``protocols/jobs.md``, ``protocols/vectors/jobs/``; field readers:
-``jobs.wire``. Pure: no hivemind, no clocks. A job record is written only by its owner (under the owner's subkey of
+Spec and byte-exact vectors: ``protocols/jobs.md``, ``protocols/vectors/jobs/``. Pure: no
+hivemind, no clocks. A job record is written only by its owner (under the owner's subkey of
 ``job_key(id)``); its id is the hash of its immutable part (owner, normalized spec, nonce,
 planning terms), so a reader can check that a record really is the job it claims to be and
 that nobody but the owner produced it. Cancelling is the owner re-storing the record with
-state CANCELLED and a higher ``seq``.
+state CANCELLED and a higher ``seq``. The spec inside a record is checked by the same parser
+as a spec file; whatever that parser makes of a peer's bytes ends as a ``ProtocolError``.
 """
 
 from __future__ import annotations
 
-import hashlib
-import math
-import re
-from dataclasses import dataclass, field, replace
+import dataclasses
 from enum import StrEnum
-from typing import Any
+from typing import Annotated, Any
 
-from peerd.errors import ErrorCode, ProtocolError
-from peerd.jobs.spec import JobSpec, JobSpecError, parse_job_spec
-from peerd.jobs.spec_collect import bare_message
-from peerd.jobs.wire import JOB_ID_RE, Fields
+import msgspec
+from msgspec import Meta
+
+from peerd.errors import ConfigError, ErrorCode, ProtocolError
+from peerd.jobs.spec import JobSpec, parse_job_spec
 from peerd.loading import to_mapping
 from peerd.sched.consensus.config import ConsensusTiming
 from peerd.swarm.records import PROTOCOL_VERSION
-from peerd.wire import canonical_pack, check_envelope, decode_map
+from peerd.wire import Schema, WireStruct, canonical_pack, convert, sha256, to_builtin
+from peerd.wire.types import AnyReal, Count, JobId, PeerId, Real
 
-JOB_KIND, INDEX_KIND, PROGRESS_KIND = "job", "jobs", "progress"
 # hivemind's DHT pipe splits messages above 16 KiB (see swarm.records): every record stays well below.
 MAX_JOB_BYTES = 8 * 1024
 MAX_INDEX_BYTES = 4 * 1024
@@ -36,17 +35,13 @@ MAX_LOSS_POINTS = 128  # loss history a progress record carries (downsampled bey
 MAX_REASON_CHARS = 256
 NONCE_BYTES = 16
 JOB_ID_BYTES = 16  # 32 hex characters
-TIMING_FIELDS = (
-    "roster_s",
-    "settle_s",
-    "search_s",
-    "exchange_s",
-    "vote_s",
-    "adopt_s",
-    "max_skew_s",
-    "publish_interval_s",
-)
-_BYTES_KIND_RE = re.compile(r"^[a-z0-9_]{1,32}$")
+
+Reason = Annotated[str, Meta(max_length=MAX_REASON_CHARS)]
+# A job spec is sections of scalars, lists of scalars and one level of maps (model.overrides):
+# deeper values are no job spec, and bounding the depth here keeps hashing and parsing shallow.
+_Leaf = str | int | float | bool | None
+_Value = _Leaf | list[_Leaf] | dict[str, _Leaf]
+Spec = dict[str, _Leaf | list[_Leaf] | dict[str, _Value]]
 
 
 class JobState(StrEnum):
@@ -67,60 +62,90 @@ class TaskState(StrEnum):
     FAILED = "failed"
 
 
-@dataclass(frozen=True)
-class JobRecord:
+class Timing(WireStruct, frozen=True):  # type: ignore[misc]
+    """``ConsensusTiming`` as a job record carries it: seconds of DHT time, finite."""
+
+    roster_s: Real
+    settle_s: Real
+    search_s: Real
+    exchange_s: Real
+    vote_s: Real
+    adopt_s: Real
+    max_skew_s: Real
+    publish_interval_s: Real
+
+
+class Planning(WireStruct, frozen=True):  # type: ignore[misc]
+    """The planning terms of every epoch; part of the job id, so nobody can move them later."""
+
+    epoch0_start: Real  # DHT time at which planning epoch 0 opens its roster
+    timing: Timing
+
+
+class JobRecord(WireStruct, frozen=True, kw_only=True, tag_field="kind", tag="job"):  # type: ignore[misc]
     """A job as its owner publishes it; ``job_id`` must equal ``job_id_of(...)`` of the rest."""
 
-    job_id: str
-    owner: str  # peer id of the owner key
-    swarm: str
-    nonce: bytes
-    spec: dict[str, Any]  # the normalized JobSpec mapping (every field present, nil included)
-    epoch0_start: float  # DHT time at which planning epoch 0 opens its roster
-    timing: ConsensusTiming
-    created_at: float
+    version: int = msgspec.field(default=PROTOCOL_VERSION, name="v")
+    job_id: JobId
+    owner: PeerId  # peer id of the owner key
+    swarm: Annotated[str, Meta(max_length=64)]
+    nonce: Annotated[bytes, Meta(min_length=NONCE_BYTES, max_length=NONCE_BYTES)]
+    spec: Spec  # the normalized JobSpec mapping (every field present, nil included)
+    planning: Planning
+    created_at: Real
     state: JobState
-    seq: int  # grows with every re-publication by the owner; the highest wins
-    updated_at: float
-    reason: str = ""
+    seq: Count  # grows with every re-publication by the owner; the highest wins
+    updated_at: Real
+    reason: Reason = ""  # absent on the wire when empty
+
+    @property
+    def epoch0_start(self) -> float:
+        return self.planning.epoch0_start
+
+    @property
+    def timing(self) -> ConsensusTiming:
+        return ConsensusTiming(**msgspec.structs.asdict(self.planning.timing))
 
     def job_spec(self) -> JobSpec:
         return parse_job_spec(self.spec, source=f"job {self.job_id}")
 
     def with_state(self, state: JobState, now: float, reason: str = "") -> JobRecord:
-        return replace(
-            self, state=state, seq=self.seq + 1, updated_at=max(now, self.updated_at), reason=reason
-        )
+        updated = max(now, self.updated_at)
+        return msgspec.structs.replace(self, state=state, seq=self.seq + 1, updated_at=updated, reason=reason)
 
 
-@dataclass(frozen=True)
-class JobIndex:
+class JobIndex(WireStruct, frozen=True, tag_field="kind", tag="jobs"):  # type: ignore[misc]
     """The job ids one owner publishes in a swarm (under ``jobs_key(swarm)``, the owner's subkey)."""
 
-    owner: str
-    job_ids: tuple[str, ...]
-    updated_at: float
+    owner: PeerId
+    job_ids: Annotated[tuple[JobId, ...], Meta(max_length=MAX_INDEX_IDS)]  # oldest first
+    updated_at: Real
+    version: int = msgspec.field(default=PROTOCOL_VERSION, name="v")
 
 
-@dataclass(frozen=True)
-class Progress:
+class Progress(WireStruct, frozen=True, tag_field="kind", tag="progress"):  # type: ignore[misc]
     """One tasklet's training progress (under ``progress_key(job)``, its peer's subkey)."""
 
-    job_id: str
-    peer: str
-    epoch: int  # the committed planning epoch this tasklet runs
-    stage: int
-    replica: int
-    step: int  # steps completed
-    steps: int  # steps the job runs
+    job_id: JobId
+    peer: PeerId
+    epoch: Count  # the committed planning epoch this tasklet runs
+    stage: Count
+    replica: Count
+    step: Count  # steps completed
+    steps: Count  # steps the job runs
     state: TaskState
-    tokens_per_s: float
-    updated_at: float
-    started_at: float
-    loss: float | None = None  # last stage only: the latest step's loss
-    losses: tuple[tuple[int, float], ...] = ()  # last stage only: (step, loss), ascending
-    bytes: dict[str, int] = field(default_factory=dict)  # wire bytes sent so far, by kind
-    reason: str = ""
+    tokens_per_s: Real
+    updated_at: Real
+    started_at: Real
+    loss: Real | None = None  # last stage only: the latest step's loss
+    # last stage only: (step, loss), steps strictly ascending; absent on the wire when empty
+    losses: Annotated[tuple[tuple[Count, AnyReal], ...], Meta(max_length=MAX_LOSS_POINTS)] = ()
+    # wire bytes sent so far, by kind
+    bytes: dict[Annotated[str, Meta(pattern=r"^[a-z0-9_]{1,32}$")], Count] = msgspec.field(
+        default_factory=dict
+    )
+    reason: Reason = ""  # absent on the wire when empty
+    version: int = msgspec.field(default=PROTOCOL_VERSION, name="v")
 
 
 # ---------------------------------------------------------------- identity of a job
@@ -131,17 +156,10 @@ def normalized_spec(spec: JobSpec) -> dict[str, Any]:
     return to_mapping(spec)
 
 
-def timing_to_wire(timing: ConsensusTiming) -> dict[str, float]:
-    return {name: float(getattr(timing, name)) for name in TIMING_FIELDS}
-
-
-def job_id_of(
-    owner: str, spec: dict[str, Any], nonce: bytes, epoch0_start: float, timing: ConsensusTiming
-) -> str:
+def job_id_of(owner: str, spec: dict[str, Any], nonce: bytes, planning: Planning) -> str:
     """Hex of the first 16 bytes of sha256 over the canonical msgpack of the record's immutable part."""
-    terms = {"epoch0_start": float(epoch0_start), "timing": timing_to_wire(timing)}
-    body = {"nonce": bytes(nonce), "owner": owner, "planning": terms, "spec": spec}
-    return hashlib.sha256(canonical_pack(body)).digest()[:JOB_ID_BYTES].hex()
+    body = {"nonce": bytes(nonce), "owner": owner, "planning": planning, "spec": spec}
+    return sha256(canonical_pack(body))[:JOB_ID_BYTES].hex()
 
 
 def new_job_record(
@@ -156,14 +174,15 @@ def new_job_record(
 ) -> JobRecord:
     """A fresh PENDING job record (seq 1) for ``spec`` owned by ``owner``."""
     mapping = normalized_spec(spec)
+    terms = {"epoch0_start": epoch0_start, "timing": dataclasses.asdict(timing)}
+    planning = convert(terms, Planning, what="job record")  # reals as floats, as the id hashes them
     return JobRecord(
-        job_id=job_id_of(owner, mapping, nonce, epoch0_start, timing),
+        job_id=job_id_of(owner, mapping, nonce, planning),
         owner=owner,
         swarm=swarm,
         nonce=bytes(nonce),
         spec=mapping,
-        epoch0_start=float(epoch0_start),
-        timing=timing,
+        planning=planning,
         created_at=float(now),
         state=JobState.PENDING,
         seq=1,
@@ -171,210 +190,119 @@ def new_job_record(
     )
 
 
-# ---------------------------------------------------------------- encoding
+# ---------------------------------------------------------------- checks across fields
 
 
-def job_to_wire(rec: JobRecord) -> dict[str, Any]:
-    wire: dict[str, Any] = {
-        "v": PROTOCOL_VERSION,
-        "kind": JOB_KIND,
-        "job_id": rec.job_id,
-        "owner": rec.owner,
-        "swarm": rec.swarm,
-        "nonce": bytes(rec.nonce),
-        "spec": rec.spec,
-        "planning": {"epoch0_start": float(rec.epoch0_start), "timing": timing_to_wire(rec.timing)},
-        "created_at": float(rec.created_at),
-        "state": JobState(rec.state).value,
-        "seq": int(rec.seq),
-        "updated_at": float(rec.updated_at),
-    }
-    if rec.reason:
-        wire["reason"] = rec.reason
-    return wire
+def _bad(what: str, path: str, why: str, code: ErrorCode = ErrorCode.MALFORMED) -> ProtocolError:
+    return ProtocolError(f"{what}: {path}: {why}", code=code)
 
 
-def index_to_wire(index: JobIndex) -> dict[str, Any]:
-    return {
-        "v": PROTOCOL_VERSION,
-        "kind": INDEX_KIND,
-        "owner": index.owner,
-        "job_ids": list(index.job_ids),
-        "updated_at": float(index.updated_at),
-    }
+def check_spec(spec: dict[str, Any], what: str = "job record") -> JobSpec:
+    """The spec inside a record through the job-spec parser; every failure is a ``ProtocolError``.
 
-
-def progress_to_wire(p: Progress) -> dict[str, Any]:
-    wire: dict[str, Any] = {
-        "v": PROTOCOL_VERSION,
-        "kind": PROGRESS_KIND,
-        "job_id": p.job_id,
-        "peer": p.peer,
-        "epoch": int(p.epoch),
-        "stage": int(p.stage),
-        "replica": int(p.replica),
-        "step": int(p.step),
-        "steps": int(p.steps),
-        "state": TaskState(p.state).value,
-        "tokens_per_s": float(p.tokens_per_s),
-        "bytes": {k: int(v) for k, v in p.bytes.items()},
-        "started_at": float(p.started_at),
-        "updated_at": float(p.updated_at),
-    }
-    if p.loss is not None:
-        wire["loss"] = float(p.loss)
-    if p.losses:
-        wire["losses"] = [[int(s), float(v)] for s, v in p.losses]
-    if p.reason:
-        wire["reason"] = p.reason
-    return wire
-
-
-def _encode(wire: dict[str, Any], limit: int, what: str, decode: Any) -> bytes:
+    A spec the parser refuses is CONFIG_INVALID naming ``spec.<field>``. The parser was written
+    for the owner's own files, so anything else it raises on a peer's bytes is the bytes'
+    fault too (MALFORMED), never a crash of the reader.
+    """
     try:
-        raw = canonical_pack(wire)
-    except (TypeError, ValueError, OverflowError) as exc:
-        raise ProtocolError(f"{what} not encodable: {exc}") from None
-    if len(raw) > limit:
-        raise ProtocolError(f"{what} is {len(raw)} bytes (limit {limit})", code=ErrorCode.OVERSIZED)
-    decode(raw)  # the same rules on both sides: a bug here never reaches the DHT
+        return parse_job_spec(spec)
+    except ConfigError as exc:
+        problems = getattr(exc, "errors", None) or [exc]
+        first = problems[0]
+        path = f"spec.{first.field}" if getattr(first, "field", "") else "spec"
+        why = f"{getattr(first, 'detail', first)} ({len(problems)} problem(s))"
+        raise _bad(what, path, why, ErrorCode.CONFIG_INVALID) from None
+    except (TypeError, ValueError, AttributeError, ArithmeticError, LookupError, RecursionError) as exc:
+        raise _bad(what, "spec", f"not a job spec ({type(exc).__name__}: {exc})") from None
+
+
+def _job_rules(rec: JobRecord) -> None:
+    try:
+        rec.timing.validate()
+    except ConfigError as exc:  # names the window: timing.vote_s
+        raise _bad("job record", f"planning.{exc.field}", getattr(exc, "detail", str(exc))) from None
+    check_spec(rec.spec)
+    expected = job_id_of(rec.owner, rec.spec, rec.nonce, rec.planning)
+    if expected != rec.job_id:
+        raise _bad(
+            "job record", "job_id", f"{rec.job_id} is not the hash of its content", ErrorCode.BAD_SIGNATURE
+        )
+    if rec.updated_at < rec.created_at:
+        raise _bad("job record", "updated_at", "earlier than created_at")
+
+
+def _index_rules(index: JobIndex) -> None:
+    if len(set(index.job_ids)) != len(index.job_ids):
+        raise _bad("job index", "job_ids", "lists a job id twice")
+
+
+def _progress_rules(p: Progress) -> None:
+    steps = [s for s, _ in p.losses]
+    if steps != sorted(set(steps)):
+        raise _bad("progress record", "losses", "steps must be strictly ascending")
+    if p.step > p.steps:
+        raise _bad("progress record", "step", f"{p.step} exceeds steps {p.steps}")
+
+
+JOB = Schema(JobRecord, "job record", MAX_JOB_BYTES, version=PROTOCOL_VERSION, kind="job", rules=_job_rules)
+INDEX = Schema(
+    JobIndex, "job index", MAX_INDEX_BYTES, version=PROTOCOL_VERSION, kind="jobs", rules=_index_rules
+)
+PROGRESS = Schema(
+    Progress,
+    "progress record",
+    MAX_PROGRESS_BYTES,
+    version=PROTOCOL_VERSION,
+    kind="progress",
+    rules=_progress_rules,
+)
+
+# ---------------------------------------------------------------- codec
+
+# Optional fields that protocols/jobs.md has absent, not empty, when there is nothing in them.
+_ABSENT_WHEN_EMPTY = frozenset({"reason", "losses"})
+
+
+def _encode(schema: Schema[Any], obj: Any) -> bytes:
+    """``schema.encode`` that leaves out the empty ``reason`` / ``losses`` (their defaults are not None)."""
+    tree = to_builtin(schema.check(to_builtin(obj)))  # the receiver's checks; reals become float64
+    raw = canonical_pack({k: v for k, v in tree.items() if v or k not in _ABSENT_WHEN_EMPTY})
+    if len(raw) > schema.max_bytes:
+        raise ProtocolError(
+            f"{schema.what}: {len(raw)} bytes exceeds the {schema.max_bytes}-byte limit",
+            code=ErrorCode.OVERSIZED,
+        )
     return raw
 
 
 def encode_job(rec: JobRecord) -> bytes:
-    return _encode(job_to_wire(rec), MAX_JOB_BYTES, "job record", decode_job)
+    return _encode(JOB, rec)
 
 
 def encode_index(index: JobIndex) -> bytes:
-    return _encode(index_to_wire(index), MAX_INDEX_BYTES, "job index", decode_index)
+    return _encode(INDEX, index)
 
 
 def encode_progress(p: Progress) -> bytes:
-    return _encode(progress_to_wire(p), MAX_PROGRESS_BYTES, "progress record", decode_progress)
-
-
-# ---------------------------------------------------------------- decoding
-
-
-def _timing(f: Fields) -> ConsensusTiming:
-    values = {name: f.real(name) for name in TIMING_FIELDS}
-    try:
-        timing = ConsensusTiming(**values)
-        timing.validate()
-        return timing
-    except Exception as exc:  # ConsensusTiming.validate raises ConfigError naming the field
-        raise f.bad("", f"invalid timing: {exc}") from None
+    return _encode(PROGRESS, p)
 
 
 def decode_job(raw: bytes) -> JobRecord:
     """Decode a job record and check it structurally, including that its id hashes its immutable part.
 
     Raises ``ProtocolError`` (MALFORMED, OVERSIZED, UNSUPPORTED_VERSION, UNKNOWN_KIND,
-    CONFIG_INVALID when the spec inside does not validate). Ownership is the reader's
-    check: the subkey's peer id must be ``owner``.
+    BAD_SIGNATURE, CONFIG_INVALID when the spec inside does not validate). Ownership is the
+    reader's check: the subkey's peer id must be ``owner``.
     """
-    m = decode_map(raw, max_bytes=MAX_JOB_BYTES, what="job record")
-    check_envelope(m, what="job record", version=PROTOCOL_VERSION, kind=JOB_KIND)
-    f = Fields(m, "job record")
-    nonce = f.get("nonce")
-    if not isinstance(nonce, bytes) or len(nonce) != NONCE_BYTES:
-        raise f.bad("nonce", f"expected {NONCE_BYTES} bytes")
-    spec = f.get("spec")
-    if not isinstance(spec, dict):
-        raise f.bad("spec", "expected a map")
-    planning = f.sub("planning")
-    rec = JobRecord(
-        job_id=f.job_id(),
-        owner=f.peer("owner"),
-        swarm=f.text("swarm", 64),
-        nonce=nonce,
-        spec=spec,
-        epoch0_start=planning.real("epoch0_start"),
-        timing=_timing(planning.sub("timing")),
-        created_at=f.real("created_at"),
-        state=f.enum(JobState, "state"),
-        seq=f.count("seq"),
-        updated_at=f.real("updated_at"),
-        reason=f.text("reason", MAX_REASON_CHARS, optional=True),
-    )
-    try:
-        parse_job_spec(spec)
-    except JobSpecError as exc:
-        first = exc.errors[0]
-        raise ProtocolError(
-            f"job record: spec.{first.field}: {bare_message(first)} ({len(exc.errors)} problem(s))",
-            code=ErrorCode.CONFIG_INVALID,
-        ) from None
-    expected = job_id_of(rec.owner, spec, nonce, rec.epoch0_start, rec.timing)
-    if expected != rec.job_id:
-        raise ProtocolError(
-            f"job record: job_id {rec.job_id} is not the hash of its content ({expected})",
-            code=ErrorCode.BAD_SIGNATURE,
-        )
-    if rec.updated_at < rec.created_at:
-        raise f.bad("updated_at", "earlier than created_at")
-    return rec
+    return JOB.decode(raw)
 
 
 def decode_index(raw: bytes) -> JobIndex:
-    m = decode_map(raw, max_bytes=MAX_INDEX_BYTES, what="job index")
-    check_envelope(m, what="job index", version=PROTOCOL_VERSION, kind=INDEX_KIND)
-    f = Fields(m, "job index")
-    ids = f.get("job_ids")
-    if not isinstance(ids, list) or len(ids) > MAX_INDEX_IDS:
-        raise f.bad("job_ids", f"expected a list of at most {MAX_INDEX_IDS} job ids")
-    for i, job_id in enumerate(ids):
-        if not isinstance(job_id, str) or not JOB_ID_RE.fullmatch(job_id):
-            raise f.bad(f"job_ids[{i}]", f"{job_id!r} is not a job id")
-    if len(set(ids)) != len(ids):
-        raise f.bad("job_ids", "lists a job id twice")
-    return JobIndex(owner=f.peer("owner"), job_ids=tuple(ids), updated_at=f.real("updated_at"))
+    return INDEX.decode(raw)
 
 
 def decode_progress(raw: bytes) -> Progress:
-    m = decode_map(raw, max_bytes=MAX_PROGRESS_BYTES, what="progress record")
-    check_envelope(m, what="progress record", version=PROTOCOL_VERSION, kind=PROGRESS_KIND)
-    f = Fields(m, "progress record")
-    counters = f.get("bytes", optional=True) or {}
-    byte_fields = Fields(counters, "progress record", "bytes.")
-    sent = {}
-    for kind in counters:
-        if not _BYTES_KIND_RE.fullmatch(kind):
-            raise f.bad("bytes", f"bad kind name {kind!r}")
-        sent[kind] = byte_fields.count(kind)
-    points = f.get("losses", optional=True) or []
-    if not isinstance(points, list) or len(points) > MAX_LOSS_POINTS:
-        raise f.bad("losses", f"expected a list of at most {MAX_LOSS_POINTS} [step, loss] pairs")
-    losses = []
-    for i, point in enumerate(points):
-        ok = isinstance(point, list) and len(point) == 2 and type(point[0]) is int and point[0] >= 0
-        if not ok or isinstance(point[1], bool) or not isinstance(point[1], int | float):
-            raise f.bad(f"losses[{i}]", "expected [step, loss]")
-        if not math.isfinite(point[1]):
-            raise f.bad(f"losses[{i}]", "loss must be finite")
-        losses.append((point[0], float(point[1])))
-    if [s for s, _ in losses] != sorted({s for s, _ in losses}):
-        raise f.bad("losses", "steps must be strictly ascending")
-    p = Progress(
-        job_id=f.job_id(),
-        peer=f.peer("peer"),
-        epoch=f.count("epoch"),
-        stage=f.count("stage"),
-        replica=f.count("replica"),
-        step=f.count("step"),
-        steps=f.count("steps"),
-        state=f.enum(TaskState, "state"),
-        tokens_per_s=f.real("tokens_per_s"),
-        updated_at=f.real("updated_at"),
-        started_at=f.real("started_at"),
-        loss=f.opt_real("loss", optional=True),
-        losses=tuple(losses),
-        bytes=sent,
-        reason=f.text("reason", MAX_REASON_CHARS, optional=True),
-    )
-    if p.step > p.steps:
-        raise f.bad("step", f"{p.step} exceeds steps {p.steps}")
-    return p
+    return PROGRESS.decode(raw)
 
 
 def downsample(

@@ -169,13 +169,13 @@ def _write_vectors() -> None:  # pragma: no cover - run by hand
     import dataclasses
 
     import msgpack
+    import msgspec
 
     from peerd.jobs.records import (
         JobIndex,
         JobState,
         Progress,
         TaskState,
-        job_to_wire,
         new_job_record,
     )
     from peerd.jobs.spec import load_job_spec
@@ -246,7 +246,7 @@ def _write_vectors() -> None:  # pragma: no cover - run by hand
         t + 20.0,
         bytes={"activations": 163840, "activations_raw": 1310720, "gradients": 0, "averaging": 0},
     )
-    failed = dataclasses.replace(
+    failed = msgspec.structs.replace(
         first, state=TaskState.FAILED, step=57, reason="stage 1 unreachable [TIMEOUT]"
     )
     out: dict[str, dict] = {}
@@ -279,7 +279,7 @@ def _write_vectors() -> None:  # pragma: no cover - run by hand
         if field:
             out[name]["field"] = field
 
-    base = job_to_wire(job)
+    base = msgpack.unpackb(encode_job(job), raw=False)
     invalid(
         "job-id-mismatch",
         "job_id is not the hash of the record's content",
