@@ -165,7 +165,7 @@ class Daemon:
             )
             self._spawn("jobs", self.jobs.run)
             if cfg.metrics_port:
-                self.metrics = MetricsServer(cfg.metrics_port, self._metrics_view)
+                self.metrics = MetricsServer(cfg.metrics_port, self._view)
                 await self.metrics.start()
         except BaseException:
             await self.stop()
@@ -375,8 +375,7 @@ class Daemon:
             except PeerdError as exc:
                 logger.info("status: serving the cached peers table (%s)", exc)
                 stale = True
-        now = self.node.now() if self.node else 0.0
-        view = peers_view(self.entries.values(), now=now, self_id=self.node.peer_id if self.node else None)
+        view = self._view()
         view["self"] = {
             "peer_id": self.node.peer_id if self.node else None,
             "name": self.config.name,
@@ -389,10 +388,10 @@ class Daemon:
             "started_at": self._started_at,
         }
         view["stale"] = stale
-        view["jobs"] = self.jobs.views() if self.jobs is not None else []
         return view
 
-    def _metrics_view(self) -> dict[str, Any]:
+    def _view(self) -> dict[str, Any]:
+        """Peers, links and jobs as this daemon sees them now (what status and metrics report)."""
         now = self.node.now() if self.node else 0.0
         view = peers_view(self.entries.values(), now=now, self_id=self.node.peer_id if self.node else None)
         view["jobs"] = self.jobs.views() if self.jobs is not None else []
