@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from peerd.errors import ConfigError
+from peerd.models.stack import LayerStack
 
 
 @dataclass(frozen=True)
@@ -220,7 +221,7 @@ def build_layer(cfg: GPTConfig, index: int, seed: int = 0) -> nn.Module:
     return layer
 
 
-class GPT(nn.Module):
+class GPT(LayerStack):
     """The full model: ``layers`` = [Embedding, Block..., Head]; tokens (B, T) -> logits (B, T, V)."""
 
     def __init__(self, cfg: GPTConfig, seed: int = 0) -> None:
@@ -234,15 +235,6 @@ class GPT(nn.Module):
             assert isinstance(head, Head) and isinstance(embedding, Embedding)  # build_layer's order
             head.lm_head.weight = embedding.tok.weight
         self.layers = nn.ModuleList(layers)
-
-    def forward(self, tokens_BT: torch.Tensor) -> torch.Tensor:
-        x = tokens_BT
-        for layer in self.layers:
-            x = layer(x)
-        return x
-
-    def num_parameters(self) -> int:
-        return sum(p.numel() for p in self.parameters())
 
 
 def lm_loss(logits_BTV: torch.Tensor, targets_BT: torch.Tensor) -> torch.Tensor:

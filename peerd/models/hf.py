@@ -11,12 +11,13 @@ not copied. Needs the optional ``transformers`` package (``pip install peerd[hf]
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
 
 from peerd.errors import ConfigError
+from peerd.models.stack import LayerStack
 
 SUPPORTED = ("gpt2", "llama")
 
@@ -41,30 +42,17 @@ def _causal_mask(h_BTC: torch.Tensor) -> torch.Tensor:
     return torch.triu(mask, diagonal=1)[None, None]
 
 
-def _sub(module: nn.Module, name: str) -> nn.Module:
-    """``module.<name>`` as a submodule (torch types attribute access as ``Tensor | Module``)."""
+M = TypeVar("M", bound=nn.Module)
+
+
+def _sub(module: nn.Module, name: str, kind: type[M]) -> M:
+    """``module.<name>`` as a submodule of type ``kind`` (torch types attribute access as ``Tensor | Module``)."""
     sub = getattr(module, name, None)
-    if not isinstance(sub, nn.Module):
+    if not isinstance(sub, kind):
+        got = "no such submodule" if sub is None else f"a {type(sub).__name__}"
         raise ConfigError(
-            "model.hf", f"{type(module).__name__} has no submodule {name!r} (an unexpected HF layout)"
-        )
-    return sub
-
-
-def _embedding(module: nn.Module, name: str) -> nn.Embedding:
-    sub = _sub(module, name)
-    if not isinstance(sub, nn.Embedding):
-        raise ConfigError(
-            "model.hf", f"{type(module).__name__}.{name} is a {type(sub).__name__}, not an Embedding"
-        )
-    return sub
-
-
-def _blocks(module: nn.Module, name: str) -> nn.ModuleList:
-    sub = _sub(module, name)
-    if not isinstance(sub, nn.ModuleList):
-        raise ConfigError(
-            "model.hf", f"{type(module).__name__}.{name} is a {type(sub).__name__}, not a ModuleList"
+            "model.hf",
+            f"{type(module).__name__}.{name}: {got}, expected a {kind.__name__} (an unexpected HF layout)",
         )
     return sub
 
@@ -128,7 +116,7 @@ class NormHead(nn.Module):
         return self.lm_head(self.norm(h_BTC))
 
 
-class HFStagedLM(nn.Module):
+class HFStagedLM(LayerStack):
     """A HF causal LM as ``layers`` = [embedding, blocks..., head]; forward runs them in order."""
 
     def __init__(self, model: nn.Module) -> None:
@@ -137,20 +125,20 @@ class HFStagedLM(nn.Module):
         model_type = getattr(config, "model_type", None)
         layers: list[nn.Module]
         if model_type == "gpt2":
-            tr = _sub(model, "transformer")
+            tr = _sub(model, "transformer", nn.Module)
             layers = [
-                GPT2Embedding(_embedding(tr, "wte"), _embedding(tr, "wpe"), _sub(tr, "drop")),
-                *(GPT2BlockAdapter(b) for b in _blocks(tr, "h")),
+                GPT2Embedding(_sub(tr, "wte", nn.Embedding), _sub(tr, "wpe", nn.Embedding), _sub(tr, "drop", nn.Module)),
+                *(GPT2BlockAdapter(b) for b in _sub(tr, "h", nn.ModuleList)),
             ]
-            layers.append(NormHead(_sub(tr, "ln_f"), _sub(model, "lm_head")))
+            layers.append(NormHead(_sub(tr, "ln_f", nn.Module), _sub(model, "lm_head", nn.Module)))
         elif model_type == "llama":
-            core = _sub(model, "model")
-            rotary = _sub(core, "rotary_emb")
+            core = _sub(model, "model", nn.Module)
+            rotary = _sub(core, "rotary_emb", nn.Module)
             layers = [
-                LlamaEmbedding(_embedding(core, "embed_tokens")),
-                *(LlamaBlockAdapter(b, rotary) for b in _blocks(core, "layers")),
+                LlamaEmbedding(_sub(core, "embed_tokens", nn.Embedding)),
+                *(LlamaBlockAdapter(b, rotary) for b in _sub(core, "layers", nn.ModuleList)),
             ]
-            layers.append(NormHead(_sub(core, "norm"), _sub(model, "lm_head")))
+            layers.append(NormHead(_sub(core, "norm", nn.Module), _sub(model, "lm_head", nn.Module)))
         else:
             raise ConfigError(
                 "model.hf", f"model type {model_type!r} is not supported (supported: {', '.join(SUPPORTED)})"
@@ -158,12 +146,6 @@ class HFStagedLM(nn.Module):
         self.model_type = model_type
         self.config = config
         self.layers = nn.ModuleList(layers)
-
-    def forward(self, tokens_BT: torch.Tensor) -> torch.Tensor:
-        x = tokens_BT
-        for layer in self.layers:
-            x = layer(x)
-        return x
 
 
 def build_hf_model(model_type: str, seed: int = 0, **config: Any) -> nn.Module:

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from peerd.errors import ConfigError
-from peerd.sched.objective import Cost, Edge, Objective
+from peerd.sched.objective import Cost, Edge, Objective, edge_culprits
 from peerd.sched.problem import Problem, Shape
 
 
@@ -91,10 +91,7 @@ class DtfmObjective(Objective):
         for g in groups:
             if g.dp >= dp - 1e-12:
                 out.extend(int(d) for d in g.members[g.rows >= g.dp - 1e-12])
-        for i, e in enumerate(edges):
-            a, b = groups[i].members, groups[i + 1].members
-            for pos in e.worst:
-                out.extend((int(a[pos]), int(b[e.perm[pos]])))
+        out += edge_culprits([g.members for g in groups], edges)
         return list(dict.fromkeys(out))
 
     # --- vectorised grid moves ------------------------------------------------------------

@@ -44,7 +44,7 @@ from typing import NamedTuple
 import numpy as np
 
 from peerd.errors import ConfigError
-from peerd.sched.objective import Cost, Edge, Objective
+from peerd.sched.objective import Cost, Edge, Objective, edge_culprits
 from peerd.sched.problem import Problem, Shape
 
 INFEASIBLE = 1e9
@@ -234,10 +234,7 @@ class PeerdObjective(Objective):
             if dp[0, k] >= top - 1e-12:
                 vals = grp.a + n[0, k] * self.layer_grad * grp.b
                 out.extend(int(d) for d in grp.members[vals >= vals.max() - 1e-12])
-        for i, e in enumerate(edges):
-            a, b = groups[i].members, groups[i + 1].members
-            for pos in e.worst:
-                out.extend((int(a[pos]), int(b[e.perm[pos]])))
+        out += edge_culprits([g.members for g in groups], edges)
         return list(dict.fromkeys(out))
 
     # --- vectorised grid moves ------------------------------------------------------------

@@ -50,6 +50,16 @@ class Edge:
     """Positions i in ``a`` whose matched pair costs ``value`` (the devices to fix)."""
 
 
+def edge_culprits(members: list[np.ndarray], edges: list[Edge]) -> list[int]:
+    """The devices at both ends of every edge's worst matched pairs (``members[i]`` feeds edge ``i``)."""
+    out: list[int] = []
+    for i, e in enumerate(edges):
+        a, b = members[i], members[i + 1]
+        for pos in e.worst:
+            out.extend((int(a[pos]), int(b[e.perm[pos]])))
+    return out
+
+
 @dataclass(frozen=True, order=True)
 class Cost:
     """Lexicographic score: ``total`` seconds per iteration, then ``soft`` to leave plateaus."""

@@ -87,5 +87,5 @@ def test_unexpected_hf_layout_is_a_config_error_naming_the_submodule() -> None:
         HFStagedLM(model)
     gpt2 = build_hf_model("gpt2", **GPT2)
     gpt2.transformer.h = torch.nn.Linear(2, 2)  # blocks that are not a ModuleList
-    with pytest.raises(ConfigError, match="not a ModuleList"):
+    with pytest.raises(ConfigError, match="h: a Linear, expected a ModuleList"):
         HFStagedLM(gpt2)
