@@ -1,4 +1,4 @@
-"""The daemon's job logic: submit/cancel/list for the control endpoint, discovery, planners, runners, owner duties.
+"""One daemon's jobs kept in step with the swarm's records: discovery, a planner and a tasklet per job, owner duties.
 
 ``JobManager.run()`` loops every ``discover_s``: read the owners' job indexes of this swarm,
 the job records they name (only the owner's own record counts, see ``catalog``), and for
@@ -6,8 +6,8 @@ every live job keep one ``JobPlanner`` (participating when this peer is eligible
 an allocation that includes this peer is committed, one ``TaskletRunner``. A job's state as
 everyone sees it is derived from public records (``effective_state``); the owner's daemon
 writes it back into the job record, re-stores its records before they expire, and is the
-only one whose ``cancel`` counts. Views for ``peerd status`` / ``peerd jobs`` are in
-``jobs.views``.
+only one whose ``cancel`` counts. The control endpoint's submit/cancel/jobs/job_status are
+methods here; ``JobEntry``, the effective state and the views are in ``jobs.views``.
 """
 
 from __future__ import annotations
