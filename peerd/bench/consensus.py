@@ -164,7 +164,7 @@ def _quality_spec(n: int) -> dict[str, Any]:
 
 
 def _roster(n: int, seed: int) -> Any:
-    from peerd.sched.consensus.messages import DeviceProfile, LinkMeasurement, Roster, RosterEntry
+    from peerd.sched.consensus.messages import Roster, RosterDevice, RosterEntry, RosterLink
     from peerd.sched.problem import Problem
     from peerd.sched.synthetic import random_cluster
 
@@ -173,12 +173,12 @@ def _roster(n: int, seed: int) -> Any:
     entries = []
     for i, dev in enumerate(problem.ids):
         links = tuple(
-            LinkMeasurement(other, float(problem.delay[i, j]), float(problem.bandwidth[i, j]))
+            RosterLink(other, float(problem.delay[i, j]), float(problem.bandwidth[i, j]))
             for j, other in enumerate(problem.ids)
             if j != i
         )
         spec = scenario.devices[scenario.index_of(dev)]
-        profile = DeviceProfile(spec.tflops, int(spec.memory_gb * 1e9), spec.region)
+        profile = RosterDevice(spec.tflops, int(spec.memory_gb * 1e9), spec.region)
         entries.append(RosterEntry("bench", 0, dev, 0.0, profile, links))
     return Roster.of(0, entries)
 

@@ -19,10 +19,11 @@ import asyncio
 import math
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import msgpack
+from msgspec.structs import replace
 
 from peerd.errors import PeerdError, ProtocolError
 from peerd.jobs.island import IslandReport, IslandThread
@@ -44,10 +45,10 @@ from peerd.sched.consensus.actions import (
 from peerd.sched.consensus.machine import ConsensusConfig, ConsensusMachine
 from peerd.sched.consensus.messages import (
     CommitRecord,
-    DeviceProfile,
-    LinkMeasurement,
     Message,
+    RosterDevice,
     RosterEntry,
+    RosterLink,
     Vote,
     decode,
     encode,
@@ -56,7 +57,7 @@ from peerd.swarm.keys import candidates_key, commit_key, roster_key, votes_key
 
 logger = get_logger(__name__)
 
-LocalInfo = Callable[[], tuple[DeviceProfile, tuple[LinkMeasurement, ...]]]
+LocalInfo = Callable[[], tuple[RosterDevice, tuple[RosterLink, ...]]]
 MAX_VOTES_BYTES = 16 * 1024
 
 

@@ -18,11 +18,9 @@ from peerd.jobs.runner import TaskletRunner
 from peerd.jobs.spec import JobSpec
 from peerd.jobs.store import DhtStore
 from peerd.sched.consensus.actions import Commit
-from peerd.sched.consensus.messages import DeviceProfile, LinkMeasurement
+from peerd.sched.consensus.messages import RosterDevice, RosterLink
 from peerd.swarm.node import parse_peer_id
-from peerd.swarm.records import DeviceProfile as PeerProfile
-from peerd.swarm.records import LinkMeasurement as PeerLink
-from peerd.swarm.records import LinkStatus, PeerRecord, PeerState
+from peerd.swarm.records import DeviceProfile, LinkMeasurement, LinkStatus, PeerRecord, PeerState
 from peerd.swarm.transport import Transport
 
 # control method -> (JobManager attribute, help shown by the ``methods`` call)
@@ -37,24 +35,24 @@ METHODS: dict[str, tuple[str, str]] = {
 }
 
 
-def roster_profile(profile: PeerProfile | None, region: str) -> DeviceProfile:
+def roster_profile(profile: DeviceProfile | None, region: str) -> RosterDevice:
     """What this peer tells a roster about its device: fp32 TFLOPS (what training runs) and usable memory."""
     if profile is None:
-        return DeviceProfile(0.0, 0, region)
+        return RosterDevice(0.0, 0, region)
     tflops = profile.tflops.get("fp32") or max(profile.tflops.values(), default=0.0)
     memory = (
         profile.memory_free_bytes if profile.memory_free_bytes is not None else profile.memory_total_bytes
     )
-    return DeviceProfile(round(float(tflops), 6), int(memory), region)
+    return RosterDevice(round(float(tflops), 6), int(memory), region)
 
 
-def roster_links(measurements: list[PeerLink], peers: set[str]) -> tuple[LinkMeasurement, ...]:
+def roster_links(measurements: list[LinkMeasurement], peers: set[str]) -> tuple[RosterLink, ...]:
     """Successful probes to current peers as one-way delay (RTT / 2) and upload bandwidth, sorted by peer."""
     out = {}
     for m in measurements:
         if m.status != LinkStatus.OK or m.peer_id not in peers or not m.bw_up_mbps or m.rtt_ms is None:
             continue
-        out[m.peer_id] = LinkMeasurement(m.peer_id, round(m.rtt_ms / 2e3, 9), round(m.bw_up_mbps * 1e6, 3))
+        out[m.peer_id] = RosterLink(m.peer_id, round(m.rtt_ms / 2e3, 9), round(m.bw_up_mbps * 1e6, 3))
     return tuple(out[p] for p in sorted(out))
 
 
@@ -72,8 +70,8 @@ class JobService:
         transport: Transport,
         home: Path,
         region: str,
-        profile: Callable[[], PeerProfile | None],
-        links: Callable[[], list[PeerLink]],
+        profile: Callable[[], DeviceProfile | None],
+        links: Callable[[], list[LinkMeasurement]],
         peers: Callable[[], list[PeerRecord]],
         config: ManagerConfig | None = None,
     ) -> None:
@@ -93,7 +91,7 @@ class JobService:
     def online(self) -> list[str]:
         return [r.peer_id for r in self._peers() if r.state == PeerState.ONLINE and r.profile is not None]
 
-    def local(self) -> tuple[DeviceProfile, tuple[LinkMeasurement, ...]]:
+    def local(self) -> tuple[RosterDevice, tuple[RosterLink, ...]]:
         return roster_profile(self._profile(), self.region), roster_links(self._links(), set(self.online()))
 
     def make_runner(self, job: JobRecord, spec: JobSpec, commit: Commit) -> TaskletRunner:

@@ -157,10 +157,10 @@ def _write_vectors() -> None:  # pragma: no cover - run by hand
     from peerd.sched.consensus.messages import (
         Candidate,
         CommitRecord,
-        DeviceProfile,
-        LinkMeasurement,
         Roster,
+        RosterDevice,
         RosterEntry,
+        RosterLink,
         Vote,
     )
 
@@ -187,11 +187,9 @@ def _write_vectors() -> None:  # pragma: no cover - run by hand
             0,
             p,
             t + i,
-            DeviceProfile(25.5 + 10 * i, (16 + 8 * i) << 30, ["eu", "us"][i % 2]),
+            RosterDevice(25.5 + 10 * i, (16 + 8 * i) << 30, ["eu", "us"][i % 2]),
             tuple(
-                LinkMeasurement(
-                    q, 0.004 + 0.03 * (i != j) * (i % 2 != j % 2), 1e9 if i % 2 == j % 2 else 1.25e8
-                )
+                RosterLink(q, 0.004 + 0.03 * (i != j) * (i % 2 != j % 2), 1e9 if i % 2 == j % 2 else 1.25e8)
                 for j, q in enumerate(peers)
                 if q != p
             ),
@@ -207,7 +205,7 @@ def _write_vectors() -> None:  # pragma: no cover - run by hand
         "bytes_hex": e0.hex(),
         "hashes": {"entry_hash": sha(e0)},
     }
-    empty = RosterEntry(job, 3, "QmEve", t, DeviceProfile(1.0, 0))
+    empty = RosterEntry(job, 3, "QmEve", t, RosterDevice(1.0, 0), ())
     out["roster-entry-minimal"] = {
         "type": "message",
         "description": "no links, empty region, epoch 3",

@@ -6,11 +6,12 @@ actions. Every rejection reason is also a key of ``ConsensusMachine.stats``.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
+
+from msgspec.structs import replace
 
 from peerd.sched.allocation import Allocation
 from peerd.sched.consensus.messages import Candidate, CommitRecord, Message, Roster, RosterEntry, Vote
@@ -127,7 +128,7 @@ class EpochState:
             cand = self.seen[cid]
             rescored = self.scores.get(cid)
             if rescored is not None:  # the first copy may carry a false claim
-                cand = dataclasses.replace(cand, cost=rescored)
+                cand = replace(cand, cost=rescored)
             votes = tuple(v for v in counted if v.candidate == cid)
             return CommitRecord(job, self.epoch, rnd, me, now, cand, self.roster.refs, votes)
         return None

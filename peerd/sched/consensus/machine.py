@@ -46,15 +46,15 @@ from peerd.sched.consensus.epoch import EpochState
 from peerd.sched.consensus.messages import (
     Candidate,
     CommitRecord,
-    DeviceProfile,
-    LinkMeasurement,
     Message,
     Roster,
+    RosterDevice,
     RosterEntry,
+    RosterLink,
     Vote,
+    allocation_hash,
 )
 from peerd.sched.consensus.tally import adoption_choice, verify_record
-from peerd.sched.consensus.wire import allocation_hash
 
 __all__ = ["ConsensusConfig", "ConsensusMachine", "ConsensusTiming", "ScoreFn"]
 
@@ -77,8 +77,8 @@ class ConsensusMachine:
         me: str,
         config: ConsensusConfig,
         score: ScoreFn,
-        profile: DeviceProfile,
-        links: tuple[LinkMeasurement, ...] = (),
+        profile: RosterDevice,
+        links: tuple[RosterLink, ...] = (),
         seed: int = 0,
     ) -> None:
         self.job, self.me, self.config, self.score, self.seed = job, me, config, score, seed
@@ -91,7 +91,7 @@ class ConsensusMachine:
 
     # --- driver API ----------------------------------------------------------------------
 
-    def set_local(self, profile: DeviceProfile, links: tuple[LinkMeasurement, ...]) -> None:
+    def set_local(self, profile: RosterDevice, links: tuple[RosterLink, ...]) -> None:
         """Fresh measurements for the next roster entry this peer publishes."""
         self.profile, self.links = profile, links
 

@@ -1,222 +1,115 @@
-"""Planning-consensus wire messages (v1): typed dataclasses and their canonical msgpack codec.
+"""Planning-consensus wire messages (v1): their schemas on ``peerd.wire``, codec and digests.
 
 Spec and byte-exact vectors: ``protocols/consensus.md``, ``protocols/vectors/consensus/``.
-Every message is a msgpack map with ``version`` and ``kind``, keys in sorted order
-(``wire``). Decoding is tolerant within v1: unknown keys are ignored (and not
-covered by any hash), missing or mistyped known keys raise ``ProtocolError``.
-Authenticity is not checked here: the DHT layer's signature validator guarantees that
-``peer`` / ``author`` / ``voter`` wrote the record.
+Each message is declared once below as a msgspec Struct; ``peerd.wire`` writes it
+canonically (sorted keys, float64) and decodes it strictly: unknown keys are ignored (and
+not covered by any hash), missing or mistyped known keys raise ``ProtocolError`` naming
+the field. Authenticity is not checked here: the DHT layer's signature validator
+guarantees that ``peer`` / ``author`` / ``voter`` wrote the record.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Any, ClassVar, TypeVar, overload
+from typing import Annotated, Any, ClassVar, Final, Literal, TypeVar, overload
 
-import msgpack
+from msgspec import Meta
+from msgspec.structs import force_setattr, replace
 
-from peerd.errors import ErrorCode, ProtocolError
+from peerd.errors import ConfigError, ErrorCode, ProtocolError
 from peerd.sched.allocation import Allocation
-from peerd.sched.consensus.wire import (
-    Fields,
-    allocation_from_wire,
-    allocation_to_wire,
-    candidate_id,
-    malformed,
-    pack,
-    roster_digest,
-    sha,
-    sorted_map,
-)
+from peerd.wire import Schema, WireStruct, canonical_pack, check_envelope, decode_map, sha256
+from peerd.wire.types import Count, Hash32, PositiveReal, Real
 
-VERSION = 1
+VERSION: Final = 1
 
 # Size caps per kind, well under hivemind's 4 MiB unary-message limit.
 MAX_BYTES = {"roster": 256 << 10, "candidate": 256 << 10, "vote": 4 << 10, "commit": 2 << 20}
 
+Id = Annotated[str, Meta(min_length=1)]
+"""A job or peer id: any non-empty str (the spec sets no other bound; the byte limit bounds it)."""
+Round = Annotated[int, Meta(ge=0, le=1)]
 
-# --- messages ---------------------------------------------------------------------------------
+# The messages are frozen like every value the machine keeps. mypy (1.x) refuses a frozen subclass of
+# the non-frozen WireStruct under dataclass_transform, which msgspec allows: hence the ignores below.
 
 
-@dataclass(frozen=True)
-class DeviceProfile:
-    """What the cost model needs to know about a peer's device."""
+class RosterDevice(WireStruct, frozen=True):  # type: ignore[misc]
+    """What a roster entry declares to the cost model about its author's device (SI units)."""
 
-    tflops: float  # measured dense throughput
-    memory_bytes: int  # usable accelerator memory
+    tflops: Real  # measured dense throughput
+    memory_bytes: Count  # usable accelerator memory
     region: str = ""  # free-form label (clustering seed), "" when unknown
 
-    def to_wire(self) -> dict[str, Any]:
-        return sorted_map(
-            {"tflops": float(self.tflops), "memory_bytes": self.memory_bytes, "region": self.region}
-        )
 
-    @classmethod
-    def from_wire(cls, m: Any) -> DeviceProfile:
-        f = Fields(m, "profile")
-        region = f.m.get("region", "")
-        if not isinstance(region, str):
-            raise malformed("profile.region", "must be a string")
-        return cls(f.number("tflops"), f.uint("memory_bytes"), region)
+class RosterLink(WireStruct, frozen=True):  # type: ignore[misc]
+    """One measured link from the entry's author to ``peer``, as the cost model uses it (SI units)."""
+
+    peer: Id
+    delay_s: Real  # one-way latency estimate (RTT / 2)
+    bandwidth_bps: PositiveReal  # bits per second
 
 
-@dataclass(frozen=True)
-class LinkMeasurement:
-    """One measured link from the entry's author to ``peer``."""
-
-    peer: str
-    delay_s: float  # one-way latency estimate (RTT / 2)
-    bandwidth_bps: float  # bits per second
-
-    def to_wire(self) -> dict[str, Any]:
-        return sorted_map(
-            {"peer": self.peer, "delay_s": float(self.delay_s), "bandwidth_bps": float(self.bandwidth_bps)}
-        )
-
-    @classmethod
-    def from_wire(cls, m: Any) -> LinkMeasurement:
-        f = Fields(m, "links[]")
-        return cls(f.text("peer"), f.number("delay_s"), f.number("bandwidth_bps", positive=True))
-
-
-@dataclass(frozen=True)
-class RosterEntry:
+class RosterEntry(WireStruct, frozen=True, dict=True, tag_field="kind", tag="roster"):  # type: ignore[misc]
     """A peer's application to plan epoch ``epoch`` of job ``job``: its device and its links."""
 
     KIND: ClassVar[str] = "roster"
-    job: str
-    epoch: int
-    peer: str
-    issued_at: float  # author's DHT time
-    profile: DeviceProfile
-    links: tuple[LinkMeasurement, ...] = ()  # sorted by peer, at most one per peer
-
-    def body(self) -> dict[str, Any]:
-        return {
-            "job": self.job,
-            "epoch": self.epoch,
-            "peer": self.peer,
-            "issued_at": float(self.issued_at),
-            "profile": self.profile.to_wire(),
-            "links": [link.to_wire() for link in sorted(self.links, key=lambda x: x.peer)],
-        }
-
-    @classmethod
-    def from_body(cls, f: Fields) -> RosterEntry:
-        links = tuple(LinkMeasurement.from_wire(x) for x in f.array("links"))
-        peers = [x.peer for x in links]
-        if peers != sorted(set(peers)):
-            raise malformed("links", "must be sorted by peer, one per peer")
-        return cls(
-            f.text("job"),
-            f.uint("epoch"),
-            f.text("peer"),
-            f.number("issued_at"),
-            DeviceProfile.from_wire(f.get("profile")),
-            links,
-        )
+    job: Id
+    epoch: Count
+    peer: Id
+    issued_at: Real  # author's DHT time
+    profile: RosterDevice
+    links: tuple[RosterLink, ...]  # sorted by peer, at most one per peer (encode sorts them)
+    version: Literal[1] = VERSION
 
     @cached_property
     def hash(self) -> bytes:
         """sha256 of the canonical encoding: what roster digests are built from."""
-        return sha(encode(self))
+        return sha256(encode(self))
 
 
-@dataclass(frozen=True)
-class Candidate:
+class Candidate(WireStruct, frozen=True, dict=True, tag_field="kind", tag="candidate"):  # type: ignore[misc]
     """An island's allocation for epoch ``epoch``, with the cost its author claims on the named roster."""
 
     KIND: ClassVar[str] = "candidate"
-    job: str
-    epoch: int
-    author: str
-    issued_at: float
-    allocation: Allocation
-    cost: float  # claimed; receivers re-score and reject a mismatch
-    members: tuple[str, ...]  # sorted peer ids of the roster the cost refers to
-    roster_digest: bytes  # roster_digest() of those members' entries
+    job: Id
+    epoch: Count
+    author: Id
+    issued_at: Real
+    allocation: Allocation  # its fields are the wire form: stages, spares, layers (nil: even split)
+    cost: Real  # claimed; receivers re-score and reject a mismatch
+    members: tuple[Id, ...]  # sorted peer ids of the roster the cost refers to
+    roster_digest: Hash32  # roster_digest() of those members' entries
+    version: Literal[1] = VERSION
 
     def __post_init__(self) -> None:
-        # Replica order carries no meaning: keep the canonical form so equal candidates compare equal.
-        object.__setattr__(self, "allocation", self.allocation.canonical())
-
-    def body(self) -> dict[str, Any]:
-        return {
-            "job": self.job,
-            "epoch": self.epoch,
-            "author": self.author,
-            "issued_at": float(self.issued_at),
-            "allocation": allocation_to_wire(self.allocation),
-            "cost": float(self.cost),
-            "members": list(self.members),
-            "roster_digest": self.roster_digest,
-        }
-
-    @classmethod
-    def from_body(cls, f: Fields) -> Candidate:
-        allocation = allocation_from_wire(f.get("allocation"), f.name("allocation"))
-        members = f.peers("members", sorted_unique=True)
-        if not set(allocation.devices) | set(allocation.spares) <= set(members):
-            raise malformed(f.name("allocation"), "uses a peer that is not in members")
-        return cls(
-            f.text("job"),
-            f.uint("epoch"),
-            f.text("author"),
-            f.number("issued_at"),
-            allocation,
-            f.number("cost"),
-            members,
-            f.hash("roster_digest"),
-        )
+        # Replica order carries no meaning: keep the canonical form so equal candidates compare
+        # equal. Stages of unequal width have none; the schema's rules reject them.
+        if len({len(stage) for stage in self.allocation.stages}) == 1:
+            force_setattr(self, "allocation", self.allocation.canonical())
 
     @cached_property
     def id(self) -> bytes:
         return candidate_id(self.roster_digest, self.allocation)
 
 
-@dataclass(frozen=True)
-class Vote:
+class Vote(WireStruct, frozen=True, tag_field="kind", tag="vote"):  # type: ignore[misc]
     """``voter``'s vote in round ``round`` (0: best re-scored, 1: adoption after a split)."""
 
     KIND: ClassVar[str] = "vote"
-    job: str
-    epoch: int
-    round: int
-    voter: str
-    issued_at: float
-    candidate: bytes  # candidate id
-    cost: float  # the voter's re-score of that candidate
-    roster_digest: bytes  # digest of the voter's whole roster view (quorums count within one view)
-
-    def body(self) -> dict[str, Any]:
-        return {
-            "job": self.job,
-            "epoch": self.epoch,
-            "round": self.round,
-            "voter": self.voter,
-            "issued_at": float(self.issued_at),
-            "candidate": self.candidate,
-            "cost": float(self.cost),
-            "roster_digest": self.roster_digest,
-        }
-
-    @classmethod
-    def from_body(cls, f: Fields) -> Vote:
-        return cls(
-            f.text("job"),
-            f.uint("epoch"),
-            f.uint("round", hi=1),
-            f.text("voter"),
-            f.number("issued_at"),
-            f.hash("candidate"),
-            f.number("cost"),
-            f.hash("roster_digest"),
-        )
+    job: Id
+    epoch: Count
+    round: Round
+    voter: Id
+    issued_at: Real
+    candidate: Hash32  # candidate id
+    cost: Real  # the voter's re-score of that candidate
+    roster_digest: Hash32  # digest of the voter's whole roster view (quorums count within one view)
+    version: Literal[1] = VERSION
 
 
-@dataclass(frozen=True)
-class CommitRecord:
+class CommitRecord(WireStruct, frozen=True, tag_field="kind", tag="commit"):  # type: ignore[misc]
     """Proof of a commit: the candidate, the committer's roster view and a quorum of its votes.
 
     Self-verifying: ``roster`` lists ``(peer, entry_hash)`` so a reader can recompute the
@@ -225,47 +118,15 @@ class CommitRecord:
     """
 
     KIND: ClassVar[str] = "commit"
-    job: str
-    epoch: int
-    round: int
-    author: str
-    issued_at: float
+    job: Id
+    epoch: Count
+    round: Round
+    author: Id
+    issued_at: Real
     candidate: Candidate
-    roster: tuple[tuple[str, bytes], ...]  # sorted by peer
-    votes: tuple[Vote, ...]
-
-    def body(self) -> dict[str, Any]:
-        return {
-            "job": self.job,
-            "epoch": self.epoch,
-            "round": self.round,
-            "author": self.author,
-            "issued_at": float(self.issued_at),
-            "candidate": _envelope(self.candidate),
-            "roster": [[p, h] for p, h in sorted(self.roster)],
-            "votes": [_envelope(v) for v in sorted(self.votes, key=lambda v: v.voter)],
-        }
-
-    @classmethod
-    def from_body(cls, f: Fields) -> CommitRecord:
-        roster = []
-        for item in f.array("roster"):
-            ok = isinstance(item, list) and len(item) == 2 and isinstance(item[0], str) and item[0]
-            if not ok or not isinstance(item[1], bytes) or len(item[1]) != 32:
-                raise malformed("roster[]", "must be [peer id, 32-byte entry hash]")
-            roster.append((item[0], item[1]))
-        if [p for p, _ in roster] != sorted({p for p, _ in roster}):
-            raise malformed("roster", "must be sorted by peer, one per peer")
-        return cls(
-            f.text("job"),
-            f.uint("epoch"),
-            f.uint("round", hi=1),
-            f.text("author"),
-            f.number("issued_at"),
-            _from_envelope(f.get("candidate"), Candidate, "candidate"),
-            tuple(roster),
-            tuple(_from_envelope(v, Vote, "votes[]") for v in f.array("votes")),
-        )
+    roster: tuple[tuple[Id, Hash32], ...]  # sorted by peer (encode sorts it)
+    votes: tuple[Vote, ...]  # encode sorts them by voter
+    version: Literal[1] = VERSION
 
 
 @dataclass(frozen=True)
@@ -302,48 +163,84 @@ class Roster:
 
 
 Message = RosterEntry | Candidate | Vote | CommitRecord
-KINDS: dict[str, type[Message]] = {c.KIND: c for c in (RosterEntry, Candidate, Vote, CommitRecord)}
 
 
-def _envelope(msg: Message) -> dict[str, Any]:
-    return sorted_map({"version": VERSION, "kind": msg.KIND, **msg.body()})
+# --- digests -----------------------------------------------------------------------------------
+
+
+def allocation_hash(allocation: Allocation) -> bytes:
+    """The scheduler's canonical allocation digest (``Allocation.digest``), as 32 bytes."""
+    return bytes.fromhex(allocation.digest())
+
+
+def candidate_id(roster_digest: bytes, allocation: Allocation) -> bytes:
+    """Identity voted on: the same allocation scored on another roster is another candidate."""
+    return sha256(canonical_pack([roster_digest, allocation_hash(allocation)]))
+
+
+def roster_digest(refs: tuple[tuple[str, bytes], ...] | list[tuple[str, bytes]]) -> bytes:
+    """Digest of a roster given ``(peer, entry_hash)`` pairs (order-independent)."""
+    return sha256(canonical_pack([[peer, h] for peer, h in sorted(refs)]))
+
+
+# --- checks across fields (run on decode and on encode) ---------------------------------------
+
+
+def _sorted_unique(keys: list[str] | tuple[str, ...], what: str, field: str, why: str) -> None:
+    if list(keys) != sorted(set(keys)):
+        raise ProtocolError(f"{what}: {field}: {why}")
+
+
+def _entry_rules(e: RosterEntry) -> None:
+    peers = [link.peer for link in e.links]
+    _sorted_unique(peers, "consensus roster entry", "links", "must be sorted by peer, one per peer")
+
+
+def _candidate_rules(c: Candidate, what: str = "consensus candidate", at: str = "") -> None:
+    _sorted_unique(c.members, what, f"{at}members", "peer ids must be sorted and unique")
+    a = c.allocation
+    try:
+        Allocation.from_plain(a.stages, a.spares, a.layers)
+    except ConfigError as exc:
+        raise ProtocolError(f"{what}: {at}allocation.{exc.field}: {exc.detail}") from None
+    if not set(a.devices) | set(a.spares) <= set(c.members):
+        raise ProtocolError(f"{what}: {at}allocation: uses a peer that is not in members")
+
+
+def _commit_rules(r: CommitRecord) -> None:
+    what = "consensus commit record"
+    _sorted_unique([p for p, _ in r.roster], what, "roster", "must be sorted by peer, one per peer")
+    _candidate_rules(r.candidate, what, "candidate.")
+
+
+def _schema(cls: type[Any], what: str, rules: Any = None) -> Schema[Any]:
+    return Schema(cls, what, MAX_BYTES[cls.KIND], VERSION, cls.KIND, "version", rules)
+
+
+SCHEMAS: dict[str, Schema[Any]] = {
+    "roster": _schema(RosterEntry, "consensus roster entry", _entry_rules),
+    "candidate": _schema(Candidate, "consensus candidate", _candidate_rules),
+    "vote": _schema(Vote, "consensus vote"),
+    "commit": _schema(CommitRecord, "consensus commit record", _commit_rules),
+}
+
+
+# --- codec -------------------------------------------------------------------------------------
+
+
+def encode(msg: Message) -> bytes:
+    """Canonical bytes of ``msg`` (equal messages give equal bytes); ``ProtocolError`` where a receiver would refuse it."""
+    if isinstance(msg, RosterEntry):
+        msg = replace(msg, links=tuple(sorted(msg.links, key=lambda link: link.peer)))
+    elif isinstance(msg, CommitRecord):
+        msg = replace(
+            msg, roster=tuple(sorted(msg.roster)), votes=tuple(sorted(msg.votes, key=lambda v: v.voter))
+        )
+    return SCHEMAS[msg.KIND].encode(msg)
 
 
 # A message class passed as ``expect`` types the decoded result.
 M = TypeVar("M", bound=Message)
-
-
-@overload
-def _from_envelope(m: Any, expect: type[M], where: str) -> M: ...
-@overload
-def _from_envelope(m: Any, expect: None, where: str) -> Message: ...
-def _from_envelope(m: Any, expect: type[M] | None, where: str) -> Message:
-    f = Fields(m, where)
-    version = f.m.get("version")
-    if isinstance(version, bool) or not isinstance(version, int):
-        raise malformed(f.name("version"), f"must be an integer, got {version!r}")
-    if version != VERSION:
-        raise ProtocolError(
-            f"consensus message version {version} (this peer speaks {VERSION})",
-            code=ErrorCode.UNSUPPORTED_VERSION,
-        )
-    kind = f.m.get("kind")
-    cls = KINDS.get(kind) if isinstance(kind, str) else None
-    if cls is None:
-        raise ProtocolError(f"unknown consensus message kind {kind!r}", code=ErrorCode.UNKNOWN_KIND)
-    if expect is not None and cls is not expect:
-        raise malformed(where or "kind", f"expected kind {expect.KIND!r}, got {kind!r}")
-    return cls.from_body(f)
-
-
-def encode(msg: Message) -> bytes:
-    """Canonical bytes of ``msg`` (equal messages give equal bytes)."""
-    data = pack(_envelope(msg))
-    if len(data) > MAX_BYTES[msg.KIND]:
-        raise ProtocolError(
-            f"{msg.KIND} message is {len(data)} bytes (limit {MAX_BYTES[msg.KIND]})", code=ErrorCode.OVERSIZED
-        )
-    return data
 
 
 @overload
@@ -352,19 +249,19 @@ def decode(data: bytes, expect: type[M]) -> M: ...
 def decode(data: bytes, expect: None = None) -> Message: ...
 def decode(data: bytes, expect: type[M] | None = None) -> Message:
     """Parse bytes into a message; ``expect`` restricts the kind. Raises ``ProtocolError``."""
-    if not isinstance(data, bytes | bytearray | memoryview):
-        raise malformed("", f"message must be bytes, got {type(data).__name__}")
-    if len(data) > max(MAX_BYTES.values()):
-        raise ProtocolError(f"consensus message of {len(data)} bytes is too large", code=ErrorCode.OVERSIZED)
-    try:
-        obj = msgpack.unpackb(bytes(data), raw=False, use_list=True, strict_map_key=True)
-    except (ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError, TypeError) as exc:
+    what = "consensus message"
+    m = decode_map(data, max_bytes=max(MAX_BYTES.values()), what=what)
+    check_envelope(m, what=what, version=VERSION, kind=None, version_field="version")
+    kind = m.get("kind")
+    schema = SCHEMAS.get(kind) if isinstance(kind, str) else None
+    if schema is None:
+        raise ProtocolError(f"{what}: unknown kind {str(kind)[:32]!r}", code=ErrorCode.UNKNOWN_KIND)
+    if expect is not None and schema.cls is not expect:
+        raise ProtocolError(f"{what}: expected kind {expect.KIND!r}, got {kind!r}")
+    if len(data) > schema.max_bytes:
         raise ProtocolError(
-            f"consensus message is not valid msgpack: {exc}", code=ErrorCode.MALFORMED
-        ) from None
-    msg = _from_envelope(obj, expect, "")
-    if len(data) > MAX_BYTES[msg.KIND]:
-        raise ProtocolError(
-            f"{msg.KIND} message is {len(data)} bytes (limit {MAX_BYTES[msg.KIND]})", code=ErrorCode.OVERSIZED
+            f"{schema.what}: {len(data)} bytes exceeds the {schema.max_bytes}-byte limit",
+            code=ErrorCode.OVERSIZED,
         )
+    msg: Message = schema.check(m)
     return msg

@@ -9,12 +9,12 @@ that have not produced their first allocation, so results do not depend on machi
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import hashlib
 import os
 import random
 
 import pytest
+from msgspec.structs import replace
 
 from peerd.jobs.planner import JobPlanner, PlannerConfig, decode_votes, encode_votes
 from peerd.jobs.records import new_job_record
@@ -24,10 +24,10 @@ from peerd.jobs.store import MemoryDHT
 from peerd.sched.consensus.actions import Commit
 from peerd.sched.consensus.messages import (
     CommitRecord,
-    DeviceProfile,
-    LinkMeasurement,
     Roster,
+    RosterDevice,
     RosterEntry,
+    RosterLink,
     Vote,
     decode,
     encode,
@@ -79,7 +79,7 @@ class Swarm:
         self.planners: dict[str, JobPlanner] = {}
         for i, p in enumerate(self.peers):
             links = tuple(
-                LinkMeasurement(
+                RosterLink(
                     q,
                     0.002 if region[p] == region[q] else rng.uniform(0.02, 0.08),
                     2e9 if region[p] == region[q] else rng.choice([5e7, 2e8]),
@@ -87,7 +87,7 @@ class Swarm:
                 for q in self.peers
                 if q != p and rng.random() < 0.85  # some pairs unmeasured
             )
-            profile = DeviceProfile(rng.choice([0.05, 0.1, 0.2]), (4 + 2 * (i % 3)) << 30, region[p])
+            profile = RosterDevice(rng.choice([0.05, 0.1, 0.2]), (4 + 2 * (i % 3)) << 30, region[p])
             self.planners[p] = JobPlanner(
                 self.job,
                 job_spec,
@@ -202,7 +202,7 @@ def test_forged_messages_and_unauthenticated_commit_votes_are_ignored() -> None:
     async def scenario() -> None:
         await swarm.run(T0 + 1.5, stop_when_committed=False)
         # the forger stores a roster entry naming the victim under its own subkey
-        entry = RosterEntry(job, 0, victim, T0 + 1.2, DeviceProfile(99.0, 1 << 40, "x"), ())
+        entry = RosterEntry(job, 0, victim, T0 + 1.2, RosterDevice(99.0, 1 << 40, "x"), ())
         await swarm.planners[forger].store.put(roster_key(job, 0), encode(entry), T0 + 10_000)
         await swarm.run(T0 + 120)
 
@@ -214,7 +214,7 @@ def test_forged_messages_and_unauthenticated_commit_votes_are_ignored() -> None:
         real = swarm.dht.data[roster_key(job, commit.epoch)][victim][0]
         assert dict(commit.record.roster)[victim] == hashlib.sha256(real).digest()
         # a commit record for an epoch-1 candidate whose votes nobody stored under votes_key
-        cand = dataclasses.replace(commit.record.candidate, epoch=1)
+        cand = replace(commit.record.candidate, epoch=1)
         digest = commit.record.votes[0].roster_digest
         fake_votes = tuple(Vote(job, 1, 0, p, T0 + 200, cand.id, cand.cost, digest) for p in swarm.peers[:4])
         forged = CommitRecord(job, 1, 0, forger, swarm.clock[0], cand, commit.record.roster, fake_votes)
@@ -230,7 +230,7 @@ def test_forged_messages_and_unauthenticated_commit_votes_are_ignored() -> None:
 
 def test_votes_entry_round_trip_and_limits() -> None:
     vote = Vote("j", 0, 0, PEERS[0], T0, bytes(32), 1.0, bytes(32))
-    raw = encode_votes([encode(vote), encode(dataclasses.replace(vote, round=1))])
+    raw = encode_votes([encode(vote), encode(replace(vote, round=1))])
     assert [decode(v) for v in decode_votes(raw)][1].round == 1
     from peerd.errors import ProtocolError
 

@@ -28,7 +28,7 @@ def test_quality_run_reports_ratios_against_islands() -> None:
 
 def test_island_seeds_follow_the_consensus_machine() -> None:
     from peerd.sched.consensus.machine import ConsensusConfig, ConsensusMachine
-    from peerd.sched.consensus.messages import DeviceProfile
+    from peerd.sched.consensus.messages import RosterDevice
 
-    machine = ConsensusMachine("job", "QmPeer", ConsensusConfig(0.0), lambda r, a: 0.0, DeviceProfile(1.0, 1))
+    machine = ConsensusMachine("job", "QmPeer", ConsensusConfig(0.0), lambda r, a: 0.0, RosterDevice(1.0, 1))
     assert island_seed("job", 3, "QmPeer") == machine._island_seed(3)

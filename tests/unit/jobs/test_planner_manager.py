@@ -12,7 +12,7 @@ from peerd.jobs.records import JobState, encode_job
 from peerd.jobs.spec import JobSpecError, load_job_spec
 from peerd.jobs.store import MemoryDHT
 from peerd.loading import load_mapping, to_mapping
-from peerd.sched.consensus.messages import DeviceProfile
+from peerd.sched.consensus.messages import RosterDevice
 from peerd.swarm.keys import job_key
 
 T0 = 2_000_000.0
@@ -28,7 +28,7 @@ class Managers:
             p: JobManager(
                 self.dht.client(p),
                 "default",
-                local=lambda: (DeviceProfile(0.1, 1 << 33, "eu"), ()),
+                local=lambda: (RosterDevice(0.1, 1 << 33, "eu"), ()),
                 online=lambda: list(peers),
             )
             for p in peers
@@ -140,7 +140,7 @@ def test_concurrent_discoveries_start_one_planner_per_job() -> None:
         watcher = JobManager(
             SlowStore(ms.dht.client(THIRD)),
             "default",
-            local=lambda: (DeviceProfile(0.1, 1 << 33, "eu"), ()),
+            local=lambda: (RosterDevice(0.1, 1 << 33, "eu"), ()),
             online=lambda: [OWNER, THIRD],
         )
         started = []

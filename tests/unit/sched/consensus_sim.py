@@ -11,21 +11,22 @@ Everything is driven by one ``random.Random(seed)``: the same seed replays exact
 
 from __future__ import annotations
 
-import dataclasses
 import heapq
 import itertools
 import math
 import random
 from dataclasses import dataclass, field
 
+from msgspec.structs import replace
+
 from peerd.sched.allocation import Allocation
 from peerd.sched.consensus.actions import Commit, Migrate, NextEpoch, Publish, StartSearch, StopSearch
 from peerd.sched.consensus.machine import ConsensusConfig, ConsensusMachine, ConsensusTiming
 from peerd.sched.consensus.messages import (
     Candidate,
-    DeviceProfile,
-    LinkMeasurement,
     Roster,
+    RosterDevice,
+    RosterLink,
     Vote,
     decode,
     encode,
@@ -181,7 +182,7 @@ def run(seed: int, cfg: SimConfig | None = None) -> SimResult:
     peers: dict[str, PeerState] = {}
     for p in names:
         links = tuple(
-            LinkMeasurement(
+            RosterLink(
                 q,
                 0.005 if region[p] == region[q] else rng.uniform(0.03, 0.15),
                 rng.choice([1e9, 2e9, 5e9]) if region[p] == region[q] else rng.choice([5e7, 1e8, 3e8]),
@@ -189,7 +190,7 @@ def run(seed: int, cfg: SimConfig | None = None) -> SimResult:
             for q in names
             if q != p and rng.random() < 0.9  # a few pairs unmeasured
         )
-        profile = DeviceProfile(
+        profile = RosterDevice(
             tflops=rng.choice([50.0, 100.0, 150.0]), memory_bytes=40 << 30, region=region[p]
         )
         m = ConsensusMachine(JOB, p, conf, sim_score, profile, links, seed=seed)
@@ -221,7 +222,7 @@ def run(seed: int, cfg: SimConfig | None = None) -> SimResult:
                 continue
             out = data
             if src == byz and cfg.equivocate and isinstance(payload, Vote) and names.index(q) % 2:
-                out = encode(dataclasses.replace(payload, candidate=bytes(32)))
+                out = encode(replace(payload, candidate=bytes(32)))
             if (crash_soon and rng.random() < 0.5) or rng.random() < cfg.drop:
                 stats["dropped"] += 1
                 continue
@@ -287,5 +288,5 @@ def _settled(peers: dict[str, PeerState], t: float) -> bool:
 def _corrupt(payload: object, rng: random.Random) -> object:
     """The byzantine peer halves the cost it claims for its candidates."""
     if isinstance(payload, Candidate):
-        return dataclasses.replace(payload, cost=payload.cost * 0.5)
+        return replace(payload, cost=payload.cost * 0.5)
     return payload

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 
 import pytest
+from msgspec.structs import replace
 
 from peerd.errors import ConfigError, InfeasibleError
 from peerd.sched.allocation import Allocation
@@ -23,14 +23,14 @@ from peerd.sched.consensus.machine import ConsensusConfig, ConsensusMachine, Con
 from peerd.sched.consensus.messages import (
     Candidate,
     CommitRecord,
-    DeviceProfile,
     Roster,
+    RosterDevice,
     RosterEntry,
     Vote,
     decode,
     encode,
+    roster_digest,
 )
-from peerd.sched.consensus.wire import roster_digest
 
 JOB = "job-1"
 T0 = 100.0
@@ -64,7 +64,7 @@ class Net:
     def __init__(self, peers: list[str], *, config: ConsensusConfig | None = None, score_fn=score) -> None:
         self.config = config or ConsensusConfig(epoch0_start=T0, timing=TIMING)
         self.m = {
-            p: ConsensusMachine(JOB, p, self.config, score_fn, DeviceProfile(TFLOPS[p], 16 << 30))
+            p: ConsensusMachine(JOB, p, self.config, score_fn, RosterDevice(TFLOPS[p], 16 << 30))
             for p in peers
         }
         self.proposals: dict[str, Allocation] = {}  # what each island "finds"
@@ -207,7 +207,7 @@ def test_false_cost_claim_is_rejected_flagged_and_cannot_block_the_honest_copy()
     assert [a.peer for a in acts if isinstance(a, Misbehaviour)] == ["p3"]
     es = net.m["p0"]._epochs[0]
     assert lie.id not in es.valid
-    honest = dataclasses.replace(lie, author="p1", cost=true)
+    honest = replace(lie, author="p1", cost=true)
     acts = net.deliver("p0", honest)
     assert es.valid[honest.id] == pytest.approx(true)
     assert any(isinstance(a, Migrate) and a.author == "p1" for a in acts)
@@ -230,7 +230,7 @@ def test_candidates_from_elsewhere_are_rejected(change: dict, reason: str) -> No
     net.tick(FREEZE)
     roster = roster_of(net)
     cand = Candidate(JOB, 0, "p1", FREEZE + 1, BEST, score(roster, BEST), roster.peers, roster.digest)
-    net.deliver("p0", dataclasses.replace(cand, **change))
+    net.deliver("p0", replace(cand, **change))
     assert net.m["p0"].stats[reason] == 1
     assert not net.m["p0"]._epochs[0].valid
 
@@ -257,14 +257,12 @@ def test_duplicates_late_candidates_unscorable_and_per_author_limit() -> None:
     net.deliver("p0", cand)
     net.deliver("p0", cand)
     assert m.stats["duplicate"] == 1
-    late = dataclasses.replace(cand, allocation=MID, cost=score(roster, MID), issued_at=DECIDE + 10)
+    late = replace(cand, allocation=MID, cost=score(roster, MID), issued_at=DECIDE + 10)
     net.deliver("p0", late)
     assert m.stats["candidate_late"] == 1 and late.id not in m._epochs[0].valid
     off = alloc(("p0", "p1"), ("p2", "p3"))
-    net.deliver(
-        "p0", dataclasses.replace(cand, allocation=off, issued_at=FREEZE + 2)
-    )  # same id, other message
-    net.deliver("p0", dataclasses.replace(cand, allocation=WORST, cost=1.0, issued_at=FREEZE + 3))
+    net.deliver("p0", replace(cand, allocation=off, issued_at=FREEZE + 2))  # same id, other message
+    net.deliver("p0", replace(cand, allocation=WORST, cost=1.0, issued_at=FREEZE + 3))
     assert m.stats["too_many_candidates"] == 1
 
 
@@ -289,7 +287,7 @@ def test_conflicting_roster_entries_exclude_their_author() -> None:
     net.start()
     entry = net.of("p3", Publish)[0].payload
     net.deliver("p0", entry)
-    acts = net.deliver("p0", dataclasses.replace(entry, profile=DeviceProfile(999.0, 1)))
+    acts = net.deliver("p0", replace(entry, profile=RosterDevice(999.0, 1)))
     assert [a.peer for a in acts if isinstance(a, Misbehaviour)] == ["p3"]
     net.deliver("p0", entry)
     assert net.m["p0"].stats["equivocation"] == 1
@@ -302,7 +300,7 @@ def test_roster_entries_issued_after_close_or_arriving_after_freeze_are_refused(
     net.block = lambda src, dst, msg: src == "p3"
     net.start()
     entry = net.of("p3", Publish)[0].payload
-    net.deliver("p0", dataclasses.replace(entry, issued_at=T0 + TIMING.roster_s + TIMING.max_skew_s + 0.1))
+    net.deliver("p0", replace(entry, issued_at=T0 + TIMING.roster_s + TIMING.max_skew_s + 0.1))
     assert net.m["p0"].stats["roster_late"] == 1
     net.tick(FREEZE, ["p0"])
     net.deliver("p0", entry)
@@ -360,7 +358,7 @@ def test_votes_from_another_view_or_off_roster_do_not_count() -> None:
     for t in (FREEZE, STOP, DECIDE):
         net.tick(t)
     best = next(a.payload.candidate for a in net.of("p0", Publish) if a.kind == "vote")
-    net.deliver("p0", dataclasses.replace(_vote(net, "p1", best), roster_digest=bytes(32)))
+    net.deliver("p0", replace(_vote(net, "p1", best), roster_digest=bytes(32)))
     net.deliver("p0", _vote(net, "p2", best))
     net.deliver("p0", _vote(net, "intruder", best))
     assert net.m["p0"].stats["not_on_roster"] == 1
@@ -502,15 +500,13 @@ def test_a_commit_record_of_a_newer_epoch_supersedes() -> None:
 @pytest.mark.parametrize(
     "mutate",
     [
-        lambda r: dataclasses.replace(r, votes=r.votes[:2]),  # 2 < quorum 3
-        lambda r: dataclasses.replace(
-            r, votes=(*r.votes[:2], dataclasses.replace(r.votes[2], candidate=bytes(32)))
-        ),
-        lambda r: dataclasses.replace(r, votes=(*r.votes[:2], dataclasses.replace(r.votes[2], voter="p9"))),
-        lambda r: dataclasses.replace(r, votes=(*r.votes[:2], r.votes[1])),  # same voter twice
-        lambda r: dataclasses.replace(r, roster=r.roster[:3]),  # digest no longer matches the votes
-        lambda r: dataclasses.replace(r, votes=tuple(dataclasses.replace(v, round=1) for v in r.votes)),
-        lambda r: dataclasses.replace(r, candidate=dataclasses.replace(r.candidate, epoch=3)),
+        lambda r: replace(r, votes=r.votes[:2]),  # 2 < quorum 3
+        lambda r: replace(r, votes=(*r.votes[:2], replace(r.votes[2], candidate=bytes(32)))),
+        lambda r: replace(r, votes=(*r.votes[:2], replace(r.votes[2], voter="p9"))),
+        lambda r: replace(r, votes=(*r.votes[:2], r.votes[1])),  # same voter twice
+        lambda r: replace(r, roster=r.roster[:3]),  # digest no longer matches the votes
+        lambda r: replace(r, votes=tuple(replace(v, round=1) for v in r.votes)),
+        lambda r: replace(r, candidate=replace(r.candidate, epoch=3)),
     ],
 )
 def test_commit_records_without_a_valid_quorum_are_rejected(mutate) -> None:
@@ -526,7 +522,7 @@ def test_a_record_exposing_an_equivocator_does_not_prove_a_commit() -> None:
     net.start()
     net.tick(FREEZE)
     record = _forged_record(0, ["p1", "p2", "p3"])
-    seen = dataclasses.replace(record.votes[2], candidate=bytes(32))
+    seen = replace(record.votes[2], candidate=bytes(32))
     net.m["p0"]._epochs[0].add_vote(seen)  # p0 already holds a different round-0 vote of p3
     acts = net.deliver("p0", record)
     assert any(isinstance(a, Misbehaviour) and a.peer == "p3" for a in acts)
@@ -581,5 +577,5 @@ def test_held_messages_are_bounded() -> None:
     m = four().m["p0"]
     vote = Vote(JOB, 0, 0, "p1", 1.0, bytes(32), 1.0, bytes(32))
     for i in range(consensus.MAX_HELD + 5):
-        m.on_vote(dataclasses.replace(vote, issued_at=float(i)), T0)  # before start(): held
+        m.on_vote(replace(vote, issued_at=float(i)), T0)  # before start(): held
     assert len(m._early) == consensus.MAX_HELD and m.stats["held_full"] == 5
