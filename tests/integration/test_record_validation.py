@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import time
 from collections.abc import Iterator
 
 import msgspec
@@ -262,16 +261,23 @@ def test_forged_update_of_someone_elses_record_is_rejected(swarm: Swarm) -> None
 
 
 def test_peers_still_serve_valid_records_after_attacks(swarm: Swarm) -> None:
-    # runs last in this module: every attack above has been tried against A and B
+    # B's record and every attack are stored here, so this holds alone as well as after the tests above
     now = get_dht_time()
+    swarm.b.store(
+        KEY,
+        encode_peer_record(make_record(swarm.id_b, name="b", now=now)),
+        now + TTL,
+        subkey=swarm.id_b.owner_tag,
+    )
+    for attack in ATTACKS:
+        subkey, value, expiration = _attack_value(swarm, attack)
+        swarm.m.store(KEY, value, expiration, subkey=subkey)
     update = encode_peer_record(make_record(swarm.id_a, name="a-again", seq=9, now=now))
-    # not asserting store()'s boolean: M still holds A's subkey with a later expiration and answers False
+    # not asserting store()'s boolean: M may still hold A's subkey with a later expiration and answer False
     swarm.a.store(KEY, update, now + TTL, subkey=swarm.id_a.owner_tag)
     for honest in (swarm.a, swarm.b):
         assert stored_entries(honest)[swarm.id_a.owner_tag] == update
-    start = time.monotonic()
-    found = swarm.b.get(KEY, latest=True)
-    assert time.monotonic() - start < 10
+    found = swarm.b.get(KEY, latest=True)  # the module's 90 s timeout guards against a hang
     records = {}
     for subkey, item in found.value.items():
         records[subkey] = check_peer_entry(subkey, item.value, item.expiration_time, get_dht_time())
