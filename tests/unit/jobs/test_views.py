@@ -1,0 +1,78 @@
+"""A job's effective state from public records, and the progress numbers folded from its tasklets' records."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace as NS
+from typing import Any
+
+from peerd.jobs.records import JobState, TaskState
+from peerd.jobs.views import JobEntry, effective_state, progress_summary
+from peerd.sched.allocation import Allocation
+
+ALLOC = Allocation.from_plain([["QmA", "QmB"], ["QmC", "QmD"]])
+
+
+def entry(state: JobState = JobState.PENDING, commit: Any = None, **progress: Any) -> JobEntry:
+    record = NS(state=state, epoch0_start=100.0)
+    return JobEntry(record, spec=None, commit=commit, progress=progress)  # type: ignore[arg-type]
+
+
+def tasklet(peer: str, state: TaskState, epoch: int = 1, **kw: Any) -> Any:
+    fields = {
+        "stage": 0,
+        "replica": 0,
+        "step": 0,
+        "tokens_per_s": 0.0,
+        "losses": (),
+        "bytes": {},
+        "reason": "",
+    }
+    return NS(peer=peer, state=state, epoch=epoch, **{**fields, **kw})
+
+
+def test_state_follows_the_records() -> None:
+    assert effective_state(entry(), 99.0) == JobState.PENDING
+    assert effective_state(entry(), 100.0) == JobState.PLANNING
+    commit = NS(epoch=1, allocation=ALLOC)
+    assert effective_state(entry(commit=commit), 0.0) == JobState.RUNNING
+    done = {p: tasklet(p, TaskState.DONE) for p in ALLOC.devices}
+    assert effective_state(entry(commit=commit, **done), 0.0) == JobState.DONE
+    stale = {**done, "QmD": tasklet("QmD", TaskState.DONE, epoch=0)}  # done in an older epoch
+    assert effective_state(entry(commit=commit, **stale), 0.0) == JobState.RUNNING
+    failed = {**done, "QmA": tasklet("QmA", TaskState.FAILED)}
+    assert effective_state(entry(commit=commit, **failed), 0.0) == JobState.FAILED
+    # the owner's final word wins over what the tasklets say
+    assert effective_state(entry(JobState.CANCELLED, commit, **done), 0.0) == JobState.CANCELLED
+
+
+def test_progress_summary_folds_the_tasklets() -> None:
+    last = {"stage": 1, "bytes": {"activations": 0, "averaging": 10, "averaging_raw": 40}}
+    progress = {
+        "QmA": tasklet("QmA", TaskState.RUNNING, step=5, tokens_per_s=10.0, bytes={"activations": 10}),
+        "QmB": tasklet("QmB", TaskState.RUNNING, replica=1, step=4, bytes={"activations_raw": 40}),
+        "QmC": tasklet("QmC", TaskState.RUNNING, step=4, losses=((3, 2.0), (4, 1.0)), **last),
+        "QmD": tasklet(
+            "QmD", TaskState.RUNNING, stage=1, replica=1, step=4, losses=((4, 3.0),), tokens_per_s=30.0
+        ),
+        "QmX": tasklet("QmX", TaskState.DONE, epoch=0, step=99),  # another epoch: ignored
+    }
+    out = progress_summary(progress, 1, steps=10)
+    assert (out["step"], out["steps"], out["tokens_per_s"]) == (4, 10, 20.0)
+    assert out["losses"] == [[4, 2.0]] and out["loss"] == 2.0  # only steps every replica reported
+    assert out["bytes"] == {"activations": 10, "activations_raw": 40, "averaging": 10, "averaging_raw": 40}
+    assert out["compression_ratio"] == 4.0
+    assert [(t["peer"], t["stage"], t["replica"]) for t in out["tasklets"]] == [
+        ("QmA", 0, 0),
+        ("QmB", 0, 1),
+        ("QmC", 1, 0),
+        ("QmD", 1, 1),
+    ]
+    assert progress_summary({}, None, steps=3) == {
+        "steps": 3,
+        "step": 0,
+        "loss": None,
+        "losses": [],
+        "tokens_per_s": None,
+        "bytes": {},
+        "tasklets": [],
+    }
