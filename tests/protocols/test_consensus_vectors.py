@@ -1,9 +1,9 @@
 """Consensus messages against the byte-exact vectors in protocols/vectors/consensus/.
 
-Each valid vector is checked three ways: an independent canonical packer written here
-from the rules in protocols/consensus.md must produce its bytes from its ``wire`` form;
-peerd's decoder must accept them and peerd's encoder must give them back; its hashes
-must match sha256 computed here from the spec's definitions. Invalid vectors must be
+Each valid vector is checked three ways: the tests' independent canonical packer
+(canonical_msgpack.py, written from the spec's encoding rules) must produce its bytes from
+its ``wire`` form; peerd's decoder must accept them and peerd's encoder must give them back;
+its hashes must match sha256 computed here from the spec's definitions. Invalid vectors must be
 refused with their error code. Regenerate (only when the format changes on purpose):
 ``python tests/protocols/test_consensus_vectors.py --write``.
 """
@@ -11,9 +11,8 @@ refused with their error code. Regenerate (only when the format changes on purpo
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import json
-import math
-import struct
 import sys
 from pathlib import Path
 from typing import Any
@@ -31,61 +30,14 @@ def _load(path: Path) -> dict:
     return json.loads(path.read_text())
 
 
-# --- an independent canonical msgpack writer (protocols/consensus.md, "Encoding") -----------
+# --- the independent canonical msgpack writer (tests/protocols/canonical_msgpack.py) --------
 
-
-def canonical(obj: Any) -> bytes:
-    """JSON wire form -> bytes. ``{"bin": hex}`` is a bin value; maps are written key-sorted."""
-    if obj is None:
-        return b"\xc0"
-    if obj is True or obj is False:
-        return b"\xc3" if obj else b"\xc2"
-    if isinstance(obj, int):
-        if 0 <= obj < 0x80:
-            return bytes([obj])
-        if -32 <= obj < 0:
-            return struct.pack("b", obj)
-        for lo, hi, code, fmt in [
-            (0, 0xFF, 0xCC, ">B"),
-            (0, 0xFFFF, 0xCD, ">H"),
-            (0, 0xFFFFFFFF, 0xCE, ">I"),
-            (0, 2**64 - 1, 0xCF, ">Q"),
-            (-(2**7), 2**7 - 1, 0xD0, ">b"),
-            (-(2**15), 2**15 - 1, 0xD1, ">h"),
-            (-(2**31), 2**31 - 1, 0xD2, ">i"),
-            (-(2**63), 2**63 - 1, 0xD3, ">q"),
-        ]:
-            if lo <= obj <= hi:
-                return bytes([code]) + struct.pack(fmt, obj)
-        raise ValueError(obj)
-    if isinstance(obj, float):
-        assert math.isfinite(obj)
-        return b"\xcb" + struct.pack(">d", obj)  # always float64
-    if isinstance(obj, str):
-        raw = obj.encode()
-        n = len(raw)
-        head = (
-            bytes([0xA0 | n])
-            if n < 32
-            else b"\xd9" + bytes([n])
-            if n < 256
-            else b"\xda" + struct.pack(">H", n)
-        )
-        return head + raw
-    if isinstance(obj, dict) and set(obj) == {"bin"}:
-        raw = bytes.fromhex(obj["bin"])
-        return (
-            b"\xc4" + bytes([len(raw)]) if len(raw) < 256 else b"\xc5" + struct.pack(">H", len(raw))
-        ) + raw
-    if isinstance(obj, list):
-        n = len(obj)
-        head = bytes([0x90 | n]) if n < 16 else b"\xdc" + struct.pack(">H", n)
-        return head + b"".join(canonical(x) for x in obj)
-    if isinstance(obj, dict):
-        n = len(obj)
-        head = bytes([0x80 | n]) if n < 16 else b"\xde" + struct.pack(">H", n)
-        return head + b"".join(canonical(k) + canonical(obj[k]) for k in sorted(obj))
-    raise TypeError(type(obj))
+_spec = importlib.util.spec_from_file_location(
+    "canonical_msgpack", Path(__file__).with_name("canonical_msgpack.py")
+)
+canonical_msgpack = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(canonical_msgpack)  # type: ignore[union-attr]
+canonical = canonical_msgpack.canonical  # JSON wire form -> bytes; ``{"bin": hex}`` is a bin value
 
 
 def sha(data: bytes) -> str:
