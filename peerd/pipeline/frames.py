@@ -16,11 +16,16 @@ import math
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any
 
+import msgspec
 import torch
+from msgspec import Meta
 
 from peerd.errors import ErrorCode, ProtocolError
+from peerd.swarm.framing import DEFAULT_LIMITS
+from peerd.wire import Schema, WireStruct, convert, to_builtin
+from peerd.wire.types import Count, Name
 
 VERSION = 1
 KIND_ACT = "pp.act"
@@ -54,25 +59,43 @@ def _bad(message: str, code: ErrorCode = ErrorCode.MALFORMED) -> ProtocolError:
     return ProtocolError(message, code=code)
 
 
-@dataclass(frozen=True)
-class TensorMessage:
+# ---------------------------------------------------------------- the schema
+
+
+_Dim = Annotated[int, Meta(ge=0, lt=1 << 32)]
+_Text = Annotated[str, Meta(max_length=MAX_TEXT)]
+
+
+class _Envelope(WireStruct, kw_only=True):
+    version: int = msgspec.field(default=VERSION, name="v")
+
+
+class TensorMessage(_Envelope):
     """Metadata of one activation or gradient message (identical in every part of it)."""
 
     kind: str  # KIND_ACT | KIND_GRAD
-    job: str
-    step: int
-    mb: int  # micro-batch index within the step
-    boundary: int  # between stage ``boundary`` and ``boundary + 1``
-    ids: tuple[int, ...]  # example ids, row order
-    codec: str
-    shape: tuple[int, ...]  # the decoded tensor's shape, (B, T, C)
-    dtype: str  # the decoded tensor's dtype name
-    seq: int  # sender's message sequence number on this stream (ordering, acks, resends)
-    nbytes: int  # payload bytes of the whole message
+    job: Name
+    step: Count
+    mb: Annotated[int, Meta(ge=0, lt=MAX_IDS)]  # micro-batch index within the step
+    boundary: Annotated[int, Meta(ge=0, lt=1 << 16)] = msgspec.field(name="b")  # stages b | b + 1
+    ids: Annotated[tuple[Count, ...], Meta(max_length=MAX_IDS)]  # example ids, row order
+    codec: Name
+    shape: Annotated[tuple[_Dim, ...], Meta(max_length=MAX_NDIM)]  # the decoded tensor's, (B, T, C)
+    dtype: Name  # the decoded tensor's dtype name
+    seq: Count  # sender's message sequence number on this stream (ordering, acks, resends)
+    nbytes: Count  # payload bytes of the whole message
 
     @property
     def key(self) -> tuple[str, int, int]:
         return self.kind, self.step, self.mb
+
+
+class _Span(WireStruct):
+    """Where a part sits in its message: the header fields besides the message's metadata."""
+
+    index: Annotated[int, Meta(ge=0, lt=MAX_PARTS)] = msgspec.field(name="part")
+    count: Annotated[int, Meta(ge=1, le=MAX_PARTS)] = msgspec.field(name="parts")
+    offset: Count = msgspec.field(name="off")
 
 
 @dataclass(frozen=True)
@@ -85,23 +108,45 @@ class Part:
     offset: int
 
 
-@dataclass(frozen=True)
-class Ack:
-    seq: int  # every message up to and including ``seq`` was accepted
+class _Control(_Envelope, tag_field="kind"):
+    """Control frames (empty payload) flow against the data on the same stream."""
 
 
-@dataclass(frozen=True)
-class Nack:
-    seq: int  # this message was rejected; resend it and everything after it (-1: unknown)
+class Ack(_Control, tag=KIND_ACK):
+    seq: Count  # every message up to and including ``seq`` was accepted
+
+
+class Nack(_Control, tag=KIND_NACK):
+    # this message was rejected; resend it and everything after it (-1: its seq was unreadable)
+    seq: Annotated[int, Meta(ge=-1)]
     code: ErrorCode
-    message: str
+    message: _Text = ""
 
 
-@dataclass(frozen=True)
-class Abort:
-    step: int
+class Abort(_Control, tag=KIND_ABORT):
+    step: Count
     code: ErrorCode
-    message: str
+    message: _Text = ""
+
+
+def _message_rules(msg: TensorMessage) -> None:
+    if msg.dtype not in DTYPES:
+        raise _bad(
+            f"{msg.kind} frame: dtype {msg.dtype!r} is not one of {sorted(DTYPES)}", ErrorCode.DTYPE_MISMATCH
+        )
+    if len(set(msg.ids)) != len(msg.ids):
+        raise _bad(f"{msg.kind} frame: ids: duplicate example ids")
+
+
+_HEADER_BYTES = DEFAULT_LIMITS.max_header
+_DATA = {
+    k: Schema(TensorMessage, f"{k} frame", _HEADER_BYTES, version=VERSION, kind=k, rules=_message_rules)
+    for k in DATA_KINDS
+}
+_CONTROL: dict[str, Schema[Any]] = {
+    k: Schema(cls, f"{k} frame", _HEADER_BYTES, version=VERSION, kind=k)
+    for k, cls in zip(CONTROL_KINDS, (Ack, Nack, Abort), strict=True)
+}
 
 
 # ---------------------------------------------------------------- encoding
@@ -109,23 +154,14 @@ class Abort:
 
 def part_header(msg: TensorMessage, index: int = 0, count: int = 1, offset: int = 0) -> dict[str, Any]:
     """The transport header of part ``index`` of ``count`` of ``msg`` (its payload starts at ``offset``)."""
-    return {
-        "kind": msg.kind,
-        "v": VERSION,
-        "job": msg.job,
-        "step": msg.step,
-        "mb": msg.mb,
-        "b": msg.boundary,
-        "ids": list(msg.ids),
-        "codec": msg.codec,
-        "shape": list(msg.shape),
-        "dtype": msg.dtype,
-        "seq": msg.seq,
-        "nbytes": msg.nbytes,
-        "part": index,
-        "parts": count,
-        "off": offset,
-    }
+    return to_builtin(msg) | to_builtin(_Span(index, count, offset))
+
+
+def control_header(ctl: Ack | Nack | Abort) -> dict[str, Any]:
+    """The transport header of a control frame; a too long error text is cut to MAX_TEXT characters."""
+    if not isinstance(ctl, Ack) and len(ctl.message) > MAX_TEXT:
+        ctl = msgspec.structs.replace(ctl, message=ctl.message[:MAX_TEXT])
+    return to_builtin(ctl)
 
 
 def part_spans(nbytes: int, chunk: int) -> list[tuple[int, int]]:
@@ -134,18 +170,6 @@ def part_spans(nbytes: int, chunk: int) -> list[tuple[int, int]]:
     if nbytes == 0:
         return [(0, 0)]
     return [(off, min(chunk, nbytes - off)) for off in range(0, nbytes, chunk)]
-
-
-def ack_header(seq: int) -> dict[str, Any]:
-    return {"kind": KIND_ACK, "v": VERSION, "seq": seq}
-
-
-def nack_header(seq: int, code: ErrorCode, message: str) -> dict[str, Any]:
-    return {"kind": KIND_NACK, "v": VERSION, "seq": seq, "code": int(code), "message": message[:MAX_TEXT]}
-
-
-def abort_header(step: int, code: ErrorCode, message: str) -> dict[str, Any]:
-    return {"kind": KIND_ABORT, "v": VERSION, "step": step, "code": int(code), "message": message[:MAX_TEXT]}
 
 
 def raw_payload(tensor: torch.Tensor) -> memoryview:
@@ -174,91 +198,28 @@ def raw_tensor(msg: TensorMessage, payload: bytearray | memoryview) -> torch.Ten
 # ---------------------------------------------------------------- decoding: schema
 
 
-def _int(header: Mapping[str, Any], name: str, lo: int = 0, hi: int = 1 << 63) -> int:
-    value = header.get(name)
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise _bad(f"field {name!r} must be an integer, got {value!r}")
-    if not lo <= value < hi:
-        raise _bad(f"field {name!r} = {value} outside [{lo}, {hi})")
-    return value
-
-
-def _str(header: Mapping[str, Any], name: str) -> str:
-    value = header.get(name)
-    if not isinstance(value, str) or not value or len(value) > 256:
-        raise _bad(f"field {name!r} must be a non-empty string of at most 256 characters, got {value!r}")
-    return value
-
-
-def _int_list(header: Mapping[str, Any], name: str, max_len: int, lo: int, hi: int) -> tuple[int, ...]:
-    value = header.get(name)
-    if not isinstance(value, list) or len(value) > max_len:
-        raise _bad(f"field {name!r} must be a list of at most {max_len} integers")
-    for v in value:
-        if isinstance(v, bool) or not isinstance(v, int) or not lo <= v < hi:
-            raise _bad(f"field {name!r} holds {v!r}, not an integer in [{lo}, {hi})")
-    return tuple(value)
-
-
-def _version(header: Mapping[str, Any]) -> None:
-    v = header.get("v")
-    if isinstance(v, bool) or not isinstance(v, int):
-        raise _bad(f"field 'v' must be an integer, got {v!r}")
-    if v != VERSION:
-        raise _bad(f"pipeline frame version {v} (this peer speaks {VERSION})", ErrorCode.UNSUPPORTED_VERSION)
-
-
 def parse_part(header: Mapping[str, Any]) -> Part:
     """Check a data frame's header against the schema (types, ranges); unknown extra keys are ignored."""
-    kind = header.get("kind")
-    if kind not in DATA_KINDS:
-        raise _bad(f"not a pipeline data frame: kind {kind!r}", ErrorCode.UNKNOWN_KIND)
-    _version(header)
-    dtype = _str(header, "dtype")
-    if dtype not in DTYPES:
-        raise _bad(f"dtype {dtype!r} is not one of {sorted(DTYPES)}", ErrorCode.DTYPE_MISMATCH)
-    ids = _int_list(header, "ids", MAX_IDS, 0, 1 << 63)
-    if len(set(ids)) != len(ids):
-        raise _bad("duplicate example ids")
-    shape = _int_list(header, "shape", MAX_NDIM, 0, 1 << 32)
-    msg = TensorMessage(
-        kind=kind,
-        job=_str(header, "job"),
-        step=_int(header, "step"),
-        mb=_int(header, "mb", 0, MAX_IDS),
-        boundary=_int(header, "b", 0, 1 << 16),
-        ids=ids,
-        codec=_str(header, "codec"),
-        shape=shape,
-        dtype=dtype,
-        seq=_int(header, "seq"),
-        nbytes=_int(header, "nbytes"),
-    )
-    count = _int(header, "parts", 1, MAX_PARTS + 1)
-    part = Part(msg, _int(header, "part", 0, count), count, _int(header, "off", 0, msg.nbytes + 1))
-    return part
+    schema = _DATA.get(header.get("kind", ""))
+    if schema is None:
+        raise _bad(f"not a pipeline data frame: kind {header.get('kind')!r}", ErrorCode.UNKNOWN_KIND)
+    try:
+        msg, span = schema.check(header), convert(header, _Span, what=schema.what)
+    except ProtocolError as exc:
+        if exc.code != ErrorCode.OVERSIZED:
+            raise
+        raise _bad(exc.args[0]) from None  # protocols/pipeline-frames.md: a list over its limit is MALFORMED
+    if span.index >= span.count or span.offset > msg.nbytes:
+        raise _bad(f"{schema.what}: part {span.index} of {span.count} at byte {span.offset} of {msg.nbytes}")
+    return Part(msg, span.index, span.count, span.offset)
 
 
 def parse_control(header: Mapping[str, Any]) -> Ack | Nack | Abort:
     """Decode an ``pp.ack`` / ``pp.nack`` / ``pp.abort`` frame."""
-    kind = header.get("kind")
-    if kind not in CONTROL_KINDS:
-        raise _bad(f"not a pipeline control frame: kind {kind!r}", ErrorCode.UNKNOWN_KIND)
-    _version(header)
-    if kind == KIND_ACK:
-        return Ack(_int(header, "seq"))
-    raw_code, text = header.get("code"), header.get("message", "")
-    try:
-        if not isinstance(raw_code, int):
-            raise ValueError(raw_code)
-        code = ErrorCode(raw_code)
-    except ValueError:
-        raise _bad(f"unknown error code {raw_code!r}") from None
-    if not isinstance(text, str):
-        raise _bad("field 'message' must be a string")
-    if kind == KIND_NACK:  # seq -1: the rejected frame carried no usable seq
-        return Nack(_int(header, "seq", -1), code, text[:MAX_TEXT])
-    return Abort(_int(header, "step"), code, text[:MAX_TEXT])
+    schema = _CONTROL.get(header.get("kind", ""))
+    if schema is None:
+        raise _bad(f"not a pipeline control frame: kind {header.get('kind')!r}", ErrorCode.UNKNOWN_KIND)
+    return schema.check(header)
 
 
 class Assembler:
@@ -277,23 +238,31 @@ class Assembler:
         self._msg: TensorMessage | None = None
         self._count = 0
         self._buf = bytearray()
+        self._keep = True
         self._filled = 0
         self._next = 0
 
-    def feed(self, part: Part, payload: bytearray | memoryview) -> tuple[TensorMessage, bytearray] | None:
+    def feed(
+        self, part: Part, payload: bytearray | memoryview, *, keep: bool = True
+    ) -> tuple[TensorMessage, bytearray] | None:
         """Add one part; return ``(message, payload)`` once the last part is in, else None.
+
+        ``keep=False`` (a resend that will be dropped): parts are checked as usual but not
+        buffered, whatever size they announce; the payload returned is then meaningless.
 
         Raises TRUNCATED when the last part leaves the payload short, MALFORMED for parts out of
         order, with changed metadata or carrying more than announced, OVERSIZED above
         ``max_bytes``. The assembler is reset after an error, so the next message starts clean.
         """
         try:
-            return self._feed(part, payload)
+            return self._feed(part, payload, keep)
         except ProtocolError:
             self.reset()
             raise
 
-    def _feed(self, part: Part, payload: bytearray | memoryview) -> tuple[TensorMessage, bytearray] | None:
+    def _feed(
+        self, part: Part, payload: bytearray | memoryview, keep: bool
+    ) -> tuple[TensorMessage, bytearray] | None:
         msg = part.message
         if msg.nbytes > self.max_bytes:
             raise _bad(f"message of {msg.nbytes} B above the limit {self.max_bytes} B", ErrorCode.OVERSIZED)
@@ -302,7 +271,8 @@ class Assembler:
                 raise _bad(f"message seq {msg.seq} started before seq {self._msg.seq} was complete")
             if part.count == 1:  # the common case: the frame's buffer is the message, no copy
                 return msg, _whole(msg, payload, part.offset)
-            self._msg, self._count, self._buf = msg, part.count, bytearray(msg.nbytes)
+            self._msg, self._count, self._keep = msg, part.count, keep
+            self._buf = bytearray(msg.nbytes if keep else 0)
         elif self._msg is None or msg != self._msg or part.count != self._count:
             raise _bad(f"part {part.index} of message seq {msg.seq} does not continue the current message")
         if part.index != self._next or part.offset != self._filled:
@@ -313,7 +283,8 @@ class Assembler:
         end = self._filled + len(payload)
         if end > msg.nbytes:
             raise _bad(f"parts of message seq {msg.seq} carry more than the announced {msg.nbytes} B")
-        self._buf[self._filled : end] = payload
+        if self._keep:
+            self._buf[self._filled : end] = payload
         self._filled, self._next = end, self._next + 1
         if self._next < self._count:
             return None
@@ -354,8 +325,12 @@ class Expectation:
     ids_of: IdsOf
 
 
-def check_message(msg: TensorMessage, expect: Expectation) -> None:
-    """Reject a message this stage cannot use, with the code that says why (see the spec's table)."""
+def check_message(msg: TensorMessage, expect: Expectation, *, accepted: bool = False) -> None:
+    """Reject a message this stage cannot use, with the code that says why (see the spec's table).
+
+    ``accepted``: a resend of a message this stream already took (its step may be over, so
+    step and ids are not checked); everything else is, which bounds what it may make us buffer.
+    """
     if msg.kind != expect.kind:
         raise _bad(
             f"{msg.kind} frames are not accepted on this stream (takes {expect.kind})", ErrorCode.NOT_ALLOWED
@@ -364,6 +339,27 @@ def check_message(msg: TensorMessage, expect: Expectation) -> None:
         raise _bad(f"frame for job {msg.job!r}, this stream serves job {expect.job!r}", ErrorCode.NOT_ALLOWED)
     if msg.boundary != expect.boundary:
         raise _bad(f"frame for boundary {msg.boundary}, this stream is boundary {expect.boundary}")
+    if not accepted:
+        _check_step(msg, expect)
+    if msg.dtype != expect.dtype:
+        raise _bad(f"dtype {msg.dtype}, this boundary carries {expect.dtype}", ErrorCode.DTYPE_MISMATCH)
+    want_shape = (len(msg.ids), *expect.row_shape)  # the micro-batch's ids, once checked
+    if msg.shape != want_shape:
+        raise _bad(f"shape {list(msg.shape)}, expected {list(want_shape)}", ErrorCode.SHAPE_MISMATCH)
+    if msg.codec != expect.codec:
+        raise _bad(f"codec {msg.codec!r}, this boundary uses {expect.codec!r}", ErrorCode.UNKNOWN_CODEC)
+    raw = math.prod(want_shape) * DTYPES[msg.dtype].itemsize
+    if msg.codec == RAW_CODEC and msg.nbytes != raw:
+        raise _bad(
+            f"raw payload of {msg.nbytes} B for shape {list(msg.shape)} ({raw} B)", ErrorCode.SHAPE_MISMATCH
+        )
+    # a compressed tensor is never bigger than its fp32 values plus headers: bounds what we buffer
+    limit = math.prod(want_shape) * 4 + COMPRESSED_SLACK + 32 * len(msg.ids)
+    if msg.nbytes > limit:
+        raise _bad(f"{msg.nbytes} B for a {list(msg.shape)} tensor (at most {limit} B)", ErrorCode.OVERSIZED)
+
+
+def _check_step(msg: TensorMessage, expect: Expectation) -> None:
     lo, hi = expect.steps
     if not lo <= msg.step <= hi:
         raise _bad(f"frame for step {msg.step}, expecting steps {lo}..{hi}", ErrorCode.WRONG_STEP)
@@ -375,19 +371,3 @@ def check_message(msg: TensorMessage, expect: Expectation) -> None:
         stray = [i for i in msg.ids if i not in wanted]
         what = f"example id {stray[0]} is not" if stray else "example ids are not in the order of"
         raise _bad(f"{what} micro-batch {msg.mb} of step {msg.step}", ErrorCode.UNKNOWN_EXAMPLE)
-    if msg.dtype != expect.dtype:
-        raise _bad(f"dtype {msg.dtype}, this boundary carries {expect.dtype}", ErrorCode.DTYPE_MISMATCH)
-    want_shape = (len(ids), *expect.row_shape)
-    if msg.shape != want_shape:
-        raise _bad(f"shape {list(msg.shape)}, expected {list(want_shape)}", ErrorCode.SHAPE_MISMATCH)
-    if msg.codec != expect.codec:
-        raise _bad(f"codec {msg.codec!r}, this boundary uses {expect.codec!r}", ErrorCode.UNKNOWN_CODEC)
-    raw = math.prod(want_shape) * DTYPES[msg.dtype].itemsize
-    if msg.codec == RAW_CODEC and msg.nbytes != raw:
-        raise _bad(
-            f"raw payload of {msg.nbytes} B for shape {list(msg.shape)} ({raw} B)", ErrorCode.SHAPE_MISMATCH
-        )
-    # a compressed tensor is never bigger than its fp32 values plus headers: bounds what we buffer
-    limit = math.prod(want_shape) * 4 + COMPRESSED_SLACK + 32 * len(ids)
-    if msg.nbytes > limit:
-        raise _bad(f"{msg.nbytes} B for a {list(msg.shape)} tensor (at most {limit} B)", ErrorCode.OVERSIZED)

@@ -14,10 +14,11 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
-import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
+
+import msgspec
 
 from peerd.errors import ErrorCode, PeerdError, PeerUnavailable, ProtocolError
 from peerd.log import get_logger
@@ -26,7 +27,7 @@ from peerd.pipeline.frames import (
     Ack,
     Nack,
     TensorMessage,
-    abort_header,
+    control_header,
     parse_control,
     part_header,
     part_spans,
@@ -130,7 +131,7 @@ class StreamSender:
         if conn is None or conn.closed:
             return
         with contextlib.suppress(PeerdError, OSError, RuntimeError):
-            await conn.send(abort_header(step, code, message), timeout=2.0)
+            await conn.send(control_header(Abort(step, code, message)), timeout=2.0)
 
     async def close(self) -> None:
         for task in (self._pump, self._reader):
@@ -282,4 +283,4 @@ class StreamSender:
 
 
 def _with_seq(msg: TensorMessage, seq: int) -> TensorMessage:
-    return dataclasses.replace(msg, seq=seq)
+    return msgspec.structs.replace(msg, seq=seq)

@@ -17,7 +17,7 @@ import asyncio
 import collections
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeGuard
 
 import torch
 
@@ -28,12 +28,13 @@ from peerd.pipeline.frames import (
     KIND_ACT,
     KIND_GRAD,
     Abort,
+    Ack,
     Assembler,
     Expectation,
+    Nack,
     TensorMessage,
-    ack_header,
     check_message,
-    nack_header,
+    control_header,
     parse_control,
     parse_part,
 )
@@ -292,7 +293,7 @@ class StreamReceiver:
                 logger.info("rejected a frame from %s: %s", conn.peer_id, exc)
                 seq = header.get("seq")
                 await conn.send(
-                    nack_header(seq if isinstance(seq, int) and _is_seq(seq) else -1, exc.code, plain(exc)),
+                    control_header(Nack(seq if _is_seq(seq) else -1, exc.code, plain(exc))),
                     timeout=5.0,
                 )
 
@@ -325,13 +326,13 @@ class StreamReceiver:
         stream_key = (conn.peer_id, msg.kind)
         expected_seq = self._next_seq.get(stream_key, 0)
         duplicate = msg.seq < expected_seq
-        if part.index == 0 and not duplicate:
-            check_message(msg, self.expectations[msg.kind](self.inbox.step))
+        if part.index == 0:  # later parts must repeat this metadata (the assembler checks)
+            check_message(msg, self.expectations[msg.kind](self.inbox.step), accepted=duplicate)
         counters = self.stats.link("received", msg.boundary, msg.kind)
         counters.wire_bytes += wire
         counters.payload_bytes += len(payload)
         counters.frames += 1
-        done = assembler.feed(part, payload)
+        done = assembler.feed(part, payload, keep=not duplicate)
         if done is None:
             return
         msg, buf = done
@@ -363,7 +364,7 @@ class StreamReceiver:
 
     async def _ack(self, conn: Connection, seq: int) -> None:
         before = conn.bytes_sent
-        await conn.send(ack_header(seq), timeout=self.config.stall_timeout_s)
+        await conn.send(control_header(Ack(seq)), timeout=self.config.stall_timeout_s)
         self.stats.control_bytes += conn.bytes_sent - before
 
 
@@ -372,5 +373,5 @@ def plain(exc: BaseException) -> str:
     return Exception.__str__(exc)
 
 
-def _is_seq(value: Any) -> bool:
+def _is_seq(value: Any) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0

@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import dataclasses
-
+import msgspec
 import pytest
 import torch
 
@@ -18,10 +17,8 @@ from peerd.pipeline.frames import (
     Nack,
     Part,
     TensorMessage,
-    abort_header,
-    ack_header,
     check_message,
-    nack_header,
+    control_header,
     parse_control,
     parse_part,
     part_header,
@@ -65,7 +62,7 @@ def test_raw_payload_round_trips_bit_exactly_without_copy():
 
 def test_raw_tensor_rejects_a_payload_that_does_not_fit_the_shape():
     assert code_of(raw_tensor, MSG, bytearray(10)) == ErrorCode.SHAPE_MISMATCH
-    empty = dataclasses.replace(MSG, shape=(0, 4, 8), nbytes=0, ids=())
+    empty = msgspec.structs.replace(MSG, shape=(0, 4, 8), nbytes=0, ids=())
     assert raw_tensor(empty, bytearray()).shape == (0, 4, 8)
 
 
@@ -113,7 +110,7 @@ def test_assembler_joins_parts_in_order_and_resets_after_errors():
     assert out is not None and out[0] == MSG and bytes(out[1]) == payload and not asm.busy
     # a part of another message in the middle: MALFORMED, and the next message starts clean
     asm.feed(Part(MSG, 0, 3, 0), payload[:100])
-    other = dataclasses.replace(MSG, seq=1)
+    other = msgspec.structs.replace(MSG, seq=1)
     assert code_of(asm.feed, Part(other, 1, 3, 100), payload[100:200]) == ErrorCode.MALFORMED
     assert not asm.busy
     assert asm.feed(Part(MSG, 0, 1, 0), bytearray(payload))[1] == bytearray(payload)
@@ -125,9 +122,9 @@ def test_assembler_enforces_its_byte_limit():
 
 
 def test_expectation_checks_in_order():
-    ok = dataclasses.replace(MSG)
+    ok = msgspec.structs.replace(MSG)
     check_message(ok, expect())
-    check_message(dataclasses.replace(MSG, step=4, mb=0, ids=(7, 8)), expect())  # the next step is fine
+    check_message(msgspec.structs.replace(MSG, step=4, mb=0, ids=(7, 8)), expect())  # the next step is fine
     cases = [
         (dict(kind=KIND_GRAD), ErrorCode.NOT_ALLOWED),
         (dict(job="k"), ErrorCode.NOT_ALLOWED),
@@ -143,23 +140,38 @@ def test_expectation_checks_in_order():
         (dict(nbytes=MSG.nbytes - 4), ErrorCode.SHAPE_MISMATCH),
     ]
     for change, code in cases:
-        assert code_of(check_message, dataclasses.replace(MSG, **change), expect()) == code, change
+        assert code_of(check_message, msgspec.structs.replace(MSG, **change), expect()) == code, change
     compressed = expect(codec="acsgd-q4")
-    check_message(dataclasses.replace(MSG, codec="acsgd-q4", nbytes=100), compressed)
-    huge = dataclasses.replace(MSG, codec="acsgd-q4", nbytes=MSG.nbytes + 4096 + 64 + 1)
+    check_message(msgspec.structs.replace(MSG, codec="acsgd-q4", nbytes=100), compressed)
+    huge = msgspec.structs.replace(MSG, codec="acsgd-q4", nbytes=MSG.nbytes + 4096 + 64 + 1)
     assert code_of(check_message, huge, compressed) == ErrorCode.OVERSIZED
 
 
 def test_control_frames_round_trip_and_reject_garbage():
-    assert parse_control(ack_header(4)) == Ack(4)
-    assert parse_control(nack_header(-1, ErrorCode.WRONG_STEP, "x" * 5000)) == Nack(
+    assert control_header(Ack(4)) == {"kind": "pp.ack", "v": 1, "seq": 4}
+    assert parse_control(control_header(Ack(4))) == Ack(4)
+    assert parse_control(control_header(Nack(-1, ErrorCode.WRONG_STEP, "x" * 5000))) == Nack(
         -1, ErrorCode.WRONG_STEP, "x" * 1000
     )
-    assert parse_control(abort_header(7, ErrorCode.TIMEOUT, "late")) == Abort(7, ErrorCode.TIMEOUT, "late")
+    abort = Abort(7, ErrorCode.TIMEOUT, "late")
+    assert parse_control(control_header(abort)) == abort
     assert code_of(parse_control, {"kind": "pp.act", "v": 1}) == ErrorCode.UNKNOWN_KIND
-    assert (
-        code_of(parse_control, {**nack_header(1, ErrorCode.MALFORMED, "m"), "code": 12345})
-        == ErrorCode.MALFORMED
-    )
-    assert code_of(parse_control, {**ack_header(1), "seq": -1}) == ErrorCode.MALFORMED
-    assert code_of(parse_control, {**ack_header(1), "v": 9}) == ErrorCode.UNSUPPORTED_VERSION
+    nack = control_header(Nack(1, ErrorCode.MALFORMED, "m"))
+    assert code_of(parse_control, {**nack, "code": 12345}) == ErrorCode.MALFORMED
+    assert code_of(parse_control, {**nack, "message": "x" * 1001}) == ErrorCode.MALFORMED
+    assert code_of(parse_control, {**control_header(Ack(1)), "seq": -1}) == ErrorCode.MALFORMED
+    assert code_of(parse_control, {**control_header(Ack(1)), "v": 9}) == ErrorCode.UNSUPPORTED_VERSION
+    assert code_of(parse_control, {**control_header(Ack(1)), "seq": True}) == ErrorCode.MALFORMED
+
+
+def test_a_resend_is_checked_without_its_step_and_assembled_without_a_buffer():
+    old = msgspec.structs.replace(MSG, step=1, mb=0, ids=(7, 8))  # step 1 is over, its ids unknown
+    check_message(old, expect(), accepted=True)
+    assert code_of(check_message, old, expect()) == ErrorCode.WRONG_STEP
+    big = msgspec.structs.replace(old, nbytes=MSG.nbytes * 2)
+    assert code_of(lambda: check_message(big, expect(), accepted=True)) == ErrorCode.SHAPE_MISMATCH
+    asm = Assembler()
+    huge = msgspec.structs.replace(MSG, nbytes=1 << 31)
+    assert asm.feed(Part(huge, 0, 2, 0), bytes(8), keep=False) is None
+    assert len(asm._buf) == 0 and asm.busy  # nothing allocated for the 2 GiB it announces
+    assert code_of(asm.feed, Part(huge, 1, 2, 8), bytes(8)) == ErrorCode.TRUNCATED
