@@ -17,7 +17,15 @@ import torch
 
 from peerd.errors import ErrorCode
 from peerd.pipeline.codec import RawDecoder
-from peerd.pipeline.frames import KIND_ACK, KIND_ACT, KIND_NACK, Expectation, TensorMessage, part_header, raw_payload
+from peerd.pipeline.frames import (
+    KIND_ACK,
+    KIND_ACT,
+    KIND_NACK,
+    Expectation,
+    TensorMessage,
+    part_header,
+    raw_payload,
+)
 from peerd.pipeline.streams import Inbox, StreamConfig, StreamReceiver, StreamStats
 from peerd.swarm.framing import DEFAULT_LIMITS
 from peerd.swarm.transport import Connection, Traffic
