@@ -1,7 +1,7 @@
 """Job, job-index, progress and votes-entry records against the byte-exact vectors in protocols/vectors/jobs/.
 
-Each valid vector is checked against an independent canonical msgpack writer written here
-from protocols/jobs.md (sorted keys, float64, bin for bytes), peerd's decoder and encoder,
+Each valid vector is checked against the tests' independent canonical msgpack writer
+(canonical_msgpack.py: sorted keys, float64, bin for bytes), peerd's decoder and encoder,
 and for job records the job id recomputed here from its definition. Invalid vectors must be
 refused with their error code; ownership vectors exercise the reader's rule that only the
 owner's subkey counts. Regenerate (only when the format changes on purpose):
@@ -11,9 +11,8 @@ owner's subkey counts. Regenerate (only when the format changes on purpose):
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import json
-import math
-import struct
 import sys
 from pathlib import Path
 from typing import Any
@@ -45,48 +44,12 @@ def _load(path: Path) -> dict:
     return json.loads(path.read_text())
 
 
-def pack(obj: Any) -> bytes:
-    """JSON wire form -> canonical msgpack, written from the spec: ``{"bin": hex}`` is a bin value."""
-    if obj is None:
-        return b"\xc0"
-    if obj is True or obj is False:
-        return b"\xc3" if obj else b"\xc2"
-    if isinstance(obj, int):
-        if 0 <= obj < 0x80:
-            return bytes([obj])
-        for hi, code, fmt in (
-            (0xFF, 0xCC, ">B"),
-            (0xFFFF, 0xCD, ">H"),
-            (0xFFFFFFFF, 0xCE, ">I"),
-            (2**64 - 1, 0xCF, ">Q"),
-        ):
-            if 0 <= obj <= hi:
-                return bytes([code]) + struct.pack(fmt, obj)
-        raise ValueError(obj)
-    if isinstance(obj, float):
-        assert math.isfinite(obj)
-        return b"\xcb" + struct.pack(">d", obj)
-    if isinstance(obj, str):
-        raw = obj.encode()
-        n = len(raw)
-        if n < 32:
-            return bytes([0xA0 | n]) + raw
-        return (b"\xd9" + bytes([n]) if n < 256 else b"\xda" + struct.pack(">H", n)) + raw
-    if isinstance(obj, dict) and set(obj) == {"bin"}:
-        raw = bytes.fromhex(obj["bin"])
-        return (
-            b"\xc4" + bytes([len(raw)]) if len(raw) < 256 else b"\xc5" + struct.pack(">H", len(raw))
-        ) + raw
-    if isinstance(obj, list):
-        n = len(obj)
-        return (bytes([0x90 | n]) if n < 16 else b"\xdc" + struct.pack(">H", n)) + b"".join(
-            pack(x) for x in obj
-        )
-    if isinstance(obj, dict):
-        n = len(obj)
-        head = bytes([0x80 | n]) if n < 16 else b"\xde" + struct.pack(">H", n)
-        return head + b"".join(pack(k) + pack(obj[k]) for k in sorted(obj))
-    raise TypeError(type(obj))
+_spec = importlib.util.spec_from_file_location(
+    "canonical_msgpack", Path(__file__).with_name("canonical_msgpack.py")
+)
+canonical_msgpack = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(canonical_msgpack)  # type: ignore[union-attr]
+pack = canonical_msgpack.canonical  # JSON wire form -> canonical msgpack; ``{"bin": hex}`` is a bin value
 
 
 def job_id(wire: dict) -> str:
