@@ -1,8 +1,8 @@
 """The daemon's configuration: one typed dataclass whose fields are also the ``peerd join`` flags.
 
 ``DaemonConfig`` is the single list of daemon options. YAML/JSON files fill it
-through ``peerd.loading`` (unknown keys and wrong types are ``ConfigError``s
-naming the field), and the CLI derives its flags from the same fields
+through ``peerd.loading`` (unknown keys, wrong types and bad values are
+``ConfigError``s naming the field, all reported at once), and the CLI derives its flags from the same fields
 (``option_specs``), so an option is declared exactly once: here, with its doc.
 Precedence: field defaults < config file < command-line flags.
 """
@@ -15,10 +15,10 @@ import re
 import socket
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, get_type_hints
+from typing import Annotated, Any, Literal, get_type_hints
 
 from peerd.errors import ConfigError
-from peerd.loading import from_mapping, load_mapping
+from peerd.loading import Range, from_mapping, load_mapping
 from peerd.swarm.keys import DEFAULT_SWARM, check_swarm_name
 from peerd.swarm.records import PEER_RECORD_MAX_TTL_S
 
@@ -30,6 +30,7 @@ _MADDR = re.compile(r"^(/[^/\s]+)+$")
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 
 LogLevel = Literal["DEBUG", "INFO", "WARNING", "ERROR"]
+Seconds = Annotated[float, Range(gt=0)]
 
 
 def _meta(*, doc: str, cli: bool = True, metavar: str | None = None) -> dict[str, Any]:
@@ -105,42 +106,42 @@ class DaemonConfig:
             doc="Device to profile and train on: auto, cpu, cuda, cuda:N or mps.",
         ),
     )
-    record_ttl: float = field(
+    record_ttl: Annotated[float, Range(gt=0, le=PEER_RECORD_MAX_TTL_S)] = field(
         default=60.0,
         metadata=_meta(
             doc="Seconds a published peer record stays valid; a crashed peer disappears from the swarm after this.",
             metavar="SECONDS",
         ),
     )
-    refresh_interval: float = field(
+    refresh_interval: Seconds = field(
         default=20.0,
         metadata=_meta(
             doc="Seconds between re-publications of this peer's record (must be below record_ttl).",
             metavar="SECONDS",
         ),
     )
-    probe_interval: float = field(
+    probe_interval: Seconds = field(
         default=30.0,
         metadata=_meta(
             doc="Seconds between link-probe rounds.",
             metavar="SECONDS",
         ),
     )
-    probe_budget: int = field(
+    probe_budget: Annotated[int, Range(ge=0)] = field(
         default=4,
         metadata=_meta(
             doc="Peers probed per round (RTT and bandwidth); bounds the probe traffic in large swarms.",
             metavar="N",
         ),
     )
-    startup_timeout: float = field(
+    startup_timeout: Seconds = field(
         default=30.0,
         metadata=_meta(
             doc="Seconds to wait for the p2p daemon to start and for the initial peers to answer.",
             metavar="SECONDS",
         ),
     )
-    shutdown_timeout: float = field(
+    shutdown_timeout: Seconds = field(
         default=10.0,
         metadata=_meta(
             doc="Seconds a graceful shutdown may take before the remaining components are killed.",
@@ -162,7 +163,7 @@ class DaemonConfig:
             "planning uses it to group peers that are close.",
         ),
     )
-    metrics_port: int = field(
+    metrics_port: Annotated[int, Range(ge=0, lt=65536)] = field(
         default=0,
         metadata=_meta(
             doc="Serve Prometheus metrics on http://127.0.0.1:PORT/metrics (peers, links, jobs); 0: off.",
@@ -184,54 +185,39 @@ class DaemonConfig:
         ),
     )
 
-    def validate(self) -> None:
+    def problems(self) -> list[ConfigError]:
+        out = []
         if self.name and not _NAME.match(self.name):
-            raise ConfigError("name", f"{self.name!r}: use 1-64 letters, digits, '.', '_' or '-'")
-        check_swarm_name(self.swarm)
+            out.append(ConfigError("name", f"{self.name!r}: use 1-64 letters, digits, '.', '_' or '-'"))
+        try:
+            check_swarm_name(self.swarm)
+        except ConfigError as exc:
+            out.append(exc)
         for key in ("initial_peers", "host_maddrs", "announce_maddrs"):
             for i, maddr in enumerate(getattr(self, key)):
                 if not _MADDR.match(maddr):
-                    raise ConfigError(
-                        f"{key}[{i}]", f"{maddr!r} is not a multiaddr (e.g. /ip4/1.2.3.4/tcp/31337)"
-                    )
-        for i, maddr in enumerate(self.initial_peers):
-            if "/p2p/" not in maddr:
-                raise ConfigError(
-                    f"initial_peers[{i}]", f"{maddr!r} lacks the peer id: expected …/p2p/<peer id>"
-                )
+                    wrong = f"{maddr!r} is not a multiaddr (e.g. /ip4/1.2.3.4/tcp/31337)"
+                elif key == "initial_peers" and "/p2p/" not in maddr:
+                    wrong = f"{maddr!r} lacks the peer id: expected …/p2p/<peer id>"
+                elif key == "announce_maddrs" and (maddr.endswith("/tcp/0") or "/tcp/0/" in maddr):
+                    wrong = f"{maddr!r}: announced addresses need an explicit port"
+                else:
+                    continue
+                out.append(ConfigError(f"{key}[{i}]", wrong))
         if not self.host_maddrs:
-            raise ConfigError("host_maddrs", "needs at least one address to listen on")
-        for i, maddr in enumerate(self.announce_maddrs):
-            if maddr.endswith("/tcp/0") or "/tcp/0/" in maddr:
-                raise ConfigError(
-                    f"announce_maddrs[{i}]", f"{maddr!r}: announced addresses need an explicit port"
-                )
-        for key in (
-            "record_ttl",
-            "refresh_interval",
-            "probe_interval",
-            "startup_timeout",
-            "shutdown_timeout",
-        ):
-            if getattr(self, key) <= 0:
-                raise ConfigError(key, f"must be > 0, got {getattr(self, key)}")
-        if self.record_ttl > PEER_RECORD_MAX_TTL_S:
-            raise ConfigError(
-                "record_ttl", f"must be at most {PEER_RECORD_MAX_TTL_S:.0f} s (peers reject longer ones)"
-            )
+            out.append(ConfigError("host_maddrs", "needs at least one address to listen on"))
         if self.refresh_interval >= self.record_ttl:
-            raise ConfigError(
-                "refresh_interval",
-                f"must be below record_ttl ({self.record_ttl}) or the record expires between refreshes",
+            out.append(
+                ConfigError(
+                    "refresh_interval",
+                    f"must be below record_ttl ({self.record_ttl}) or the record expires between refreshes",
+                )
             )
-        if not 0 <= self.metrics_port < 65536:
-            raise ConfigError("metrics_port", f"must be 0 (off) or a TCP port, got {self.metrics_port}")
         if len(self.region) > 64:
-            raise ConfigError("region", "at most 64 characters")
-        if self.probe_budget < 0:
-            raise ConfigError("probe_budget", f"must be >= 0, got {self.probe_budget}")
+            out.append(ConfigError("region", "at most 64 characters"))
         if self.device != "auto" and not re.match(r"^(cpu|mps|cuda(:\d+)?)$", self.device):
-            raise ConfigError("device", f"{self.device!r}: expected auto, cpu, cuda, cuda:N or mps")
+            out.append(ConfigError("device", f"{self.device!r}: expected auto, cpu, cuda, cuda:N or mps"))
+        return out
 
     # -- derived values -------------------------------------------------------------------------
 

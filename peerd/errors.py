@@ -63,13 +63,22 @@ class PeerdError(Exception):
 
 
 class ConfigError(PeerdError, ValueError):
-    """Invalid user input; ``field`` is the dotted path of the offending field."""
+    """Invalid user input: ``field`` is the dotted path of the offending field, ``detail`` what is wrong.
+
+    ``errors`` lists the single problems this error stands for: itself, or each one of an error
+    that reports several at once (``peerd.loading.ConfigProblems``).
+    """
 
     code = ErrorCode.CONFIG_INVALID
 
-    def __init__(self, field: str, message: str) -> None:
+    def __init__(self, field: str, detail: str) -> None:
         self.field = field
-        super().__init__(f"{field}: {message}" if field else message)
+        self.detail = detail
+        super().__init__(f"{field}: {detail}" if field else detail)
+
+    @property
+    def errors(self) -> list[ConfigError]:
+        return [self]
 
 
 class ProtocolError(PeerdError):

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Annotated, Literal
 
 from peerd.data.dataset import WindowDataset
 from peerd.data.sources import DEFAULT_MAX_BYTES, Corpus, builtin_corpus, hf_corpus, text_files_corpus
 from peerd.errors import ConfigError
+from peerd.loading import Range, check, problems
 
 
 @dataclass(frozen=True)
@@ -16,11 +17,11 @@ class DataConfig:
 
     source: Literal["builtin", "text", "hf"] = "builtin"
     """``builtin``: this Python's stdlib text (no download); ``text``: local files; ``hf``: HF datasets."""
-    seq_len: int = 128
+    seq_len: Annotated[int, Range(ge=1)] = 128
     """Tokens per training example (each window holds ``seq_len + 1`` bytes)."""
-    stride: int | None = None
+    stride: Annotated[int | None, Range(ge=1)] = None
     """Offset between consecutive windows; ``None`` means ``seq_len`` (no overlap)."""
-    max_bytes: int = DEFAULT_MAX_BYTES
+    max_bytes: Annotated[int, Range(ge=1)] = DEFAULT_MAX_BYTES
     """Cap on corpus size in bytes."""
     paths: list[str] = field(default_factory=list)
     """For ``text``: files or glob patterns, read in this order."""
@@ -37,17 +38,20 @@ class DataConfig:
     expect_digest: str | None = None
     """If set, the corpus's SHA-256 must equal it (peers must see the same bytes)."""
 
-    def validate(self) -> None:
-        if self.seq_len < 1:
-            raise ConfigError("seq_len", f"must be >= 1, got {self.seq_len}")
-        if self.max_bytes < 1:
-            raise ConfigError("max_bytes", f"must be >= 1, got {self.max_bytes}")
-        if self.source == "text" and not self.paths:
-            raise ConfigError("paths", "source 'text' needs at least one path")
-        if self.source == "hf" and not self.hf_name:
-            raise ConfigError("hf_name", "source 'hf' needs hf_name")
+    def problems(self) -> list[ConfigError]:
+        needs = {"text": ("paths", "at least one path"), "hf": ("hf_name", "hf_name")}
+        out = [
+            ConfigError(name, f"source {self.source!r} needs {what}")
+            for source, (name, what) in needs.items()
+            if self.source == source and not getattr(self, name)
+        ]
         if self.source != "text" and self.paths:
-            raise ConfigError("paths", f"only used with source 'text', not {self.source!r}")
+            out.append(ConfigError("paths", f"only used with source 'text', not {self.source!r}"))
+        return out
+
+    def validate(self) -> None:
+        """Every problem, raised (for a config built in code rather than loaded)."""
+        check(problems(self), "the data config")
 
 
 def load_corpus(cfg: DataConfig) -> Corpus:

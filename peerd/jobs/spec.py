@@ -3,9 +3,9 @@
 A spec names what to train (``model``, ``data``), how (batch sizes, ``steps``,
 ``optimizer``, ``parallel`` shape, ``compression``), how often to checkpoint, how many
 peers may take part and how long planning may search. ``load_job_spec(path)`` and
-``parse_job_spec(mapping)`` raise ``JobSpecError`` (a ``ConfigError``) whose ``errors``
-lists every problem found, each naming its dotted field, so ``peerd submit`` can print
-them all (``spec_collect`` converts one field at a time for that reason).
+``parse_job_spec(mapping)`` (also what decodes the spec inside a peer's job record) raise
+``JobSpecError`` (a ``ConfigError``) whose ``errors`` lists every problem found, each naming
+its dotted field, so ``peerd submit`` can print them all (``peerd.loading`` finds them).
 Example specs: ``configs/jobs/``.
 """
 
@@ -13,17 +13,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from peerd.compress.packing import SUPPORTED_BITS
 from peerd.data.config import DataConfig
 from peerd.errors import ConfigError
-from peerd.jobs.spec_collect import bare_message, collect, prefixed
-from peerd.loading import from_mapping, load_mapping
+from peerd.loading import ConfigProblems, Range, collect, from_mapping, load_mapping, prefixed
 from peerd.models.gpt import PRESETS, GPTConfig
 from peerd.sched.consensus.config import ConsensusTiming
 
 Auto = Literal["auto"]
+Count = Annotated[int, Range(ge=1)]
 
 
 @dataclass(frozen=True)
@@ -36,7 +36,7 @@ class ModelSpec:
     """``GPTConfig`` fields replacing the preset's (e.g. ``n_layer: 12``); presets only."""
     hf: str | None = None
     """A Hugging Face causal-LM ``config.json`` or model directory (needs ``transformers``)."""
-    seed: int = 0
+    seed: Annotated[int, Range(ge=0)] = 0
     """Initial-weight seed: every peer builds identical layers from it."""
 
     def problems(self) -> list[ConfigError]:
@@ -47,9 +47,7 @@ class ModelSpec:
                 )
             ]
         if self.hf is not None:
-            out = (
-                [] if Path(self.hf).exists() else [ConfigError("hf", f"no such file or directory: {self.hf}")]
-            )
+            out = [] if _exists(self.hf) else [ConfigError("hf", f"no such file or directory: {self.hf}")]
             if self.overrides:
                 out.append(ConfigError("overrides", "only applies to a built-in preset, not to 'hf'"))
             return out
@@ -57,11 +55,10 @@ class ModelSpec:
             return [
                 ConfigError("preset", f"unknown GPT preset {self.preset!r} (known: {', '.join(PRESETS)})")
             ]
-        try:
-            self.gpt_config()
-        except ConfigError as exc:
-            return [prefixed("overrides", exc)]
-        return []
+        return [
+            prefixed("overrides", e)
+            for e in collect(GPTConfig, {**PRESETS[self.preset], **self.overrides})[1]
+        ]
 
     def gpt_config(self) -> GPTConfig:
         """The preset with ``overrides`` applied, type-checked and validated like any config."""
@@ -72,58 +69,40 @@ class ModelSpec:
 @dataclass(frozen=True)
 class OptimizerSpec:
     name: Literal["adamw", "sgd"] = "adamw"
-    lr: float = 3e-4
+    lr: Annotated[float, Range(gt=0, lt=10)] = 3e-4
     """Peak learning rate."""
-    betas: tuple[float, float] | None = None
+    betas: Annotated[tuple[float, float] | None, Range(ge=0, lt=1)] = None
     """AdamW only; default (0.9, 0.95)."""
-    momentum: float | None = None
+    momentum: Annotated[float | None, Range(ge=0, lt=1)] = None
     """SGD only; default 0."""
-    weight_decay: float = 0.0
-    warmup_steps: int = 0
+    weight_decay: Annotated[float, Range(ge=0)] = 0.0
+    warmup_steps: Annotated[int, Range(ge=0)] = 0
     """Linear warm-up from 0 to ``lr``."""
     schedule: Literal["cosine", "constant"] = "cosine"
     """After warm-up: cosine decay to ``min_lr_ratio × lr`` at the last step, or constant."""
-    min_lr_ratio: float = 0.1
-    grad_clip: float | None = 1.0
+    min_lr_ratio: Annotated[float, Range(ge=0, le=1)] = 0.1
+    grad_clip: Annotated[float | None, Range(gt=0)] = 1.0
     """Global gradient-norm clip; null disables it."""
 
     def problems(self) -> list[ConfigError]:
-        out = []
-        if not 0 < self.lr < 10:
-            out.append(ConfigError("lr", f"must be in (0, 10), got {self.lr}"))
-        if self.betas is not None:
-            if self.name != "adamw":
-                out.append(ConfigError("betas", f"only used by adamw, not {self.name}"))
-            elif not all(0 <= b < 1 for b in self.betas):
-                out.append(ConfigError("betas", f"each must be in [0, 1), got {list(self.betas)}"))
-        if self.momentum is not None:
-            if self.name != "sgd":
-                out.append(ConfigError("momentum", f"only used by sgd, not {self.name}"))
-            elif not 0 <= self.momentum < 1:
-                out.append(ConfigError("momentum", f"must be in [0, 1), got {self.momentum}"))
-        if self.weight_decay < 0:
-            out.append(ConfigError("weight_decay", f"must be >= 0, got {self.weight_decay}"))
-        if self.warmup_steps < 0:
-            out.append(ConfigError("warmup_steps", f"must be >= 0, got {self.warmup_steps}"))
-        if not 0 <= self.min_lr_ratio <= 1:
-            out.append(ConfigError("min_lr_ratio", f"must be in [0, 1], got {self.min_lr_ratio}"))
-        if self.grad_clip is not None and self.grad_clip <= 0:
-            out.append(ConfigError("grad_clip", f"must be > 0 or null, got {self.grad_clip}"))
-        return out
+        used = [("betas", "adamw"), ("momentum", "sgd")]
+        return [
+            ConfigError(key, f"only used by {by}, not {self.name}")
+            for key, by in used
+            if getattr(self, key) is not None and self.name != by
+        ]
 
 
 @dataclass(frozen=True)
 class ParallelSpec:
-    d_pp: int | Auto = "auto"
+    d_pp: Annotated[int | Auto, Range(ge=1)] = "auto"
     """Pipeline stages, or ``auto``: the planner picks the shape."""
-    d_dp: int | Auto = "auto"
+    d_dp: Annotated[int | Auto, Range(ge=1)] = "auto"
     """Data-parallel replicas per stage, or ``auto``."""
 
-    def problems(self) -> list[ConfigError]:
-        return [ConfigError(n, f"must be >= 1 or 'auto', got {v}") for n, v in self.known().items() if v < 1]
-
     def known(self) -> dict[str, int]:
-        return {n: v for n, v in (("d_pp", self.d_pp), ("d_dp", self.d_dp)) if isinstance(v, int)}
+        """The fixed dimensions (those that are valid)."""
+        return {n: v for n, v in (("d_pp", self.d_pp), ("d_dp", self.d_dp)) if isinstance(v, int) and v >= 1}
 
 
 @dataclass(frozen=True)
@@ -139,12 +118,12 @@ class CompressionSpec:
     """Data-parallel gradient averaging (with error feedback)."""
 
     def problems(self) -> list[ConfigError]:
-        out = []
-        for name in ("forward_bits", "backward_bits", "gradient_bits"):
-            bits = getattr(self, name)
-            if bits is not None and bits not in SUPPORTED_BITS:
-                allowed = ", ".join(map(str, SUPPORTED_BITS))
-                out.append(ConfigError(name, f"must be one of {allowed} or null, got {bits}"))
+        allowed = ", ".join(map(str, SUPPORTED_BITS))
+        out = [
+            ConfigError(name, f"must be one of {allowed} or null, got {bits}")
+            for name in ("forward_bits", "backward_bits", "gradient_bits")
+            if (bits := getattr(self, name)) is not None and bits not in SUPPORTED_BITS
+        ]
         if self.forward == "none" and self.forward_bits is not None:
             out.append(ConfigError("forward_bits", "must be null when forward is 'none'"))
         if self.forward != "none" and self.forward_bits is None:
@@ -154,22 +133,14 @@ class CompressionSpec:
 
 @dataclass(frozen=True)
 class PlanningSpec:
-    time_budget_s: float = 30.0
+    time_budget_s: Annotated[float, Range(gt=0, le=3600)] = 30.0
     """Seconds each peer's search island runs per planning epoch."""
     objective: Literal["peerd", "dtfm"] = "peerd"
     """Cost model every peer scores candidates with (``peerd`` includes compute and memory)."""
-    max_skew_s: float = 3.0
+    max_skew_s: Annotated[float, Range(ge=0, le=60)] = 3.0
     """Clock disagreement between peers that planning tolerates (hivemind assumes ~3 s). Every
     protocol window lasts 10/3 of it (at least 1 s), so the default gives 10 s windows; peers
     sharing one machine's clock (``peerd demo``, tests) can use 0.5-1."""
-
-    def problems(self) -> list[ConfigError]:
-        out = []
-        if not 0 < self.time_budget_s <= 3600:
-            out.append(ConfigError("time_budget_s", f"must be in (0, 3600], got {self.time_budget_s}"))
-        if not 0 <= self.max_skew_s <= 60:
-            out.append(ConfigError("max_skew_s", f"must be in [0, 60], got {self.max_skew_s}"))
-        return out
 
     def timing(self) -> ConsensusTiming:
         window = max(1.0, round(self.max_skew_s * 10 / 3, 3))
@@ -192,11 +163,11 @@ class JobSpec:
     kind: str
     """``pretrain`` from fresh weights, or ``finetune`` from ``init_checkpoint`` (``rl`` is reserved)."""
     model: ModelSpec
-    steps: int
+    steps: Count
     """Optimizer steps to run."""
-    global_batch: int
+    global_batch: Count
     """Examples per optimizer step, over all replicas."""
-    micro_batch: int
+    micro_batch: Count
     """Examples per pipeline micro-batch."""
     name: str = ""
     """Free-form label shown by ``peerd jobs`` / ``peerd status``."""
@@ -205,30 +176,20 @@ class JobSpec:
     optimizer: OptimizerSpec = field(default_factory=OptimizerSpec)
     parallel: ParallelSpec = field(default_factory=ParallelSpec)
     compression: CompressionSpec = field(default_factory=CompressionSpec)
-    checkpoint_interval: int = 100
+    checkpoint_interval: Count = 100
     """Steps between checkpoints (every stage, atomically); the last step always checkpoints."""
     init_checkpoint: str | None = None
     """``finetune`` only: a peerd checkpoint or a Hugging Face model directory to start from."""
-    min_peers: int = 1
+    min_peers: Count = 1
     """Planning waits for at least this many peers."""
-    max_peers: int | None = None
+    max_peers: Annotated[int | None, Range(ge=1)] = None
     """At most this many peers take part (null: no limit)."""
     planning: PlanningSpec = field(default_factory=PlanningSpec)
 
-    def validate(self) -> None:
-        problems = self.problems()
-        if problems:
-            raise problems[0]
-
     def problems(self) -> list[ConfigError]:
-        """Every problem: each section's own checks, then the cross-field ones."""
-        out = [prefixed(name, p) for name in _CHECKED for p in getattr(self, name).problems()]
-        return out + self.cross_problems(model_ok=not any(p.field.startswith("model") for p in out))
-
-    def cross_problems(self, model_ok: bool) -> list[ConfigError]:
-        """Checks between fields and sections; those needing the model's shape only if ``model_ok``."""
+        """The checks between fields and sections (each section checked itself already)."""
         out = self._kind_problems() + self._batch_problems() + self._peer_problems()
-        if model_ok and self.model.preset is not None:
+        if self.model.preset is not None and not self.model.problems():
             out += self._model_fit(self.model.gpt_config())
         return out
 
@@ -248,13 +209,9 @@ class JobSpec:
         return []
 
     def _batch_problems(self) -> list[ConfigError]:
-        out = [
-            ConfigError(name, f"must be >= 1, got {getattr(self, name)}")
-            for name in ("steps", "global_batch", "micro_batch", "checkpoint_interval")
-            if getattr(self, name) < 1
-        ]
-        if out:
-            return out
+        out: list[ConfigError] = []
+        if min(self.steps, self.global_batch, self.micro_batch) < 1:
+            return out  # their bounds are reported already
         d_dp = self.parallel.known().get("d_dp", 1)
         if self.global_batch % (self.micro_batch * d_dp):
             what = f"micro_batch × d_dp = {self.micro_batch} × {d_dp}" if d_dp > 1 else "micro_batch"
@@ -269,14 +226,12 @@ class JobSpec:
         return out
 
     def _peer_problems(self) -> list[ConfigError]:
-        if self.min_peers < 1:
-            return [ConfigError("min_peers", f"must be >= 1, got {self.min_peers}")]
         if self.max_peers is not None and self.max_peers < self.min_peers:
             return [
                 ConfigError("max_peers", f"must be >= min_peers ({self.min_peers}), got {self.max_peers}")
             ]
         shape = self.parallel.known()
-        if len(shape) < 2 or min(shape.values()) < 1:
+        if len(shape) < 2:
             return []
         need = shape["d_pp"] * shape["d_dp"]
         if self.min_peers < need:
@@ -313,23 +268,11 @@ class JobSpec:
         return out
 
 
-_CHECKED = ("model", "optimizer", "parallel", "compression", "planning")
-
-
-class JobSpecError(ConfigError):
-    """A job spec with one or more problems; ``errors`` holds each (dotted field + message)."""
+class JobSpecError(ConfigProblems):
+    """A job spec with one or more problems; ``errors`` holds each (dotted ``field`` and ``detail``)."""
 
     def __init__(self, errors: list[ConfigError], source: str = "") -> None:
-        self.errors = errors
-        where = f"{source}: " if source else ""
-        lines = "\n".join(f"  - {e.field or '<spec>'}: {bare_message(e)}" for e in errors)
-        plural = "s" if len(errors) != 1 else ""
-        super().__init__(
-            "", f"{where}{len(errors)} problem{plural} in the job spec [{self.code.name}]:\n{lines}"
-        )
-
-    def __str__(self) -> str:
-        return Exception.__str__(self)  # the code is on the first line already
+        super().__init__(errors, "the job spec", source)
 
 
 def load_job_spec(path: str | Path) -> JobSpec:
@@ -338,11 +281,16 @@ def load_job_spec(path: str | Path) -> JobSpec:
 
 
 def parse_job_spec(data: Any, source: str = "") -> JobSpec:
-    """Validate a mapping (a parsed file, or the spec inside a job record) into a ``JobSpec``."""
-    spec, errors = collect(JobSpec, data, check=False)
-    if spec is not None:
-        errors += spec.cross_problems(model_ok=not any(e.field.startswith("model") for e in errors))
+    """Validate a mapping (a parsed file, or the spec inside a peer's job record) into a ``JobSpec``."""
+    spec, errors = collect(JobSpec, data)
     if errors:
         raise JobSpecError(errors, source)
     assert spec is not None
     return spec
+
+
+def _exists(path: str) -> bool:
+    try:
+        return Path(path).exists()
+    except (OSError, ValueError):  # a name too long, or holding a NUL byte
+        return False

@@ -28,14 +28,17 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import numpy as np
 
+from peerd import loading
 from peerd.errors import ConfigError
-from peerd.loading import from_mapping, load_mapping
+from peerd.loading import Range
 
 Auto = Literal["auto"]
+Positive = Annotated[float, Range(gt=0)]
+Count = Annotated[int, Range(ge=1)]
 
 
 @dataclass
@@ -46,22 +49,15 @@ class Device:
     """Unique device id (a peer id, or ``peer/cuda:0`` for multi-GPU peers)."""
     region: str = ""
     """Region label; must name a row of ``regions.names`` when region matrices are given."""
-    tflops: float = 0.0
+    tflops: Annotated[float, Range(ge=0)] = 0.0
     """Measured dense throughput in TFLOPS; 0 = unknown (the ``dtfm`` objective ignores compute)."""
-    memory_gb: float = 0.0
+    memory_gb: Annotated[float, Range(ge=0)] = 0.0
     """Accelerator memory in GB (1e9 bytes); 0 = unknown."""
-    access_mbps: float | None = None
+    access_mbps: Annotated[float | None, Range(gt=0)] = None
     """Optional access-link cap: region-level bandwidth to/from this device never exceeds it."""
 
-    def validate(self) -> None:
-        if not self.id:
-            raise ConfigError("id", "must be a non-empty string")
-        for name in ("tflops", "memory_gb"):
-            value = getattr(self, name)
-            if not math.isfinite(value) or value < 0:
-                raise ConfigError(name, f"must be a finite number >= 0, got {value!r}")
-        if self.access_mbps is not None and not (self.access_mbps > 0 and math.isfinite(self.access_mbps)):
-            raise ConfigError("access_mbps", f"must be > 0, got {self.access_mbps!r}")
+    def problems(self) -> list[ConfigError]:
+        return [] if self.id else [ConfigError("id", "must be a non-empty string")]
 
 
 @dataclass
@@ -69,29 +65,25 @@ class Regions:
     """Region-level link matrices (row = sender region, column = receiver region)."""
 
     names: list[str]
-    delay_ms: list[list[float | None]]
+    delay_ms: Annotated[list[list[float | None]], Range(ge=0)]
     """One-way delay in milliseconds; ``null`` marks an unmeasured pair."""
-    bandwidth_mbps: list[list[float | None]]
+    bandwidth_mbps: Annotated[list[list[float | None]], Range(gt=0)]
     """Bandwidth in megabits per second (1e6 bit/s); ``null`` marks an unmeasured pair."""
 
-    def validate(self) -> None:
-        if len(set(self.names)) != len(self.names):
-            dup = next(n for n in self.names if self.names.count(n) > 1)
-            raise ConfigError("names", f"duplicate region name {dup!r}")
+    def problems(self) -> list[ConfigError]:
+        dups = sorted({n for n in self.names if self.names.count(n) > 1})
+        out = [ConfigError("names", f"duplicate region name {d!r}") for d in dups]
         r = len(self.names)
         for key in ("delay_ms", "bandwidth_mbps"):
             rows = getattr(self, key)
             if len(rows) != r:
-                raise ConfigError(key, f"must have {r} rows (one per region name), got {len(rows)}")
-            for i, row in enumerate(rows):
-                if len(row) != r:
-                    raise ConfigError(f"{key}[{i}]", f"must have {r} columns, got {len(row)}")
-                for j, v in enumerate(row):
-                    if v is None:
-                        continue
-                    if not math.isfinite(v) or (v <= 0 if key == "bandwidth_mbps" else v < 0):
-                        need = "> 0" if key == "bandwidth_mbps" else ">= 0"
-                        raise ConfigError(f"{key}[{i}][{j}]", f"must be a finite number {need}, got {v!r}")
+                out.append(ConfigError(key, f"must have {r} rows (one per region name), got {len(rows)}"))
+            out += [
+                ConfigError(f"{key}[{i}]", f"must have {r} columns, got {len(row)}")
+                for i, row in enumerate(rows)
+                if len(row) != r
+            ]
+        return out
 
 
 @dataclass
@@ -100,56 +92,42 @@ class Link:
 
     src: str
     dst: str
-    delay_ms: float | None = None
+    delay_ms: Annotated[float | None, Range(ge=0)] = None
     """One-way delay in ms; omitted = fall back to the region matrix."""
-    bandwidth_mbps: float | None = None
+    bandwidth_mbps: Annotated[float | None, Range(gt=0)] = None
     """Bandwidth in Mbit/s; omitted = fall back to the region matrix."""
     symmetric: bool = False
     """Also use these values for dst -> src."""
 
-    def validate(self) -> None:
+    def problems(self) -> list[ConfigError]:
+        out = []
         if self.delay_ms is None and self.bandwidth_mbps is None:
-            raise ConfigError("delay_ms", "a link needs delay_ms, bandwidth_mbps or both")
-        if self.delay_ms is not None and not (math.isfinite(self.delay_ms) and self.delay_ms >= 0):
-            raise ConfigError("delay_ms", f"must be a finite number >= 0, got {self.delay_ms!r}")
-        if self.bandwidth_mbps is not None and not (
-            math.isfinite(self.bandwidth_mbps) and self.bandwidth_mbps > 0
-        ):
-            raise ConfigError("bandwidth_mbps", f"must be a finite number > 0, got {self.bandwidth_mbps!r}")
+            out.append(ConfigError("delay_ms", "a link needs delay_ms, bandwidth_mbps or both"))
         if self.src == self.dst:
-            raise ConfigError("dst", f"a link must join two different devices, got {self.src!r} twice")
+            out.append(ConfigError("dst", f"a link must join two different devices, got {self.src!r} twice"))
+        return out
 
 
 @dataclass
 class ModelSpec:
     """The model being trained, as far as the scheduler needs it."""
 
-    layers: int
+    layers: Count
     """Number of transformer blocks (the unit a stage holds)."""
-    hidden: int
+    hidden: Count
     """Hidden size (activations crossing a stage boundary are seq x hidden per sequence)."""
-    seq: int
+    seq: Count
     """Sequence length in tokens."""
-    params: float | None = None
+    params: Annotated[float | None, Range(gt=0)] = None
     """Total parameters; each layer gets params / layers. Default 12 * hidden^2 per layer."""
-    layer_params: list[float] | None = None
+    layer_params: Annotated[list[float] | None, Range(gt=0)] = None
     """Parameters of each layer (overrides ``params``)."""
     name: str = ""
 
-    def validate(self) -> None:
-        for key in ("layers", "hidden", "seq"):
-            if getattr(self, key) < 1:
-                raise ConfigError(key, f"must be >= 1, got {getattr(self, key)}")
-        if self.params is not None and not (self.params > 0 and math.isfinite(self.params)):
-            raise ConfigError("params", f"must be > 0, got {self.params!r}")
-        if self.layer_params is not None:
-            if len(self.layer_params) != self.layers:
-                raise ConfigError(
-                    "layer_params", f"must list {self.layers} layers, got {len(self.layer_params)}"
-                )
-            for i, p in enumerate(self.layer_params):
-                if not (p > 0 and math.isfinite(p)):
-                    raise ConfigError(f"layer_params[{i}]", f"must be > 0, got {p!r}")
+    def problems(self) -> list[ConfigError]:
+        if self.layer_params is None or len(self.layer_params) == self.layers:
+            return []
+        return [ConfigError("layer_params", f"must list {self.layers} layers, got {len(self.layer_params)}")]
 
     def per_layer_params(self) -> np.ndarray:
         """Parameters of each layer, shape (layers,)."""
@@ -163,57 +141,36 @@ class ModelSpec:
 class TrainingSpec:
     """Batch, parallel shape, compression and the communication sizes the cost models use."""
 
-    global_batch: int
+    global_batch: Count
     """Sequences per optimizer step (all replicas together)."""
-    micro_batch: int = 1
+    micro_batch: Count = 1
     """Sequences per micro-batch inside a pipeline."""
-    d_pp: int | Auto = "auto"
+    d_pp: Annotated[int | Auto, Range(ge=1)] = "auto"
     """Pipeline depth (stages), or ``auto``."""
-    d_dp: int | Auto = "auto"
+    d_dp: Annotated[int | Auto, Range(ge=1)] = "auto"
     """Data-parallel width (replicas per stage), or ``auto``."""
     schedule: Literal["gpipe", "1f1b"] = "1f1b"
     """Micro-batch schedule: same bubble, different activation memory."""
-    forward_ratio: float = 1.0
+    forward_ratio: Annotated[float, Range(gt=0, le=1)] = 1.0
     """Compressed / raw bytes of forward activations (e.g. 0.25 for 4-bit of fp16)."""
-    backward_ratio: float = 1.0
+    backward_ratio: Annotated[float, Range(gt=0, le=1)] = 1.0
     """Compressed / raw bytes of backward activation gradients."""
-    gradient_ratio: float = 1.0
+    gradient_ratio: Annotated[float, Range(gt=0, le=1)] = 1.0
     """Compressed / raw bytes of data-parallel gradient traffic."""
-    activation_bytes: int = 2
+    activation_bytes: Annotated[int, Range(gt=0)] = 2
     """Bytes per activation element on the wire before compression (fp16)."""
-    gradient_bytes: int = 4
+    gradient_bytes: Annotated[int, Range(gt=0)] = 4
     """Bytes per gradient element exchanged between replicas (fp32, as DT-FM)."""
-    state_bytes_per_param: float = 16.0
+    state_bytes_per_param: Positive = 16.0
     """Device memory per parameter for weights, gradients and optimizer state (Adam, mixed precision)."""
-    activation_memory_per_token_layer: float | None = None
+    activation_memory_per_token_layer: Annotated[float | None, Range(gt=0)] = None
     """Bytes of stored activations per token per layer; default 34 * hidden (2 * hidden with recompute)."""
     recompute: bool = False
     """Activation recomputation: less memory, one more forward pass in the backward."""
-    c_dp_bytes: float | None = None
+    c_dp_bytes: Annotated[float | None, Range(gt=0)] = None
     """Explicit gradient bytes of one (even) stage; overrides the value derived from the model."""
-    c_pp_bytes: float | None = None
+    c_pp_bytes: Annotated[float | None, Range(gt=0)] = None
     """Explicit activation bytes one tasklet sends across a stage boundary per iteration."""
-
-    def validate(self) -> None:
-        if self.global_batch < 1:
-            raise ConfigError("global_batch", f"must be >= 1, got {self.global_batch}")
-        if self.micro_batch < 1:
-            raise ConfigError("micro_batch", f"must be >= 1, got {self.micro_batch}")
-        for key in ("d_pp", "d_dp"):
-            value = getattr(self, key)
-            if value != "auto" and value < 1:
-                raise ConfigError(key, f"must be >= 1 or 'auto', got {value}")
-        for key in ("forward_ratio", "backward_ratio", "gradient_ratio"):
-            value = getattr(self, key)
-            if not (0 < value <= 1):
-                raise ConfigError(key, f"must be in (0, 1], got {value}")
-        for key in ("activation_bytes", "gradient_bytes", "state_bytes_per_param"):
-            if getattr(self, key) <= 0:
-                raise ConfigError(key, f"must be > 0, got {getattr(self, key)}")
-        for key in ("c_dp_bytes", "c_pp_bytes", "activation_memory_per_token_layer"):
-            value = getattr(self, key)
-            if value is not None and not (value > 0 and math.isfinite(value)):
-                raise ConfigError(key, f"must be > 0, got {value!r}")
 
 
 @dataclass
@@ -230,45 +187,33 @@ class Scenario:
     model: ModelSpec | None = None
     training: TrainingSpec | None = None
 
-    def validate(self) -> None:
-        if not self.devices:
-            raise ConfigError("devices", "must list at least one device")
-        index: dict[str, int] = {}
+    def problems(self) -> list[ConfigError]:
+        out = [] if self.devices else [ConfigError("devices", "must list at least one device")]
+        seen: set[str] = set()
         for i, dev in enumerate(self.devices):
-            if dev.id in index:
-                raise ConfigError(f"devices[{i}].id", f"duplicate device id {dev.id!r}")
-            index[dev.id] = i
-        if self.regions is not None:
-            names = set(self.regions.names)
-            for i, dev in enumerate(self.devices):
-                if dev.region not in names:
-                    raise ConfigError(
-                        f"devices[{i}].region", f"{dev.region!r} is not in regions.names {self.regions.names}"
-                    )
+            if dev.id in seen:
+                out.append(ConfigError(f"devices[{i}].id", f"duplicate device id {dev.id!r}"))
+            seen.add(dev.id)
+            if self.regions is not None and dev.region not in self.regions.names:
+                where = f"regions.names {self.regions.names}"
+                out.append(ConfigError(f"devices[{i}].region", f"{dev.region!r} is not in {where}"))
         for i, link in enumerate(self.links):
             for end in ("src", "dst"):
-                if getattr(link, end) not in index:
-                    raise ConfigError(f"links[{i}].{end}", f"unknown device id {getattr(link, end)!r}")
-        self._index = index
-        self._cache: dict[str, np.ndarray] = {}
+                if getattr(link, end) not in seen:
+                    out.append(ConfigError(f"links[{i}].{end}", f"unknown device id {getattr(link, end)!r}"))
+        return out
 
     def __post_init__(self) -> None:
         # Programmatic construction gets the same checks as loading from a file.
-        self.validate()
+        loading.check(loading.problems(self), "the scenario")
+        self._index = {dev.id: i for i, dev in enumerate(self.devices)}
+        self._cache: dict[str, np.ndarray] = {}
 
     # --- construction -------------------------------------------------------------------
     @classmethod
     def from_mapping(cls, data: dict[str, Any]) -> Scenario:
-        """Build from a plain mapping (parsed YAML/JSON); ConfigError names the bad field."""
-        if not isinstance(data, dict):
-            raise ConfigError("", f"a scenario must be a mapping, got {type(data).__name__}")
-        data = dict(data)
-        # Convert the optional sections first so their errors name the field directly
-        # rather than through the ``X | None`` union wrapper.
-        for key, section in (("regions", Regions), ("model", ModelSpec), ("training", TrainingSpec)):
-            if data.get(key) is not None:
-                data[key] = from_mapping(section, data[key], key)
-        return from_mapping(cls, data)
+        """Build from a plain mapping (parsed YAML/JSON); ConfigError names each bad field."""
+        return loading.from_mapping(cls, data)
 
     # --- lookups ------------------------------------------------------------------------
     @property
@@ -360,7 +305,7 @@ class Scenario:
 
 def load_scenario(path: str | Path) -> Scenario:
     """Load a scenario from a YAML or JSON file (ConfigError names the offending field)."""
-    return Scenario.from_mapping(load_mapping(path))
+    return Scenario.from_mapping(loading.load_mapping(path))
 
 
 def _two_hop_estimate(delay: np.ndarray, bw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -136,7 +136,7 @@ def test_cross_field_problems_are_all_reported_together() -> None:
         ({"parallel": {"d_pp": 5, "d_dp": 1}, "min_peers": 5}, "parallel.d_pp", "4 layers"),
         ({"optimizer": {"name": "adamw", "momentum": 0.9}}, "optimizer.momentum", "only used by sgd"),
         ({"optimizer": {"name": "sgd", "momentum": 1.5}}, "optimizer.momentum", "[0, 1)"),
-        ({"optimizer": {"betas": [0.9, 1.0]}}, "optimizer.betas", "[0, 1)"),
+        ({"optimizer": {"betas": [0.9, 1.0]}}, "optimizer.betas[1]", "[0, 1)"),
         ({"optimizer": {"betas": [0.9]}}, "optimizer.betas", "exactly 2"),
         ({"optimizer": {"schedule": "linear"}}, "optimizer.schedule", "'cosine'"),
         ({"optimizer": {"weight_decay": -0.1}}, "optimizer.weight_decay", ">= 0"),

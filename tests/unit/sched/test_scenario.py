@@ -108,7 +108,7 @@ def test_minimal_file_without_model_or_training(tmp_path):
 def test_bad_input_names_the_field(patch, field):
     with pytest.raises(ConfigError) as info:
         Scenario.from_mapping(_base(**patch))
-    assert info.value.field == field
+    assert field in {e.field for e in info.value.errors}  # with the others it causes (every one is reported)
 
 
 def test_bad_file(tmp_path):
