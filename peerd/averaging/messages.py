@@ -1,12 +1,13 @@
-"""Averaging wire messages (protocols/averaging.md): frame headers, tolerant parsing, checks against the step.
+"""Averaging wire messages (protocols/averaging.md): the header schema and checks against the step.
 
 Two kinds ride on the transport's frames, both with a compressed-tensor frame as payload:
 
 - ``avg.part``  — member ``src`` sends its contribution to share ``share`` (reduce-scatter);
 - ``avg.share`` — the reducer of ``share`` answers with the averaged share (all-gather).
 
-Unknown header fields are ignored (tolerant within a version); wrong types or missing
-fields are MALFORMED. ``Expect`` holds what the receiver knows; ``check`` compares.
+The header is declared once (``AvgMessage``) and read by ``peerd.wire``: unknown fields
+are ignored (tolerant within a version); wrong types or missing fields are MALFORMED.
+``Expect`` holds what the receiver knows; ``check`` compares.
 """
 
 from __future__ import annotations
@@ -14,7 +15,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
+
 from peerd.errors import ErrorCode, ProtocolError
+from peerd.swarm.framing import DEFAULT_LIMITS
+from peerd.wire import Schema, WireStruct, to_builtin
+from peerd.wire.types import Count, Name
 
 VERSION = 1
 KIND_PART = "avg.part"
@@ -22,74 +28,47 @@ KIND_SHARE = "avg.share"
 KINDS = (KIND_PART, KIND_SHARE)
 
 
-@dataclass(frozen=True)
-class AvgMessage:
+class AvgMessage(WireStruct):
     kind: str
-    group: str
+    group: Name
     """Digest of (averaging key, ordered members): partition.group_digest."""
-    step: int
+    step: Count
     """Training step the gradients belong to."""
-    src: int
+    src: Count
     """Rank of the sender (for ``avg.share``: the reducer, equal to ``share``)."""
-    share: int
+    share: Count
     """Which share of the flat vector the payload holds."""
-    total: int
+    total: Count
     """Elements of the whole flat gradient vector (fixes every share's size)."""
-    layout: str
+    layout: Name
     """partition.FlatLayout.signature() of the sender's gradient list."""
+    version: int = msgspec.field(default=VERSION, name="v")
 
     def header(self) -> dict[str, Any]:
-        return {
-            "kind": self.kind,
-            "v": VERSION,
-            "group": self.group,
-            "step": self.step,
-            "src": self.src,
-            "share": self.share,
-            "total": self.total,
-            "layout": self.layout,
-        }
+        return to_builtin(self)
 
 
-def _field(header: dict[str, Any], name: str, kind: type) -> Any:
-    value = header.get(name)
-    if kind is int and (not isinstance(value, int) or isinstance(value, bool)):
-        raise ProtocolError(
-            f"averaging header field {name!r} must be an int, got {value!r}", code=ErrorCode.MALFORMED
-        )
-    if kind is str and not isinstance(value, str):
-        raise ProtocolError(
-            f"averaging header field {name!r} must be a str, got {value!r}", code=ErrorCode.MALFORMED
-        )
-    return value
+def _share_rules(msg: AvgMessage) -> None:
+    if msg.src != msg.share:
+        raise ProtocolError(f"share {msg.share} answered by rank {msg.src}", code=ErrorCode.MALFORMED)
+
+
+_SCHEMAS = {
+    k: Schema(AvgMessage, f"{k} header", DEFAULT_LIMITS.max_header, version=VERSION, kind=k, rules=rules)
+    for k, rules in ((KIND_PART, None), (KIND_SHARE, _share_rules))
+}
 
 
 def parse(header: dict[str, Any], expected_kind: str) -> AvgMessage:
     """Typed message from a frame header; ProtocolError with the code protocols/averaging.md names."""
-    kind = header.get("kind")
-    if kind not in KINDS:
-        raise ProtocolError(f"unknown averaging message kind {kind!r}", code=ErrorCode.UNKNOWN_KIND)
-    version = _field(header, "v", int)
-    if version != VERSION:
+    schema = _SCHEMAS.get(header.get("kind", ""))
+    if schema is None:
         raise ProtocolError(
-            f"averaging message version {version} (this peer speaks {VERSION})",
-            code=ErrorCode.UNSUPPORTED_VERSION,
+            f"unknown averaging message kind {header.get('kind')!r}", code=ErrorCode.UNKNOWN_KIND
         )
-    if kind != expected_kind:
-        raise ProtocolError(f"expected {expected_kind}, got {kind}", code=ErrorCode.MALFORMED)
-    msg = AvgMessage(
-        kind=kind,
-        group=_field(header, "group", str),
-        step=_field(header, "step", int),
-        src=_field(header, "src", int),
-        share=_field(header, "share", int),
-        total=_field(header, "total", int),
-        layout=_field(header, "layout", str),
-    )
-    if min(msg.step, msg.src, msg.share, msg.total) < 0:
-        raise ProtocolError("averaging header fields must be non-negative", code=ErrorCode.MALFORMED)
-    if kind == KIND_SHARE and msg.src != msg.share:
-        raise ProtocolError(f"share {msg.share} answered by rank {msg.src}", code=ErrorCode.MALFORMED)
+    msg = schema.check(header)
+    if msg.kind != expected_kind:
+        raise ProtocolError(f"expected {expected_kind}, got {msg.kind}", code=ErrorCode.MALFORMED)
     return msg
 
 

@@ -11,6 +11,10 @@ PART = AvgMessage(KIND_PART, "00112233aabbccdd", 7, 1, 0, 1000, "ffeeddccbbaa998
 
 
 def test_round_trip_and_unknown_fields_are_ignored():
+    assert PART.header() == {
+        "kind": KIND_PART, "v": 1, "group": PART.group, "step": 7, "src": 1, "share": 0, "total": 1000,
+        "layout": PART.layout,
+    }  # fmt: skip
     header = PART.header() | {"future_field": [1, 2]}
     assert parse(header, KIND_PART) == PART
 
@@ -27,6 +31,9 @@ def test_round_trip_and_unknown_fields_are_ignored():
         ({"step": -1}, ErrorCode.MALFORMED),
         ({"group": 5}, ErrorCode.MALFORMED),
         ({"total": None}, ErrorCode.MALFORMED),
+        ({"src": 1.0}, ErrorCode.MALFORMED),
+        ({"group": ""}, ErrorCode.MALFORMED),
+        ({"layout": "x" * 300}, ErrorCode.MALFORMED),
     ],
 )
 def test_bad_headers_raise_their_code(change, code):
