@@ -26,7 +26,7 @@ from peerd.errors import ConfigError
 from peerd.loading import load_dataclass
 from peerd.log import setup_logging
 from peerd.pipeline.config import TrainConfig
-from peerd.pipeline.launch import Allocation, RunResult, run_allocation, start_peers, stop_peers
+from peerd.pipeline.launch import Placement, RunResult, run_allocation, start_peers, stop_peers
 from peerd.pipeline.processes import PeerProcesses, child_main
 from peerd.pipeline.worker import StepReport
 
@@ -46,7 +46,7 @@ def _print_step(report: StepReport) -> None:
         )
 
 
-async def _in_process(cfg: TrainConfig, allocation: Allocation, link, until, resume) -> RunResult:
+async def _in_process(cfg: TrainConfig, allocation: Placement, link, until, resume) -> RunResult:
     shaped = allocation.neighbour_pairs() if link is not None else None
     peers = await start_peers(allocation.stages * allocation.replicas, link=link, shaped=shaped)
     try:
@@ -63,7 +63,7 @@ async def _in_process(cfg: TrainConfig, allocation: Allocation, link, until, res
         await stop_peers(peers)
 
 
-async def _processes(cfg: TrainConfig, allocation: Allocation, link, until, resume, log_dir) -> RunResult:
+async def _processes(cfg: TrainConfig, allocation: Placement, link, until, resume, log_dir) -> RunResult:
     procs = PeerProcesses(
         allocation.stages * allocation.replicas, [sys.executable, __file__, "--child"], log_dir=log_dir
     )
@@ -95,7 +95,7 @@ def main(config_path, replicas, processes, link, until, resume, log_dir, log_lev
     try:
         cfg = load_dataclass(TrainConfig, config_path) if config_path else TrainConfig()
         cfg.validate()
-        allocation = Allocation.grid(cfg.num_stages, replicas)
+        allocation = Placement.grid(cfg.num_stages, replicas)
         allocation.validate(cfg, cfg.num_stages * replicas)
         spec = parse_links(link)[0][1] if link else None
     except (ConfigError, click.BadParameter) as exc:

@@ -55,7 +55,7 @@ from peerd.bench.transport import pipeline_stream
 from peerd.data.config import DataConfig
 from peerd.pipeline.codec import CompressionConfig
 from peerd.pipeline.config import ModelSpec, TrainConfig
-from peerd.pipeline.launch import Allocation, RunResult
+from peerd.pipeline.launch import Placement, RunResult
 from peerd.pipeline.processes import PeerProcesses, child_main
 from peerd.pipeline.schedule import available_schedules
 from peerd.pipeline.streams import (
@@ -184,7 +184,7 @@ async def training(
     try:
         await procs.start()
         for replicas in layouts:  # a layout with fewer replicas runs on the first peer processes
-            allocation = Allocation.grid(2, replicas)
+            allocation = Placement.grid(2, replicas)
             for schedule in schedules:
                 cfg = job_config(args, schedule, replicas)
                 rows: dict[str, Any] = {}

@@ -87,7 +87,6 @@ class Placement:
         }
 
 
-Allocation = Placement  # the old name: peerd/bench/pipeline.py and scripts/run_allocation.py still use it
 
 
 @dataclass
