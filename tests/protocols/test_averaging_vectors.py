@@ -248,6 +248,7 @@ def test_message_vectors_encode_and_decode_byte_exact(path: Path):
     assert wire_bytes == len(frame) and bytes(got_payload) == payload
     msg = parse(header, header["kind"])
     assert msg.header() == case["header"]
+    assert encode_frame(msg.header(), payload) == frame  # the typed header, byte-exact
     start, end = share_bounds(msg.total, case["members"])[msg.share]
     decoded = decode_share(got_payload, end - start)
     assert decoded.tolist() == case["decoded"]

@@ -22,6 +22,7 @@ from peerd.pipeline.frames import (
     Nack,
     TensorMessage,
     check_message,
+    control_header,
     parse_control,
     parse_part,
     part_header,
@@ -65,6 +66,14 @@ def _expectation(spec: dict[str, Any]) -> Expectation:
     )
 
 
+def _schema_header(header: dict[str, Any]) -> dict[str, Any]:
+    """``header`` read into its schema and written back."""
+    if header["kind"] in CONTROL_KINDS:
+        return control_header(parse_control(header))
+    part = parse_part(header)
+    return part_header(part.message, part.index, part.count, part.offset)
+
+
 def _decode(frames: list[bytes], expect: dict[str, Any]) -> tuple[TensorMessage, torch.Tensor | None]:
     """What a stage's receiver does with these frames, in its order of checks."""
     expectation = _expectation(expect)
@@ -102,10 +111,11 @@ def test_valid_vector(path: Path):
     case = json.loads(path.read_text())
     frames = [bytes.fromhex(f["frame_hex"]) for f in case["frames"]]
     for f, raw in zip(case["frames"], frames, strict=True):
-        if not case.get("decode_only"):
-            assert encode_frame(f["header"], bytes.fromhex(f["payload_hex"])) == raw
         header, payload = _read(raw)
         assert header == f["header"] and bytes(payload) == bytes.fromhex(f["payload_hex"])
+        if not case.get("decode_only"):
+            assert encode_frame(f["header"], payload) == raw
+            assert encode_frame(_schema_header(header), payload) == raw  # the typed header, byte-exact
     first = case["frames"][0]["header"]
     if first["kind"] in CONTROL_KINDS:
         ctl = parse_control(first)
