@@ -361,7 +361,7 @@ def _write_vectors() -> None:  # pragma: no cover - run by hand
     out["record-from-future"]["error"] = "FROM_FUTURE"
 
     v0 = Vote(job.job_id, 0, 0, other, t + 22.0, bytes(range(32)), 0.0264547, bytes(range(32, 64)))
-    v1 = dataclasses.replace(v0, round=1, issued_at=t + 25.5)
+    v1 = msgspec.structs.replace(v0, round=1, issued_at=t + 25.5)
     votes = [encode(v0), encode(v1)]
     out["votes-entry"] = {
         "type": "votes",
