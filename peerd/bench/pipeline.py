@@ -54,7 +54,7 @@ from peerd.bench import emit_json
 from peerd.bench.transport import pipeline_stream
 from peerd.data.config import DataConfig
 from peerd.pipeline.codec import CompressionConfig
-from peerd.pipeline.config import ModelSpec, TrainConfig
+from peerd.pipeline.config import ModelBuild, TrainConfig
 from peerd.pipeline.launch import Placement, RunResult
 from peerd.pipeline.processes import PeerProcesses, child_main
 from peerd.pipeline.schedule import available_schedules
@@ -105,7 +105,7 @@ def job_config(args: dict[str, Any], schedule: str = "gpipe", replicas: int = 2)
     examples = per_epoch * global_batch
     return TrainConfig(
         job="bench",
-        model=ModelSpec(
+        model=ModelBuild(
             "tiny",
             {
                 "n_layer": args["n_layer"],

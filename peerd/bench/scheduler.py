@@ -28,7 +28,7 @@ from peerd.errors import ConfigError
 from peerd.sched.cost_peerd import PeerdObjective
 from peerd.sched.planner import PlanResult, make_objective, plan
 from peerd.sched.problem import Problem, Shape
-from peerd.sched.scenario import Auto, Device, ModelSpec, Regions, Scenario, TrainingSpec, load_scenario
+from peerd.sched.scenario import Auto, Device, ModelShape, Regions, Scenario, TrainingSpec, load_scenario
 from peerd.sched.seeding import constructions, random_layout
 from peerd.sched.synthetic import random_cluster
 
@@ -232,7 +232,7 @@ def _slow_peer_scenario(d_pp: int | Auto = "auto", d_dp: int | Auto = "auto") ->
             bandwidth_mbps=[[10000.0, 20.0], [20.0, 10000.0]],
         ),
         devices=devices,
-        model=ModelSpec(layers=24, hidden=2048, seq=1024, params=1.3e9),
+        model=ModelShape(layers=24, hidden=2048, seq=1024, params=1.3e9),
         training=TrainingSpec(global_batch=72, micro_batch=1, d_pp=d_pp, d_dp=d_dp),
     )
 

@@ -31,7 +31,7 @@ from peerd.jobs.spec import JobSpec
 from peerd.jobs.store import RecordStore
 from peerd.log import get_logger
 from peerd.pipeline.codec import CompressionConfig
-from peerd.pipeline.config import ModelSpec, TrainConfig
+from peerd.pipeline.config import ModelBuild, TrainConfig
 from peerd.pipeline.partition import balanced_layers_per_stage
 from peerd.pipeline.streams import StreamConfig
 from peerd.pipeline.worker import StageWorker, StepReport
@@ -98,7 +98,7 @@ def train_config(
     overrides = dict(spec.model.overrides)
     return TrainConfig(
         job=job_id,
-        model=ModelSpec(preset=spec.model.preset or "tiny", overrides=overrides, seed=spec.model.seed),
+        model=ModelBuild(preset=spec.model.preset or "tiny", overrides=overrides, seed=spec.model.seed),
         data=spec.data,
         layers_per_stage=layers,
         global_batch=spec.global_batch,

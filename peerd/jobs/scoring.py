@@ -27,7 +27,7 @@ from peerd.sched.layout import score_allocation
 from peerd.sched.objective import Objective
 from peerd.sched.planner import make_island, make_objective
 from peerd.sched.problem import Problem, Shape, candidate_shapes
-from peerd.sched.scenario import Device, Link, ModelSpec, Scenario, TrainingSpec
+from peerd.sched.scenario import Device, Link, ModelShape, Scenario, TrainingSpec
 
 # A pair nobody measured, not even through a relay: assume a slow consumer link.
 UNKNOWN_DELAY_MS = 250.0
@@ -41,7 +41,7 @@ class JobModel:
     """What the scheduler needs from a job spec: objective name, model sizes, training setup."""
 
     objective: str
-    model: ModelSpec
+    model: ModelShape
     training: TrainingSpec
 
 
@@ -60,7 +60,7 @@ def job_model(spec: JobSpec) -> JobModel:
     costs = layer_costs(gpt, spec.data.seq_len)
     comp = spec.compression
     forward_bits = None if comp.forward == "none" else comp.forward_bits
-    model = ModelSpec(
+    model = ModelShape(
         layers=gpt.num_layers,  # the splittable units: embedding + blocks + head
         hidden=gpt.d_model,
         seq=spec.data.seq_len,

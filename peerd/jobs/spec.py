@@ -27,8 +27,8 @@ Count = Annotated[int, Range(ge=1)]
 
 
 @dataclass(frozen=True)
-class ModelSpec:
-    """Exactly one of ``preset`` and ``hf``."""
+class ModelChoice:
+    """The model a job asks for: exactly one of ``preset`` and ``hf``."""
 
     preset: str | None = None
     """A built-in GPT size (``peerd.models.gpt.PRESETS``: tiny, tiny-4, mini, gpt2, ...)."""
@@ -162,7 +162,7 @@ class JobSpec:
 
     kind: str
     """``pretrain`` from fresh weights, or ``finetune`` from ``init_checkpoint`` (``rl`` is reserved)."""
-    model: ModelSpec
+    model: ModelChoice
     steps: Count
     """Optimizer steps to run."""
     global_batch: Count

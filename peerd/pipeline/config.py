@@ -18,8 +18,8 @@ _JOB_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123
 
 
 @dataclass(frozen=True)
-class ModelSpec:
-    """Which built-in GPT to train."""
+class ModelBuild:
+    """What the stage workers build: a built-in GPT preset, its overrides and the init seed."""
 
     preset: str = "tiny"
     """A ``peerd.models.gpt.PRESETS`` name."""
@@ -43,7 +43,7 @@ class TrainConfig:
 
     job: str = "job"
     """Job id: names the stream protocols and checkpoint files (letters, digits, ``._-``)."""
-    model: ModelSpec = field(default_factory=ModelSpec)
+    model: ModelBuild = field(default_factory=ModelBuild)
     data: DataConfig = field(default_factory=lambda: DataConfig(seq_len=32, max_bytes=256 * 1024))
     layers_per_stage: list[int] = field(default_factory=lambda: [2, 2])
     """Layers of ``GPT.layers`` (embedding + blocks + head) per stage, in order."""

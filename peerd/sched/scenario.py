@@ -15,7 +15,7 @@ daemon, which builds the same object from DHT records. YAML/JSON shape::
     links:                        # optional: device-level, directional, override regions
       - {src: a, dst: b, delay_ms: 12.5, bandwidth_mbps: 900}
     estimate_missing: false       # true: fill unmeasured pairs from two-hop relay paths
-    model: {...}                  # optional, see ModelSpec
+    model: {...}                  # optional, see ModelShape
     training: {...}               # optional, see TrainingSpec
 
 Resolution of a directional pair (src, dst): a device-level link first; then the
@@ -109,7 +109,7 @@ class Link:
 
 
 @dataclass
-class ModelSpec:
+class ModelShape:
     """The model being trained, as far as the scheduler needs it."""
 
     layers: Count
@@ -184,7 +184,7 @@ class Scenario:
     links: list[Link] = field(default_factory=list)
     estimate_missing: bool = False
     """Fill unmeasured pairs with the best two-hop relay estimate instead of failing."""
-    model: ModelSpec | None = None
+    model: ModelShape | None = None
     training: TrainingSpec | None = None
 
     def problems(self) -> list[ConfigError]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from peerd.sched.scenario import Device, ModelSpec, Regions, Scenario, TrainingSpec
+from peerd.sched.scenario import Device, ModelShape, Regions, Scenario, TrainingSpec
 
 # (name, measured dense fp16 TFLOPS, memory GB, share)
 GPU_TYPES = [
@@ -70,6 +70,6 @@ def random_cluster(
             bandwidth_mbps=np.round(bw, 1).tolist(),
         ),
         devices=devices,
-        model=ModelSpec(layers=max(layers, d_pp), hidden=2048, seq=2048, params=1.3e9, name="gpt-1.3b"),
+        model=ModelShape(layers=max(layers, d_pp), hidden=2048, seq=2048, params=1.3e9, name="gpt-1.3b"),
         training=TrainingSpec(global_batch=n // d_pp * 32, micro_batch=1, d_pp=d_pp, d_dp=n // d_pp),
     )

@@ -14,7 +14,7 @@ import torch
 from peerd.data.config import DataConfig, build_dataset
 from peerd.errors import ErrorCode, ProtocolError
 from peerd.models.gpt import GPT
-from peerd.pipeline.config import ModelSpec, TrainConfig
+from peerd.pipeline.config import ModelBuild, TrainConfig
 from peerd.pipeline.frames import KIND_ACT, KIND_GRAD, TensorMessage, part_header, raw_payload
 from peerd.pipeline.launch import (
     LocalPeer,
@@ -36,7 +36,7 @@ pytestmark = pytest.mark.integration
 ALLOC = Placement([[0], [1]])  # peer 2 is in the swarm but not in the pipeline
 CFG = TrainConfig(
     job="faults",
-    model=ModelSpec("tiny"),
+    model=ModelBuild("tiny"),
     data=DataConfig(seq_len=32, max_bytes=64 * 1024),
     layers_per_stage=[2, 2],
     global_batch=4,

@@ -12,7 +12,7 @@ import pytest
 
 from peerd.data.config import DataConfig, build_dataset
 from peerd.models.gpt import GPT
-from peerd.pipeline.config import ModelSpec, TrainConfig
+from peerd.pipeline.config import ModelBuild, TrainConfig
 from peerd.pipeline.launch import Placement
 from peerd.pipeline.local import LocalRunConfig, train_pipelined
 from peerd.pipeline.processes import PeerProcesses
@@ -22,7 +22,7 @@ pytestmark = pytest.mark.integration
 
 CFG = TrainConfig(
     job="procs",
-    model=ModelSpec("tiny"),
+    model=ModelBuild("tiny"),
     data=DataConfig(seq_len=32, max_bytes=64 * 1024),
     layers_per_stage=[2, 2],
     global_batch=4,

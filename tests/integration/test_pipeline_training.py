@@ -18,7 +18,7 @@ from peerd.data.config import DataConfig, build_dataset
 from peerd.models.gpt import GPT
 from peerd.pipeline import checkpoint
 from peerd.pipeline.codec import CompressionConfig
-from peerd.pipeline.config import ModelSpec, TrainConfig
+from peerd.pipeline.config import ModelBuild, TrainConfig
 from peerd.pipeline.launch import LocalPeer, Placement, RunResult, run_allocation, start_peers, stop_peers
 from peerd.pipeline.local import LocalRunConfig, train_pipelined, train_unstaged
 from peerd.pipeline.streams import StreamConfig
@@ -29,7 +29,7 @@ pytestmark = pytest.mark.integration
 STAGES, REPLICAS = 2, 2
 CFG = TrainConfig(
     job="exact",
-    model=ModelSpec("tiny"),  # 2 blocks, d_model 64: layers [emb, blk] | [blk, head]
+    model=ModelBuild("tiny"),  # 2 blocks, d_model 64: layers [emb, blk] | [blk, head]
     data=DataConfig(seq_len=32, max_bytes=64 * 1024),
     layers_per_stage=[2, 2],
     global_batch=8,

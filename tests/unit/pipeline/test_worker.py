@@ -13,7 +13,7 @@ from peerd.data.config import DataConfig, build_dataset
 from peerd.errors import ConfigError, ErrorCode, ProtocolError
 from peerd.models.gpt import GPT
 from peerd.pipeline.codec import CompressionConfig
-from peerd.pipeline.config import ModelSpec, TrainConfig
+from peerd.pipeline.config import ModelBuild, TrainConfig
 from peerd.pipeline.frames import KIND_ACT, KIND_GRAD
 from peerd.pipeline.frames import check_message as check
 from peerd.pipeline.local import LocalRunConfig, train_pipelined, train_unstaged
@@ -21,7 +21,7 @@ from peerd.pipeline.worker import StageWorker
 
 CFG = TrainConfig(
     job="unit",
-    model=ModelSpec("tiny", {"n_layer": 2, "d_model": 32, "max_seq_len": 32}),
+    model=ModelBuild("tiny", {"n_layer": 2, "d_model": 32, "max_seq_len": 32}),
     data=DataConfig(seq_len=16, max_bytes=32 * 1024),
     layers_per_stage=[4],
     global_batch=8,
@@ -97,7 +97,7 @@ def test_allocation_mistakes_are_config_errors():
         StageWorker(two, stage=0, replica=0, replicas=1, transport=None, upstream=None, downstream=None)  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="reducer"):
         StageWorker(CFG, stage=0, replica=0, replicas=2, transport=None, upstream=None, downstream=None)  # type: ignore[arg-type]
-    tied = dataclasses.replace(two, model=ModelSpec("tiny", {"tie_weights": True}))
+    tied = dataclasses.replace(two, model=ModelBuild("tiny", {"tie_weights": True}))
     with pytest.raises(ConfigError, match="tied"):
         tied.validate()
 
@@ -105,7 +105,7 @@ def test_allocation_mistakes_are_config_errors():
 def test_a_middle_stage_expects_its_neighbours_frames():
     three = dataclasses.replace(
         CFG,
-        model=ModelSpec("tiny", {"n_layer": 4, "d_model": 32, "max_seq_len": 32}),
+        model=ModelBuild("tiny", {"n_layer": 4, "d_model": 32, "max_seq_len": 32}),
         layers_per_stage=[2, 2, 2],
         compression=CompressionConfig(forward="acsgd", forward_bits=2, backward="quant", backward_bits=8),
     )

@@ -14,7 +14,7 @@ from peerd.sched.cost_peerd import PeerdObjective, split_layers
 from peerd.sched.objective import Objective
 from peerd.sched.planner import plan
 from peerd.sched.problem import Problem, Shape
-from peerd.sched.scenario import Device, ModelSpec, Regions, Scenario, TrainingSpec, load_scenario
+from peerd.sched.scenario import Device, ModelShape, Regions, Scenario, TrainingSpec, load_scenario
 from peerd.sched.synthetic import random_cluster
 
 SCENARIOS = Path(__file__).resolve().parents[3] / "configs" / "scenarios"
@@ -87,7 +87,7 @@ def _pair(memory_gb: float, layers: int = 8, **training) -> Scenario:
             Device(id="slow", region="r", tflops=10.0, memory_gb=80.0),
         ],
         regions=Regions(names=["r"], delay_ms=[[1.0]], bandwidth_mbps=[[10000.0]]),
-        model=ModelSpec(layers=layers, hidden=1024, seq=512, params=layers * 12 * 1024**2),
+        model=ModelShape(layers=layers, hidden=1024, seq=512, params=layers * 12 * 1024**2),
         training=TrainingSpec(global_batch=4, d_pp=2, d_dp=1, **training),
     )
 
@@ -137,7 +137,7 @@ def test_a_peer_behind_a_slow_link_is_left_out():
             bandwidth_mbps=[[10000.0, 20.0], [20.0, 10000.0]],
         ),
         devices=devices,
-        model=ModelSpec(layers=24, hidden=2048, seq=1024, params=1.3e9),
+        model=ModelShape(layers=24, hidden=2048, seq=1024, params=1.3e9),
         training=TrainingSpec(global_batch=32, micro_batch=1),
     )
     peerd = plan(sc, "peerd", generations=2, time_budget=60)

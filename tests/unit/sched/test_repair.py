@@ -10,7 +10,7 @@ import pytest
 from peerd.errors import ConfigError
 from peerd.sched.planner import plan
 from peerd.sched.repair import repair, replan
-from peerd.sched.scenario import Device, ModelSpec, Regions, Scenario, TrainingSpec, load_scenario
+from peerd.sched.scenario import Device, ModelShape, Regions, Scenario, TrainingSpec, load_scenario
 
 SCENARIOS = Path(__file__).resolve().parents[3] / "configs" / "scenarios"
 
@@ -44,7 +44,7 @@ def test_repair_drops_a_damaged_replica_when_spares_are_allowed():
         name="rack",
         regions=Regions(names=["dc"], delay_ms=[[0.5]], bandwidth_mbps=[[25000.0]]),
         devices=[Device(id=f"gpu{i:02d}", region="dc", tflops=100.0, memory_gb=40.0) for i in range(16)],
-        model=ModelSpec(layers=8, hidden=1024, seq=512),
+        model=ModelShape(layers=8, hidden=1024, seq=512),
         training=TrainingSpec(global_batch=48, d_pp=4),
     )
     before = plan(sc, "peerd", seed=0, generations=1, time_budget=60)
