@@ -10,6 +10,7 @@ guarantees that ``peer`` / ``author`` / ``voter`` wrote the record.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Annotated, Any, ClassVar, Final, Literal, TypeVar, overload
@@ -33,6 +34,7 @@ Round = Annotated[int, Meta(ge=0, le=1)]
 
 # The messages are frozen like every value the machine keeps. mypy (1.x) refuses a frozen subclass of
 # the non-frozen WireStruct under dataclass_transform, which msgspec allows: hence the ignores below.
+# ``dict=True`` gives the two with a cached digest (``hash``, ``id``) the __dict__ cached_property needs.
 
 
 class RosterDevice(WireStruct, frozen=True):  # type: ignore[misc]
@@ -213,7 +215,7 @@ def _commit_rules(r: CommitRecord) -> None:
     _candidate_rules(r.candidate, what, "candidate.")
 
 
-def _schema(cls: type[Any], what: str, rules: Any = None) -> Schema[Any]:
+def _schema(cls: type[Any], what: str, rules: Callable[[Any], None] | None = None) -> Schema[Any]:
     return Schema(cls, what, MAX_BYTES[cls.KIND], VERSION, cls.KIND, "version", rules)
 
 

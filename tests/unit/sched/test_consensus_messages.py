@@ -153,6 +153,16 @@ def test_malformed_entries_and_records() -> None:
     raw["roster"][0] = ["QmA", b"short"]
     with pytest.raises(ProtocolError, match="roster"):
         decode(msgpack.packb(raw, use_bin_type=True))
+    raw = msgpack.unpackb(encode(record()), raw=False)
+    raw["candidate"]["allocation"]["stages"][1] = ["QmB", "QmC"]  # QmB twice, checked inside the commit too
+    with pytest.raises(
+        ProtocolError, match=r"candidate\.allocation\.stages\[1\]\[0\]: device 'QmB' appears twice"
+    ):
+        decode(msgpack.packb(raw, use_bin_type=True))
+    raw = msgpack.unpackb(encode(record()), raw=False)
+    raw["votes"][0]["version"] = 2
+    with pytest.raises(ProtocolError, match="votes"):
+        decode(msgpack.packb(raw, use_bin_type=True))
 
 
 @pytest.mark.parametrize(
