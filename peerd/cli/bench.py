@@ -2,22 +2,21 @@
 
 from __future__ import annotations
 
-import click
-
 from peerd.cli import LazyGroup
+from peerd.cli.options import command
 
 # Each is a module peerd.bench.NAME exposing ``command`` (a click.Command), imported when run.
 BENCHMARKS = ("scheduler", "compress", "links", "transport", "pipeline", "averaging", "consensus")
 
 
-@click.group(
-    cls=LazyGroup,
-    lazy={name: f"peerd.bench.{name}:command" for name in BENCHMARKS},
-    epilog="""\b
-Examples:
+@command(
+    """
   peerd bench scheduler --quick         allocation search vs DT-FM, random and greedy (JSON)
   peerd bench compress --help           the options of one benchmark
-  peerd bench links > links.json        probe accuracy on shaped loopback links, kept to compare""",
+  peerd bench links > links.json        probe accuracy on shaped loopback links, kept to compare
+""",
+    cls=LazyGroup,
+    lazy={name: f"peerd.bench.{name}:command" for name in BENCHMARKS},
 )
 def bench() -> None:
     """Measure peerd against a baseline run in the same process; prints JSON.

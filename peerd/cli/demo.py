@@ -19,20 +19,18 @@ import click
 from rich.console import Console
 from rich.text import Text
 
-from peerd.cli.options import CliError
+from peerd.cli.options import CliError, command
 from peerd.cli.render import console as make_console
 from peerd.cli.render import follow_job, render_status
 
 
-@click.command(
-    epilog="""\b
-Examples:
+@command("""
   peerd demo                          6 daemons plan and train the demo GPT (a few minutes), then clean up
   peerd demo --steps 40 --plot l.png  a shorter run; the loss plot goes to l.png
   peerd demo --no-job --peers 3       only start a swarm and show the status table
   peerd demo --peers 2 --json         the final status (with the job) as JSON, for scripts
-  peerd demo --keep                   keep state directories, logs and checkpoints afterwards"""
-)
+  peerd demo --keep                   keep state directories, logs and checkpoints afterwards
+""")
 @click.option(
     "--peers",
     "size",
@@ -47,7 +45,6 @@ Examples:
     "--dir",
     "root",
     type=click.Path(file_okay=False),
-    default=None,
     help="Where the daemons keep their state and logs (default: a temporary directory).",
 )
 @click.option("--keep", is_flag=True, help="Keep the state directories and logs afterwards.")
@@ -59,14 +56,12 @@ Examples:
     "--spec",
     "spec_file",
     type=click.Path(exists=True, dir_okay=False),
-    default=None,
     help="Train this job spec instead of the built-in demo job (its min_peers must fit --peers).",
 )
-@click.option("--steps", type=click.IntRange(min=1), default=None, help="Override the job's steps.")
+@click.option("--steps", type=click.IntRange(min=1), help="Override the job's steps.")
 @click.option(
     "--plot",
     type=click.Path(dir_okay=False),
-    default=None,
     help="Where to write the loss plot (PNG). Default: DIR/loss.png with --dir, else ./peerd-demo-loss.png.",
 )
 @click.option(
@@ -141,9 +136,7 @@ def demo(
             console.print(render_status(view))
         if summary is not None and summary["state"] != "done":
             raise CliError(f"the demo job ended {summary['state']}; logs are in {workdir}")
-    except KeyboardInterrupt:
-        raise click.Abort() from None  # after the cleanup below: "Aborted.", exit code 130
-    finally:
+    finally:  # also on Ctrl-C, which main() then reports as "Aborted." (exit code 130)
         console.print("shutting the swarm down ...")
         swarm.close()
         if not keep and root is None:

@@ -14,7 +14,7 @@ from typing import Any
 
 import click
 
-from peerd.cli.options import DAEMON, CliError, call, client, config_options, resolve_job
+from peerd.cli.options import DAEMON, CliError, call, client, command, config_options, resolve_job
 from peerd.cli.render import console, follow_job, jobs_table
 from peerd.config import load_config
 from peerd.errors import PeerdError
@@ -22,13 +22,11 @@ from peerd.errors import PeerdError
 # -- submit ---------------------------------------------------------------------------------------
 
 
-@click.command(
-    epilog="""\b
-Examples:
+@command("""
   peerd submit configs/jobs/gpt-tiny-demo.yaml            prints the job id
   peerd submit configs/jobs/gpt-small.yaml --wait         follow it to the end
-  peerd submit job.yaml --home /tmp/peer2                 submit through another local daemon"""
-)
+  peerd submit job.yaml --home /tmp/peer2                 submit through another local daemon
+""")
 @click.argument("spec_file", metavar="SPEC", type=click.Path(exists=True, dir_okay=False))
 @click.option(
     "--wait", is_flag=True, help="Follow the job (planning, then step, loss, tokens/s) until it ends."
@@ -70,13 +68,11 @@ def submit(spec_file: str, wait: bool, as_json: bool, config_file: str | None, *
 # -- cancel ---------------------------------------------------------------------------------------
 
 
-@click.command(
-    epilog="""\b
-Examples:
+@command("""
   peerd cancel 3f9a1c2e                           by a prefix of its id (4 characters at least)
   peerd cancel 3f9a1c2e --reason "wrong lr"       the reason shows in peerd status
-  peerd cancel 3f9a --home /tmp/peer2             through the daemon that submitted it"""
-)
+  peerd cancel 3f9a --home /tmp/peer2             through the daemon that submitted it
+""")
 @click.argument("job_id", metavar="ID")
 @click.option("--reason", default="", show_default=False, help="Why (shown in peerd status).")
 @config_options(only=DAEMON)
@@ -90,13 +86,11 @@ def cancel(job_id: str, reason: str, config_file: str | None, **overrides: Any) 
 # -- jobs -----------------------------------------------------------------------------------------
 
 
-@click.command(
-    epilog="""\b
-Examples:
+@command("""
   peerd jobs                                      id, state, step, loss, tokens/s of every job
   peerd jobs --json | jq '.[] | {job_id, state}'
-  peerd jobs --home /tmp/peer2                    as another local daemon sees them"""
-)
+  peerd jobs --home /tmp/peer2                    as another local daemon sees them
+""")
 @click.option("--json", "as_json", is_flag=True, help="Print the list as JSON.")
 @config_options(only=DAEMON)
 def jobs(as_json: bool, config_file: str | None, **overrides: Any) -> None:
@@ -111,13 +105,11 @@ def jobs(as_json: bool, config_file: str | None, **overrides: Any) -> None:
 # -- fetch ----------------------------------------------------------------------------------------
 
 
-@click.command(
-    epilog="""\b
-Examples:
+@command("""
   peerd fetch 3f9a1c2e --out model/               model/model.pt and model/job.json
   peerd fetch 3f9a --out m/ --from /tmp/peer2/checkpoints --from /tmp/peer3/checkpoints
-                                                  stages checkpointed by other local daemons"""
-)
+                                                  stages checkpointed by other local daemons
+""")
 @click.argument("job_id", metavar="ID")
 @click.option(
     "--out",

@@ -35,6 +35,11 @@ class CliError(click.ClickException):
         vars(self)["exit_code"] = exit_code
 
 
+def command(examples: str, **kwargs: Any) -> Callable[[Callable[..., Any]], click.Command]:
+    """``click.command`` whose help ends in "Examples:" and ``examples``, its lines as written."""
+    return click.command(epilog="\b\nExamples:\n" + examples.strip("\n"), **kwargs)
+
+
 def exit_code_of(exc: PeerdError) -> int:
     """A PeerdError that reaches ``main``: 2 bad input, 3 a peer needed to start did not answer, else 1."""
     if exc.code == ErrorCode.CONFIG_INVALID:
@@ -57,9 +62,9 @@ def _click_option(spec: OptionSpec) -> Callable[[Callable], Callable]:
     if spec.default not in (None, "", []):
         shown = " ".join(spec.default) if isinstance(spec.default, list) else spec.default
         help_text += f"  [default: {shown}]"
-    kwargs: dict[str, Any] = {"default": None, "help": help_text, "metavar": spec.metavar}
+    kwargs: dict[str, Any] = {"help": help_text, "metavar": spec.metavar}
     if spec.kind == "list":
-        kwargs.update(multiple=True, default=())
+        kwargs["multiple"] = True
     elif spec.kind in ("int", "float"):
         kwargs["type"] = int if spec.kind == "int" else float
     elif spec.kind == "path":

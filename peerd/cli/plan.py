@@ -6,19 +6,17 @@ import json
 
 import click
 
+from peerd.cli.options import command
 from peerd.sched.planner import OBJECTIVES, PlanResult
 from peerd.sched.planner import plan as run_plan
 from peerd.sched.scenario import load_scenario
 
 
-@click.command(
-    "plan",
-    epilog="""\b
-Examples:
+@command("""
   peerd plan configs/scenarios/dtfm-case0.yaml               DT-FM's cost, 10 s of search
   peerd plan scenario.yaml --objective peerd --seed 3        compute, memory and spares too
-  peerd plan scenario.yaml --generations 50 --json | jq .total""",
-)
+  peerd plan scenario.yaml --generations 50 --json | jq .total
+""")
 @click.argument("scenario", type=click.Path(exists=True, dir_okay=False))
 @click.option(
     "--objective",
@@ -30,9 +28,7 @@ Examples:
 @click.option(
     "--time-budget", type=click.FloatRange(min=0.1), default=10.0, help="Seconds of search at most."
 )
-@click.option(
-    "--generations", type=click.IntRange(min=0), default=None, help="Stop after this many generations."
-)
+@click.option("--generations", type=click.IntRange(min=0), help="Stop after this many generations.")
 @click.option("--json", "as_json", is_flag=True, help="Print the machine-readable result.")
 def plan(
     scenario: str, objective: str, seed: int, time_budget: float, generations: int | None, as_json: bool

@@ -15,7 +15,7 @@ from typing import Any
 
 import click
 
-from peerd.cli.options import CliError, config_options, no_daemon
+from peerd.cli.options import CliError, command, config_options, no_daemon
 from peerd.cli.render import link_cells, render_status, show_status
 from peerd.config import DaemonConfig, load_config
 from peerd.errors import PeerdError
@@ -26,16 +26,14 @@ __all__ = ["join", "link_cells", "render_status", "status"]  # the last two: tes
 # -- peerd join ---------------------------------------------------------------------------------------
 
 
-@click.command(
-    epilog="""\b
-Examples:
+@command("""
   peerd join                                   start a new swarm; prints the address others join with
   peerd join --initial-peers /ip4/10.0.0.5/tcp/31337/p2p/QmX...   join a running swarm
   peerd join --host-maddrs /ip4/0.0.0.0/tcp/31337 --announce-maddrs /ip4/203.0.113.7/tcp/31337
   peerd join --config peer.yaml --device cuda:1
 Stop with Ctrl-C or SIGTERM: the peer announces OFFLINE and exits;
-a second Ctrl-C skips the grace period."""
-)
+a second Ctrl-C skips the grace period.
+""")
 @config_options()
 def join(config_file: str | None, **overrides: Any) -> None:
     """Run a peer: profile this device, measure links to other peers, advertise, wait for work.
@@ -63,15 +61,13 @@ def join(config_file: str | None, **overrides: Any) -> None:
 # -- peerd status -------------------------------------------------------------------------------------
 
 
-@click.command(
-    epilog="""\b
-Examples:
+@command("""
   peerd status                      the swarm as your local daemon sees it
   peerd status --watch              refresh in place every 2 s (Ctrl-C to quit); piped: a frame per refresh
   peerd status --json | jq '.peers[] | {name, state, tflops}'
   peerd status --initial-peers /ip4/10.0.0.5/tcp/31337/p2p/QmX...   no local daemon needed
-  peerd status --home /tmp/peer2    the daemon that uses another state directory"""
-)
+  peerd status --home /tmp/peer2    the daemon that uses another state directory
+""")
 @click.option("--json", "as_json", is_flag=True, help="Print the status as JSON (one document per refresh).")
 @click.option(
     "--watch",
