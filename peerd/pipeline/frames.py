@@ -36,12 +36,7 @@ KIND_ABORT = "pp.abort"
 DATA_KINDS = (KIND_ACT, KIND_GRAD)
 CONTROL_KINDS = (KIND_ACK, KIND_NACK, KIND_ABORT)
 
-DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-}
-DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 MAX_NDIM = 8
 MAX_IDS = 1 << 16  # examples per micro-batch
