@@ -79,6 +79,10 @@ def _human_bytes(n: float) -> str:
     return f"{n:.1f} TB"
 
 
+def _steps(progress: dict[str, Any]) -> str:
+    return f"{progress.get('step') or 0}/{progress.get('steps', '?')}"
+
+
 def _loss(value: float | None) -> str:
     return "-" if value is None else f"{value:.4f}"
 
@@ -205,7 +209,7 @@ def jobs_table(views: list[dict[str, Any]]) -> Table:
             v["short_id"] + ("*" if v.get("owner_is_me") else ""),
             v.get("name") or "-",
             _state(v["state"]),
-            f"{p.get('step', 0)}/{p.get('steps', '?')}",
+            _steps(p),
             _loss(p.get("loss")),
             _rate(p.get("tokens_per_s")),
             shape,
@@ -218,7 +222,7 @@ def job_panel(view: dict[str, Any], names: dict[str, str]) -> RenderableType:
     p = view.get("progress") or {}
     head = Text(f"job {view['job_id']}  ")
     head.append_text(_state(view["state"], upper=True))
-    head.append(f"  {view.get('name') or ''}  step {p.get('step', 0)}/{p.get('steps', '?')}")
+    head.append(f"  {view.get('name') or ''}  step {_steps(p)}")
     lines: list[str] = []
     alloc = view.get("allocation")
     if alloc:
@@ -260,8 +264,7 @@ def job_line(view: dict[str, Any]) -> str:
         return line + (f", this island's best {best[-1]:.4g} s/step" if best else "")
     p = view.get("progress") or {}
     return (
-        f"{view['state']} step {p.get('step') or 0}/{p.get('steps', '?')} "
-        f"loss {_loss(p.get('loss'))} {_rate(p.get('tokens_per_s'))} tok/s"
+        f"{view['state']} step {_steps(p)} loss {_loss(p.get('loss'))} {_rate(p.get('tokens_per_s'))} tok/s"
     )
 
 
