@@ -1,11 +1,13 @@
-"""Shared fixtures: an isolated PEERD_HOME for the whole session, a warm device-profile cache, local swarms."""
+"""Shared fixtures: an isolated PEERD_HOME for the whole session, a warm device-profile cache, local swarms, waits."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -100,3 +102,62 @@ def run_peerd(
 def peerd_cli() -> Callable[..., subprocess.CompletedProcess]:
     """The ``run_peerd`` helper as a fixture (integration tests import nothing from conftest)."""
     return run_peerd
+
+
+def poll_until(
+    predicate: Callable[[], Any],
+    timeout: float,
+    what: str,
+    *,
+    interval: float = 0.1,
+    detail: Callable[[], str] | None = None,
+) -> Any:
+    """Call ``predicate`` every ``interval`` s until it returns something truthy, and return that.
+
+    ``timeout`` is a hang guard, not a measurement: after it the test fails naming ``what`` was
+    awaited, followed by ``detail()`` (e.g. the last views and the daemons' logs).
+    """
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() >= deadline:
+            pytest.fail(_timed_out(timeout, what, detail), pytrace=False)
+        time.sleep(interval)
+
+
+async def async_poll_until(
+    predicate: Callable[[], Any],
+    timeout: float,
+    what: str,
+    *,
+    interval: float = 0.05,
+    detail: Callable[[], str] | None = None,
+) -> Any:
+    """``poll_until`` inside an event loop: the loop keeps running between the checks."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() >= deadline:
+            pytest.fail(_timed_out(timeout, what, detail), pytrace=False)
+        await asyncio.sleep(interval)
+
+
+def _timed_out(timeout: float, what: str, detail: Callable[[], str] | None) -> str:
+    message = f"timed out after {timeout:g} s waiting for {what}"
+    return f"{message}\n{detail()}" if detail is not None else message
+
+
+@pytest.fixture(scope="session")
+def wait_until() -> Callable[..., Any]:
+    """``poll_until`` as a fixture: ``wait_until(predicate, timeout, what, interval=, detail=)``."""
+    return poll_until
+
+
+@pytest.fixture(scope="session")
+def async_wait_until() -> Callable[..., Any]:
+    """``async_poll_until`` as a fixture, for waits inside a running event loop."""
+    return async_poll_until

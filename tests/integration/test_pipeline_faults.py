@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import time
 from collections.abc import Iterator
 
 import pytest
@@ -92,7 +91,9 @@ def act_frame(stage1: StageWorker, job: str, **change) -> tuple[dict, bytes]:
     return {**part_header(msg), **change}, payload
 
 
-def test_non_neighbours_are_refused_and_malformed_frames_rejected_typed_and_counted(swarm, reference):
+def test_non_neighbours_are_refused_and_malformed_frames_rejected_typed_and_counted(
+    swarm, reference, async_wait_until
+):
     cfg = dataclasses.replace(CFG, job="inject")
     a, b, outsider = swarm.peers
     seen: dict[str, object] = {}
@@ -133,10 +134,13 @@ def test_non_neighbours_are_refused_and_malformed_frames_rejected_typed_and_coun
         writer.write(encode_frame(header, payload)[:3000])
         await writer.drain()
         writer.close()
-        for _ in range(200):  # the receiver notices the stream end; poll, bounded
-            if stage1.stats.rejected.get("TRUNCATED", 0) >= 2:
-                break
-            await asyncio.sleep(0.05)
+        # the receiver counts the torn frame once it notices the stream end (no event to await)
+        await async_wait_until(
+            lambda: stage1.stats.rejected.get("TRUNCATED", 0) >= 2,
+            60,
+            "stage 1 to count the torn frame as its second TRUNCATED",
+            detail=lambda: f"stage 1 rejected so far: {dict(stage1.stats.rejected)}",
+        )
         await as_a.close()
         await as_b.close()
 
@@ -212,15 +216,14 @@ def test_a_persistent_fault_fails_every_stage_fast_with_typed_errors(swarm):
         assert workers[0].to_next is not None
         workers[0].to_next.tamper = tamper
 
-    started = time.monotonic()
-    result, _ = swarm.train(cfg, prepare)
-    elapsed = time.monotonic() - started
+    result, _ = swarm.train(cfg, prepare)  # swarm.run's 120 s limit is only a hang guard
     assert sorted((e.stage, e.code) for e in result.errors) == [
         (0, "UNKNOWN_EXAMPLE"),
         (1, "UNKNOWN_EXAMPLE"),
     ]
-    assert "aborted" in next(e for e in result.errors if e.stage == 1).message  # told, not timed out
-    assert elapsed < 30  # recv timeouts are 60 s: the abort crossed the pipeline
+    # stage 1 was told by stage 0's abort: had it waited out its 60 s recv timeout instead, its
+    # error would be a TIMEOUT without "aborted"
+    assert "aborted" in next(e for e in result.errors if e.stage == 1).message
     assert sorted({r.step for r in result.reports}) == [0, 1]
     # first try + 2 resends of seq 4; frames after it that left before the nack came back are
     # validated (and here rejected) too

@@ -12,6 +12,7 @@ import asyncio
 import hashlib
 import os
 import random
+import time
 
 import pytest
 from msgspec.structs import replace
@@ -36,6 +37,7 @@ from peerd.swarm.keys import commit_key, roster_key, votes_key
 
 T0 = 1_000_000.0
 POLL = 0.5
+ISLAND_START_S = 60.0  # hang guard only: a first population takes well under a second
 PEERS = [f"Qm{c * 20}" for c in "abcdefghjk"]  # base58-safe, distinct
 
 
@@ -104,8 +106,7 @@ class Swarm:
         while self.clock[0] < until:
             for p in live:
                 await self.planners[p].poll_once()
-            while not all(self.planners[p].island_started for p in live):
-                await asyncio.sleep(0.02)  # islands build their first population in real time
+            await self.wait_for_islands(live)
             await asyncio.sleep(0.01)
             self.clock[0] += POLL
             if stop_when_committed and all(self.commits[p] for p in live):
@@ -115,6 +116,15 @@ class Swarm:
                         await self.planners[p].poll_once()
                     self.clock[0] += POLL
                 return
+
+    async def wait_for_islands(self, live: list[str]) -> None:
+        """Islands build their first population in real time (threads); the simulated clock waits for them."""
+        deadline = time.monotonic() + ISLAND_START_S
+        while not all(self.planners[p].island_started for p in live):
+            if time.monotonic() > deadline:
+                waiting = [p[:8] for p in live if not self.planners[p].island_started]
+                pytest.fail(f"the islands of {waiting} built no first population within {ISLAND_START_S:g} s")
+            await asyncio.sleep(0.02)
 
     def close(self) -> None:
         for planner in self.planners.values():
