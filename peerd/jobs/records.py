@@ -197,7 +197,7 @@ def _bad(what: str, path: str, why: str, code: ErrorCode = ErrorCode.MALFORMED) 
     return ProtocolError(f"{what}: {path}: {why}", code=code)
 
 
-def check_spec(spec: dict[str, Any], what: str = "job record") -> JobSpec:
+def _check_spec(spec: dict[str, Any]) -> JobSpec:
     """The spec inside a record through the job-spec parser; every failure is a ``ProtocolError``.
 
     A spec the parser refuses is CONFIG_INVALID naming ``spec.<field>``. The parser was written
@@ -209,19 +209,19 @@ def check_spec(spec: dict[str, Any], what: str = "job record") -> JobSpec:
     except ConfigError as exc:
         problems = getattr(exc, "errors", None) or [exc]
         first = problems[0]
-        path = f"spec.{first.field}" if getattr(first, "field", "") else "spec"
+        path = f"spec.{first.field}" if first.field else "spec"
         why = f"{getattr(first, 'detail', first)} ({len(problems)} problem(s))"
-        raise _bad(what, path, why, ErrorCode.CONFIG_INVALID) from None
+        raise _bad("job record", path, why, ErrorCode.CONFIG_INVALID) from None
     except (TypeError, ValueError, AttributeError, ArithmeticError, LookupError, RecursionError) as exc:
-        raise _bad(what, "spec", f"not a job spec ({type(exc).__name__}: {exc})") from None
+        raise _bad("job record", "spec", f"not a job spec ({type(exc).__name__}: {exc})") from None
 
 
 def _job_rules(rec: JobRecord) -> None:
     try:
         rec.timing.validate()
     except ConfigError as exc:  # names the window: timing.vote_s
-        raise _bad("job record", f"planning.{exc.field}", getattr(exc, "detail", str(exc))) from None
-    check_spec(rec.spec)
+        raise _bad("job record", f"planning.{exc.field}", str(getattr(exc, "detail", exc))) from None
+    _check_spec(rec.spec)
     expected = job_id_of(rec.owner, rec.spec, rec.nonce, rec.planning)
     if expected != rec.job_id:
         raise _bad(
