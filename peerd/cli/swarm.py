@@ -16,12 +16,9 @@ from typing import Any
 import click
 
 from peerd.cli.options import CliError, command, config_options, no_daemon
-from peerd.cli.render import link_cells, render_status, show_status
+from peerd.cli.render import show_status
 from peerd.config import DaemonConfig, load_config
 from peerd.errors import PeerdError
-
-__all__ = ["join", "link_cells", "render_status", "status"]  # the last two: tests/unit/swarm
-
 
 # -- peerd join ---------------------------------------------------------------------------------------
 

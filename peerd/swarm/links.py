@@ -18,16 +18,19 @@ import statistics
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any
 
+import msgspec
 from hivemind.p2p import PeerID
 from hivemind.utils import get_dht_time
+from msgspec import Meta
 
 from peerd.errors import ConfigError, ErrorCode, PeerdError, PeerUnavailable, ProtocolError
 from peerd.log import get_logger
 from peerd.swarm.framing import StreamClosed
 from peerd.swarm.records import LinkMeasurement, LinkStatus
 from peerd.swarm.transport import Connection, Transport
+from peerd.wire import WireStruct, convert, to_builtin
 
 logger = get_logger(__name__)
 
@@ -81,38 +84,31 @@ class ProbeConfig:
                 raise ConfigError(name, f"must be > 0, got {getattr(self, name)!r}")
 
 
-def _int(header: dict[str, Any], key: str, lo: int, hi: int) -> int:
-    value = header.get(key)
-    if not isinstance(value, int) or isinstance(value, bool) or not lo <= value <= hi:
-        raise ProtocolError(f"{header.get('kind')}.{key} must be an int in [{lo}, {hi}], got {value!r}")
-    return value
-
-
-def _float(header: dict[str, Any], key: str, lo: float, hi: float) -> float:
-    value = header.get(key)
-    if not isinstance(value, int | float) or isinstance(value, bool) or not lo <= value <= hi:
-        raise ProtocolError(f"{header.get('kind')}.{key} must be a number in [{lo}, {hi}], got {value!r}")
-    return float(value)
-
-
 def _expect(header: dict[str, Any], kind: str) -> None:
     if header["kind"] != kind:
         raise ProtocolError(f"expected {kind}, got {header['kind']}", code=ErrorCode.UNKNOWN_KIND)
 
 
-@dataclass
-class _Timed:
-    """Receiver-side timing of one bulk transfer."""
+class _Timed(WireStruct, kw_only=True):
+    """Receiver-side timing of one bulk transfer; the body of ``probe.up_result``."""
 
-    total_bytes: int = 0
-    timed_bytes: int = 0
-    duration_s: float = 0.0
+    total_bytes: Annotated[int, Meta(ge=0, le=1 << 50)] = 0
+    timed_bytes: Annotated[int, Meta(ge=0, le=1 << 50)] = 0
+    duration_s: Annotated[float, Meta(ge=0.0, le=1e6)] = 0.0
 
     @property
-    def mbps(self) -> float | None:
+    def bps(self) -> float | None:
         if self.duration_s <= 0 or self.timed_bytes <= 0:
             return None
-        return self.timed_bytes * 8 / self.duration_s / 1e6
+        return self.timed_bytes * 8 / self.duration_s
+
+
+class _DownRequest(WireStruct, kw_only=True):
+    """The body of ``probe.down_request``: how much the prober asks the responder to send."""
+
+    nbytes: Annotated[int, Meta(ge=1, le=1 << 40)] = msgspec.field(name="bytes")
+    seconds: Annotated[float, Meta(ge=0.0, le=3600.0)]
+    frame_bytes: Annotated[int, Meta(ge=1, le=1 << 30)]
 
 
 async def _receive_bulk(
@@ -199,24 +195,15 @@ class ProbeResponder:
                     timed = await _receive_bulk(
                         conn, UP, cfg.idle_timeout_s, first=(header, conn.bytes_received - before)
                     )
-                    await conn.send(
-                        {
-                            "kind": UP_RESULT,
-                            "total_bytes": timed.total_bytes,
-                            "timed_bytes": timed.timed_bytes,
-                            "duration_s": timed.duration_s,
-                        }
-                    )
+                    await conn.send({"kind": UP_RESULT, **to_builtin(timed)})
                 elif kind == DOWN_REQUEST:
-                    nbytes = _int(header, "bytes", 1, 1 << 40)
-                    seconds = _float(header, "seconds", 0.0, 3600.0)
-                    frame = _int(header, "frame_bytes", 1, 1 << 30)
+                    ask = convert(header, _DownRequest, what=DOWN_REQUEST)
                     await _send_bulk(
                         conn,
                         DOWN,
-                        min(nbytes, cfg.max_bulk_bytes),
-                        min(seconds, cfg.max_bulk_seconds),
-                        min(frame, cfg.max_frame_bytes),
+                        min(ask.nbytes, cfg.max_bulk_bytes),
+                        min(ask.seconds, cfg.max_bulk_seconds),
+                        min(ask.frame_bytes, cfg.max_frame_bytes),
                     )
                 else:
                     raise ProtocolError(f"unknown probe message {kind!r}", code=ErrorCode.UNKNOWN_KIND)
@@ -226,9 +213,11 @@ class ProbeResponder:
 
 @dataclass(frozen=True)
 class _Partial:
-    rtt_ms: float | None = None
-    up: float | None = None
-    down: float | None = None
+    """What a probe session has measured so far (SI: seconds, bit/s)."""
+
+    rtt_s: float | None = None
+    up_bps: float | None = None
+    down_bps: float | None = None
 
 
 class LinkProber:
@@ -284,7 +273,7 @@ class LinkProber:
         except PeerUnavailable as exc:
             if exc.code == ErrorCode.BUSY:
                 status = LinkStatus.BUSY
-            elif exc.code == ErrorCode.TIMEOUT and partial[0].rtt_ms is not None:
+            elif exc.code == ErrorCode.TIMEOUT and partial[0].rtt_s is not None:
                 status = LinkStatus.TIMEOUT
             else:
                 status = LinkStatus.UNREACHABLE
@@ -293,11 +282,11 @@ class LinkProber:
             status = LinkStatus.ERROR
             logger.warning("probe of %s got a bad answer: %s", peer, exc)
         got = partial[0]
-        measurement = LinkMeasurement(
-            peer_id=peer.to_base58(),
-            rtt_ms=got.rtt_ms,
-            bw_up_mbps=got.up,
-            bw_down_mbps=got.down,
+        measurement = LinkMeasurement.from_si(
+            peer.to_base58(),
+            rtt_s=got.rtt_s,
+            bw_up_bps=got.up_bps,
+            bw_down_bps=got.down_bps,
             measured_at=self._now(),
             status=status,
         )
@@ -323,21 +312,17 @@ class LinkProber:
                 if header.get("seq") != seq:
                     raise ProtocolError(f"pong for seq {header.get('seq')!r}, expected {seq}")
                 rtts.append(time.perf_counter() - started)
-            partial[0] = _Partial(rtt_ms=statistics.median(rtts[1:]) * 1e3)
+            partial[0] = _Partial(rtt_s=statistics.median(rtts[1:]))
 
             await _send_bulk(conn, UP, cfg.bulk_bytes, cfg.bulk_seconds, cfg.frame_bytes)
             header, _ = await conn.recv(timeout=timeout)
             _expect(header, UP_RESULT)
-            up = _Timed(
-                total_bytes=_int(header, "total_bytes", 0, 1 << 50),
-                timed_bytes=_int(header, "timed_bytes", 0, 1 << 50),
-                duration_s=_float(header, "duration_s", 0.0, 1e6),
-            )
-            partial[0] = _Partial(rtt_ms=partial[0].rtt_ms, up=up.mbps)
+            up = convert(header, _Timed, what=UP_RESULT)
+            partial[0] = _Partial(rtt_s=partial[0].rtt_s, up_bps=up.bps)
 
             request = {"kind": DOWN_REQUEST, "bytes": cfg.bulk_bytes, "seconds": cfg.bulk_seconds}
             await conn.send({**request, "frame_bytes": cfg.frame_bytes})
             down = await _receive_bulk(conn, DOWN, timeout)
-            partial[0] = _Partial(rtt_ms=partial[0].rtt_ms, up=up.mbps, down=down.mbps)
+            partial[0] = _Partial(rtt_s=partial[0].rtt_s, up_bps=up.bps, down_bps=down.bps)
         finally:
             await conn.close(timeout=1.0)

@@ -87,6 +87,43 @@ class LinkMeasurement(WireStruct, kw_only=True):
     measured_at: Real  # DHT time of the measurement
     status: LinkStatus = LinkStatus.OK
 
+    # The record carries ms and Mbit/s (peer-record.md, readable in a dump); code reads and writes SI.
+    @classmethod
+    def from_si(
+        cls,
+        peer_id: str,
+        *,
+        rtt_s: float | None,
+        bw_up_bps: float | None,
+        bw_down_bps: float | None,
+        measured_at: float,
+        status: LinkStatus = LinkStatus.OK,
+    ) -> LinkMeasurement:
+        return cls(
+            peer_id=peer_id,
+            rtt_ms=_scaled(rtt_s, 1e3),
+            bw_up_mbps=_scaled(bw_up_bps, 1e-6),
+            bw_down_mbps=_scaled(bw_down_bps, 1e-6),
+            measured_at=measured_at,
+            status=status,
+        )
+
+    @property
+    def rtt_s(self) -> float | None:
+        return _scaled(self.rtt_ms, 1e-3)
+
+    @property
+    def bw_up_bps(self) -> float | None:
+        return _scaled(self.bw_up_mbps, 1e6)
+
+    @property
+    def bw_down_bps(self) -> float | None:
+        return _scaled(self.bw_down_mbps, 1e6)
+
+
+def _scaled(value: float | None, factor: float) -> float | None:
+    return None if value is None else value * factor
+
 
 class PeerRecord(WireStruct, kw_only=True, tag_field="kind", tag=PEER_RECORD_KIND):
     """The record each peer stores under ``peers_key(swarm)``, subkey = its owner tag."""

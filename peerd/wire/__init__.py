@@ -15,9 +15,10 @@ pydantic gives; a hostile peer needs the first error, fast, and nothing allocate
 """
 
 from peerd.wire.codec import Schema, canonical_pack, check_envelope, convert, decode_map, sha256, to_builtin
-from peerd.wire.types import WireStruct
+from peerd.wire.types import FrozenWireStruct, WireStruct
 
 __all__ = [
+    "FrozenWireStruct",
     "Schema",
     "WireStruct",
     "canonical_pack",

@@ -45,3 +45,7 @@ class WireStruct(msgspec.Struct):
     Subclasses choose ``kw_only`` / ``frozen``. A field declared ``X | None = None`` is an
     absent optional: the canonical encoder omits it when it is None.
     """
+
+
+class FrozenWireStruct(msgspec.Struct, frozen=True):
+    """``WireStruct``, immutable and hashable (messages whose digest is their identity)."""

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from peerd.jobs.demo import DEMO_SPEC, demo_shape, demo_spec, summarize, write_loss_plot
+from peerd.jobs.demo import DEMO_SPEC, demo_shape, demo_spec, summarize
 from peerd.jobs.spec import load_job_spec, parse_job_spec
 from peerd.loading import load_mapping
 
@@ -56,6 +56,3 @@ def test_summary_and_loss_plot(tmp_path: Path) -> None:
     assert (s["first_loss"], s["final_loss"]) == (5.5, 3.0)
     assert s["compression_ratio"] == pytest.approx(1000 / 150, rel=1e-3) and s["bytes_saved"] == 850
     assert s["island_best_cost"] == 0.5
-    path = write_loss_plot(view, tmp_path / "plot" / "loss.png")
-    assert path is not None and path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert write_loss_plot({**view, "progress": {}}, tmp_path / "none.png") is None

@@ -129,7 +129,7 @@ def test_view_rows_and_links(identities):
 
 def test_status_rendering_fills_the_matrix_from_either_side(identities):
     """The CLI's link matrix: row -> column from the row's record, or the reverse measurement if only that exists."""
-    from peerd.cli.swarm import link_cells, render_status
+    from peerd.cli.render import link_cells, render_status
 
     a, b, _ = identities
     link = LinkMeasurement(

@@ -300,3 +300,15 @@ def test_nil_in_a_defaulted_list_reads_as_absent_and_nil_in_a_required_field_as_
     with pytest.raises(ProtocolError, match="seq") as info:
         decode_peer_record(canonical_pack({**wire, "seq": None}))
     assert info.value.code == ErrorCode.MALFORMED
+
+
+def test_link_measurements_are_built_and_read_in_si_units_and_carry_ms_and_mbps():
+    link = LinkMeasurement.from_si(
+        "QmNYG4mfj1dhLZBYBWEFyhYC2S2QDHZ8Ra5K7XKqtqBLAd",
+        rtt_s=0.0815,
+        bw_up_bps=19.6e6,
+        bw_down_bps=None,
+        measured_at=NOW,
+    )
+    assert (link.rtt_ms, link.bw_up_mbps, link.bw_down_mbps) == pytest.approx((81.5, 19.6, None))
+    assert (link.rtt_s, link.bw_up_bps, link.bw_down_bps) == pytest.approx((0.0815, 19.6e6, None))
