@@ -117,10 +117,11 @@ def test_concurrent_discoveries_start_one_planner_per_job() -> None:
     """The loop and control calls both discover; interleaved reads must not duplicate a job's planner."""
 
     class SlowStore:
-        """The first read of a job record takes a while (a slow DHT lookup); everything yields."""
+        """The first read of a job record (a slow DHT lookup) is held until the test releases it."""
 
         def __init__(self, inner) -> None:
             self.inner, self.me, self.slow = inner, inner.me, True
+            self.reading, self.release = asyncio.Event(), asyncio.Event()
 
         def now(self) -> float:
             return self.inner.now()
@@ -129,20 +130,34 @@ def test_concurrent_discoveries_start_one_planner_per_job() -> None:
             return await self.inner.put(key, value, expires_at)
 
         async def read(self, key):
-            delay = 0.0
             if key.startswith("peerd/v1/job/") and self.slow:
-                self.slow, delay = False, 0.1
-            await asyncio.sleep(delay)
+                self.slow = False
+                self.reading.set()
+                await self.release.wait()
             return await self.inner.read(key)
+
+    class WatchedLock(asyncio.Lock):
+        """The manager's discovery lock, telling when a second discovery has to wait its turn."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.contended = asyncio.Event()
+
+        async def acquire(self) -> bool:
+            if self.locked():
+                self.contended.set()
+            return await super().acquire()
 
     async def scenario() -> None:
         ms = Managers([OWNER])
+        store = SlowStore(ms.dht.client(THIRD))
         watcher = JobManager(
-            SlowStore(ms.dht.client(THIRD)),
+            store,
             "default",
             local=lambda: (RosterDevice(0.1, 1 << 33, "eu"), ()),
             online=lambda: [OWNER, THIRD],
         )
+        lock = watcher._discovering = WatchedLock()
         started = []
         original = watcher._start_planner
         watcher._start_planner = lambda entry: (started.append(entry.record.job_id), original(entry))[1]
@@ -150,11 +165,20 @@ def test_concurrent_discoveries_start_one_planner_per_job() -> None:
             job = (await ms.by_peer[OWNER].submit({"spec": to_mapping(DEMO)}))["job_id"]
 
             async def loop_round() -> None:
-                await asyncio.sleep(0.01)  # the control call's (slow) discovery is already reading
                 await watcher.discover()
                 await watcher.tend()
 
-            await asyncio.gather(watcher.job_status({"job_id": job}), loop_round())
+            async def interleave() -> None:
+                await store.reading.wait()  # the control call's discovery is inside its slow read
+                round_ = asyncio.create_task(loop_round())
+                contended = asyncio.create_task(lock.contended.wait())
+                # the loop's discovery either ran through meanwhile or waits for the control call's
+                await asyncio.wait({round_, contended}, return_when=asyncio.FIRST_COMPLETED)
+                contended.cancel()
+                store.release.set()
+                await round_
+
+            await asyncio.gather(watcher.job_status({"job_id": job}), interleave())
             await watcher.tend()
             assert started == [job]
             assert watcher.jobs[job].planner_task is not None
