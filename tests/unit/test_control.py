@@ -22,7 +22,7 @@ def sock_path(tmp_path: Path) -> Path:
 
 
 def _serve(path: Path, body, *, setup=None) -> None:
-    """Start a server on ``path`` with an ``echo``, a ``boom`` and a ``bad_input`` method, run ``body`` (blocking client code) in a thread."""
+    """Start a server on ``path`` with ``echo``, ``boom``, ``bad_input`` and ``hang`` methods, run ``body`` (blocking client code) in a thread."""
 
     async def main() -> None:
         server = ControlServer(path)
@@ -36,14 +36,14 @@ def _serve(path: Path, body, *, setup=None) -> None:
         async def bad_input(params: dict) -> None:
             raise ConfigError("params.n", "must be positive")
 
-        async def slow(params: dict) -> str:
-            await asyncio.sleep(params.get("seconds", 2))
-            return "late"
+        async def hang(params: dict) -> str:
+            await asyncio.Event().wait()  # never answers; the server's close cancels it
+            return "never"
 
         server.register("echo", echo, "Return the params.")
         server.register("boom", boom)
         server.register("bad_input", bad_input)
-        server.register("slow", slow)
+        server.register("hang", hang)
         if setup is not None:
             setup(server)
         await server.start()
@@ -147,7 +147,7 @@ def test_unserializable_result_is_an_internal_error(sock_path):
 def test_client_timeout_is_a_typed_error(sock_path):
     def body():
         with pytest.raises(PeerUnavailable) as info:
-            ControlClient(sock_path, timeout=0.3).call("slow", seconds=3)
+            ControlClient(sock_path, timeout=0.3).call("hang")
         assert info.value.code == ErrorCode.TIMEOUT
 
     _serve(sock_path, body)
