@@ -23,7 +23,7 @@ from peerd.jobs.spec import JobSpec, parse_job_spec
 from peerd.loading import to_mapping
 from peerd.sched.consensus.config import ConsensusTiming
 from peerd.swarm.records import PROTOCOL_VERSION
-from peerd.wire import Schema, WireStruct, canonical_pack, convert, sha256, to_builtin
+from peerd.wire import FrozenWireStruct, Schema, canonical_pack, convert, sha256
 from peerd.wire.types import AnyReal, Count, JobId, PeerId, Real
 
 # hivemind's DHT pipe splits messages above 16 KiB (see swarm.records): every record stays well below.
@@ -62,7 +62,7 @@ class TaskState(StrEnum):
     FAILED = "failed"
 
 
-class Timing(WireStruct, frozen=True):  # type: ignore[misc]
+class Timing(FrozenWireStruct, frozen=True):
     """``ConsensusTiming`` as a job record carries it: seconds of DHT time, finite."""
 
     roster_s: Real
@@ -75,14 +75,14 @@ class Timing(WireStruct, frozen=True):  # type: ignore[misc]
     publish_interval_s: Real
 
 
-class Planning(WireStruct, frozen=True):  # type: ignore[misc]
+class Planning(FrozenWireStruct, frozen=True):
     """The planning terms of every epoch; part of the job id, so nobody can move them later."""
 
     epoch0_start: Real  # DHT time at which planning epoch 0 opens its roster
     timing: Timing
 
 
-class JobRecord(WireStruct, frozen=True, kw_only=True, tag_field="kind", tag="job"):  # type: ignore[misc]
+class JobRecord(FrozenWireStruct, frozen=True, kw_only=True, tag_field="kind", tag="job"):
     """A job as its owner publishes it; ``job_id`` must equal ``job_id_of(...)`` of the rest."""
 
     version: int = msgspec.field(default=PROTOCOL_VERSION, name="v")
@@ -114,7 +114,7 @@ class JobRecord(WireStruct, frozen=True, kw_only=True, tag_field="kind", tag="jo
         return msgspec.structs.replace(self, state=state, seq=self.seq + 1, updated_at=updated, reason=reason)
 
 
-class JobIndex(WireStruct, frozen=True, tag_field="kind", tag="jobs"):  # type: ignore[misc]
+class JobIndex(FrozenWireStruct, frozen=True, tag_field="kind", tag="jobs"):
     """The job ids one owner publishes in a swarm (under ``jobs_key(swarm)``, the owner's subkey)."""
 
     owner: PeerId
@@ -123,7 +123,7 @@ class JobIndex(WireStruct, frozen=True, tag_field="kind", tag="jobs"):  # type: 
     version: int = msgspec.field(default=PROTOCOL_VERSION, name="v")
 
 
-class Progress(WireStruct, frozen=True, tag_field="kind", tag="progress"):  # type: ignore[misc]
+class Progress(FrozenWireStruct, frozen=True, tag_field="kind", tag="progress"):
     """One tasklet's training progress (under ``progress_key(job)``, its peer's subkey)."""
 
     job_id: JobId
@@ -244,7 +244,16 @@ def _progress_rules(p: Progress) -> None:
         raise _bad("progress record", "step", f"{p.step} exceeds steps {p.steps}")
 
 
-JOB = Schema(JobRecord, "job record", MAX_JOB_BYTES, version=PROTOCOL_VERSION, kind="job", rules=_job_rules)
+# protocols/jobs.md: an empty reason or loss list is absent from the record, not written empty.
+JOB = Schema(
+    JobRecord,
+    "job record",
+    MAX_JOB_BYTES,
+    version=PROTOCOL_VERSION,
+    kind="job",
+    rules=_job_rules,
+    omit_when_empty=frozenset({"reason"}),
+)
 INDEX = Schema(
     JobIndex, "job index", MAX_INDEX_BYTES, version=PROTOCOL_VERSION, kind="jobs", rules=_index_rules
 )
@@ -255,36 +264,21 @@ PROGRESS = Schema(
     version=PROTOCOL_VERSION,
     kind="progress",
     rules=_progress_rules,
+    omit_when_empty=frozenset({"reason", "losses"}),
 )
 
 # ---------------------------------------------------------------- codec
 
-# Optional fields that protocols/jobs.md has absent, not empty, when there is nothing in them.
-_ABSENT_WHEN_EMPTY = frozenset({"reason", "losses"})
-
-
-def _encode(schema: Schema[Any], obj: Any) -> bytes:
-    """``schema.encode`` that leaves out the empty ``reason`` / ``losses`` (their defaults are not None)."""
-    tree = to_builtin(schema.check(to_builtin(obj)))  # the receiver's checks; reals become float64
-    raw = canonical_pack({k: v for k, v in tree.items() if v or k not in _ABSENT_WHEN_EMPTY})
-    if len(raw) > schema.max_bytes:
-        raise ProtocolError(
-            f"{schema.what}: {len(raw)} bytes exceeds the {schema.max_bytes}-byte limit",
-            code=ErrorCode.OVERSIZED,
-        )
-    return raw
-
-
 def encode_job(rec: JobRecord) -> bytes:
-    return _encode(JOB, rec)
+    return JOB.encode(rec)
 
 
 def encode_index(index: JobIndex) -> bytes:
-    return _encode(INDEX, index)
+    return INDEX.encode(index)
 
 
 def encode_progress(p: Progress) -> bytes:
-    return _encode(PROGRESS, p)
+    return PROGRESS.encode(p)
 
 
 def decode_job(raw: bytes) -> JobRecord:

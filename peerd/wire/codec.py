@@ -158,6 +158,9 @@ class Schema(Generic[T]):
     version_field: str = "v"
     rules: Callable[[T], None] | None = None
     """Checks across fields (raise ``ProtocolError``), run after the schema on decode and encode."""
+    omit_when_empty: frozenset[str] = frozenset()
+    """Top-level wire names left out when their value is empty ("", [], {}): optional fields whose
+    spec says absent rather than empty, where the default is not None."""
     nil_is_absent: bool = False
     """Read ``nil`` anywhere in a map as an absent key (so a field with a default takes it, a required
     one is missing), for message families whose spec says so; elsewhere ``nil`` is a type error
@@ -183,8 +186,8 @@ class Schema(Generic[T]):
         Going through the schema also makes every float field a float64 on the wire, even where
         the value was built from an int.
         """
-        checked = self._checked(to_builtin(obj))
-        raw = canonical_pack(checked)
+        tree = to_builtin(self._checked(to_builtin(obj)))
+        raw = canonical_pack({k: v for k, v in tree.items() if k not in self.omit_when_empty or v})
         if len(raw) > self.max_bytes:
             raise ProtocolError(
                 f"{self.what}: {len(raw)} bytes exceeds the {self.max_bytes}-byte limit",

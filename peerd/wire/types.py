@@ -48,4 +48,7 @@ class WireStruct(msgspec.Struct):
 
 
 class FrozenWireStruct(msgspec.Struct, frozen=True):
-    """``WireStruct``, immutable and hashable (messages whose digest is their identity)."""
+    """``WireStruct``, immutable and hashable (messages whose digest is their identity).
+
+    Subclasses repeat ``frozen=True``: mypy's dataclass_transform otherwise takes them as mutable.
+    """

@@ -20,7 +20,7 @@ from msgspec.structs import force_setattr, replace
 
 from peerd.errors import ConfigError, ErrorCode, ProtocolError
 from peerd.sched.allocation import Allocation
-from peerd.wire import Schema, WireStruct, canonical_pack, check_envelope, decode_map, sha256
+from peerd.wire import FrozenWireStruct, Schema, canonical_pack, check_envelope, decode_map, sha256
 from peerd.wire.types import Count, Hash32, PositiveReal, Real
 
 VERSION: Final = 1
@@ -32,12 +32,10 @@ Id = Annotated[str, Meta(min_length=1)]
 """A job or peer id: any non-empty str (the spec sets no other bound; the byte limit bounds it)."""
 Round = Annotated[int, Meta(ge=0, le=1)]
 
-# The messages are frozen like every value the machine keeps. mypy (1.x) refuses a frozen subclass of
-# the non-frozen WireStruct under dataclass_transform, which msgspec allows: hence the ignores below.
-# ``dict=True`` gives the two with a cached digest (``hash``, ``id``) the __dict__ cached_property needs.
+# The messages are frozen like every value the machine keeps. ``dict=True`` gives the two with a cached digest (``hash``, ``id``) the __dict__ cached_property needs.
 
 
-class RosterDevice(WireStruct, frozen=True):  # type: ignore[misc]
+class RosterDevice(FrozenWireStruct, frozen=True):
     """What a roster entry declares to the cost model about its author's device (SI units)."""
 
     tflops: Real  # measured dense throughput
@@ -45,7 +43,7 @@ class RosterDevice(WireStruct, frozen=True):  # type: ignore[misc]
     region: str = ""  # free-form label (clustering seed), "" when unknown
 
 
-class RosterLink(WireStruct, frozen=True):  # type: ignore[misc]
+class RosterLink(FrozenWireStruct, frozen=True):
     """One measured link from the entry's author to ``peer``, as the cost model uses it (SI units)."""
 
     peer: Id
@@ -53,7 +51,7 @@ class RosterLink(WireStruct, frozen=True):  # type: ignore[misc]
     bandwidth_bps: PositiveReal  # bits per second
 
 
-class RosterEntry(WireStruct, frozen=True, dict=True, tag_field="kind", tag="roster"):  # type: ignore[misc]
+class RosterEntry(FrozenWireStruct, frozen=True, dict=True, tag_field="kind", tag="roster"):
     """A peer's application to plan epoch ``epoch`` of job ``job``: its device and its links."""
 
     KIND: ClassVar[str] = "roster"
@@ -71,7 +69,7 @@ class RosterEntry(WireStruct, frozen=True, dict=True, tag_field="kind", tag="ros
         return sha256(encode(self))
 
 
-class Candidate(WireStruct, frozen=True, dict=True, tag_field="kind", tag="candidate"):  # type: ignore[misc]
+class Candidate(FrozenWireStruct, frozen=True, dict=True, tag_field="kind", tag="candidate"):
     """An island's allocation for epoch ``epoch``, with the cost its author claims on the named roster."""
 
     KIND: ClassVar[str] = "candidate"
@@ -96,7 +94,7 @@ class Candidate(WireStruct, frozen=True, dict=True, tag_field="kind", tag="candi
         return candidate_id(self.roster_digest, self.allocation)
 
 
-class Vote(WireStruct, frozen=True, tag_field="kind", tag="vote"):  # type: ignore[misc]
+class Vote(FrozenWireStruct, frozen=True, tag_field="kind", tag="vote"):
     """``voter``'s vote in round ``round`` (0: best re-scored, 1: adoption after a split)."""
 
     KIND: ClassVar[str] = "vote"
@@ -111,7 +109,7 @@ class Vote(WireStruct, frozen=True, tag_field="kind", tag="vote"):  # type: igno
     version: Literal[1] = VERSION
 
 
-class CommitRecord(WireStruct, frozen=True, tag_field="kind", tag="commit"):  # type: ignore[misc]
+class CommitRecord(FrozenWireStruct, frozen=True, tag_field="kind", tag="commit"):
     """Proof of a commit: the candidate, the committer's roster view and a quorum of its votes.
 
     Self-verifying: ``roster`` lists ``(peer, entry_hash)`` so a reader can recompute the
