@@ -1,6 +1,7 @@
 """Jobs end to end on six real daemons on loopback (3 stages x 2 replicas), through the real ``peerd`` CLI.
 
-One swarm for the module: a bad spec is refused at submit naming each field; the demo job is
+One swarm for the module, and one training run of the demo job shared by the tests that look at
+it (a module fixture): a bad spec is refused at submit naming each field; the demo job is
 submitted, every daemon commits the same allocation hash whose cost is no worse than the best
 island's, the job trains to completion and ``peerd status --json`` shows it done with a falling
 loss; ``peerd jobs`` lists it, the metrics endpoint exports it, ``peerd fetch`` assembles a model
@@ -15,9 +16,9 @@ import json
 import socket
 import subprocess
 import sys
-import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -66,9 +67,10 @@ def _demo_spec(tmp: Path, **changes: Any) -> Path:
 
 
 class Ctx:
-    def __init__(self, swarm: LocalSwarm, tmp: Path, metrics_port: int) -> None:
-        self.swarm, self.tmp, self.metrics_port = swarm, tmp, metrics_port
-        self.job: str | None = None
+    def __init__(
+        self, swarm: LocalSwarm, tmp: Path, metrics_port: int, wait_until: Callable[..., Any]
+    ) -> None:
+        self.swarm, self.tmp, self.metrics_port, self.wait_until = swarm, tmp, metrics_port, wait_until
 
     def home(self, i: int) -> str:
         return str(self.swarm.peers[i].home)
@@ -76,28 +78,36 @@ class Ctx:
     def job_views(self, job: str) -> dict[str, dict[str, Any]]:
         return {p.name: p.control().call("job_status", job_id=job) for p in self.swarm.live_peers()}
 
+    def logs(self) -> str:
+        return "\n".join(f"--- {p.name}\n{p.log_tail(15)}" for p in self.swarm.peers)
+
     def wait(self, job: str, predicate: Any, timeout: float, what: str) -> dict[str, dict[str, Any]]:
-        deadline = time.monotonic() + timeout
-        while True:
+        """Poll every daemon's view of ``job`` until ``predicate(views)``; ``timeout`` is a hang guard."""
+        last: dict[str, Any] = {}
+
+        def check() -> dict[str, dict[str, Any]] | None:
             try:
                 views = self.job_views(job)
             except ControlError as exc:  # a daemon whose DHT read has not found the new job yet
-                if time.monotonic() > deadline:
-                    raise
                 assert exc.code is ErrorCode.CONFIG_INVALID, exc
-                time.sleep(1.0)
-                continue
-            if predicate(views):
-                return views
-            if time.monotonic() > deadline:
-                summary = {n: (v["state"], v["progress"]["step"]) for n, v in views.items()}
-                logs = "\n".join(f"--- {p.name}\n{p.log_tail(15)}" for p in self.swarm.peers)
-                pytest.fail(f"timed out waiting for {what}: {summary}\n{logs}")
-            time.sleep(1.0)
+                last["views"] = f"not yet known to every daemon ({exc})"
+                return None
+            last["views"] = {n: (v["state"], v["progress"]["step"]) for n, v in views.items()}
+            return views if predicate(views) else None
+
+        return self.wait_until(
+            check,
+            timeout,
+            what,
+            interval=0.25,
+            detail=lambda: f"last views: {last.get('views')}\n{self.logs()}",
+        )
 
 
 @pytest.fixture(scope="module")
-def ctx(tmp_path_factory: pytest.TempPathFactory, profile_cache: Path) -> Iterator[Ctx]:
+def ctx(
+    tmp_path_factory: pytest.TempPathFactory, profile_cache: Path, wait_until: Callable[..., Any]
+) -> Iterator[Ctx]:
     root = tmp_path_factory.mktemp("jobs")
     port = _free_port()
     regions = ["eu", "eu", "eu", "us", "us", "us"]
@@ -112,12 +122,65 @@ def ctx(tmp_path_factory: pytest.TempPathFactory, profile_cache: Path) -> Iterat
         swarm.wait_until(
             lambda v: converged(v, names), timeout=90, what="all six daemons to measure each other"
         )
-        yield Ctx(swarm, root, port)
+        yield Ctx(swarm, root, port, wait_until)
     finally:
         swarm.close()
 
 
+@dataclass
+class Training:
+    """The demo job submitted with ``peerd submit --wait --json`` and followed on every daemon to its end."""
+
+    job: str
+    committed: dict[str, dict[str, Any]]  # every daemon's view once all had committed
+    returncode: int
+    out: str
+    err: str
+
+
+@pytest.fixture(scope="module")
+def training(ctx: Ctx) -> Training:
+    # --wait follows the job to its end; meanwhile this fixture watches every daemon
+    waiter = subprocess.Popen(
+        [*PEERD, "submit", str(_demo_spec(ctx.tmp)), "--home", ctx.home(0), "--wait", "--json"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        job = _wait_for_job_id(ctx, waiter)
+
+        def all_committed(views: dict) -> bool:
+            return len(views) == 6 and all("allocation" in v for v in views.values())
+
+        committed = ctx.wait(job, all_committed, timeout=90, what="every daemon to commit")
+        ctx.wait(
+            job,
+            lambda vs: all(v["state"] == "done" for v in vs.values()),
+            timeout=150,
+            what="training to finish",
+        )
+        out, err = waiter.communicate(timeout=60)
+    finally:
+        if waiter.poll() is None:
+            waiter.kill()
+            waiter.communicate()
+    return Training(job, committed, waiter.returncode, out, err)
+
+
+def _wait_for_job_id(ctx: Ctx, waiter: subprocess.Popen) -> str:
+    def published() -> str | None:
+        listed = ctx.swarm.peers[0].control().call("jobs")
+        if listed:
+            return listed[0]["job_id"]
+        assert waiter.poll() is None, waiter.communicate()
+        return None
+
+    return ctx.wait_until(published, 30, "submit --wait to publish the job", interval=0.1)
+
+
 def test_a_spec_with_errors_is_refused_at_submit_naming_each_field(ctx: Ctx) -> None:
+    before = {j["job_id"] for j in ctx.swarm.peers[0].control().call("jobs")}
     result = peerd("submit", "tests/unit/jobs/invalid-spec.yaml", "--home", ctx.home(0))
     assert result.returncode == 2, result.stderr
     for field in (
@@ -129,50 +192,19 @@ def test_a_spec_with_errors_is_refused_at_submit_naming_each_field(ctx: Ctx) -> 
     ):
         assert field in result.stderr
     assert "Traceback" not in result.stderr
-    assert ctx.swarm.peers[0].control().call("jobs") == []  # nothing was published
+    after = {j["job_id"] for j in ctx.swarm.peers[0].control().call("jobs")}
+    assert after == before  # nothing was published
 
 
-def test_six_peers_commit_one_allocation_and_train_it_to_the_end(ctx: Ctx) -> None:
-    # --wait follows the job to its end; meanwhile this test watches every daemon
-    waiter = subprocess.Popen(
-        [*PEERD, "submit", str(_demo_spec(ctx.tmp)), "--home", ctx.home(0), "--wait", "--json"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        job = _wait_for_job_id(ctx, waiter)
-        _plan_and_train(ctx, job)
-        out, err = waiter.communicate(timeout=60)
-    finally:
-        if waiter.poll() is None:
-            waiter.kill()
-            waiter.communicate()
-    assert waiter.returncode == 0, err
-    final = json.loads(out)
-    assert final["job_id"] == job and final["state"] == "done"
-    assert "step" in err and "loss" in err  # the progress bar went to stderr
-
-
-def _wait_for_job_id(ctx: Ctx, waiter: subprocess.Popen) -> str:
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        listed = ctx.swarm.peers[0].control().call("jobs")
-        if listed:
-            return listed[0]["job_id"]
-        assert waiter.poll() is None, waiter.communicate()
-        time.sleep(0.5)
-    pytest.fail("submit --wait published no job")
-
-
-def _plan_and_train(ctx: Ctx, job: str) -> None:
+def test_six_peers_commit_one_allocation_and_train_it_to_the_end(ctx: Ctx, training: Training) -> None:
+    job = training.job
     assert len(job) == 32
-    ctx.job = job
+    assert training.returncode == 0, training.err
+    final = json.loads(training.out)
+    assert final["job_id"] == job and final["state"] == "done"
+    assert "step" in training.err and "loss" in training.err  # the progress bar went to stderr
 
-    def all_committed(views: dict) -> bool:
-        return len(views) == 6 and all("allocation" in v for v in views.values())
-
-    views = ctx.wait(job, all_committed, timeout=90, what="every daemon to commit")
+    views = training.committed
     hashes = {v["allocation"]["allocation_hash"] for v in views.values()}
     assert len(hashes) == 1, f"daemons committed different allocations: {hashes}"
     alloc = views["peer0"]["allocation"]
@@ -189,9 +221,6 @@ def _plan_and_train(ctx: Ctx, job: str) -> None:
     assert alloc["cost"] <= min(islands) * (1 + 1e-9)
     assert set(alloc["regions"].values()) == {"eu", "us"}
 
-    ctx.wait(
-        job, lambda vs: all(v["state"] == "done" for v in vs.values()), timeout=150, what="training to finish"
-    )
     status = peerd("status", "--json", "--home", ctx.home(3))
     assert status.returncode == 0, status.stderr
     jobs = json.loads(status.stdout)["jobs"]
@@ -221,17 +250,15 @@ def _plan_and_train(ctx: Ctx, job: str) -> None:
     assert any(s.name == "peerd_link_rtt_seconds" for s in samples)
 
 
-def test_fetch_assembles_a_model_that_loads(ctx: Ctx) -> None:
-    if ctx.job is None:
-        pytest.skip("the training test did not produce a job")
+def test_fetch_assembles_a_model_that_loads(ctx: Ctx, training: Training) -> None:
     out = ctx.tmp / "fetched"
     extra = [arg for p in ctx.swarm.peers[1:] for arg in ("--from", str(p.home / "checkpoints"))]
-    result = peerd("fetch", ctx.job, "--out", str(out), "--home", ctx.home(0), *extra)
+    result = peerd("fetch", training.job, "--out", str(out), "--home", ctx.home(0), *extra)
     assert result.returncode == 0, result.stderr
     from peerd.jobs.fetch import load_model
 
     model, meta = load_model(out / "model.pt")
-    assert meta["step"] == STEPS and meta["job"] == ctx.job
+    assert meta["step"] == STEPS and meta["job"] == training.job
     assert model.num_parameters() > 0
 
 
@@ -248,9 +275,19 @@ def test_cancel_is_for_the_owner_only_and_forged_cancels_are_ignored(ctx: Ctx) -
     assert refused.returncode == 1
     assert "NOT_OWNER" in refused.stderr and "only its owner may cancel" in refused.stderr
 
-    _store_forged_cancel(ctx.swarm.bootstrap_maddrs, job)
-    time.sleep(5)  # several discovery rounds of every daemon
+    stranger = _store_forged_cancel(ctx.swarm.bootstrap_maddrs, job)
+    # every daemon logs each record it ignores: once all six have read (and dropped) the forged
+    # one, their views are what the forgery left them with
+    ignored = f"job {job}: ignoring a record stored by {stranger}"
+    ctx.wait_until(
+        lambda: all(ignored in p.log_path.read_text(errors="replace") for p in ctx.swarm.peers),
+        60,
+        "every daemon to read and ignore the forged cancel",
+        interval=0.25,
+        detail=ctx.logs,
+    )
     views = ctx.job_views(job)
+    assert len(views) == 6
     assert all(v["state"] == "planning" and v["record_state"] != "cancelled" for v in views.values())
 
     done = peerd("cancel", job[:10], "--home", ctx.home(1))
@@ -259,8 +296,11 @@ def test_cancel_is_for_the_owner_only_and_forged_cancels_are_ignored(ctx: Ctx) -
     ctx.wait(job, lambda vs: all(v["state"] == "cancelled" for v in vs.values()), 30, "the owner's cancel")
 
 
-def _store_forged_cancel(bootstrap: list[str], job: str) -> None:
-    """A stranger (a short-lived DHT client with its own key) stores a CANCELLED copy of the job record."""
+def _store_forged_cancel(bootstrap: list[str], job: str) -> str:
+    """A stranger (a short-lived DHT client with its own key) stores a CANCELLED copy of the job record.
+
+    Returns the stranger's peer id, once a read of the job key finds the forged entry in the DHT.
+    """
     from peerd.jobs.catalog import read_job
     from peerd.jobs.records import JobState, encode_job
     from peerd.jobs.store import DhtStore
@@ -268,8 +308,9 @@ def _store_forged_cancel(bootstrap: list[str], job: str) -> None:
     from peerd.swarm.keys import job_key
     from peerd.swarm.node import NodeSettings, SwarmNode
 
+    identity = Identity.generate()
+
     async def forge() -> None:
-        identity = Identity.generate()
         node = await SwarmNode.start(
             NodeSettings(initial_peers=bootstrap, client_mode=True),
             make_record_validators(identity, "default"),
@@ -280,7 +321,10 @@ def _store_forged_cancel(bootstrap: list[str], job: str) -> None:
             assert record is not None and record.state != JobState.CANCELLED
             forged = record.with_state(JobState.CANCELLED, node.now(), "forged by a stranger")
             assert await store.put(job_key(job), encode_job(forged), node.now() + 3600)
+            stored = await store.read(job_key(job))
+            assert any(e.author == identity.peer_id for e in stored), "the forged record is not readable"
         finally:
             await node.shutdown(timeout=5.0)
 
     asyncio.run(forge())
+    return identity.peer_id
