@@ -20,9 +20,9 @@ import math
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any
 
-import msgpack
+from msgspec import Meta
 from msgspec.structs import replace
 
 from peerd.errors import PeerdError, ProtocolError
@@ -54,6 +54,7 @@ from peerd.sched.consensus.messages import (
     encode,
 )
 from peerd.swarm.keys import candidates_key, commit_key, roster_key, votes_key
+from peerd.wire import canonical_pack, decode_value
 
 logger = get_logger(__name__)
 
@@ -77,25 +78,18 @@ class PlannerConfig:
     """Generations without improvement (and no migrant) before an island idles."""
 
 
+# One voter's encoded vote messages, in round order (round 0, then maybe round 1).
+VotesEntry = Annotated[list[bytes], Meta(min_length=1, max_length=2)]
+
+
 def encode_votes(votes: list[bytes]) -> bytes:
     """The value under ``votes_key``: a msgpack array of one voter's encoded vote messages, round order."""
-    return msgpack.packb([bytes(v) for v in votes], use_bin_type=True)
+    return canonical_pack([bytes(v) for v in votes])
 
 
 def decode_votes(raw: bytes) -> list[bytes]:
-    if len(raw) > MAX_VOTES_BYTES:
-        raise ProtocolError(f"votes entry of {len(raw)} bytes is too large")
-    try:
-        items = msgpack.unpackb(raw, raw=False, use_list=True)
-    except Exception as exc:
-        raise ProtocolError(f"votes entry is not msgpack: {exc}") from None
-    if (
-        not isinstance(items, list)
-        or not 1 <= len(items) <= 2
-        or not all(isinstance(x, bytes) for x in items)
-    ):
-        raise ProtocolError("votes entry must be an array of one or two encoded vote messages")
-    return items
+    votes: list[bytes] = decode_value(raw, VotesEntry, max_bytes=MAX_VOTES_BYTES, what="votes entry")
+    return votes
 
 
 def author_of(msg: Message) -> str:

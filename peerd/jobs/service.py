@@ -50,9 +50,10 @@ def roster_links(measurements: list[LinkMeasurement], peers: set[str]) -> tuple[
     """Successful probes to current peers as one-way delay (RTT / 2) and upload bandwidth, sorted by peer."""
     out = {}
     for m in measurements:
-        if m.status != LinkStatus.OK or m.peer_id not in peers or not m.bw_up_mbps or m.rtt_ms is None:
+        rtt, up = m.rtt_s, m.bw_up_bps
+        if m.status != LinkStatus.OK or m.peer_id not in peers or not up or rtt is None:
             continue
-        out[m.peer_id] = RosterLink(m.peer_id, round(m.rtt_ms / 2e3, 9), round(m.bw_up_mbps * 1e6, 3))
+        out[m.peer_id] = RosterLink(m.peer_id, round(rtt / 2, 9), round(up, 3))
     return tuple(out[p] for p in sorted(out))
 
 

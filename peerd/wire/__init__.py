@@ -14,7 +14,16 @@ are defined on. Config files need every error at once for a human to fix, which 
 pydantic gives; a hostile peer needs the first error, fast, and nothing allocated for it.
 """
 
-from peerd.wire.codec import Schema, canonical_pack, check_envelope, convert, decode_map, sha256, to_builtin
+from peerd.wire.codec import (
+    Schema,
+    canonical_pack,
+    check_envelope,
+    convert,
+    decode_map,
+    decode_value,
+    sha256,
+    to_builtin,
+)
 from peerd.wire.types import FrozenWireStruct, WireStruct
 
 __all__ = [
@@ -25,6 +34,7 @@ __all__ = [
     "check_envelope",
     "convert",
     "decode_map",
+    "decode_value",
     "sha256",
     "to_builtin",
 ]

@@ -128,6 +128,22 @@ def protocol_error(exc: msgspec.ValidationError, what: str) -> ProtocolError:
     return ProtocolError(f"{what}: {path}: {detail[:1].lower()}{detail[1:]}", code=code)
 
 
+def decode_value(raw: Any, cls: Any, *, max_bytes: int, what: str) -> Any:
+    """Size-check and decode msgpack straight into ``cls`` (for a value that is not a map, e.g. an array)."""
+    if not isinstance(raw, bytes | bytearray | memoryview):
+        raise ProtocolError(f"{what}: expected bytes, got {type(raw).__name__}")
+    if len(raw) > max_bytes:
+        raise ProtocolError(
+            f"{what}: {len(raw)} bytes exceeds the {max_bytes}-byte limit", code=ErrorCode.OVERSIZED
+        )
+    try:
+        return msgspec.msgpack.decode(raw, type=cls, ext_hook=_reject_ext)
+    except msgspec.ValidationError as exc:
+        raise protocol_error(exc, what) from None
+    except Exception as exc:  # DecodeError, or the ValueError of _reject_ext
+        raise ProtocolError(f"{what}: not valid msgpack: {exc}") from None
+
+
 def convert(m: Any, cls: type[T], *, what: str) -> T:
     """Validate an unpacked map against a schema: types, bounds and the schema's own checks."""
     try:

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from msgspec import Meta
 
 from peerd.errors import ErrorCode, ProtocolError
-from peerd.wire import Schema, WireStruct, canonical_pack, decode_map, to_builtin
+from peerd.wire import Schema, WireStruct, canonical_pack, decode_map, decode_value, to_builtin
 from peerd.wire.types import Count, Hash32, PeerId, Real
 
 
@@ -178,3 +178,18 @@ def test_truncation_or_byte_flips_only_ever_give_protocol_errors(data):
     cut = data.draw(st.integers(0, len(raw)))
     with contextlib.suppress(ProtocolError):
         SAMPLE.decode(bytes(raw[:cut]))
+
+
+def test_decode_value_reads_a_bounded_non_map_value():
+    pair = Annotated[list[bytes], Meta(min_length=1, max_length=2)]
+    assert decode_value(canonical_pack([b"a", b"b"]), pair, max_bytes=64, what="pair") == [b"a", b"b"]
+    for raw, code in [
+        (canonical_pack([]), ErrorCode.MALFORMED),
+        (canonical_pack([b"a"] * 3), ErrorCode.OVERSIZED),
+        (canonical_pack(["a"]), ErrorCode.MALFORMED),
+        (canonical_pack([b"a"])[:-1], ErrorCode.MALFORMED),
+        (bytes(65), ErrorCode.OVERSIZED),
+    ]:
+        with pytest.raises(ProtocolError) as info:
+            decode_value(raw, pair, max_bytes=64, what="pair")
+        assert info.value.code == code and str(info.value).startswith("pair: ")
