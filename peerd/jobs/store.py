@@ -18,6 +18,7 @@ from typing import Any, Protocol
 from peerd.errors import ErrorCode, PeerdError, ProtocolError
 from peerd.log import get_logger
 from peerd.swarm.identity import peer_id_from_owner_tag
+from peerd.swarm.node import dht_get_latest
 
 logger = get_logger(__name__)
 
@@ -67,14 +68,7 @@ class DhtStore:
 
     async def read(self, key: str) -> list[Entry]:
         """Every live entry under ``key`` whose subkey is an owner tag; PeerdError(TIMEOUT) if the DHT is silent."""
-        future = self.dht.get(key, latest=True, return_future=True)
-        try:
-            found = await asyncio.wait_for(future, timeout=self.timeout)
-        except TimeoutError:
-            future.cancel()
-            raise PeerdError(
-                f"reading {key} timed out after {self.timeout:.0f} s", code=ErrorCode.TIMEOUT
-            ) from None
+        found = await dht_get_latest(self.dht, key, timeout=self.timeout, what=key)
         if found is None:
             return []
         items = getattr(found.value, "items", None)

@@ -21,10 +21,11 @@ from typing import Any
 from hivemind.dht import DHT
 from hivemind.utils import get_dht_time
 
-from peerd.errors import ErrorCode, PeerdError, ProtocolError
+from peerd.errors import PeerdError, ProtocolError
 from peerd.log import get_logger
 from peerd.swarm.identity import check_peer_entry
 from peerd.swarm.keys import peers_key
+from peerd.swarm.node import dht_get_latest
 from peerd.swarm.records import PeerRecord, PeerState, encode_peer_record
 
 logger = get_logger(__name__)
@@ -141,14 +142,7 @@ async def fetch_peers(
     Malformed or forged entries are logged and skipped; they never raise. Raises only
     ``PeerdError(TIMEOUT)`` if the DHT does not answer within ``timeout``.
     """
-    future = dht.get(peers_key(swarm), latest=True, return_future=True)
-    try:
-        found = await asyncio.wait_for(future, timeout=timeout)
-    except TimeoutError:
-        future.cancel()
-        raise PeerdError(
-            f"reading the peer list timed out after {timeout:.0f} s", code=ErrorCode.TIMEOUT
-        ) from None
+    found = await dht_get_latest(dht, peers_key(swarm), timeout=timeout, what="the peer list")
     if found is None:
         return []
     return parse_peer_entries(found.value, now=get_dht_time() if now is None else now)

@@ -24,7 +24,7 @@ from hivemind.dht import DHT
 from hivemind.p2p import P2P, PeerID
 from hivemind.utils import get_dht_time
 
-from peerd.errors import ConfigError, ErrorCode, PeerUnavailable
+from peerd.errors import ConfigError, ErrorCode, PeerdError, PeerUnavailable
 from peerd.log import get_logger
 
 logger = get_logger(__name__)
@@ -208,3 +208,13 @@ def _startup_error(exc: BaseException, settings: NodeSettings, deadline: float) 
 def parse_peer_id(peer_id: str) -> PeerID:
     """A base58 peer id string as hivemind's ``PeerID`` (layers above swarm never import hivemind)."""
     return PeerID.from_base58(peer_id)
+
+
+async def dht_get_latest(dht: Any, key: str, *, timeout: float, what: str) -> Any:
+    """``dht.get(key, latest=True)`` awaited from asyncio; ``PeerdError(TIMEOUT)`` naming ``what`` if the DHT is silent."""
+    future = dht.get(key, latest=True, return_future=True)
+    try:
+        return await asyncio.wait_for(future, timeout=timeout)
+    except TimeoutError:
+        future.cancel()
+        raise PeerdError(f"reading {what} timed out after {timeout:.0f} s", code=ErrorCode.TIMEOUT) from None

@@ -77,14 +77,18 @@ def _reject_ext(code: int, data: memoryview) -> Any:
 _ANY_DECODER = msgspec.msgpack.Decoder(ext_hook=_reject_ext)
 
 
-def decode_map(raw: Any, *, max_bytes: int, what: str) -> dict[str, Any]:
-    """Size-check and unpack one msgpack map with str keys (no ext types, no trailing bytes)."""
+def _check_size(raw: Any, max_bytes: int, what: str) -> None:
     if not isinstance(raw, bytes | bytearray | memoryview):
         raise ProtocolError(f"{what}: expected bytes, got {type(raw).__name__}")
     if len(raw) > max_bytes:
         raise ProtocolError(
             f"{what}: {len(raw)} bytes exceeds the {max_bytes}-byte limit", code=ErrorCode.OVERSIZED
         )
+
+
+def decode_map(raw: Any, *, max_bytes: int, what: str) -> dict[str, Any]:
+    """Size-check and unpack one msgpack map with str keys (no ext types, no trailing bytes)."""
+    _check_size(raw, max_bytes, what)
     try:
         obj = _ANY_DECODER.decode(raw)
     except Exception as exc:  # DecodeError, or the ValueError of _reject_ext
@@ -130,12 +134,7 @@ def protocol_error(exc: msgspec.ValidationError, what: str) -> ProtocolError:
 
 def decode_value(raw: Any, cls: Any, *, max_bytes: int, what: str) -> Any:
     """Size-check and decode msgpack straight into ``cls`` (for a value that is not a map, e.g. an array)."""
-    if not isinstance(raw, bytes | bytearray | memoryview):
-        raise ProtocolError(f"{what}: expected bytes, got {type(raw).__name__}")
-    if len(raw) > max_bytes:
-        raise ProtocolError(
-            f"{what}: {len(raw)} bytes exceeds the {max_bytes}-byte limit", code=ErrorCode.OVERSIZED
-        )
+    _check_size(raw, max_bytes, what)
     try:
         return msgspec.msgpack.decode(raw, type=cls, ext_hook=_reject_ext)
     except msgspec.ValidationError as exc:
@@ -204,9 +203,5 @@ class Schema(Generic[T]):
         """
         tree = to_builtin(self._checked(to_builtin(obj)))
         raw = canonical_pack({k: v for k, v in tree.items() if k not in self.omit_when_empty or v})
-        if len(raw) > self.max_bytes:
-            raise ProtocolError(
-                f"{self.what}: {len(raw)} bytes exceeds the {self.max_bytes}-byte limit",
-                code=ErrorCode.OVERSIZED,
-            )
+        _check_size(raw, self.max_bytes, self.what)
         return raw
