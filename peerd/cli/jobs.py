@@ -14,7 +14,7 @@ from typing import Any
 
 import click
 
-from peerd.cli.options import DAEMON, CliError, call, client, command, config_options, resolve_job
+from peerd.cli.options import DAEMON, CliError, call, client, command, config_options
 from peerd.cli.render import console, follow_job, jobs_table
 from peerd.config import load_config
 from peerd.errors import PeerdError
@@ -79,7 +79,7 @@ def submit(spec_file: str, wait: bool, as_json: bool, config_file: str | None, *
 def cancel(job_id: str, reason: str, config_file: str | None, **overrides: Any) -> None:
     """Cancel job ID (or a unique prefix of it). Only the job's owner may: exit code 1 with NOT_OWNER otherwise."""
     daemon = client(config_file, overrides)
-    result = call(daemon, "cancel", job_id=resolve_job(daemon, job_id), reason=reason)
+    result = call(daemon, "cancel", job_id=job_id, reason=reason)
     click.echo(f"job {result['job_id']} is {result['state']}" + ("" if result["changed"] else " (already)"))
 
 
@@ -139,7 +139,7 @@ def fetch(
 
     config = load_config(config_file, overrides).resolved()
     daemon = client(config_file, overrides)
-    view = call(daemon, "job_status", job_id=resolve_job(daemon, job_id))
+    view = call(daemon, "job_status", job_id=job_id)
     spec = parse_job_spec(view["spec_mapping"])
     search = [Path(str(config.home)) / "checkpoints", *(Path(r) for r in roots)]
     try:

@@ -19,9 +19,6 @@ if TYPE_CHECKING:
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_STARTUP = 0, 1, 2, 3
 
-# The shortest job-id prefix the daemon resolves (peerd.jobs.views.resolve_job_id).
-JOB_ID_MIN_PREFIX = 4
-
 # The flags of commands that only talk to the local daemon.
 DAEMON = ("home", "control_socket")
 
@@ -114,26 +111,3 @@ def call(daemon: Any, method: str, **params: Any) -> Any:
     except PeerdError as exc:
         code = EXIT_USAGE if exc.code == ErrorCode.CONFIG_INVALID else EXIT_FAILED
         raise CliError(str(exc), code) from None
-
-
-def resolve_job(daemon: Any, text: str) -> str:
-    """The full id of the job ``text`` names (an id or a prefix); a usage error naming the problem otherwise.
-
-    A prefix that matches no listed job goes to the daemon as it is: the daemon reads the DHT
-    again before it says that no such job is known.
-    """
-    if len(text) < JOB_ID_MIN_PREFIX:
-        raise CliError(
-            f"job id prefix {text!r} is too short: give at least {JOB_ID_MIN_PREFIX} characters "
-            "(peerd jobs lists the ids)",
-            EXIT_USAGE,
-        )
-    known = [view["job_id"] for view in call(daemon, "jobs")]
-    matches = [job_id for job_id in known if job_id.startswith(text)]
-    if text in known or not matches:
-        return text
-    if len(matches) > 1:
-        raise CliError(
-            f"job id prefix {text!r} is ambiguous: it matches " + ", ".join(sorted(matches)), EXIT_USAGE
-        )
-    return matches[0]

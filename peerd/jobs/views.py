@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from statistics import median
 from typing import Any
 
+from peerd.errors import ConfigError
 from peerd.jobs.planner import JobPlanner, commit_view
 from peerd.jobs.records import TERMINAL, JobRecord, JobState, Progress, TaskState
 from peerd.jobs.runner import TaskletRunner
@@ -55,14 +56,26 @@ def effective_state(entry: JobEntry, now: float) -> JobState:
     return JobState.PLANNING if now >= rec.epoch0_start else JobState.PENDING
 
 
+JOB_ID_MIN_PREFIX = 4
+"""The shortest job-id prefix resolved: 16 bits, so a few hundred jobs rarely share one."""
+
+
 def resolve_job_id(text: str, known: Any) -> str | None:
-    """The known job id ``text`` names: the full id or a unique prefix (at least 4 characters)."""
+    """The known job id ``text`` names (the full id or a unique prefix); None if it names no known job.
+
+    ``ConfigError`` for a prefix too short to resolve, or one that matches several jobs (naming them).
+    """
     if text in known:
         return text
-    if len(text) < 4:
-        return None
-    matches = [job_id for job_id in known if job_id.startswith(text)]
-    return matches[0] if len(matches) == 1 else None
+    if len(text) < JOB_ID_MIN_PREFIX:
+        raise ConfigError(
+            "job_id",
+            f"prefix {text!r} is too short: give at least {JOB_ID_MIN_PREFIX} characters (peerd jobs lists the ids)",
+        )
+    matches = sorted(job_id for job_id in known if job_id.startswith(text))
+    if len(matches) > 1:
+        raise ConfigError("job_id", f"prefix {text!r} is ambiguous: it matches {', '.join(matches)}")
+    return matches[0] if matches else None
 
 
 def spec_summary(spec: JobSpec) -> dict[str, Any]:

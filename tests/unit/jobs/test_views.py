@@ -5,8 +5,11 @@ from __future__ import annotations
 from types import SimpleNamespace as NS
 from typing import Any
 
+import pytest
+
+from peerd.errors import ConfigError
 from peerd.jobs.records import JobState, TaskState
-from peerd.jobs.views import JobEntry, effective_state, progress_summary
+from peerd.jobs.views import JOB_ID_MIN_PREFIX, JobEntry, effective_state, progress_summary, resolve_job_id
 from peerd.sched.allocation import Allocation
 
 ALLOC = Allocation.from_plain([["QmA", "QmB"], ["QmC", "QmD"]])
@@ -76,3 +79,25 @@ def test_progress_summary_folds_the_tasklets() -> None:
         "bytes": {},
         "tasklets": [],
     }
+
+
+JOBS = ["3f9a1c2e" + "0" * 24, "3f9a7d00" + "1" * 24, "77aa5500" + "2" * 24]
+
+
+def test_a_job_id_or_a_unique_prefix_resolves_and_an_unknown_one_is_none():
+    assert resolve_job_id(JOBS[1], JOBS) == JOBS[1]
+    assert resolve_job_id("77aa", JOBS) == JOBS[2]
+    assert resolve_job_id("3f9a1", JOBS) == JOBS[0]
+    assert resolve_job_id("beef", JOBS) is None
+
+
+@pytest.mark.parametrize(
+    ("prefix", "says"),
+    [("3f9", f"too short: give at least {JOB_ID_MIN_PREFIX} characters"), ("3f9a", "ambiguous: it matches")],
+)
+def test_a_short_or_ambiguous_prefix_says_so(prefix: str, says: str):
+    with pytest.raises(ConfigError) as info:
+        resolve_job_id(prefix, JOBS)
+    assert info.value.field == "job_id" and says in info.value.detail
+    if "ambiguous" in says:
+        assert JOBS[0] in info.value.detail and JOBS[1] in info.value.detail
