@@ -106,6 +106,7 @@ def demo(
     peer_options = [{"region": regions[i * 2 // size]} for i in range(size)]
     started = time.monotonic()
     swarm = LocalSwarm(size, workdir, options=options, peer_options=peer_options, ready_timeout=timeout)
+    succeeded = False
     try:
         console.print(f"starting {size} daemons on loopback (state in {workdir}) ...")
         swarm.start()  # PeerUnavailable reaches main: exit code 3
@@ -136,12 +137,13 @@ def demo(
             console.print(render_status(view))
         if summary is not None and summary["state"] != "done":
             raise CliError(f"the demo job ended {summary['state']}; logs are in {workdir}")
+        succeeded = True
     finally:  # also on Ctrl-C, which main() then reports as "Aborted." (exit code 130)
         console.print("shutting the swarm down ...")
         swarm.close()
-        if not keep and root is None:
+        if succeeded and not keep and root is None:
             shutil.rmtree(workdir, ignore_errors=True)
-        elif keep:
+        elif keep or not succeeded:  # a failed demo keeps its logs for the error message to point at
             console.print(f"state and logs kept in {workdir}")
     console.print(f"done in {time.monotonic() - started:.1f} s")
 

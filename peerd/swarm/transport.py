@@ -52,6 +52,9 @@ __all__ = [
 
 logger = get_logger(__name__)
 
+# How p2pd refuses a stream to a peer that is reachable but has no handler for the protocol.
+_NOT_SERVED = "protocols not supported"
+
 SERVER_LINGER_S = 2.0  # a served stream waits this long for the opener to close first (see Connection.close)
 
 Handler = Callable[["Connection"], Awaitable[None]]
@@ -320,10 +323,8 @@ class Transport:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         last_error, code = "no attempt fit in the timeout", ErrorCode.TIMEOUT
-        for attempt in range(max(1, self.retry.attempts)):
-            left = deadline - loop.time()
-            if left <= 0:
-                break
+        attempt = 0
+        while (left := deadline - loop.time()) > 0:
             try:
                 async with asyncio.timeout(left):
                     _info, reader, writer = await self.p2p.call_binary_stream_handler(peer_id, protocol)
@@ -333,7 +334,11 @@ class Transport:
             except (P2PDaemonError, ConnectionError, OSError) as exc:
                 last_error, code = str(exc), ErrorCode.PEER_UNAVAILABLE
                 pause = self.bans.backoff(attempt)
-                if attempt + 1 >= self.retry.attempts or loop.time() + pause >= deadline:
+                attempt += 1
+                # The peer is up but serves no handler for the protocol yet (a pipeline neighbour that
+                # adopts the same commit one poll later): that is worth the whole timeout, not 3 tries.
+                not_served_yet = _NOT_SERVED in last_error
+                if (attempt >= self.retry.attempts and not not_served_yet) or loop.time() + pause >= deadline:
                     break
                 logger.debug("connect %s %s failed (%s); retry in %.2f s", peer_id, protocol, exc, pause)
                 await asyncio.sleep(pause)

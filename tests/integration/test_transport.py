@@ -237,6 +237,29 @@ def test_recv_timeout_is_typed_and_the_connection_survives(swarm: Swarm):
     assert code == ErrorCode.TIMEOUT and n == 5
 
 
+def test_connect_waits_for_a_protocol_the_peer_starts_serving_late(swarm: Swarm):
+    """A pipeline neighbour registers its handler when it adopts the commit, maybe a poll after us."""
+
+    async def answer(conn: Connection) -> None:
+        header, _ = await conn.recv(timeout=10)
+        await conn.send({"kind": "late-answer", "got": header["kind"]})
+
+    async def go():
+        connecting = asyncio.ensure_future(swarm.client.connect(swarm.a.peer_id, "test/late/1", timeout=20))
+        # the handler comes after more failed tries than RetryPolicy.attempts (2 here) take
+        await asyncio.sleep(1.5)
+        await swarm.server.serve("test/late/1", answer)
+        conn = await connecting
+        try:
+            return await conn.request({"kind": "hello"}, timeout=10)
+        finally:
+            await conn.close(timeout=1.0)
+            await swarm.server.stop_serving("test/late/1")
+
+    header, _ = swarm.run(go())
+    assert header == {"kind": "late-answer", "got": "hello"}
+
+
 def test_connect_to_missing_protocol_or_peer_fails_typed_then_bans(swarm: Swarm):
     async def go():
         with pytest.raises(PeerUnavailable):
