@@ -159,7 +159,6 @@ PEER_RECORD = Schema(
     version=PROTOCOL_VERSION,
     kind="peer",
     rules=_record_rules,
-    nil_is_absent=True,  # peer-record.md: nil in an optional field means absent
 )
 
 

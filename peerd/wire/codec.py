@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import hashlib
 import re
+import types
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from enum import Enum
 from functools import cache
-from typing import Any, Generic, TypeVar
+from typing import Annotated, Any, Generic, TypeVar, Union, get_args, get_origin
 
 import msgspec
 
@@ -128,7 +129,11 @@ def protocol_error(exc: msgspec.ValidationError, what: str) -> ProtocolError:
     path = (match.group(1).lstrip(".") if match else "") or "top level"
     detail = text[: match.start()] if match else text
     # too many items is OVERSIZED (the spec's limits on counts); a too-long string is just MALFORMED
-    code = ErrorCode.OVERSIZED if re.match(r"Expected `(array|object)` of length <=", detail) else ErrorCode.MALFORMED
+    code = (
+        ErrorCode.OVERSIZED
+        if re.match(r"Expected `(array|object)` of length <=", detail)
+        else ErrorCode.MALFORMED
+    )
     return ProtocolError(f"{what}: {path}: {detail[:1].lower()}{detail[1:]}", code=code)
 
 
@@ -151,12 +156,49 @@ def convert(m: Any, cls: type[T], *, what: str) -> T:
         raise protocol_error(exc, what) from None
 
 
-def _without_nils(tree: Any) -> Any:
-    if isinstance(tree, dict):
-        return {k: _without_nils(v) for k, v in tree.items() if v is not None}
-    if isinstance(tree, list):
-        return [_without_nils(v) for v in tree]
-    return tree
+@cache
+def _nil_plan(cls: type) -> dict[str, tuple[bool, type | None, bool]]:
+    """Per wire name of struct ``cls``: (has a default, the struct type inside it, is it a list of them)."""
+    plan = {}
+    for f in msgspec.structs.fields(cls):
+        has_default = f.default is not msgspec.NODEFAULT or f.default_factory is not msgspec.NODEFAULT
+        plan[f.encode_name] = (has_default, *_inner_struct(f.type))
+    return plan
+
+
+def _inner_struct(tp: Any) -> tuple[type | None, bool]:
+    """The struct type a field holds (itself, optionally, or as the items of a list/tuple), if any."""
+    if get_origin(tp) is Annotated:
+        tp = get_args(tp)[0]
+    if get_origin(tp) in (Union, types.UnionType):
+        inner = [_inner_struct(a) for a in get_args(tp) if a is not type(None)]
+        return inner[0] if len(inner) == 1 else (None, False)
+    if get_origin(tp) in (list, tuple) and get_args(tp):
+        item, _ = _inner_struct(get_args(tp)[0])
+        return item, item is not None
+    return (tp, False) if isinstance(tp, type) and issubclass(tp, msgspec.Struct) else (None, False)
+
+
+def without_nil_optionals(m: Any, cls: type) -> Any:
+    """``m`` without the ``nil`` values of fields of ``cls`` that have a default (protocols/README.md:
+    nil in an optional field reads as absent), at every level of nested structs. A nil in a required
+    field stays (a typed error names it); free-form maps (a job's spec) are left as they are."""
+    if not isinstance(m, dict) or not (isinstance(cls, type) and issubclass(cls, msgspec.Struct)):
+        return m
+    plan = _nil_plan(cls)
+    out = {}
+    for key, value in m.items():
+        has_default, inner, many = plan.get(key, (False, None, False))
+        if value is None and has_default:
+            continue
+        if inner is not None:
+            value = (
+                [without_nil_optionals(v, inner) for v in value]
+                if many and isinstance(value, list)
+                else (value if many else without_nil_optionals(value, inner))
+            )
+        out[key] = value
+    return out
 
 
 @dataclass(frozen=True)
@@ -176,18 +218,16 @@ class Schema(Generic[T]):
     omit_when_empty: frozenset[str] = frozenset()
     """Top-level wire names left out when their value is empty ("", [], {}): optional fields whose
     spec says absent rather than empty, where the default is not None."""
-    nil_is_absent: bool = False
-    """Read ``nil`` anywhere in a map as an absent key (so a field with a default takes it, a required
-    one is missing), for message families whose spec says so; elsewhere ``nil`` is a type error
-    unless the field is declared nullable."""
 
     def check(self, m: Mapping[str, Any]) -> T:
         """Envelope, schema, then rules, of an already unpacked map (a frame header)."""
-        check_envelope(m, what=self.what, version=self.version, kind=self.kind, version_field=self.version_field)
+        check_envelope(
+            m, what=self.what, version=self.version, kind=self.kind, version_field=self.version_field
+        )
         return self._checked(m)
 
     def _checked(self, m: Any) -> T:
-        obj = convert(_without_nils(m) if self.nil_is_absent else m, self.cls, what=self.what)
+        obj = convert(without_nil_optionals(m, self.cls), self.cls, what=self.what)
         if self.rules is not None:
             self.rules(obj)
         return obj

@@ -201,3 +201,14 @@ def test_the_manager_keeps_every_other_job_working(caplog: pytest.LogCaptureFixt
     assert [v["job_id"] for v in listed] == [good.job_id]
     assert manager.rejected.malformed >= 1
     assert any(bad_id in r.getMessage() for r in caplog.records)
+
+
+def test_nil_in_an_optional_record_field_reads_as_absent_but_the_spec_keeps_its_nils():
+    rec = record()
+    tree = to_builtin(rec)
+    tree["reason"] = None  # protocols/README.md: nil in an optional field is absent
+    assert decode_job(canonical_pack(tree)) == rec
+    spec = copy.deepcopy(rec.spec)
+    spec["data"]["seq_len"] = None  # inside the spec nil is a value, and this one is refused
+    with pytest.raises(ProtocolError, match="spec.data.seq_len"):
+        decode_job(signed_bytes(rec, spec))

@@ -15,6 +15,7 @@ from msgspec import Meta
 
 from peerd.errors import ErrorCode, ProtocolError
 from peerd.wire import Schema, WireStruct, canonical_pack, decode_map, decode_value, to_builtin
+from peerd.wire.codec import without_nil_optionals
 from peerd.wire.types import Count, Hash32, PeerId, Real
 
 
@@ -193,3 +194,22 @@ def test_decode_value_reads_a_bounded_non_map_value():
         with pytest.raises(ProtocolError) as info:
             decode_value(raw, pair, max_bytes=64, what="pair")
         assert info.value.code == code and str(info.value).startswith("pair: ")
+
+
+def test_nil_in_a_field_with_a_default_reads_as_absent_at_every_level():
+    tree = to_builtin(sample(items=[Inner(weight=1.0)]))
+    tree.update(items=[{"weight": 1.0, "note": None}], label=None)
+    assert SAMPLE.decode(independent_pack(tree)) == sample(items=[Inner(weight=1.0)])
+    tree.update(items=None)  # a defaulted list given nil: its default, here an empty list
+    with pytest.raises(ProtocolError, match="count: smaller"):  # ...which the rule then judges
+        SAMPLE.decode(independent_pack({**tree, "count": 0, "items": [{"weight": 1.0}]}))
+    assert SAMPLE.decode(independent_pack(tree)).items == []
+
+
+def test_without_nil_optionals_leaves_free_form_maps_and_required_fields_alone():
+    class Holder(WireStruct, kw_only=True):
+        spec: dict[str, object]
+        count: Count
+
+    tree = {"spec": {"seq_len": None}, "count": None}
+    assert without_nil_optionals(tree, Holder) == tree
