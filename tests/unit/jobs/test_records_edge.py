@@ -210,5 +210,5 @@ def test_nil_in_an_optional_record_field_reads_as_absent_but_the_spec_keeps_its_
     assert decode_job(canonical_pack(tree)) == rec
     spec = copy.deepcopy(rec.spec)
     spec["data"]["seq_len"] = None  # inside the spec nil is a value, and this one is refused
-    with pytest.raises(ProtocolError, match="spec.data.seq_len"):
+    with pytest.raises(ProtocolError, match=r"spec\.data\.seq_len"):
         decode_job(signed_bytes(rec, spec))
