@@ -166,7 +166,7 @@ def _decode_request(line: bytes) -> tuple[str, dict[str, Any]]:
 
 def _encode_reply(*, result: Any = None, error: PeerdError | None = None) -> bytes:
     if error is not None:
-        body = {"code": int(error.code), "name": error.code.name, "message": Exception.__str__(error)}
+        body = {"code": int(error.code), "name": error.code.name, "message": error.message}
         msg: dict[str, Any] = {"v": VERSION, "ok": False, "error": body}
     else:
         msg = {"v": VERSION, "ok": True, "result": result}

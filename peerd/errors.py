@@ -61,6 +61,11 @@ class PeerdError(Exception):
     def __str__(self) -> str:
         return f"{super().__str__()} [{self.code.name}]"
 
+    @property
+    def message(self) -> str:
+        """The text without the ``[CODE]`` suffix, for wire fields that carry the code beside it."""
+        return super().__str__()
+
 
 class ConfigError(PeerdError, ValueError):
     """Invalid user input: ``field`` is the dotted path of the offending field, ``detail`` what is wrong.

@@ -24,7 +24,7 @@ from peerd.errors import ConfigError, PeerdError
 from peerd.log import get_logger
 from peerd.pipeline import checkpoint
 from peerd.pipeline.config import TrainConfig
-from peerd.pipeline.streams import PeerRef, plain
+from peerd.pipeline.streams import PeerRef
 from peerd.pipeline.worker import Reducer, StageWorker, StepReport
 from peerd.swarm.shaper import LinkShaper, LinkSpec
 from peerd.swarm.transport import Transport, create_p2p
@@ -260,7 +260,7 @@ async def run_workers(
         result.stats[f"s{w.stage}r{w.replica}"] = w.stats.snapshot()
         result.reports.extend(w.reports)
         if isinstance(outcome, PeerdError):
-            result.errors.append(TaskletError(w.stage, w.replica, outcome.code.name, plain(outcome)))
+            result.errors.append(TaskletError(w.stage, w.replica, outcome.code.name, outcome.message))
         elif isinstance(outcome, BaseException):
             raise outcome  # a bug, not a network or input failure
     result.reports.sort(key=lambda r: (r.step, r.stage, r.replica))

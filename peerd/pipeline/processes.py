@@ -42,7 +42,6 @@ from peerd.pipeline.launch import (
     build_workers,
 )
 from peerd.pipeline.launch import resume_step as common_resume_step
-from peerd.pipeline.streams import plain
 from peerd.pipeline.worker import StageWorker, StepReport
 from peerd.swarm.node import parse_peer_id
 from peerd.swarm.shaper import LinkShaper, LinkSpec
@@ -156,7 +155,7 @@ class PeerProcesses:
                 done = await self.children[i].expect("done", timeout, collect)
             except PeerdError as exc:
                 s, r = placement.tasklet_of(i)
-                result.errors.append(TaskletError(s, r, exc.code.name, plain(exc)))
+                result.errors.append(TaskletError(s, r, exc.code.name, exc.message))
                 return
             s, r = placement.tasklet_of(i)
             result.stats[f"s{s}r{r}"] = done["stats"]
@@ -272,13 +271,13 @@ async def _run_plan(
         errors = []
         for w, outcome in zip(workers, outcomes, strict=True):
             if isinstance(outcome, PeerdError):
-                errors.append(asdict(TaskletError(w.stage, w.replica, outcome.code.name, plain(outcome))))
+                errors.append(asdict(TaskletError(w.stage, w.replica, outcome.code.name, outcome.message)))
             elif isinstance(outcome, BaseException):
                 raise outcome
         stats = workers[0].stats.snapshot() if workers else {}
         _emit("done", stats=stats, errors=errors)
     except PeerdError as exc:
-        _emit("error", code=exc.code.name, message=plain(exc))
+        _emit("error", code=exc.code.name, message=exc.message)
     finally:
         for w in workers:
             await w.close()

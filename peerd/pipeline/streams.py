@@ -293,7 +293,7 @@ class StreamReceiver:
                 logger.info("rejected a frame from %s: %s", conn.peer_id, exc)
                 seq = header.get("seq")
                 await conn.send(
-                    control_header(Nack(seq if _is_seq(seq) else -1, exc.code, plain(exc))),
+                    control_header(Nack(seq if _is_seq(seq) else -1, exc.code, exc.message)),
                     timeout=5.0,
                 )
 
@@ -366,11 +366,6 @@ class StreamReceiver:
         before = conn.bytes_sent
         await conn.send(control_header(Ack(seq)), timeout=self.config.stall_timeout_s)
         self.stats.control_bytes += conn.bytes_sent - before
-
-
-def plain(exc: BaseException) -> str:
-    """An error's message without the ``[CODE]`` suffix (the code travels in its own field)."""
-    return Exception.__str__(exc)
 
 
 def _is_seq(value: Any) -> TypeGuard[int]:

@@ -46,7 +46,6 @@ from peerd.pipeline.streams import (
     PeerRef,
     StreamReceiver,
     StreamStats,
-    plain,
     stage_protocol,
 )
 from peerd.swarm.transport import Transport
@@ -393,7 +392,7 @@ class StageWorker:
         self.inbox.fail(exc)
         for sender in (self.to_next, self.to_prev):
             if sender is not None:
-                await sender.abort(step, exc.code, plain(exc))
+                await sender.abort(step, exc.code, exc.message)
 
     # ------------------------------------------------------------------ checkpoints
 
