@@ -17,7 +17,6 @@ dotted field path (``links[0].bandwidth_mbps``), found in two rounds and reporte
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import functools
 import json
@@ -36,7 +35,6 @@ from peerd.errors import ConfigError
 
 T = TypeVar("T")
 
-_STRICT = pydantic.ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
 _UNKNOWN = {"unexpected_keyword_argument", "extra_forbidden"}
 _WANTS = {
     "int_type": "an integer",
@@ -71,8 +69,7 @@ class ConfigProblems(ConfigError):
     def __init__(self, errors: list[ConfigError], what: str = "the config", source: str = "") -> None:
         self._errors = [single for exc in errors for single in exc.errors]
         lines = "\n".join(f"  - {e.field or '<top level>'}: {e.detail}" for e in self._errors)
-        n = len(self._errors)
-        where = f"{source}: " if source else ""
+        n, where = len(self._errors), f"{source}: " if source else ""
         super().__init__("", f"{where}{n} problem{'s' * (n != 1)} in {what} [{self.code.name}]:\n{lines}")
 
     @property
@@ -95,19 +92,24 @@ class Range:
     le: float | None = None
     lt: float | None = None
 
-    def holds(self, x: float) -> bool:
-        below = (self.ge is not None and x < self.ge) or (self.gt is not None and x <= self.gt)
-        above = (self.le is not None and x > self.le) or (self.lt is not None and x >= self.lt)
-        return math.isfinite(x) and not below and not above
+    def problems(self, value: Any, path: str, alternatives: str = "") -> list[ConfigError]:
+        """Where ``value`` (a number, or nested lists of them) is out of bounds; other values are not checked."""
+        if isinstance(value, list | tuple):
+            return [p for i, v in enumerate(value) for p in self.problems(v, f"{path}[{i}]")]
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            return []
+        above = (self.ge is None or value >= self.ge) and (self.gt is None or value > self.gt)
+        below = (self.le is None or value <= self.le) and (self.lt is None or value < self.lt)
+        if math.isfinite(value) and above and below:
+            return []
+        return [ConfigError(path, f"must be {self}{alternatives}, got {value!r}")]
 
     def __str__(self) -> str:
-        lo, lo_open = (self.ge, False) if self.ge is not None else (self.gt, True)
-        hi, hi_open = (self.le, False) if self.le is not None else (self.lt, True)
+        lo, lo_op = (self.ge, ">=") if self.ge is not None else (self.gt, ">")
+        hi, hi_op = (self.le, "<=") if self.le is not None else (self.lt, "<")
         if lo is not None and hi is not None:
-            return f"in {'(' if lo_open else '['}{lo:g}, {hi:g}{')' if hi_open else ']'}"
-        if lo is not None:
-            return f"{'>' if lo_open else '>='} {lo:g}"
-        return f"{'<' if hi_open else '<='} {hi:g}"
+            return f"in {'[' if lo_op == '>=' else '('}{lo:g}, {hi:g}{']' if hi_op == '<=' else ')'}"
+        return f"{lo_op} {lo:g}" if lo is not None else f"{hi_op} {hi:g}"
 
 
 def load_mapping(path: str | Path) -> dict[str, Any]:
@@ -117,12 +119,11 @@ def load_mapping(path: str | Path) -> dict[str, Any]:
         text = path.read_text(encoding="utf-8")
     except OSError as exc:
         raise ConfigError(str(path), f"cannot read file: {exc.strerror or exc}") from None
+    kind = "JSON" if path.suffix == ".json" else "YAML"
     try:
-        data = json.loads(text) if path.suffix == ".json" else yaml.load(text, Loader=_Loader)
+        data = json.loads(text) if kind == "JSON" else yaml.load(text, Loader=_Loader)
     except (json.JSONDecodeError, yaml.YAMLError) as exc:
-        raise ConfigError(
-            str(path), f"not valid {'JSON' if path.suffix == '.json' else 'YAML'}: {exc}"
-        ) from None
+        raise ConfigError(str(path), f"not valid {kind}: {exc}") from None
     if not isinstance(data, dict):
         raise ConfigError(str(path), f"top level must be a mapping, got {type(data).__name__}")
     return data
@@ -156,30 +157,21 @@ def check(errors: list[ConfigError], what: str = "the config") -> None:
 
 def collect(cls: type[T], data: Any, path: str = "") -> tuple[T | None, list[ConfigError]]:
     """Both rounds: ``(object, every problem)``; the object is None where some value has the wrong type."""
-    obj, first, second = _collect(cls, data, path)
-    return obj, list({(e.field, e.detail): e for e in first + second}.values())
+    obj, errors = _parse(cls, data, path)
+    errors += _checks(cls, data, path, obj)
+    return obj, list({(e.field, e.detail): e for e in errors}.values())
 
 
-def _collect(cls: type[T], data: Any, path: str) -> tuple[T | None, list[ConfigError], list[ConfigError]]:
-    obj, first, unknown = _parse(cls, data, path)
-    if obj is None and unknown:  # drop the unknown keys (reported already) to check the rest
-        data = copy.deepcopy(data)
-        for *parents, key in unknown:
-            node = data
-            for k in parents:
-                node = node[k]
-            del node[key]
-        obj, more, _ = _parse(cls, data, path)
-        first += more
+def _checks(cls: Any, data: Any, path: str, obj: Any) -> list[ConfigError]:
+    """Round 2 on ``obj`` built from ``data``, or if it is None, on each dataclass-typed field that can be built."""
     if obj is not None:
-        return obj, first, problems(obj, path)
-    # Round 2 still checks each dataclass-typed field whose own values all have their types.
-    second = []
+        return problems(obj, path)
+    out: list[ConfigError] = []
     if dataclasses.is_dataclass(cls) and isinstance(data, dict):
         for name, tp in get_type_hints(cls).items():
-            if dataclasses.is_dataclass(_bare(tp)) and isinstance(data.get(name), dict):
-                second += _collect(_bare(tp), data[name], _join(path, name))[2]
-    return None, first, second
+            if dataclasses.is_dataclass(sub := _bare(tp)) and isinstance(value := data.get(name), dict):
+                out += _checks(sub, value, _join(path, name), _parse(sub, value, path)[0])
+    return out
 
 
 def problems(obj: Any, path: str = "") -> list[ConfigError]:
@@ -194,7 +186,7 @@ def problems(obj: Any, path: str = "") -> list[ConfigError]:
     bounds = [
         p
         for name, (rng, alternatives) in _ranges(type(obj)).items()
-        for p in _outside(rng, getattr(obj, name), _join(path, name), alternatives)
+        for p in rng.problems(getattr(obj, name), _join(path, name), alternatives)
     ]
     own: list[ConfigError] = []
     if callable(getattr(obj, "problems", None)):
@@ -212,60 +204,78 @@ def prefixed(path: str, exc: ConfigError) -> ConfigError:
     return ConfigError(_join(path, exc.field) if exc.field else path, exc.detail)
 
 
+@functools.cache
+def _ranges(cls: type) -> dict[str, tuple[Range, str]]:
+    """Each ``Range``-annotated field of ``cls``, with the text naming the other values it may take."""
+    out = {}
+    for name, hint in get_type_hints(cls, include_extras=True).items():
+        rng = next((m for m in getattr(hint, "__metadata__", ()) if isinstance(m, Range)), None)
+        if rng is not None:
+            options = get_args(get_args(hint)[0]) or (get_args(hint)[0],)
+            others = [repr(v) for o in options if get_origin(o) is Literal for v in get_args(o)]
+            others += ["null"] * (type(None) in options)
+            out[name] = (rng, "".join(f" or {o}" for o in others))
+    return out
+
+
 # --- round 1: pydantic, its errors in our words -------------------------------------------------
 
 
-_EDGES: dict[type, Any] = {}
+@functools.cache
+def _edge(cls: type, extra: Literal["forbid", "ignore"]) -> Any:
+    """A model holding one ``cls`` as ``value``: its config (strict, ``extra``) reaches every dataclass inside."""
+    config = pydantic.ConfigDict(strict=True, extra=extra, allow_inf_nan=False)
+    return pydantic.create_model(f"{cls.__name__}FromMapping", __config__=config, value=(cls, ...))
 
 
-def _edge(cls: type) -> Any:
-    """A model holding one ``cls`` as ``value``: its config (strict, no extra keys) reaches every dataclass inside."""
-    if cls not in _EDGES:
-        _EDGES[cls] = pydantic.create_model(
-            f"{cls.__name__}FromMapping", __config__=_STRICT, value=(cls, ...)
-        )
-    return _EDGES[cls]
-
-
-def _parse(cls: type[T], data: Any, path: str) -> tuple[T | None, list[ConfigError], list[Any]]:
-    """Round 1: ``(object or None, its errors, where the unknown keys are if nothing else is wrong)``."""
+def _parse(cls: Any, data: Any, path: str) -> tuple[Any, list[ConfigError]]:
+    """Round 1: ``(object or None, its errors)``; where only keys are unknown, the object built without them."""
     try:
         text = pydantic_core.to_json({"value": data}, inf_nan_mode="constants")
     except pydantic_core.PydanticSerializationError as exc:
-        return None, [ConfigError(path, f"holds a value YAML and JSON cannot: {exc}")], []
-    try:
-        return _edge(cls).model_validate_json(text).value, [], []
-    except pydantic.ValidationError as exc:
-        found = exc.errors(include_url=False)
+        return None, [ConfigError(path, f"holds a value YAML and JSON cannot: {exc}")]
+    errors: list[ConfigError] = []
+    for extra in ("forbid", "ignore"):
+        try:
+            return _edge(cls, extra).model_validate_json(text).value, errors
+        except pydantic.ValidationError as exc:
+            found = exc.errors(include_url=False)
+        errors += _translate(cls, found, path)
+        if any(e["type"] not in _UNKNOWN for e in found):
+            break
+    return None, errors
+
+
+def _translate(cls: Any, found: list[Any], path: str) -> list[ConfigError]:
+    """pydantic's errors in our words; a union gets one error, saying what each of its members wants."""
     errors: list[tuple[str, str]] = []
-    unions: dict[str, list[str]] = {}  # one error per union, saying what each member wants
+    unions: dict[str, list[str]] = {}
     for e in found:
-        where, tp, parent, at_union = _locate(cls, e["loc"][1:])
+        where, parent, at_union = _locate(cls, e["loc"][1:])
         if at_union and where not in unions:
             errors.append((where, e["input"]))
         if at_union:
             unions.setdefault(where, []).append(_want(e))
         else:
-            errors += _details(e, where, tp, parent)
-    out = [
+            errors += _details(e, where, parent)
+    return [
         ConfigError(_join(path, f), _wrong(" or ".join(unions[f]), d) if f in unions else d)
         for f, d in errors
     ]
-    unknown = [e["loc"][1:] for e in found if e["type"] in _UNKNOWN]
-    return None, out, unknown if len(unknown) == len(found) else []
 
 
-def _details(e: Any, where: str, tp: Any, parent: Any) -> list[tuple[str, str]]:
-    """``(field, detail)`` of one pydantic error found at ``where``, of type ``tp`` inside ``parent``."""
+def _details(e: Any, where: str, parent: Any) -> list[tuple[str, str]]:
+    """``(field, detail)`` of one pydantic error found at ``where``, a key or item of type ``parent``."""
     error = e.get("ctx", {}).get("error")
     if isinstance(error, ConfigError):  # raised by a dataclass's __post_init__
         return [(p.field, p.detail) for p in (prefixed(where, x) for x in error.errors)]
     if e["type"] in _UNKNOWN:
         return [(where, f"unknown key (allowed: {', '.join(f.name for f in dataclasses.fields(parent))})")]
-    if e["type"] == "missing" and get_origin(parent) is tuple:
-        return [(where.rpartition("[")[0], _length(parent, e["input"]))]
-    if e["type"] == "too_long" and get_origin(tp) is tuple:
-        return [(where, _length(tp, e["input"]))]
+    if e["type"] == "missing" and get_origin(parent) is tuple:  # one per missing item; collect() keeps one
+        n = len(get_args(parent))
+        return [(where.rpartition("[")[0], f"must have exactly {n} items, got {len(e['input'])}")]
+    if e["type"] == "too_long" and e["ctx"]["field_type"] == "Tuple":
+        return [(where, f"must have exactly {e['ctx']['max_length']} items, got {e['ctx']['actual_length']}")]
     if e["type"] == "missing":
         return [(where, "is required")]
     return [(where, str(error) if error is not None else _wrong(_want(e), e["input"]))]
@@ -284,12 +294,8 @@ def _wrong(want: str, value: Any) -> str:
     return f"must be {want}, got {got}"
 
 
-def _length(tp: Any, value: Any) -> str:
-    return f"must have exactly {len(get_args(tp))} items, got {len(value)}"
-
-
-def _locate(tp: Any, loc: tuple[Any, ...]) -> tuple[str, Any, Any, bool]:
-    """Dotted path of pydantic's ``loc`` in type ``tp``: ``(path, type there, its parent's, stops at a union)``.
+def _locate(tp: Any, loc: tuple[Any, ...]) -> tuple[str, Any, bool]:
+    """Dotted path of pydantic's ``loc`` in type ``tp``: ``(path, type of its parent, stops at a union)``.
 
     A union's errors carry a tag per member after its location; the path stops before them.
     """
@@ -297,19 +303,16 @@ def _locate(tp: Any, loc: tuple[Any, ...]) -> tuple[str, Any, Any, bool]:
     for key in loc:
         tp = _bare(tp)
         if get_origin(tp) in (Union, types.UnionType):
-            return path, tp, parent, True
-        parent, args = tp, get_args(tp)
-        if isinstance(key, int):
-            path += f"[{key}]"
-            fixed = get_origin(tp) is tuple and Ellipsis not in args
-            tp = (args[key] if key < len(args) else Any) if fixed else (args[0] if args else Any)
-        else:
-            path = _join(path, key)
-            if dataclasses.is_dataclass(tp):
-                tp = get_type_hints(tp).get(key, Any)
-            else:
-                tp = args[1] if get_origin(tp) is dict and args else Any
-    return path, _bare(tp), parent, False
+            return path, parent, True
+        parent, args = tp, [a for a in get_args(tp) if a is not Ellipsis]
+        path = _join(path, f"[{key}]" if isinstance(key, int) else key)
+        if dataclasses.is_dataclass(tp):
+            tp = get_type_hints(tp).get(key, Any)
+        elif get_origin(tp) is tuple and Ellipsis not in get_args(tp):  # fixed length: a type per item
+            tp = args[key] if key < len(args) else Any
+        else:  # list, tuple[X, ...], dict: the type of every item or value
+            tp = args[-1] if args else Any
+    return path, parent, False
 
 
 def _bare(tp: Any) -> Any:
@@ -321,34 +324,6 @@ def _bare(tp: Any) -> Any:
         if len(options) == 1:
             return _bare(options[0])
     return tp
-
-
-# --- round 2: bounds ---------------------------------------------------------------------------
-
-
-@functools.cache
-def _ranges(cls: type) -> dict[str, tuple[Range, str]]:
-    """Each ``Range``-annotated field of ``cls``, with the text naming the other values it may take."""
-    out = {}
-    for name, hint in get_type_hints(cls, include_extras=True).items():
-        if get_origin(hint) is not Annotated:
-            continue
-        rng = next((m for m in hint.__metadata__ if isinstance(m, Range)), None)
-        if rng is None:
-            continue
-        options = get_args(get_args(hint)[0]) or (get_args(hint)[0],)
-        others = [repr(v) for o in options if get_origin(o) is Literal for v in get_args(o)]
-        others += ["null"] * (type(None) in options)
-        out[name] = (rng, "".join(f" or {o}" for o in others))
-    return out
-
-
-def _outside(rng: Range, value: Any, path: str, alternatives: str) -> list[ConfigError]:
-    if isinstance(value, list | tuple):
-        return [p for i, v in enumerate(value) for p in _outside(rng, v, f"{path}[{i}]", "")]
-    if isinstance(value, bool) or not isinstance(value, int | float) or rng.holds(value):
-        return []
-    return [ConfigError(path, f"must be {rng}{alternatives}, got {value!r}")]
 
 
 def _join(path: str, key: str) -> str:
