@@ -185,10 +185,14 @@ async def read_body(
     limits: FrameLimits = DEFAULT_LIMITS,
     timeout: float | None = 30.0,
 ) -> tuple[Header, bytearray]:
-    """Read the header and payload announced by a prefix; the payload fills one preallocated buffer."""
+    """Read the header and payload announced by a prefix into one buffer.
+
+    The buffer grows with the bytes that actually arrive, never ahead of them: a peer that
+    announces a 1 GiB payload and sends nothing more costs nothing (glibc grows a large
+    buffer in place, so a legitimate big payload is not copied as it grows).
+    """
     header = parse_header(await _read_exactly(reader, header_len, timeout, "header"))
-    payload = bytearray(payload_len)
-    view = memoryview(payload)
+    payload = bytearray()
     offset = 0
     while offset < payload_len:
         try:
@@ -205,7 +209,7 @@ async def read_body(
             raise ProtocolError(
                 f"stream ended inside frame payload ({offset}/{payload_len} B)", code=ErrorCode.TRUNCATED
             )
-        view[offset : offset + len(chunk)] = chunk
+        payload += chunk
         offset += len(chunk)
     return header, payload
 

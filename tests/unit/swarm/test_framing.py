@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import struct
+import tracemalloc
 
 import msgpack
 import numpy as np
@@ -106,6 +107,27 @@ def test_oversized_payload_is_refused_before_the_body_arrives():
     with pytest.raises(ProtocolError) as info:
         run(go())
     assert info.value.code == ErrorCode.OVERSIZED
+
+
+@pytest.mark.parametrize(("eof", "code"), [(True, ErrorCode.TRUNCATED), (False, ErrorCode.TIMEOUT)])
+def test_a_payload_announced_but_not_sent_allocates_nothing(eof: bool, code: ErrorCode):
+    """The 58-byte attack: a frame that declares 1 GiB, sends 1 kB of it, then ends or goes quiet."""
+    header = msgpack.packb({"kind": "probe"})
+    head = struct.pack(">2sBBIQ", b"PD", 1, 0, len(header), 1 << 30) + header + bytes(1000)
+
+    async def go() -> tuple[PeerdError | None, int]:
+        tracemalloc.start()
+        try:
+            await read_frame(reader_with(head, eof=eof), limits=FrameLimits(max_payload=1 << 30), timeout=0.2)
+        except PeerdError as exc:
+            return exc, tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        return None, 0
+
+    error, peak = run(go())
+    assert error is not None and error.code == code
+    assert peak < 1 << 20  # only what arrived, not the announced 1 GiB
 
 
 def test_timeout_waiting_for_a_frame_is_typed():
