@@ -193,6 +193,10 @@ class JobManager:
                     await self.tend()
                 except PeerdError as exc:
                     logger.info("job discovery failed: %s", exc)
+                except Exception:
+                    # A bug (or bytes no check caught) must not end the loop: its finally stops every
+                    # runner of every job, and a restarted loop would meet the same input again.
+                    logger.exception("jobs round failed; the runners keep running, the next round retries")
                 self._wake.clear()
                 with contextlib.suppress(TimeoutError, asyncio.TimeoutError):
                     await asyncio.wait_for(self._wake.wait(), timeout=self.config.discover_s)
@@ -219,28 +223,36 @@ class JobManager:
             if index.owner == self.me:  # after a restart: keep listing the jobs this peer owns
                 self.my_jobs = list(dict.fromkeys([*index.job_ids, *self.my_jobs]))
         for job_id in sorted(ids | set(self.jobs)):
-            entry = self.jobs.get(job_id)
-            if entry is not None and entry.record.state in TERMINAL:
-                continue  # final: nothing changes any more
-            record = await catalog.read_job(self.store, job_id, self.rejected)
-            if record is None:
-                continue
-            entry = self.jobs.get(job_id)  # submit() may have added it meanwhile
-            if entry is None:
-                if job_id in self.unusable:
-                    continue
-                try:
-                    spec = record.job_spec()
-                except ConfigError as exc:
-                    self.unusable.add(job_id)
-                    logger.warning("job %s has a spec this peer cannot use: %s", job_id, exc)
-                    continue
-                self.jobs[job_id] = JobEntry(record, spec)
-                logger.info(
-                    "discovered job %s (%s) owned by %s", job_id, spec.name or "unnamed", record.owner
-                )
-            elif record.seq > entry.record.seq:
-                entry.record = record
+            try:
+                await self._discover_job(job_id)
+            except PeerdError:
+                raise
+            except Exception:  # one job's bad input must not hide the others
+                logger.exception("job %s: skipped in this round", job_id)
+
+    async def _discover_job(self, job_id: str) -> None:
+        entry = self.jobs.get(job_id)
+        if entry is not None and entry.record.state in TERMINAL:
+            return  # final: nothing changes any more
+        record = await catalog.read_job(self.store, job_id, self.rejected)
+        if record is None:
+            return
+        entry = self.jobs.get(job_id)  # submit() may have added it meanwhile
+        if entry is None:
+            if job_id in self.unusable:
+                return
+            try:
+                spec = record.job_spec()
+            except ConfigError as exc:
+                self.unusable.add(job_id)
+                logger.warning("job %s has a spec this peer cannot use: %s", job_id, exc)
+                return
+            self.jobs[job_id] = JobEntry(record, spec)
+            logger.info(
+                "discovered job %s (%s) owned by %s", job_id, spec.name or "unnamed", record.owner
+            )
+        elif record.seq > entry.record.seq:
+            entry.record = record
 
     async def tend(self) -> None:
         """Start, feed and stop planners and runners; the owner's duties for its own jobs."""

@@ -6,6 +6,7 @@ record while every other job keeps working (the ``data.seq_len: null`` incident 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import logging
 from collections.abc import Iterator
@@ -16,7 +17,7 @@ import pytest
 
 from peerd.errors import ErrorCode, ProtocolError
 from peerd.jobs import catalog, records
-from peerd.jobs.manager import JobManager
+from peerd.jobs.manager import JobManager, ManagerConfig
 from peerd.jobs.records import (
     JobIndex,
     JobRecord,
@@ -212,3 +213,65 @@ def test_nil_in_an_optional_record_field_reads_as_absent_but_the_spec_keeps_its_
     spec["data"]["seq_len"] = None  # inside the spec nil is a value, and this one is refused
     with pytest.raises(ProtocolError, match=r"spec\.data\.seq_len"):
         decode_job(signed_bytes(rec, spec))
+
+
+def test_a_job_whose_reading_crashes_is_skipped_and_the_others_are_still_discovered(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    dht = MemoryDHT(lambda: T + 1)
+    good, (bad, bad_id) = record(), bad_record()
+    publish(dht, good, bad, bad_id)
+    real_read = catalog.read_job
+
+    async def read_job(store: Any, job_id: str, rejected: Any) -> Any:
+        if job_id == bad_id:  # stands for a decoder bug: an exception no check anticipated
+            raise TypeError("'<' not supported between instances of 'NoneType' and 'int'")
+        return await real_read(store, job_id, rejected)
+
+    monkeypatch.setattr(catalog, "read_job", read_job)
+    manager = JobManager(dht.client(READER), "default", local=lambda: None, online=lambda: [OWNER, READER])
+
+    async def scenario() -> None:
+        try:
+            await manager.discover()
+        finally:
+            await manager.close()
+
+    with caplog.at_level(logging.ERROR, logger="peerd.jobs.manager"):
+        asyncio.run(scenario())
+    assert list(manager.jobs) == [good.job_id]
+    assert any(f"job {bad_id}: skipped" in r.getMessage() for r in caplog.records)
+
+
+def test_the_jobs_loop_survives_a_round_that_crashes(monkeypatch: pytest.MonkeyPatch) -> None:
+    dht = MemoryDHT(lambda: T + 1)
+    manager = JobManager(
+        dht.client(READER),
+        "default",
+        local=lambda: None,
+        online=lambda: [READER],
+        config=ManagerConfig(discover_s=0.01),
+    )
+    rounds: list[int] = []
+
+    async def scenario() -> None:
+        second = asyncio.Event()
+
+        async def discover() -> None:
+            rounds.append(len(rounds))
+            if len(rounds) == 1:
+                raise RuntimeError("a bug in one round")
+            second.set()
+
+        monkeypatch.setattr(manager, "discover", discover)
+        loop = asyncio.ensure_future(manager.run())
+        try:
+            await asyncio.wait_for(second.wait(), 10)  # a hang guard: the second round comes at once
+            assert not loop.done()
+        finally:
+            loop.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await loop
+
+    asyncio.run(scenario())
+    assert rounds[:2] == [0, 1]
