@@ -248,9 +248,7 @@ class JobManager:
                 logger.warning("job %s has a spec this peer cannot use: %s", job_id, exc)
                 return
             self.jobs[job_id] = JobEntry(record, spec)
-            logger.info(
-                "discovered job %s (%s) owned by %s", job_id, spec.name or "unnamed", record.owner
-            )
+            logger.info("discovered job %s (%s) owned by %s", job_id, spec.name or "unnamed", record.owner)
         elif record.seq > entry.record.seq:
             entry.record = record
 

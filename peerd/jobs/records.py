@@ -207,10 +207,9 @@ def _check_spec(spec: dict[str, Any]) -> JobSpec:
     try:
         return parse_job_spec(spec)
     except ConfigError as exc:
-        problems = getattr(exc, "errors", None) or [exc]
-        first = problems[0]
+        first = exc.errors[0]
         path = f"spec.{first.field}" if first.field else "spec"
-        why = f"{getattr(first, 'detail', first)} ({len(problems)} problem(s))"
+        why = f"{first.detail} ({len(exc.errors)} problem(s))"
         raise _bad("job record", path, why, ErrorCode.CONFIG_INVALID) from None
     except (TypeError, ValueError, AttributeError, ArithmeticError, LookupError, RecursionError) as exc:
         raise _bad("job record", "spec", f"not a job spec ({type(exc).__name__}: {exc})") from None
@@ -220,7 +219,7 @@ def _job_rules(rec: JobRecord) -> None:
     try:
         rec.timing.validate()
     except ConfigError as exc:  # names the window: timing.vote_s
-        raise _bad("job record", f"planning.{exc.field}", str(getattr(exc, "detail", exc))) from None
+        raise _bad("job record", f"planning.{exc.field}", exc.detail) from None
     _check_spec(rec.spec)
     expected = job_id_of(rec.owner, rec.spec, rec.nonce, rec.planning)
     if expected != rec.job_id:
@@ -268,6 +267,7 @@ PROGRESS = Schema(
 )
 
 # ---------------------------------------------------------------- codec
+
 
 def encode_job(rec: JobRecord) -> bytes:
     return JOB.encode(rec)

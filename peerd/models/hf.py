@@ -127,7 +127,9 @@ class HFStagedLM(LayerStack):
         if model_type == "gpt2":
             tr = _sub(model, "transformer", nn.Module)
             layers = [
-                GPT2Embedding(_sub(tr, "wte", nn.Embedding), _sub(tr, "wpe", nn.Embedding), _sub(tr, "drop", nn.Module)),
+                GPT2Embedding(
+                    _sub(tr, "wte", nn.Embedding), _sub(tr, "wpe", nn.Embedding), _sub(tr, "drop", nn.Module)
+                ),
                 *(GPT2BlockAdapter(b) for b in _sub(tr, "h", nn.ModuleList)),
             ]
             layers.append(NormHead(_sub(tr, "ln_f", nn.Module), _sub(model, "lm_head", nn.Module)))

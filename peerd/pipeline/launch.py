@@ -87,8 +87,6 @@ class Placement:
         }
 
 
-
-
 @dataclass
 class LocalPeer:
     index: int

@@ -38,7 +38,6 @@ MAX_CLOCK_SKEW_S = 10.0
 PEER_RECORD_MAX_TTL_S = 600.0
 
 
-
 class PeerState(StrEnum):
     JOINING = "joining"  # started, still profiling / probing; not schedulable yet
     ONLINE = "online"  # schedulable

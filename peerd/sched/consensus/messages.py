@@ -32,7 +32,8 @@ Id = Annotated[str, Meta(min_length=1)]
 """A job or peer id: any non-empty str (the spec sets no other bound; the byte limit bounds it)."""
 Round = Annotated[int, Meta(ge=0, le=1)]
 
-# The messages are frozen like every value the machine keeps. ``dict=True`` gives the two with a cached digest (``hash``, ``id``) the __dict__ cached_property needs.
+# The messages are frozen like every value the machine keeps. ``dict=True`` gives the two with a
+# cached digest (``hash``, ``id``) the __dict__ that cached_property needs.
 
 
 class RosterDevice(FrozenWireStruct, frozen=True):
