@@ -14,7 +14,7 @@ from typing import Any
 
 import click
 
-from peerd.cli.options import DAEMON, CliError, call, client, command, config_options
+from peerd.cli.options import DAEMON, CliError, call, client, client_of, command, config_options
 from peerd.cli.render import console, follow_job, jobs_table
 from peerd.config import load_config
 from peerd.errors import PeerdError
@@ -138,8 +138,7 @@ def fetch(
     from peerd.jobs.spec import parse_job_spec
 
     config = load_config(config_file, overrides).resolved()
-    daemon = client(config_file, overrides)
-    view = call(daemon, "job_status", job_id=job_id)
+    view = call(client_of(config), "job_status", job_id=job_id)
     spec = parse_job_spec(view["spec_mapping"])
     search = [Path(str(config.home)) / "checkpoints", *(Path(r) for r in roots)]
     try:

@@ -15,7 +15,7 @@ import click
 from peerd.errors import ErrorCode, PeerdError, PeerUnavailable
 
 if TYPE_CHECKING:
-    from peerd.config import OptionSpec
+    from peerd.config import DaemonConfig, OptionSpec
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_STARTUP = 0, 1, 2, 3
 
@@ -94,9 +94,14 @@ def config_options(only: tuple[str, ...] | None = None) -> Callable[[Callable], 
 def client(config_file: str | None, overrides: dict[str, Any], timeout: float = 30.0) -> Any:
     """A ControlClient for the daemon that ``--config``/``--home``/``--control-socket`` name."""
     from peerd.config import load_config
+
+    return client_of(load_config(config_file, overrides).resolved(), timeout)
+
+
+def client_of(config: DaemonConfig, timeout: float = 30.0) -> Any:
+    """A ControlClient for the daemon of a resolved ``config``."""
     from peerd.control import ControlClient
 
-    config = load_config(config_file, overrides).resolved()
     return ControlClient(config.control_socket, timeout=timeout)  # type: ignore[arg-type]
 
 

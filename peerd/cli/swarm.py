@@ -15,7 +15,7 @@ from typing import Any
 
 import click
 
-from peerd.cli.options import CliError, command, config_options, no_daemon
+from peerd.cli.options import CliError, client_of, command, config_options, no_daemon
 from peerd.cli.render import show_status
 from peerd.config import DaemonConfig, load_config
 from peerd.errors import PeerdError
@@ -90,9 +90,9 @@ def status(
     neither a daemon nor an initial peer answers.
     """
     config = load_config(config_file, overrides).resolved()
-    from peerd.control import ControlClient, DaemonNotRunning
+    from peerd.control import DaemonNotRunning
 
-    client = ControlClient(config.control_socket, timeout=20.0)  # type: ignore[arg-type]
+    client = client_of(config, timeout=20.0)
     if not direct:
         try:
             first = client.call("status")

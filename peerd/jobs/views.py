@@ -1,9 +1,9 @@
 """A job as one daemon knows it (``JobEntry``), its state from public records, and its JSON views.
 
-The views serve ``peerd status`` / ``peerd jobs`` / the metrics endpoint. ``progress_summary`` folds the tasklets' progress records into the job's numbers: the step
-every tasklet has completed, the loss curve of the last stage (mean over its replicas per
-step), the job's throughput, and bytes on the wire by kind with what they would have been
-uncompressed.
+The views serve ``peerd status`` / ``peerd jobs`` / the metrics endpoint. ``progress_summary``
+folds the tasklets' progress records into the job's numbers: the step every tasklet has
+completed, the loss curve of the last stage (mean over its replicas per step), the job's
+throughput, and bytes on the wire by kind with what they would have been uncompressed.
 """
 
 from __future__ import annotations
