@@ -13,9 +13,10 @@ import dataclasses
 import os
 import re
 import socket
+import types
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Annotated, Any, Literal, get_type_hints
+from typing import Annotated, Any, Literal, Union, get_args, get_origin, get_type_hints
 
 from peerd.errors import ConfigError
 from peerd.loading import Range, from_mapping, load_mapping
@@ -57,8 +58,8 @@ class DaemonConfig:
     initial_peers: list[str] = field(
         default_factory=list,
         metadata=_meta(
-            doc="Multiaddr of a running peer to join (…/p2p/<peer id>); repeat for several. "
-            "Empty: start a new swarm.",
+            doc="Multiaddr of a running peer to join (…/p2p/<peer id>); repeat for several, any one that "
+            "answers is enough. Empty: rejoin through the peers remembered in HOME, or start a new swarm.",
             metavar="MADDR",
         ),
     )
@@ -80,7 +81,8 @@ class DaemonConfig:
     home: Path | None = field(
         default=None,
         metadata=_meta(
-            doc=f"State directory: identity key, control socket. Default: ${HOME_ENV} or ~/.peerd.",
+            doc=f"State directory: identity key, control socket, the peers seen last time (a restart rejoins "
+            f"through them). Default: ${HOME_ENV} or ~/.peerd.",
             metavar="DIR",
         ),
     )
@@ -146,6 +148,22 @@ class DaemonConfig:
         metadata=_meta(
             doc="Seconds a graceful shutdown may take before the remaining components are killed.",
             metavar="SECONDS",
+        ),
+    )
+    leave_grace_s: Seconds = field(
+        default=60.0,
+        metadata=_meta(
+            doc="Seconds `peerd leave` or SIGTERM may spend handing this peer's tasklets over before the "
+            "shutdown starts; a second SIGTERM or Ctrl-C skips what is left.",
+            metavar="SECONDS",
+        ),
+    )
+    threads: Annotated[int | None, Range(ge=1)] = field(
+        default=None,
+        metadata=_meta(
+            doc="Compute threads for training (torch.set_num_threads), set once at start. Default: the cores "
+            "available to this process; give each daemon its share when several run on one machine.",
+            metavar="N",
         ),
     )
     scenario: Path | None = field(
@@ -234,6 +252,7 @@ class DaemonConfig:
             profile_cache=self.profile_cache.expanduser().absolute() if self.profile_cache else None,
             control_socket=_under(home, self.control_socket, "control.sock"),
             scenario=self.scenario.expanduser().absolute() if self.scenario else None,
+            threads=self.threads or available_cores(),
         )
         if len(os.fsencode(str(cfg.control_socket))) > MAX_SOCKET_PATH:
             raise ConfigError(
@@ -242,6 +261,13 @@ class DaemonConfig:
                 "choose a shorter home or control_socket",
             )
         return cfg
+
+
+def available_cores() -> int:
+    """CPU cores this process may run on (its affinity mask, e.g. under taskset or a container's cpuset)."""
+    if hasattr(os, "sched_getaffinity"):  # Linux; macOS and Windows lack it
+        return max(1, len(os.sched_getaffinity(0)))
+    return max(1, os.cpu_count() or 1)
 
 
 def _under(home: Path, value: Path | None, default_name: str) -> Path:
@@ -292,6 +318,10 @@ def option_specs(cls: type = DaemonConfig) -> list[OptionSpec]:
 
 
 def _kind(tp: Any) -> str:
+    if get_origin(tp) in (Union, types.UnionType):  # X | None: a flag of kind X that may be left unset
+        options = [a for a in get_args(tp) if a is not type(None)]
+        if len(options) == 1:
+            return _kind(options[0])
     text = str(tp)
     if tp is str:
         return "str"

@@ -23,6 +23,8 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import asdict, dataclass
 from typing import Any
 
+import torch
+
 from peerd import __version__
 from peerd.config import DaemonConfig
 from peerd.control import ControlServer
@@ -114,6 +116,7 @@ class Daemon:
             from peerd.swarm.profiling import resolve_device
 
             resolve_device(cfg.device)  # a device that does not exist fails before p2pd starts
+            _set_threads(cfg.threads)
             self.identity = Identity.load_or_create(cfg.identity)
             settings = NodeSettings(
                 initial_peers=cfg.initial_peers,
@@ -386,6 +389,7 @@ class Daemon:
             "home": str(self.config.home),
             "seq": self.announcer.seq if self.announcer else 0,
             "started_at": self._started_at,
+            "threads": torch.get_num_threads(),
         }
         view["stale"] = stale
         return view
@@ -411,6 +415,13 @@ class Daemon:
         logger.info("shutdown requested through the control endpoint")
         asyncio.get_running_loop().call_soon(self.request_stop)
         return {"stopping": True}
+
+
+def _set_threads(threads: int | None) -> None:
+    """Torch's intra-op thread count for this process, once, before any tasklet computes."""
+    if threads is not None and threads != torch.get_num_threads():
+        torch.set_num_threads(threads)
+    logger.info("training uses %d compute threads", torch.get_num_threads())
 
 
 # -- running as a process ---------------------------------------------------------------------------

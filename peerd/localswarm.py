@@ -153,7 +153,8 @@ class LocalSwarm:
         raise PeerUnavailable("no peer of the local swarm is running")
 
     def config_for(self, peer: LocalPeer, initial_peers: list[str]) -> DaemonConfig:
-        mapping = {"host_maddrs": [LOOPBACK], **peer.options}
+        # every daemon here shares this machine's cores: one compute thread each unless told otherwise
+        mapping = {"host_maddrs": [LOOPBACK], "threads": 1, **peer.options}
         mapping.update(name=peer.name, home=str(peer.home), initial_peers=list(initial_peers))
         mapping = {k: str(v) if isinstance(v, Path) else v for k, v in mapping.items()}
         return from_mapping(DaemonConfig, mapping)  # invalid options fail here, before any process starts

@@ -101,6 +101,7 @@ def demo(
         "refresh_interval": 3.0,
         "probe_interval": 5.0,
         "shutdown_timeout": 8.0,
+        "threads": 1,  # the daemons share this machine: one compute thread each, not all cores each
     }
     regions = ["eu-west", "us-east"]
     peer_options = [{"region": regions[i * 2 // size]} for i in range(size)]

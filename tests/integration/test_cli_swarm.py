@@ -88,6 +88,8 @@ def test_one_daemon_table_watch_and_home_lock(local_swarm, peerd_cli):
     result = peerd_cli("status", "--home", str(peer.home))
     assert result.returncode == 0, result.stderr
     assert "peer0*" in result.stdout and "ONLINE" in result.stdout and peer.info.peer_id[-8:] in result.stdout
+    # the local swarm gives each daemon one compute thread, and the daemon applied it
+    assert peer.status()["self"]["threads"] == 1 and "training uses 1 compute threads" in peer.log_tail(200)
 
     # off a terminal (click's runner is not one) no cell is cut, however narrow COLUMNS says it is
     narrow = CliRunner(env={"COLUMNS": "40"}).invoke(cli, ["status", "--home", str(peer.home)])

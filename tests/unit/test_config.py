@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import socket
 from pathlib import Path
 
@@ -82,6 +83,9 @@ def test_json_config_files_work_too(tmp_path):
         ({"probe_budget": -1}, "probe_budget", ">= 0"),
         ({"device": "tpu"}, "device", "expected auto, cpu"),
         ({"log_level": "LOUD"}, "log_level", "must be one of"),
+        ({"threads": 0}, "threads", "must be >= 1 or null, got 0"),
+        ({"threads": 2.5}, "threads", "must be an integer"),
+        ({"leave_grace_s": 0}, "leave_grace_s", "must be > 0"),
     ],
 )
 def test_bad_values_name_their_field(data, field, words):
@@ -90,6 +94,24 @@ def test_bad_values_name_their_field(data, field, words):
     assert info.value.field == field
     assert words in str(info.value)
     assert info.value.code == ErrorCode.CONFIG_INVALID
+
+
+def test_threads_default_to_the_cores_this_process_may_use(monkeypatch, tmp_path):
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 2, 5}, raising=False)
+    assert DaemonConfig(home=tmp_path).threads is None  # unset until resolved: the file keeps no guess
+    assert DaemonConfig(home=tmp_path).resolved().threads == 3
+    assert DaemonConfig(home=tmp_path, threads=1).resolved().threads == 1
+    monkeypatch.delattr(os, "sched_getaffinity", raising=False)  # macOS: no affinity call
+    monkeypatch.setattr(os, "cpu_count", lambda: 8)
+    assert DaemonConfig(home=tmp_path).resolved().threads == 8
+
+
+def test_several_initial_peers_from_a_file_list_and_from_repeated_flags(tmp_path):
+    other = PEER.replace("10.0.0.5", "10.0.0.6")
+    path = tmp_path / "peer.yaml"
+    path.write_text(f"initial_peers:\n  - {PEER}\n  - {other}\n")
+    assert load_config(path).initial_peers == [PEER, other]
+    assert load_config(path, {"initial_peers": (other,)}).initial_peers == [other]  # flags replace the list
 
 
 def test_bad_file_is_a_config_error(tmp_path):
@@ -118,6 +140,7 @@ def test_every_cli_option_is_a_documented_config_field():
     assert specs["initial_peers"].kind == "list" and specs["initial_peers"].flag == "--initial-peers"
     assert specs["record_ttl"].kind == "float" and specs["record_ttl"].default == 60.0
     assert specs["home"].kind == "path"
+    assert specs["threads"].kind == "int" and specs["threads"].default is None  # optional: unset means auto
 
 
 def test_join_flags_are_generated_from_the_config():
@@ -151,9 +174,10 @@ def test_join_flags_reach_the_config(monkeypatch, tmp_path):
         "--initial-peers",
         PEER,
     ]
-    args += ["--probe-budget", "2", "--home", str(tmp_path)]
+    args += ["--probe-budget", "2", "--home", str(tmp_path), "--threads", "3", "--leave-grace-s", "5"]
     result = CliRunner().invoke(join, args)
     assert result.exit_code == 0, result.output
     cfg = seen["cfg"]
     assert (cfg.name, cfg.record_ttl, cfg.probe_budget) == ("flagged", 30.0, 2)
+    assert (cfg.threads, cfg.leave_grace_s) == (3, 5.0)
     assert cfg.initial_peers == [PEER, PEER] and cfg.home == tmp_path
