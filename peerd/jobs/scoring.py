@@ -43,6 +43,8 @@ class JobModel:
     objective: str
     model: ModelShape
     training: TrainingSpec
+    single_stage: bool = False
+    """The model ties its embedding and head weights, which the pipeline cannot split: d_pp = 1."""
 
 
 def _ratio(bits: int | None) -> float:
@@ -57,6 +59,12 @@ def job_model(spec: JobSpec) -> JobModel:
             "model.hf", "planning Hugging Face models is not supported yet; use a built-in preset"
         )
     gpt = spec.model.gpt_config()
+    if gpt.tie_weights and spec.parallel.d_pp not in ("auto", 1):
+        raise ConfigError(
+            "parallel.d_pp",
+            f"the model ties its embedding and head weights, which cannot be split over "
+            f"{spec.parallel.d_pp} stages; set model.overrides.tie_weights: false or d_pp: 1",
+        )
     costs = layer_costs(gpt, spec.data.seq_len)
     comp = spec.compression
     forward_bits = None if comp.forward == "none" else comp.forward_bits
@@ -78,7 +86,22 @@ def job_model(spec: JobSpec) -> JobModel:
         activation_bytes=4,  # fp32 on the wire before compression
         gradient_bytes=4,
     )
-    return JobModel(spec.planning.objective, model, training)
+    return JobModel(spec.planning.objective, model, training, single_stage=gpt.tie_weights)
+
+
+def job_shapes(scenario: Scenario, jm: JobModel) -> list[Shape]:
+    """The shapes the job's tasklets can run on this roster; the planner proposes and accepts no other.
+
+    A roster larger than the shape leaves spares (``peerd`` objective; ``dtfm`` uses every
+    peer). Each replica runs ``global_batch / d_dp`` examples as whole micro-batches, so any
+    width proposed keeps the global batch. A model with tied weights runs as one stage.
+    """
+    shapes = candidate_shapes(scenario, allow_spares=jm.objective == "peerd", whole_micro_batches=True)
+    if jm.single_stage:
+        shapes = [s for s in shapes if s.d_pp == 1]
+        if not shapes:
+            raise ConfigError("parallel.d_pp", "a model with tied weights runs as one stage: no shape fits")
+    return shapes
 
 
 def roster_scenario(roster: Roster, jm: JobModel) -> Scenario:
@@ -142,8 +165,7 @@ class RosterScorer:
         key = (roster.digest, shape)
         obj = self._objectives.get(key)
         if obj is None:
-            allowed = candidate_shapes(scenario, allow_spares=self.jm.objective == "peerd")
-            if shape not in allowed:
+            if shape not in job_shapes(scenario, self.jm):
                 raise ConfigError("stages", f"shape {shape} is not allowed for this roster and job")
             obj = self._objectives[key] = make_objective(Problem(scenario), shape, self.jm.objective)
         self.evaluations += 1
@@ -160,5 +182,10 @@ class RosterScorer:
         Safe to call from the island's thread: it only reads ``scenario`` (built by ``scenario()``).
         """
         return make_island(
-            scenario, self.jm.objective, seed=seed, config=config, time_budget=max(time_budget, 0.1)
+            scenario,
+            self.jm.objective,
+            seed=seed,
+            shapes=job_shapes(scenario, self.jm),
+            config=config,
+            time_budget=max(time_budget, 0.1),
         )

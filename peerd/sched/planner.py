@@ -133,15 +133,21 @@ def make_island(
     *,
     seed: int = 0,
     shape: Shape | None = None,
+    shapes: Sequence[Shape] | None = None,
     config: SearchConfig | None = None,
     time_budget: float = 5.0,
 ) -> Island:
-    """One island for ``scenario`` (e.g. one per peer in consensus): the given shape, or the most
-    promising allowed one. Drive it with ``step``; exchange ``best(k)`` / ``accept(migrants)``."""
+    """One island for ``scenario`` (e.g. one per peer in consensus): the given ``shape``, or the
+    most promising of ``shapes`` (default: every shape ``candidate_shapes`` allows). Drive it with
+    ``step``; exchange ``best(k)`` / ``accept(migrants)``."""
     problem = Problem(scenario)
     if shape is None:
-        shapes = candidate_shapes(scenario, allow_spares=objective == "peerd")
-        obj = _screen_shapes(problem, shapes, objective, time.monotonic() + 0.2 * time_budget)[0]
+        if shapes is None:
+            shapes = candidate_shapes(scenario, allow_spares=objective == "peerd")
+        if not shapes:
+            raise ConfigError("training", "no pipeline shape to search")
+        deadline = time.monotonic() + 0.2 * time_budget
+        obj = _screen_shapes(problem, list(shapes), objective, deadline, keep=1)[0]
     else:
         obj = make_objective(problem, shape, objective)
     return Island(obj, _island_seed(seed, obj.shape), config, deadline=time.monotonic() + time_budget)
@@ -214,8 +220,10 @@ def _polish(obj: Objective, ev: Evaluation) -> Evaluation:
     return exact if exact.cost.better_than(ev.cost) else ev
 
 
-def _screen_shapes(problem: Problem, shapes: list[Shape], objective: str, deadline: float) -> list[Objective]:
-    """Objectives for the most promising shapes (all of them when there are few)."""
+def _screen_shapes(
+    problem: Problem, shapes: list[Shape], objective: str, deadline: float, keep: int = SHAPES_SEARCHED
+) -> list[Objective]:
+    """Objectives for the ``keep`` most promising shapes, best first (unranked when all are kept)."""
     objs = []
     for shape in shapes:
         try:
@@ -226,7 +234,7 @@ def _screen_shapes(problem: Problem, shapes: list[Shape], objective: str, deadli
             log.debug("shape %s skipped: %s", shape, exc)
     if not objs:
         raise ConfigError("training", "no pipeline shape is valid for this model and roster")
-    if len(objs) <= SHAPES_SEARCHED:
+    if len(objs) <= keep:
         return objs
     chains = device_chains(objs[0].pair_cost, max_cuts=1)
     scored: list[tuple[float, float, Shape, Objective]] = []
@@ -246,4 +254,4 @@ def _screen_shapes(problem: Problem, shapes: list[Shape], objective: str, deadli
         assert best is not None, "device_chains returns at least one chain"
         scored.append((best.total, best.soft, s, obj))
     scored.sort(key=lambda x: (x[0], x[1], x[2]))
-    return [x[3] for x in scored[:SHAPES_SEARCHED]]
+    return [x[3] for x in scored[:keep]]

@@ -64,43 +64,69 @@ class Problem:
         return t
 
 
-def candidate_shapes(scenario: Scenario, *, allow_spares: bool) -> list[Shape]:
-    """Shapes the training section allows for this roster (ConfigError when there are none).
+def candidate_shapes(
+    scenario: Scenario, *, allow_spares: bool, whole_micro_batches: bool | None = None
+) -> list[Shape]:
+    """Shapes the training section allows for this roster, smallest first (ConfigError when there are none).
 
-    A fixed ``d_pp``/``d_dp`` pair must use every device exactly; ``auto`` lets the
-    scheduler choose. Without spares (the ``dtfm`` yardstick) ``d_pp * d_dp == N``.
+    Without spares (the ``dtfm`` yardstick) every device holds a tasklet: ``d_pp * d_dp == N``.
+    With spares a shape needs at most N devices and the rest wait as spares; that holds for a
+    fixed ``d_pp``/``d_dp`` pair too, so a roster larger than the job's shape still plans.
+    ``whole_micro_batches`` (default: ``allow_spares``) keeps only widths whose replicas each
+    run ``global_batch / d_dp`` examples as whole micro-batches, which is what the pipeline
+    runtime can execute: a change of width then keeps the global batch and the training math.
     """
     n = len(scenario.devices)
     training = scenario.training
     if training is None:
         raise ConfigError("training", "is required to plan (batch size, d_pp, d_dp)")
+    whole = allow_spares if whole_micro_batches is None else whole_micro_batches
     layers = scenario.model.layers if scenario.model is not None else None
     fixed_pp = None if training.d_pp == "auto" else int(training.d_pp)
     fixed_dp = None if training.d_dp == "auto" else int(training.d_dp)
-    if fixed_pp is not None and fixed_dp is not None:
-        if fixed_pp * fixed_dp != n:
-            raise ConfigError(
-                "training.d_dp",
-                f"{n} devices but d_pp * d_dp = {fixed_pp} * {fixed_dp} = {fixed_pp * fixed_dp}; "
-                "fix the numbers or set one of them to auto",
-            )
-        if layers is not None and fixed_pp > layers:
-            raise ConfigError("training.d_pp", f"{fixed_pp} stages for a model of {layers} layers")
-        return [Shape(fixed_pp, fixed_dp)]
     if fixed_pp is not None and layers is not None and fixed_pp > layers:
         raise ConfigError("training.d_pp", f"{fixed_pp} stages for a model of {layers} layers")
     shapes = []
     for d_pp in [fixed_pp] if fixed_pp else range(1, n + 1):
         if layers is not None and d_pp > layers:
             break
-        dps = [fixed_dp] if fixed_dp else range(1, n // d_pp + 1)
-        for d_dp in dps:
+        for d_dp in [fixed_dp] if fixed_dp else range(1, n // d_pp + 1):
             if d_pp * d_dp > n or (not allow_spares and d_pp * d_dp != n):
                 continue
-            if allow_spares and training.global_batch % (d_dp * training.micro_batch):
-                continue  # every replica runs whole micro-batches
+            if whole and training.global_batch % (d_dp * training.micro_batch):
+                continue
             shapes.append(Shape(d_pp, d_dp))
     if not shapes:
-        field = "training.d_dp" if fixed_dp else "training.d_pp"
-        raise ConfigError(field, f"no pipeline shape fits {n} devices with these settings")
+        raise _no_shape(
+            n, fixed_pp, fixed_dp, allow_spares, whole, training.global_batch, training.micro_batch
+        )
     return shapes
+
+
+def _no_shape(
+    n: int, d_pp: int | None, d_dp: int | None, spares: bool, whole: bool, batch: int, micro: int
+) -> ConfigError:
+    """Why no shape fits, naming the setting to change."""
+    if d_pp is not None and d_dp is not None:
+        need = d_pp * d_dp
+        if need > n:
+            return ConfigError(
+                "training.d_dp",
+                f"{n} devices but d_pp * d_dp = {d_pp} * {d_dp} = {need} tasklets need {need} devices",
+            )
+        if not spares and need != n:
+            return ConfigError(
+                "training.d_dp",
+                f"{n} devices but d_pp * d_dp = {d_pp} * {d_dp} = {need} (this objective uses every "
+                "device: no spares); fix the numbers or set one of them to auto",
+            )
+    if d_dp is not None and whole and batch % (d_dp * micro):
+        return ConfigError(
+            "training.global_batch",
+            f"{batch} examples do not split into {d_dp} replicas x whole micro-batches of {micro}",
+        )
+    field = "training.d_dp" if d_dp else "training.d_pp"
+    why = f"no pipeline shape fits {n} devices with these settings"
+    if whole:
+        why += f" (d_dp must divide global_batch / micro_batch = {batch} / {micro})"
+    return ConfigError(field, why)

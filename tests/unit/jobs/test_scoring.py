@@ -1,0 +1,119 @@
+"""The job's cost model on consensus rosters larger than its shape: spares, auto shapes, runnable widths."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from peerd.errors import ConfigError
+from peerd.jobs.scoring import RosterScorer, job_model, job_shapes
+from peerd.jobs.spec import JobSpec, parse_job_spec
+from peerd.sched.allocation import Allocation
+from peerd.sched.consensus.messages import Roster, RosterDevice, RosterEntry, RosterLink
+from peerd.sched.problem import Shape
+
+PEERS = [f"Qm{c * 20}" for c in "abcdefgh"]
+
+
+def spec(d_pp: int | str, d_dp: int | str, **extra: Any) -> JobSpec:
+    mapping: dict[str, Any] = {
+        "name": "elastic",
+        "kind": "pretrain",
+        "model": {"preset": "tiny"},
+        "steps": 10,
+        "global_batch": 16,
+        "micro_batch": 4,
+        "data": {"seq_len": 32},
+        "parallel": {"d_pp": d_pp, "d_dp": d_dp},
+        "min_peers": 4,
+        "max_peers": 5,
+    }
+    mapping.update(extra)
+    return parse_job_spec(mapping)
+
+
+def roster(n: int) -> Roster:
+    """``n`` peers, the first one slow (the obvious spare), links measured one way only."""
+    peers = PEERS[:n]
+    entries = [
+        RosterEntry(
+            job="j" * 32,
+            epoch=0,
+            peer=p,
+            issued_at=0.0,
+            profile=RosterDevice(1e-5 if i == 0 else 0.2 + 0.01 * i, 8 << 30, "eu"),
+            links=tuple(RosterLink(q, 0.002 + 0.001 * j, 1e9) for j, q in enumerate(peers) if q > p),
+        )
+        for i, p in enumerate(peers)
+    ]
+    return Roster.of(0, entries)
+
+
+def search(scorer: RosterScorer, r: Roster, seed: int = 1) -> Allocation:
+    island = scorer.island(scorer.scenario(r), seed, time_budget=2.0)
+    island.step(3)
+    return island.best(1)[0]
+
+
+def test_a_fixed_two_by_two_job_on_five_peers_plans_with_one_spare() -> None:
+    s, r = spec(2, 2), roster(5)
+    scorer = RosterScorer(s)
+    alloc = search(scorer, r)
+    assert (alloc.d_pp, alloc.d_dp) == (2, 2)
+    assert alloc.spares == (PEERS[0],)  # the slow device waits
+    assert sorted([*alloc.devices, *alloc.spares]) == sorted(r.peers)
+    cost = scorer(r, alloc)
+    # another peer re-scores the candidate from the same roster: the same cost, bit for bit
+    assert RosterScorer(s)(r, alloc) == cost > 0
+    # the same tasklets with the spare swapped in for a fast peer is a different, worse allocation
+    fast = alloc.stages[0][0]
+    swapped = Allocation(
+        tuple(tuple(PEERS[0] if d == fast else d for d in stage) for stage in alloc.stages),
+        (fast,),
+        alloc.layers,
+    )
+    assert scorer(r, swapped) > cost
+
+
+def test_shapes_the_runtime_cannot_run_are_refused() -> None:
+    s, r = spec(2, 2), roster(5)
+    scorer = RosterScorer(s)
+    one_stage = Allocation(((PEERS[1], PEERS[2], PEERS[3], PEERS[4]),), (PEERS[0],))
+    with pytest.raises(ConfigError, match="shape 1x4 is not allowed"):
+        scorer(r, one_stage)
+    with pytest.raises(ConfigError, match="tasklets need 4 devices"):
+        scorer(roster(3), Allocation(((PEERS[0], PEERS[1]), (PEERS[2],))))
+
+
+def test_auto_shapes_offer_only_widths_that_keep_the_global_batch() -> None:
+    s, r = spec("auto", "auto"), roster(5)
+    scorer = RosterScorer(s)
+    shapes = job_shapes(scorer.scenario(r), scorer.jm)
+    assert {sh.d_dp for sh in shapes} == {1, 2, 4}  # 16 examples in whole micro-batches of 4
+    assert all(sh.active <= 5 for sh in shapes) and Shape(1, 4) in shapes
+    alloc = search(scorer, r, seed=5)
+    assert Shape(alloc.d_pp, alloc.d_dp) in shapes
+    assert len(alloc.devices) + len(alloc.spares) == 5
+    assert RosterScorer(s)(r, alloc) == scorer(r, alloc)
+    # a width of 5 would need 16 / 5 examples per replica: not proposed, and refused when offered
+    wide = Allocation((tuple(PEERS[:5]),))
+    with pytest.raises(ConfigError, match="not allowed"):
+        scorer(r, wide)
+
+
+def test_a_model_with_tied_weights_plans_one_stage() -> None:
+    tied = {"preset": "tiny", "overrides": {"tie_weights": True}}
+    with pytest.raises(ConfigError, match="ties its embedding and head"):
+        job_model(spec(2, 2, model=tied))
+    scorer = RosterScorer(spec("auto", "auto", model=tied))
+    shapes = job_shapes(scorer.scenario(roster(5)), scorer.jm)
+    assert shapes and {sh.d_pp for sh in shapes} == {1}
+
+
+def test_the_dtfm_objective_says_it_uses_every_peer() -> None:
+    s = spec(2, 2, planning={"objective": "dtfm"})
+    scorer = RosterScorer(s)
+    with pytest.raises(ConfigError, match="uses every device"):
+        job_shapes(scorer.scenario(roster(5)), scorer.jm)
+    assert job_shapes(scorer.scenario(roster(4)), scorer.jm) == [Shape(2, 2)]
