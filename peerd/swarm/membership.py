@@ -8,16 +8,21 @@ loss) vanishes when its entry expires; a graceful leave publishes OFFLINE first,
 so the others notice at once. ``fetch_peers`` reads the key and keeps only
 entries that pass ``check_peer_entry`` (signature binding, schema, freshness);
 ``peers_view`` turns them into the JSON table that ``peerd status`` shows.
+``KnownPeersStore`` remembers the peers seen, in the daemon's home, for its next start.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
+import os
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
+import msgspec
 from hivemind.dht import DHT
 from hivemind.utils import get_dht_time
 
@@ -234,3 +239,173 @@ def peers_view(entries: Iterable[PeerEntry], *, now: float, self_id: str | None 
                 }
             )
     return {"now": now, "peers": peers, "links": links}
+
+
+# -- the peers remembered between runs -------------------------------------------------------------
+#
+# A daemon writes the peers it has seen to HOME/known_peers.json and, on its next start,
+# bootstraps from them as well as from --initial-peers: a swarm then outlives its first
+# peer, and a restarted volunteer needs no address. The file is local state, not a wire
+# message: JSON for a human to read, bounded, replaced atomically, and ignored with a
+# warning (never a crash) when it is corrupt, too large, or not ours.
+
+KNOWN_PEERS_FILE = "known_peers.json"
+KNOWN_PEERS_KIND = "peerd-known-peers"
+KNOWN_PEERS_VERSION = 1
+MAX_KNOWN_PEERS = 32  # enough to find a live peer after heavy churn; p2pd dials them one by one
+MAX_MADDRS_PER_PEER = 8
+MAX_KNOWN_PEERS_BYTES = 64 * 1024  # 32 peers x 8 addresses of ~100 characters fit well below this
+KNOWN_PEER_MAX_AGE_S = 7 * 24 * 3600.0  # a peer unseen for a week is not worth dialling at start
+RESAVE_S = 300.0  # rewrite an unchanged list this often, so that "seen at" stays roughly current
+
+
+class KnownPeer(msgspec.Struct, frozen=True):
+    """A peer seen in this swarm: its dialable addresses (each ending in /p2p/<peer id>) and when (Unix time)."""
+
+    peer_id: str
+    maddrs: tuple[str, ...]
+    seen_at: float
+
+
+class KnownPeersFile(msgspec.Struct, frozen=True):
+    """The file's layout; ``kind`` and ``version`` tell our file from anything else at that path."""
+
+    kind: str
+    version: int
+    swarm: str
+    peers: tuple[KnownPeer, ...] = ()
+
+
+def _dialable(peer_id: str, maddrs: Iterable[str]) -> tuple[str, ...]:
+    """``maddrs`` that end in this peer's /p2p/ id (appended where missing), deduplicated, at most 8."""
+    out: list[str] = []
+    for maddr in maddrs:
+        if not maddr.startswith("/") or any(c.isspace() for c in maddr):
+            continue
+        _, sep, tail = maddr.rpartition("/p2p/")
+        full = maddr if sep and tail == peer_id else (f"{maddr}/p2p/{peer_id}" if not sep else "")
+        if full and full not in out:
+            out.append(full)
+    return tuple(out[:MAX_MADDRS_PER_PEER])
+
+
+def remember_peers(
+    known: Iterable[KnownPeer], seen: Iterable[PeerRecord], *, self_id: str, now: float
+) -> tuple[KnownPeer, ...]:
+    """The known list after seeing ``seen`` at ``now``: newest first, without this peer, bounded, fresh."""
+    merged: dict[str, KnownPeer] = {}
+    for peer in known:
+        if now - peer.seen_at <= KNOWN_PEER_MAX_AGE_S:
+            merged[peer.peer_id] = peer
+    for record in seen:
+        maddrs = _dialable(record.peer_id, record.maddrs)
+        if maddrs:
+            merged[record.peer_id] = KnownPeer(record.peer_id, maddrs, now)
+    merged.pop(self_id, None)
+    ordered = sorted(merged.values(), key=lambda p: (-p.seen_at, p.peer_id))
+    return tuple(ordered[:MAX_KNOWN_PEERS])
+
+
+def bootstrap_peers(configured: Iterable[str], known: Iterable[KnownPeer]) -> list[str]:
+    """Where to bootstrap: the configured initial peers first, then the remembered ones, each address once."""
+    out = list(dict.fromkeys(configured))
+    for peer in known:
+        out += [m for m in peer.maddrs if m not in out]
+    return out
+
+
+class KnownPeersStore:
+    """``HOME/known_peers.json`` of one swarm: ``load()`` at start, ``update()`` as peers are seen."""
+
+    def __init__(self, path: Path, swarm: str) -> None:
+        self.path = path
+        self.swarm = swarm
+        self.peers: tuple[KnownPeer, ...] = ()
+        self._saved: tuple[tuple[str, tuple[str, ...]], ...] | None = None  # what the file holds, less times
+        self._saved_at = -math.inf
+
+    def load(self) -> tuple[KnownPeer, ...]:
+        """The remembered peers; an absent file is none, a bad or foreign one is none with a warning."""
+        self.peers = self._read()
+        self._saved = _content(self.peers)
+        return self.peers
+
+    def _read(self) -> tuple[KnownPeer, ...]:
+        try:
+            with open(self.path, "rb") as fh:
+                raw = fh.read(MAX_KNOWN_PEERS_BYTES + 1)
+        except FileNotFoundError:
+            return ()
+        except OSError as exc:
+            logger.warning("cannot read the remembered peers in %s (%s); ignoring them", self.path, exc)
+            return ()
+        if len(raw) > MAX_KNOWN_PEERS_BYTES:
+            logger.warning(
+                "%s is larger than %d bytes, so not a file peerd wrote; ignoring it",
+                self.path,
+                MAX_KNOWN_PEERS_BYTES,
+            )
+            return ()
+        try:
+            doc = msgspec.json.decode(raw, type=KnownPeersFile)
+        except msgspec.DecodeError as exc:  # ValidationError is a subclass: wrong types name their field
+            logger.warning("%s is not a readable peers list (%s); ignoring it", self.path, exc)
+            return ()
+        if doc.kind != KNOWN_PEERS_KIND:
+            logger.warning("%s is a %r file, not peerd's remembered peers; ignoring it", self.path, doc.kind)
+            return ()
+        if doc.version != KNOWN_PEERS_VERSION:
+            logger.warning(
+                "%s has format version %d (this peerd reads %d); ignoring it",
+                self.path,
+                doc.version,
+                KNOWN_PEERS_VERSION,
+            )
+            return ()
+        if doc.swarm != self.swarm:
+            logger.warning(
+                "%s remembers peers of swarm %r, not %r; ignoring them", self.path, doc.swarm, self.swarm
+            )
+            return ()
+        peers = [KnownPeer(p.peer_id, _dialable(p.peer_id, p.maddrs), p.seen_at) for p in doc.peers]
+        return tuple(p for p in peers if p.maddrs and math.isfinite(p.seen_at))[:MAX_KNOWN_PEERS]
+
+    def update(self, seen: Iterable[PeerRecord], *, self_id: str, now: float) -> bool:
+        """Merge ``seen``; True when the file should be rewritten (new peers or addresses, or it is old)."""
+        self.peers = remember_peers(self.peers, seen, self_id=self_id, now=now)
+        return _content(self.peers) != self._saved or now - self._saved_at >= RESAVE_S
+
+    def save(self, now: float) -> None:
+        """Replace the file atomically (temporary file, fsync, rename): a crash leaves the old or the new list."""
+        peers = self.peers
+        doc = KnownPeersFile(KNOWN_PEERS_KIND, KNOWN_PEERS_VERSION, self.swarm, peers)
+        data = msgspec.json.format(msgspec.json.encode(doc), indent=1)
+        tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
+        try:
+            with open(tmp, "wb") as fh:
+                fh.write(data)
+                fh.flush()
+                os.fsync(fh.fileno())
+            os.replace(tmp, self.path)
+            _fsync_dir(self.path.parent)
+        except OSError as exc:
+            logger.warning("cannot save the remembered peers to %s: %s", self.path, exc)
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+            return
+        self._saved, self._saved_at = _content(peers), now
+        logger.debug("remembered %d peers in %s", len(peers), self.path)
+
+
+def _content(peers: Iterable[KnownPeer]) -> tuple[tuple[str, tuple[str, ...]], ...]:
+    return tuple(sorted((p.peer_id, p.maddrs) for p in peers))
+
+
+def _fsync_dir(directory: Path) -> None:
+    """Make a rename durable (POSIX); where directories cannot be opened (Windows) the rename must do."""
+    with contextlib.suppress(OSError):
+        fd = os.open(directory, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
