@@ -33,6 +33,7 @@ MAX_PROGRESS_BYTES = 8 * 1024
 MAX_INDEX_IDS = 64  # job ids one owner lists; older ones drop out of the index first
 MAX_LOSS_POINTS = 128  # loss history a progress record carries (downsampled beyond it)
 MAX_REASON_CHARS = 256
+MAX_SUSPECTS = 16  # partners one progress record may name as suspected
 NONCE_BYTES = 16
 JOB_ID_BYTES = 16  # 32 hex characters
 
@@ -58,8 +59,10 @@ TERMINAL = frozenset({JobState.DONE, JobState.FAILED, JobState.CANCELLED})
 
 class TaskState(StrEnum):
     RUNNING = "running"
+    RECOVERING = "recovering"  # its step broke (a partner vanished?): holds its state, awaits a re-plan
     DONE = "done"
-    FAILED = "failed"
+    FAILED = "failed"  # an error no re-plan fixes (the reason says which)
+    LEFT = "left"  # its peer drained it and left the swarm
 
 
 class Timing(FrozenWireStruct, frozen=True):
@@ -145,6 +148,8 @@ class Progress(FrozenWireStruct, frozen=True, tag_field="kind", tag="progress"):
         default_factory=dict
     )
     reason: Reason = ""  # absent on the wire when empty
+    # partners this tasklet saw fail (stream or averaging errors); absent on the wire when empty
+    suspects: Annotated[tuple[PeerId, ...], Meta(max_length=MAX_SUSPECTS)] = ()
     version: int = msgspec.field(default=PROTOCOL_VERSION, name="v")
 
 
@@ -263,7 +268,7 @@ PROGRESS = Schema(
     version=PROTOCOL_VERSION,
     kind="progress",
     rules=_progress_rules,
-    omit_when_empty=frozenset({"reason", "losses"}),
+    omit_when_empty=frozenset({"reason", "losses", "suspects"}),
 )
 
 # ---------------------------------------------------------------- codec

@@ -68,6 +68,7 @@ class ConsensusConfig:
     faulty: int = 0  # equivocating voters tolerated; quorum = (n + faulty) // 2 + 1
     max_candidates_per_author: int = 16  # more from one author in one epoch are dropped
     cost_rtol: float = 1e-6  # claimed vs re-scored cost (same code and data: equal up to rounding)
+    replan_margin: float = 0.05  # a re-plan moves surviving tasklets only for a cost gain above this
 
     def __post_init__(self) -> None:
         self.timing.validate()
@@ -79,7 +80,21 @@ class ConsensusConfig:
             raise ConfigError("max_candidates_per_author", "must be >= 2 (one slot is kept for the final)")
         if not 0 <= self.cost_rtol < 1:
             raise ConfigError("cost_rtol", "must be in [0, 1)")
+        if not 0 <= self.replan_margin < 1:
+            raise ConfigError("replan_margin", "must be in [0, 1)")
 
     def start(self, epoch: int) -> float:
         """DHT time at which ``epoch`` starts."""
         return self.epoch0_start + epoch * self.timing.period
+
+    def epoch_at(self, now: float) -> int:
+        """The epoch running at ``now`` (0 before epoch 0)."""
+        return max(0, int((now - self.epoch0_start) // self.timing.period))
+
+    def replan_epoch(self, now: float, after: int) -> int:
+        """The epoch a re-plan decided at ``now`` joins: the first after ``after`` whose roster
+        is open for at least half its window more (an entry sent later may miss other clocks)."""
+        epoch = max(after + 1, self.epoch_at(now))
+        if now - self.start(epoch) > self.timing.roster_s / 2:
+            epoch += 1
+        return epoch

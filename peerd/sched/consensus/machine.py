@@ -13,6 +13,15 @@ them up to clock skew. Phases of an epoch (``now`` is this peer's DHT time)::
     adopt     no commit yet: round-1 vote by the adoption rule (``tally``)
     end       still no commit: NextEpoch(e + 1) and a new roster entry
 
+After a commit the machine rests until the driver calls ``replan(now)`` (a tasklet's peer
+is gone, see ``peerd.jobs.health``): it then joins the next epoch whose roster is still
+open (``ConsensusConfig.replan_epoch``) with an entry that also lists the stage state this
+peer holds (``set_held``), and runs the same phases. In such a re-plan epoch, round 0 votes
+by hysteresis over the running allocation (``tally.replan_choice``): only candidates that
+keep its depth and layer split count, and a repair that moves no surviving tasklet beats a
+reshuffle unless the reshuffle is cheaper by ``replan_margin``. Every commit of a newer
+epoch is announced, even of the same allocation: the tasklets resume from one common step.
+
 A commit happens whenever a quorum of this peer's roster view votes for one candidate in
 one round, or a verified ``CommitRecord`` arrives (also late: an older epoch's record is
 adopted while a newer epoch runs). A record from a newer epoch supersedes an older
@@ -46,6 +55,7 @@ from peerd.sched.consensus.epoch import EpochState
 from peerd.sched.consensus.messages import (
     Candidate,
     CommitRecord,
+    HeldState,
     Message,
     Roster,
     RosterDevice,
@@ -54,7 +64,7 @@ from peerd.sched.consensus.messages import (
     Vote,
     allocation_hash,
 )
-from peerd.sched.consensus.tally import adoption_choice, verify_record
+from peerd.sched.consensus.tally import adoption_choice, replan_choice, verify_record
 
 __all__ = ["ConsensusConfig", "ConsensusMachine", "ConsensusTiming", "ScoreFn"]
 
@@ -85,9 +95,12 @@ class ConsensusMachine:
         self.profile, self.links = profile, links
         self.epoch = -1  # the epoch this peer plans in; -1 until start()
         self.committed: Commit | None = None
+        self.replanning: Commit | None = None  # the running commit a re-plan repairs; None: not re-planning
+        self.held: tuple[HeldState, ...] = ()  # stage state this peer can serve (goes into roster entries)
         self.stats: Counter[str] = Counter()  # rejections and notable events, by reason
         self._epochs: dict[int, EpochState] = {}
         self._early: list[Message] = []  # arrived before start()
+        self._ahead: list[Message] = []  # of an epoch after the commit, arrived before this peer re-plans
 
     # --- driver API ----------------------------------------------------------------------
 
@@ -95,10 +108,33 @@ class ConsensusMachine:
         """Fresh measurements for the next roster entry this peer publishes."""
         self.profile, self.links = profile, links
 
+    def set_held(self, held: tuple[HeldState, ...]) -> None:
+        """The stage state this peer holds, for the roster entries it publishes from now on."""
+        self.held = tuple(sorted(held, key=lambda h: (h.stage, h.layers)))
+
+    def replan(self, now: float) -> list[Action]:
+        """Re-plan a committed job: join the next open epoch (no-op before a commit or while re-planning)."""
+        if self.committed is None or self.replanning is not None:
+            return []
+        self.replanning = self.committed
+        self.epoch = self.config.replan_epoch(now, self.committed.epoch)
+        self.stats["replan"] += 1
+        log.info(
+            "job %s: re-planning the allocation of epoch %d in epoch %d",
+            self.job,
+            self.committed.epoch,
+            self.epoch,
+        )
+        out = self._enter(self.epoch, now)
+        ahead, self._ahead = self._ahead, []
+        for msg in ahead:
+            out += self.on_message(msg, now)
+        return out + self.on_tick(now)
+
     def start(self, now: float) -> list[Action]:
         """Join the epoch running at ``now`` (as an observer if its roster has closed)."""
         assert self.epoch < 0, "start() called twice"
-        self.epoch = max(0, math.floor((now - self.config.epoch0_start) / self.config.timing.period))
+        self.epoch = self.config.epoch_at(now)
         out = self._enter(self.epoch, now)
         early, self._early = self._early, []
         for msg in early:
@@ -166,13 +202,7 @@ class ConsensusMachine:
     def propose(self, allocation: Allocation, now: float) -> list[Action]:
         """The local island's current best; published when it improves (rate-limited)."""
         es = self._epochs.get(self.epoch)
-        if (
-            es is None
-            or es.roster is None
-            or not es.participant
-            or "stop" in es.done
-            or self.committed is not None
-        ):
+        if es is None or es.roster is None or not es.participant or "stop" in es.done or not self._planning:
             return []
         allocation = allocation.canonical()
         if not set(allocation.devices) | set(allocation.spares) <= es.members:
@@ -191,7 +221,7 @@ class ConsensusMachine:
         """Take every phase transition whose deadline has passed on this peer's clock."""
         out: list[Action] = []
         t = self.config.timing
-        while self.epoch >= 0 and self.committed is None:
+        while self.epoch >= 0 and self._planning:
             es = self._epochs[self.epoch]
             at = now - es.start
             if at >= t.freeze and self._once(es, "freeze"):
@@ -207,11 +237,12 @@ class ConsensusMachine:
             ):
                 out += self._publish_best(es, now, final=False)
             if at >= t.decide and self._once(es, "decide") and es.participant and es.valid:
-                cid = min(es.valid, key=lambda c: (es.valid[c], c))
-                out += self._cast(es, 0, cid, now)
+                cid = self._round0_choice(es)
+                if cid is not None:
+                    out += self._cast(es, 0, cid, now)
             if at >= t.adopt and self._once(es, "adopt") and es.participant:
                 out += self._adopt(es, now)
-            if at < t.period or self.committed is not None:
+            if at < t.period or not self._planning:
                 break
             self.epoch += 1
             log.info(
@@ -231,7 +262,7 @@ class ConsensusMachine:
             log.info("job %s: joined epoch %d after its roster closed; observing", self.job, epoch)
             return []
         links = tuple(sorted(self.links, key=lambda x: x.peer))
-        entry = RosterEntry(self.job, epoch, self.me, now, self.profile, links)
+        entry = RosterEntry(self.job, epoch, self.me, now, self.profile, links, self.held)
         es.entries[self.me] = entry
         es.participant = True
         return [Publish("roster", entry)]
@@ -325,6 +356,7 @@ class ConsensusMachine:
 
     def _commit(self, proof: CommitRecord, now: float) -> list[Action]:
         old, cand, epoch = self.committed, proof.candidate, proof.epoch
+        self.replanning = None
         es = self._epochs.get(epoch)
         score = es.scores.get(cand.id) if es else None
         cost = score if score is not None else cand.cost  # a record from another view: the quorum's word
@@ -349,7 +381,7 @@ class ConsensusMachine:
         if cur is not None and "freeze" in cur.done and "stop" not in cur.done and cur.participant:
             cur.done.add("stop")
             out.append(StopSearch(self.epoch))
-        if old is None or old.allocation_hash != self.committed.allocation_hash:
+        if old is None or old.epoch != epoch or old.allocation_hash != self.committed.allocation_hash:
             out.append(self.committed)
         if proof.author != self.me:  # re-published under our name too: it heals DHT loss
             proof = CommitRecord(self.job, epoch, proof.round, self.me, now, cand, proof.roster, proof.votes)
@@ -359,6 +391,25 @@ class ConsensusMachine:
         return out
 
     # --- helpers -------------------------------------------------------------------------
+
+    @property
+    def _planning(self) -> bool:
+        """Whether epochs run: before the first commit, and during a re-plan."""
+        return self.committed is None or self.replanning is not None
+
+    def _round0_choice(self, es: EpochState) -> bytes | None:
+        if self.replanning is None:
+            return min(es.valid, key=lambda c: (es.valid[c], c))
+        allocations = {c: es.seen[c].allocation for c in es.valid}
+        cid = replan_choice(es.valid, allocations, self.replanning.allocation, self.config.replan_margin)
+        if cid is None:
+            self.stats["no_repair"] += 1
+            log.info(
+                "job %s epoch %d: no candidate keeps the running pipeline's shape; not voting",
+                self.job,
+                es.epoch,
+            )
+        return cid
 
     def _score(self, roster: Roster, allocation: Allocation) -> float | None:
         try:
@@ -375,8 +426,11 @@ class ConsensusMachine:
         if job != self.job:
             self._reject("other_job")
             return None
-        if self.committed is not None:
+        if self.committed is not None and epoch <= self.committed.epoch:
             self._reject("after_commit")  # only commit records of newer epochs matter now
+            return None
+        if self.committed is not None and self.replanning is None:
+            self._hold(self._ahead, msg)  # others re-plan already: this peer will follow
             return None
         if not self.epoch - 1 <= epoch <= self.epoch + 1:
             self._reject("other_epoch")

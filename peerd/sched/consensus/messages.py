@@ -52,8 +52,24 @@ class RosterLink(FrozenWireStruct, frozen=True):
     bandwidth_bps: PositiveReal  # bits per second
 
 
+MAX_HELD_STEPS = 16
+
+
+class HeldState(FrozenWireStruct, frozen=True):
+    """Training state of one stage its author can serve to others: the steps it holds, for one layer range.
+
+    A running job's roster entries carry these, so the re-plan's resume step is a function of
+    the committed roster alone (every peer derives the same one): the newest step that some
+    member holds for every stage.
+    """
+
+    stage: Count
+    layers: tuple[Count, Count]  # [start, end) of the model's layers this stage holds
+    steps: Annotated[tuple[Count, ...], Meta(max_length=MAX_HELD_STEPS)]  # ascending
+
+
 class RosterEntry(FrozenWireStruct, frozen=True, dict=True, tag_field="kind", tag="roster"):
-    """A peer's application to plan epoch ``epoch`` of job ``job``: its device and its links."""
+    """A peer's application to plan epoch ``epoch`` of job ``job``: its device, its links, the state it holds."""
 
     KIND: ClassVar[str] = "roster"
     job: Id
@@ -62,6 +78,8 @@ class RosterEntry(FrozenWireStruct, frozen=True, dict=True, tag_field="kind", ta
     issued_at: Real  # author's DHT time
     profile: RosterDevice
     links: tuple[RosterLink, ...]  # sorted by peer, at most one per peer (encode sorts them)
+    # stage state held for a re-plan (sorted by stage, layers); absent on the wire when empty
+    held: Annotated[tuple[HeldState, ...], Meta(max_length=MAX_HELD_STEPS)] = ()
     version: Literal[1] = VERSION
 
     @cached_property
@@ -193,8 +211,17 @@ def _sorted_unique(keys: list[str] | tuple[str, ...], what: str, field: str, why
 
 
 def _entry_rules(e: RosterEntry) -> None:
+    what = "consensus roster entry"
     peers = [link.peer for link in e.links]
-    _sorted_unique(peers, "consensus roster entry", "links", "must be sorted by peer, one per peer")
+    _sorted_unique(peers, what, "links", "must be sorted by peer, one per peer")
+    keys = [(h.stage, h.layers) for h in e.held]
+    if keys != sorted(set(keys)):
+        raise ProtocolError(f"{what}: held: must be sorted by (stage, layers), one per pair")
+    for i, h in enumerate(e.held):
+        if not h.layers[0] < h.layers[1]:
+            raise ProtocolError(f"{what}: held[{i}].layers: start must be below end")
+        if list(h.steps) != sorted(set(h.steps)):
+            raise ProtocolError(f"{what}: held[{i}].steps: must be ascending and unique")
 
 
 def _candidate_rules(c: Candidate, what: str = "consensus candidate", at: str = "") -> None:
@@ -214,12 +241,14 @@ def _commit_rules(r: CommitRecord) -> None:
     _candidate_rules(r.candidate, what, "candidate.")
 
 
-def _schema(cls: type[Any], what: str, rules: Callable[[Any], None] | None = None) -> Schema[Any]:
-    return Schema(cls, what, MAX_BYTES[cls.KIND], VERSION, cls.KIND, "version", rules)
+def _schema(
+    cls: type[Any], what: str, rules: Callable[[Any], None] | None = None, omit: frozenset[str] = frozenset()
+) -> Schema[Any]:
+    return Schema(cls, what, MAX_BYTES[cls.KIND], VERSION, cls.KIND, "version", rules, omit)
 
 
 SCHEMAS: dict[str, Schema[Any]] = {
-    "roster": _schema(RosterEntry, "consensus roster entry", _entry_rules),
+    "roster": _schema(RosterEntry, "consensus roster entry", _entry_rules, frozenset({"held"})),
     "candidate": _schema(Candidate, "consensus candidate", _candidate_rules),
     "vote": _schema(Vote, "consensus vote"),
     "commit": _schema(CommitRecord, "consensus commit record", _commit_rules),
@@ -232,7 +261,8 @@ SCHEMAS: dict[str, Schema[Any]] = {
 def encode(msg: Message) -> bytes:
     """Canonical bytes of ``msg`` (equal messages give equal bytes); ``ProtocolError`` where a receiver would refuse it."""
     if isinstance(msg, RosterEntry):
-        msg = replace(msg, links=tuple(sorted(msg.links, key=lambda link: link.peer)))
+        links = tuple(sorted(msg.links, key=lambda link: link.peer))
+        msg = replace(msg, links=links, held=tuple(sorted(msg.held, key=lambda h: (h.stage, h.layers))))
     elif isinstance(msg, CommitRecord):
         msg = replace(
             msg, roster=tuple(sorted(msg.roster)), votes=tuple(sorted(msg.votes, key=lambda v: v.voter))

@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
+from peerd.sched.allocation import Allocation
 from peerd.sched.consensus.messages import Candidate, CommitRecord, Vote, roster_digest
 
 
@@ -86,6 +87,35 @@ def adoption_choice(
         return min(v.cost for v in counted if v.candidate == cid)
 
     return min(tally, key=lambda cid: (-tally[cid], cost(cid), cid))
+
+
+def moved_tasklets(allocation: Allocation, previous: Allocation) -> int:
+    """Tasklets of ``allocation`` whose peer did not run that stage in ``previous``: each needs the stage's state sent."""
+    before = {p: k for k, stage in enumerate(previous.stages) for p in stage}
+    return sum(before.get(p) != k for k, stage in enumerate(allocation.stages) for p in stage)
+
+
+def replan_choice(
+    valid: dict[bytes, float], allocations: dict[bytes, Allocation], previous: Allocation, margin: float
+) -> bytes | None:
+    """Round-0 choice of a re-plan epoch: hysteresis over the running allocation ``previous``.
+
+    Only candidates that keep its pipeline depth and layer split count (the stages' state
+    can follow them). Among those within ``margin`` of the cheapest, the one moving the
+    fewest tasklets wins, then the cheaper, then the lower id: a repair that refills the
+    holes beats a reshuffle unless the reshuffle gains more than the margin. None when no
+    candidate keeps the shape (the job waits for peers instead of restarting from scratch).
+    """
+    keep = {
+        c: cost
+        for c, cost in valid.items()
+        if allocations[c].d_pp == previous.d_pp and allocations[c].layers == previous.layers
+    }
+    if not keep:
+        return None
+    best = min(keep.values())
+    near = [c for c, cost in keep.items() if cost <= best + abs(best) * margin]
+    return min(near, key=lambda c: (moved_tasklets(allocations[c], previous), keep[c], c))
 
 
 def verify_record(record: CommitRecord, faulty: int, equivocators: set[str]) -> str | None:

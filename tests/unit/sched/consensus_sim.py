@@ -89,6 +89,14 @@ def _random_allocation(rng: random.Random, peers: list[str]) -> Allocation:
     return Allocation.from_plain(stages, spares)
 
 
+def repair(previous: Allocation, roster: Roster) -> Allocation:
+    """``previous`` with every peer off ``roster`` replaced by a free roster peer (lowest name first)."""
+    alive = set(roster.peers)
+    free = sorted(alive - set(previous.devices))
+    stages = [[p if p in alive else free.pop(0) for p in stage] for stage in previous.stages]
+    return Allocation.from_plain(stages, free)
+
+
 def _neighbour(rng: random.Random, alloc: Allocation) -> Allocation:
     """Swap two devices (either may be a spare)."""
     flat = [list(s) for s in alloc.stages] + [list(alloc.spares)]
@@ -109,9 +117,10 @@ class Island:
     running: bool = True
 
     @classmethod
-    def start(cls, roster: Roster, seed: int) -> Island:
+    def start(cls, roster: Roster, seed: int, previous: Allocation | None = None) -> Island:
+        """A random start; a re-plan starts from the repair of ``previous`` (as the planner seeds it)."""
         rng = random.Random(seed)
-        alloc = _random_allocation(rng, list(roster.peers))
+        alloc = _random_allocation(rng, list(roster.peers)) if previous is None else repair(previous, roster)
         return cls(rng, roster, alloc, sim_score(roster, alloc))
 
     def step(self, tries: int) -> bool:
@@ -146,6 +155,7 @@ class SimConfig:
     faulty: int = 0
     epochs: int = 4  # simulate at most this many epochs
     search_tries: int = 6  # island moves per tick
+    replan: bool = False  # after the first commit, one allocated peer dies and the survivors re-plan
 
 
 @dataclass
@@ -166,6 +176,7 @@ class SimResult:
     survivors: list[str]  # honest peers that did not crash
     byzantine: str | None
     crashed: str | None
+    killed: str | None  # the allocated peer that died after the first commit (replan runs)
     delivered: int
     dropped: int
 
@@ -235,7 +246,9 @@ def run(seed: int, cfg: SimConfig | None = None) -> SimResult:
             if isinstance(a, Publish):
                 publish(st.name, t, a.payload)
             elif isinstance(a, StartSearch):
-                st.island = Island.start(a.roster, a.seed)
+                previous = st.machine.replanning.allocation if st.machine.replanning else None
+                st.island = Island.start(a.roster, a.seed, previous)
+                handle(st, st.machine.propose(st.island.best, t + st.offset), t)
             elif isinstance(a, Migrate) and st.island is not None:
                 st.island.migrate(a.allocation, a.cost)
             elif isinstance(a, StopSearch) and st.island is not None:
@@ -247,10 +260,13 @@ def run(seed: int, cfg: SimConfig | None = None) -> SimResult:
                 st.next_epochs.append(a.epoch)
                 st.island = None
 
+    killed: str | None = None
     horizon = conf.start(cfg.epochs)
     for p in peers:
         start = conf.epoch0_start - 2.0 + rng.uniform(0, 1.5)
         push(start, "start", p)
+    if cfg.replan:
+        push(conf.start(1) + rng.uniform(0.0, SIM_TIMING.period / 2), "kill", names[0])
     while queue:
         t, _, kind, p, data = heapq.heappop(queue)
         if t > horizon:
@@ -259,14 +275,27 @@ def run(seed: int, cfg: SimConfig | None = None) -> SimResult:
         if t >= st.crash_at:
             continue
         now = t + st.offset
-        if kind == "start":
+        if kind == "kill":
+            honest = [q for q in names if q not in (byz, crashed)]
+            committed = [peers[q].commits[-1] for q in honest if peers[q].commits]
+            if not committed:
+                continue
+            victims = [q for q in committed[0].allocation.devices if q in honest]
+            killed = rng.choice(victims)
+            peers[killed].crash_at = t
+            for q in names:  # each survivor confirms the death on its own poll, seconds apart
+                push(t + rng.uniform(2.0, 8.0), "replan", q)
+        elif kind == "replan":
+            handle(st, st.machine.replan(now), t)
+            push(t + rng.uniform(0.7, 1.3), "tick", p)
+        elif kind == "start":
             handle(st, st.machine.start(now), t)
             push(t + rng.uniform(0.7, 1.3), "tick", p)
         elif kind == "tick":
             if st.island is not None and st.island.running and st.island.step(cfg.search_tries):
                 handle(st, st.machine.propose(st.island.best, now), t)
             handle(st, st.machine.on_tick(now), t)
-            if not _settled(peers, t):
+            if not _settled(peers, t) or st.machine.replanning is not None:
                 push(t + rng.uniform(0.7, 1.3), "tick", p)
         else:
             stats["delivered"] += 1
@@ -274,8 +303,8 @@ def run(seed: int, cfg: SimConfig | None = None) -> SimResult:
             if msg is None:  # all readers get the same bytes; decode each record once
                 msg = decoded[data] = decode(data)
             handle(st, st.machine.on_message(msg, now), t)
-    survivors = [p for p in names if p not in (byz, crashed)]
-    return SimResult(peers, survivors, byz, crashed, stats["delivered"], stats["dropped"])
+    survivors = [p for p in names if p not in (byz, crashed, killed)]
+    return SimResult(peers, survivors, byz, crashed, killed, stats["delivered"], stats["dropped"])
 
 
 def _settled(peers: dict[str, PeerState], t: float) -> bool:

@@ -579,3 +579,101 @@ def test_held_messages_are_bounded() -> None:
     for i in range(consensus.MAX_HELD + 5):
         m.on_vote(replace(vote, issued_at=float(i)), T0)  # before start(): held
     assert len(m._early) == consensus.MAX_HELD and m.stats["held_full"] == 5
+
+
+# --- re-planning a running job ---------------------------------------------------------------
+
+
+def _held(stage: int, *steps: int) -> tuple:
+    from peerd.sched.consensus.messages import HeldState
+
+    return (HeldState(stage, (stage, stage + 1), steps),)
+
+
+def test_replan_is_a_no_op_before_a_commit_and_while_re_planning() -> None:
+    net = four()
+    net.start()
+    assert net.m["p0"].replan(T0 + 5) == []
+    run_epoch(net, 0)
+    first = net.m["p0"].replan(END + 1)
+    assert [a.kind for a in first if isinstance(a, Publish)] == ["roster"]
+    assert net.m["p0"].replan(END + 2) == []
+    assert net.m["p0"].stats["replan"] == 1
+
+
+def test_replan_joins_the_next_open_epoch_with_the_state_it_holds() -> None:
+    net = four()
+    net.start()
+    run_epoch(net, 0)  # committed in epoch 0 at DECIDE
+    m = net.m["p0"]
+    m.set_held(_held(0, 6, 7))
+    # Epoch 1 starts at END; its roster is open for 10 s: a re-plan 3 s in joins it,
+    # one 6 s in (past half the window) joins epoch 2.
+    acts = m.replan(END + 3)
+    entry = next(a.payload for a in acts if isinstance(a, Publish))
+    assert (entry.epoch, entry.held) == (1, _held(0, 6, 7)) and m.epoch == 1
+    late = four()
+    late.start()
+    run_epoch(late, 0)
+    late.m["p1"].replan(END + 6)
+    assert late.m["p1"].epoch == 2
+
+
+def test_a_replan_commits_the_repair_of_the_dead_peer_and_announces_it() -> None:
+    """p3 dies; p4 (a newcomer) is on the re-plan roster and fills p3's slot; the commit is a new epoch's."""
+    net = Net(["p0", "p1", "p2", "p3"])
+    net.proposals = {p: BEST for p in net.m}
+    net.start()
+    run_epoch(net, 0)
+    assert {c.allocation_hash for c in net.commits().values()} == {BEST.digest()}
+    del net.m["p3"]
+    net.held = []
+    net.m["p4"] = ConsensusMachine(JOB, "p4", net.config, score, RosterDevice(TFLOPS["p4"], 16 << 30))
+    net.log["p4"] = []
+    repaired = alloc(("p0", "p1"), ("p2", "p4"))
+    reshuffle = alloc(("p0", "p2"), ("p1", "p4"))  # dearer, and moves two survivors
+    net.proposals = {"p0": repaired, "p1": reshuffle, "p2": repaired, "p4": reshuffle}
+    net.now = END + 1
+    for p in ("p0", "p1", "p2"):
+        net.run_actions(p, net.m[p].replan(END + 1))
+    net.run_actions("p4", net.m["p4"].start(END + 1))  # a newcomer joins the epoch running now
+    for t in (FREEZE, STOP, DECIDE, ADOPT):
+        net.tick(t + TIMING.period)
+    commits = net.commits()
+    assert {c.epoch for c in commits.values()} == {1}
+    assert {c.allocation_hash for c in commits.values()} == {repaired.digest()}
+    announced = [a for a in net.of("p0", Commit)]
+    assert [c.epoch for c in announced] == [0, 1]
+    assert all(m.replanning is None for m in net.m.values())
+
+
+def test_a_replan_does_not_vote_for_a_shape_the_state_cannot_follow() -> None:
+    net = Net(["p0", "p1", "p2", "p3"])
+    net.proposals = {p: BEST for p in net.m}
+    net.start()
+    run_epoch(net, 0)
+    del net.m["p3"]
+    net.held = []
+    deeper = alloc(("p0",), ("p1",), ("p2",))  # three stages: no stage state fits it
+    net.proposals = {p: deeper for p in net.m}
+    for p in net.m:
+        net.run_actions(p, net.m[p].replan(END + 1))
+    for t in (FREEZE, STOP, DECIDE, ADOPT):
+        net.tick(t + TIMING.period)
+    assert all(m.committed.epoch == 0 and m.replanning is not None for m in net.m.values())
+    assert all(m.stats["no_repair"] == 1 for m in net.m.values())
+    votes = [a.payload for p in net.m for a in net.of(p, Publish) if a.kind == "vote"]
+    assert not [v for v in votes if v.epoch == 1]
+
+
+def test_messages_of_a_replan_epoch_wait_for_a_peer_that_has_not_re_planned_yet() -> None:
+    net = four()
+    net.start()
+    run_epoch(net, 0)
+    early = net.m["p0"].replan(END + 1)
+    entry = next(a.payload for a in early if isinstance(a, Publish))
+    before = net.m["p1"].stats["after_commit"]
+    assert net.m["p1"].on_message(entry, END + 1) == []  # held, not rejected
+    assert net.m["p1"].stats["after_commit"] == before
+    net.m["p1"].replan(END + 2)
+    assert "p0" in net.m["p1"]._epochs[1].entries

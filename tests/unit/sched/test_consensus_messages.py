@@ -202,3 +202,42 @@ def test_roster_subset() -> None:
     assert sub is not None and sub.peers == ("QmA", "QmC")
     assert ROSTER.subset(["QmA", "QmZ"]) is None
     assert ROSTER.entry("QmB") == entry("QmB") and ROSTER.entry("QmZ") is None
+
+
+def test_roster_entry_held_state_round_trips_and_is_absent_when_empty() -> None:
+    from peerd.sched.consensus.messages import HeldState, RosterDevice, RosterEntry, decode, encode
+
+    base = RosterEntry("job", 1, "p", 2.0, RosterDevice(1.0, 2), ())
+    assert b"held" not in encode(base)
+    held = (HeldState(1, (2, 4), (7,)), HeldState(0, (0, 2), (6, 7)))
+    entry = decode(encode(RosterEntry("job", 1, "p", 2.0, RosterDevice(1.0, 2), (), held)))
+    assert [h.stage for h in entry.held] == [0, 1]  # encode sorts them
+    assert entry.hash != base.hash
+
+
+@pytest.mark.parametrize(
+    ("held", "why"),
+    [
+        ([{"stage": 0, "layers": [2, 2], "steps": [1]}], "held[0].layers"),
+        ([{"stage": 0, "layers": [0, 2], "steps": [3, 1]}], "held[0].steps"),
+        ([{"stage": 0, "layers": [0, 2], "steps": [1]}] * 2, "held: must be sorted"),
+    ],
+)
+def test_roster_entry_held_state_is_checked(held: list, why: str) -> None:
+    from peerd.errors import ProtocolError
+    from peerd.sched.consensus.messages import decode
+    from peerd.wire import canonical_pack
+
+    m = {
+        "version": 1,
+        "kind": "roster",
+        "job": "job",
+        "epoch": 1,
+        "peer": "p",
+        "issued_at": 2.0,
+        "profile": {"tflops": 1.0, "memory_bytes": 2},
+        "links": [],
+        "held": held,
+    }
+    with pytest.raises(ProtocolError, match=why.replace("[", r"\[").replace("]", r"\]")):
+        decode(canonical_pack(m))

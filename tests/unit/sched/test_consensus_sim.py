@@ -12,6 +12,8 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 import consensus_sim as sim
 
+from peerd.sched.consensus.tally import moved_tasklets
+
 REGIMES = {
     # name: (config, scenarios, every survivor must commit); 200 scenarios in all
     "dht": (sim.SimConfig(), 100, True),  # missed polls, duplicates, ±3 s skew, a crash, a liar
@@ -109,3 +111,37 @@ def test_the_liar_never_gets_its_claim_accepted() -> None:
         lies = [c for c in es.received if c.author == liar]
         assert lies, "the liar published nothing"
         assert all(es.scores[c.id] is not None and c.cost < es.scores[c.id] for c in lies)
+
+
+def test_a_replan_after_a_death_converges_on_one_repair() -> None:
+    """An allocated peer dies after the commit; survivors re-plan seconds apart, on a lossy DHT.
+
+    Per epoch never two commits; every survivor ends on one newer commit without the dead
+    peer, and the repair keeps every survivor's stage unless moving it gained the margin.
+    """
+    cfg = sim.SimConfig(peers=11, crash=False, replan=True, epochs=5)
+    replans = kept = 0
+    for seed in range(30):
+        result = sim.run(seed, cfg)
+        peers, dead = result.peers, result.killed
+        assert dead is not None, f"seed {seed}: no first commit to repair"
+        by_epoch: dict[int, set[str]] = {}
+        for st in peers.values():
+            for c in st.commits:
+                by_epoch.setdefault(c.epoch, set()).add(c.allocation_hash)
+        assert all(len(h) == 1 for h in by_epoch.values()), (seed, by_epoch)
+        finals = {peers[p].commits[-1].allocation_hash for p in result.survivors}
+        assert len(finals) == 1, (seed, finals)
+        first, last = peers[result.survivors[0]].commits[0], peers[result.survivors[0]].commits[-1]
+        assert last.epoch > first.epoch and dead not in last.allocation.devices, seed
+        replans += sum(peers[p].machine.stats["replan"] for p in result.survivors)
+        # Hysteresis: the repair (one tasklet moved: the spare into the hole) wins unless the
+        # committed reshuffle is cheaper than it by more than the margin.
+        roster = _roster_of(result, last.epoch, last)
+        fixed = sim.repair(first.allocation, roster)
+        moved = moved_tasklets(last.allocation, first.allocation)
+        margin = peers[result.survivors[0]].machine.config.replan_margin
+        assert moved == 1 or last.cost * (1 + margin) < sim.sim_score(roster, fixed), (seed, moved)
+        kept += moved == 1
+    assert replans >= 30 * 9
+    assert 0 < kept < 30  # both outcomes occur: kept repairs and reshuffles worth the margin

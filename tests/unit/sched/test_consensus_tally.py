@@ -102,3 +102,20 @@ def test_the_adoption_rule_never_contradicts_a_possible_commit_exhaustively() ->
                 choice = adoption_choice(ballot({peers[i]: votes[i] for i in seen}), VIEW, members(5), 3, {})
                 if committed and choice is not None:
                     assert choice == committed[0]
+
+
+def test_replan_choice_prefers_the_repair_within_the_margin_and_keeps_the_shape() -> None:
+    from peerd.sched.allocation import Allocation
+    from peerd.sched.consensus.tally import moved_tasklets, replan_choice
+
+    prev = Allocation.from_plain([["a", "b"], ["c", "d"]])
+    repair = Allocation.from_plain([["a", "b"], ["c", "e"]])  # e fills d's slot: 1 moved
+    swap = Allocation.from_plain([["a", "c"], ["b", "e"]])  # b and c change stage: 3 moved
+    deeper = Allocation.from_plain([["a"], ["b"], ["c"]])
+    split = Allocation.from_plain([["a", "b"], ["c", "e"]], layers=(1, 3))
+    assert (moved_tasklets(repair, prev), moved_tasklets(swap, prev)) == (1, 3)
+    allocs = {b"r": repair, b"s": swap, b"d": deeper, b"l": split}
+    assert replan_choice({b"r": 10.0, b"s": 9.6}, allocs, prev, 0.05) == b"r"  # 4 % gain: keep
+    assert replan_choice({b"r": 10.0, b"s": 9.0}, allocs, prev, 0.05) == b"s"  # 10 % gain: move
+    assert replan_choice({b"r": 10.0, b"d": 1.0, b"l": 1.0}, allocs, prev, 0.05) == b"r"
+    assert replan_choice({b"d": 1.0, b"l": 1.0}, allocs, prev, 0.05) is None
