@@ -69,6 +69,9 @@ class TrainConfig:
     """Save every this many steps (0: only on clean shutdown)."""
     keep_checkpoints: int = 2
     """Checkpoints kept per stage replica (older ones are deleted after a save)."""
+    rollback: bool = False
+    """Keep a host copy of the state from before the last update, so a worker can serve the step
+    before its current one too (churn recovery: survivors one update apart resume together)."""
 
     def validate(self) -> None:
         if not self.job or len(self.job) > 64 or not set(self.job) <= _JOB_CHARS:

@@ -12,6 +12,14 @@ states and their gradients cross the network. Any typed failure aborts the step 
 worker and tells both neighbours, so the whole pipeline fails fast instead of waiting out
 timeouts. The arithmetic is that of ``peerd.pipeline.local.train_pipelined``: same layers,
 same micro-batch loss weights, same optimizer, so an uncompressed run reproduces it.
+
+State for churn recovery: a step's update (averaged gradients assigned, optimizer step,
+``self.step += 1``) is one call in the compute thread, so cancelling ``run`` or ``train_step``
+at any await never leaves a half-applied step; ``quiesce`` waits for that call to finish.
+With ``TrainConfig.rollback`` the worker keeps a host copy of the state from just before the
+last update, so it can serve both ``self.step - 1`` and ``self.step`` (``available_steps``,
+``state_at``): survivors that stopped one update apart can all resume from the older step.
+``load_state`` accepts a state from any replica of the same stage (elastic D_DP).
 """
 
 from __future__ import annotations
@@ -19,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import copy
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -57,6 +66,15 @@ class Reducer(Protocol):
     """Averages a stage's gradients over its replicas (``peerd.averaging.GroupAllReduce`` has this shape)."""
 
     async def allreduce(self, step: int, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]: ...
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """The trainable state as it was at the start of step ``step`` (host memory), before its update."""
+
+    step: int
+    module: dict[str, torch.Tensor]
+    optimizer: dict[str, Any]
 
 
 @dataclass
@@ -126,7 +144,9 @@ class StageWorker:
         self.sampler = EpochSampler(len(self.dataset), cfg.global_batch, cfg.data_seed, replicas)
         self.schedule = get_schedule(cfg.schedule)
         self.codecs = build_codecs(cfg.compression, first=self.first, last=self.last)
-        self.step = 0  # the next step to run
+        self.step = 0  # the next step to run; written only by _apply (compute thread) and load_state
+        self._snapshot: Snapshot | None = None  # rollback: the state at self.step - 1
+        self._closed = False
         self.stats = StreamStats()
         self.inbox = Inbox(self.step)
         self._ids_cache: dict[int, list[list[int]]] = {}
@@ -224,6 +244,7 @@ class StageWorker:
             await self.transport.stop_serving(self.protocol)
             self._serving = False
         self._executor.shutdown(wait=True, cancel_futures=True)
+        self._closed = True
         self.codecs.close()
 
     async def run(self, until: int | None = None) -> list[StepReport]:
@@ -304,8 +325,7 @@ class StageWorker:
         for sender in (self.to_next, self.to_prev):  # everything of this step is accepted downstream
             if sender is not None:
                 await sender.flush()
-        await self._average_and_step(step)
-        self.step = step + 1
+        await self._average_and_step(step)  # sets self.step = step + 1
         elapsed = time.perf_counter() - started
         after = self.stats.wire_bytes()
         report = StepReport(
@@ -383,9 +403,33 @@ class StageWorker:
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
         if self.reducer is not None:
             grads = await self.reducer.allreduce(step, grads)
+        await self._compute(self._apply, step, grads)
+
+    def _apply(self, step: int, grads: list[torch.Tensor]) -> None:
+        """Compute thread: the whole update of ``step``, so a cancelled await never splits it.
+
+        A cancelled caller stops waiting but this call still runs to its end (or, if it had
+        not started, not at all): ``self.step`` and the state agree either way.
+        """
+        assert self.step == step, f"update of step {step} applied at step {self.step}"
+        if self.cfg.rollback:
+            self._snapshot = Snapshot(
+                step, _host_copy(self.module.state_dict()), _host_copy(self.optimizer.state_dict())
+            )
         for p, g in zip(self.params, grads, strict=True):
             p.grad = g
-        await self._compute(self.optimizer.step)
+        self.optimizer.step()
+        self.step = step + 1
+
+    async def quiesce(self) -> None:
+        """Return once the compute thread has finished what it was running (e.g. after a cancel).
+
+        From then on ``self.step`` and the module/optimizer state agree, until the next
+        ``run``/``train_step``. Work queued but not started by a cancelled step is dropped.
+        """
+        if self._closed:
+            return  # close() waited for the thread
+        await asyncio.wrap_future(self._executor.submit(lambda: None))  # FIFO: after all before it
 
     async def _abort(self, step: int, exc: PeerdError) -> None:
         logger.warning("stage %d replica %d: step %d failed: %s", self.stage, self.replica, step, exc)
@@ -401,16 +445,34 @@ class StageWorker:
         return checkpoint.tasklet_dir(self.cfg.checkpoint_dir, self.cfg.job, self.stage, self.replica)
 
     def state_dict(self) -> dict[str, Any]:
-        epoch, batch = self.sampler.position(self.step)
+        """The live state at ``self.step`` (checkpoint format); call between steps or after ``quiesce``."""
         state_of = getattr(self.reducer, "state_dict", None)
+        return self._state(
+            self.step,
+            self.module.state_dict(),
+            self.optimizer.state_dict(),
+            codecs=self.codecs.state_dict(),  # AC-SGD buffers of both boundary sides
+            averaging=state_of() if state_of is not None else None,
+        )
+
+    def _state(
+        self,
+        step: int,
+        module: dict[str, Any],
+        optimizer: dict[str, Any],
+        *,
+        codecs: dict[str, Any] | None,
+        averaging: dict[str, Any] | None,
+    ) -> dict[str, Any]:
+        epoch, batch = self.sampler.position(step)
         return {
             "format": checkpoint.FORMAT,
             "job": self.cfg.job,
             "stage": self.stage,
             "replica": self.replica,
-            "step": self.step,
-            "module": self.module.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
+            "step": step,
+            "module": module,
+            "optimizer": optimizer,
             "data": {
                 "epoch": epoch,
                 "batch": batch,
@@ -419,15 +481,95 @@ class StageWorker:
                 "replicas": self.replicas,
                 "global_batch": self.cfg.global_batch,
             },
-            "averaging": state_of() if state_of is not None else None,
-            "codecs": self.codecs.state_dict(),  # AC-SGD buffers of both boundary sides
+            "averaging": averaging,
+            "codecs": codecs,
             "meta": {
                 "layers": [self.module.spec.start, self.module.spec.end],
-                "codec_buffers": self.codecs.buffers(),
+                "codec_buffers": self.codecs.buffers() if codecs is not None else {},
                 "compression": to_mapping(self.cfg.compression),
                 "saved_at": time.time(),
             },
         }
+
+    def available_steps(self) -> tuple[int, ...]:
+        """Steps ``state_at`` can give: ``(step,)``, or ``(step - 1, step)`` with a rollback snapshot."""
+        snap = self._snapshot
+        if snap is not None and snap.step == self.step - 1:
+            return (snap.step, self.step)
+        return (self.step,)
+
+    def state_at(self, step: int) -> dict[str, Any]:
+        """The full state at ``step`` (``state_dict`` format) for a peer or a rollback; after ``quiesce``.
+
+        For the rollback step (``self.step - 1``) ``codecs`` and ``averaging`` are None: AC-SGD
+        buffers and error-feedback residuals are not kept for it, a loader starts them empty.
+        """
+        if step == self.step:
+            return self.state_dict()
+        snap = self._snapshot
+        if snap is None or snap.step != step or step != self.step - 1:
+            raise ConfigError(
+                "step", f"state of step {step} is not kept here (have {self.available_steps()})"
+            )
+        return self._state(step, snap.module, snap.optimizer, codecs=None, averaging=None)
+
+    def load_state(self, state: dict[str, Any]) -> int:
+        """Take ``state`` (a checkpoint, or ``state_at`` of any replica of this stage); returns the next step.
+
+        Refuses (ConfigError naming the field) a state of another job, stage, layer range,
+        dataset, data seed or global batch; its replica index and replica count may differ. A
+        state without ``codecs`` leaves the AC-SGD buffers empty; error-feedback residuals are
+        taken only from this very tasklet's own state (another replica's belong to its shard).
+        """
+        self._check_state(state)
+        self.module.load_state_dict(state["module"])
+        # optimizer.load_state_dict keeps the given tensors when dtype and device match: copy,
+        # so two workers (or a worker and its snapshot) never share moment buffers
+        self.optimizer.load_state_dict(copy.deepcopy(state["optimizer"]))
+        codecs = state.get("codecs")
+        if codecs is None:
+            self.reset_codecs()
+        else:
+            self.codecs.load_state_dict(codecs)
+        load_avg = getattr(self.reducer, "load_state_dict", None)
+        same_tasklet = state["replica"] == self.replica and state["data"].get("replicas") == self.replicas
+        if state.get("averaging") is not None and load_avg is not None and same_tasklet:
+            load_avg(state["averaging"])
+        self.step = int(state["step"])
+        self._snapshot = None
+        self.inbox.advance(self.step)
+        logger.info(
+            "stage %d replica %d resumes at step %d (state of replica %s)",
+            self.stage,
+            self.replica,
+            self.step,
+            state["replica"],
+        )
+        return self.step
+
+    def _check_state(self, state: dict[str, Any]) -> None:
+        missing = [k for k in checkpoint.REQUIRED if k not in state]
+        if missing:
+            raise ConfigError(f"state.{missing[0]}", "missing: not a peerd stage state")
+        if state["format"] != checkpoint.FORMAT:
+            raise ConfigError("state.format", f"{state['format']!r}, this peerd reads {checkpoint.FORMAT}")
+        data, meta = state["data"], state["meta"]
+        expected: dict[str, tuple[Any, Any]] = {
+            "job": (state["job"], self.cfg.job),
+            "stage": (state["stage"], self.stage),
+            "meta.layers": (list(meta.get("layers") or ()), [self.module.spec.start, self.module.spec.end]),
+            "data.digest": (data.get("digest"), self.dataset.digest),
+            "data.seed": (data.get("seed"), self.cfg.data_seed),
+            "data.global_batch": (data.get("global_batch"), self.cfg.global_batch),
+        }
+        for key, (got, want) in expected.items():
+            if got != want:
+                raise ConfigError(f"state.{key}", f"{got!r} differs from this run's {want!r}")
+
+    def reset_codecs(self) -> None:
+        """Empty the AC-SGD buffers of both boundary sides (a re-plan starts every boundary empty on
+        both ends, so sender and receiver stay bit-identical); call between steps."""
+        self.codecs.load_state_dict({})
 
     async def save_checkpoint(self) -> None:
         """Atomically save this tasklet's state (in the compute thread: no step is running).
@@ -446,27 +588,15 @@ class StageWorker:
         so they resume bit-identical and examples keep travelling as deltas); a checkpoint
         without them (an older one) starts both sides empty.
         """
-        state = checkpoint.load(self._dir(), step)
-        data = state["data"]
-        expected = {
-            "digest": self.dataset.digest,
-            "replicas": self.replicas,
-            "global_batch": self.cfg.global_batch,
-        }
-        for key, value in expected.items():
-            if data.get(key) != value:
-                raise ConfigError(
-                    f"checkpoint.data.{key}", f"{data.get(key)!r} differs from this run's {value!r}"
-                )
-        if (state["job"], state["stage"], state["replica"]) != (self.cfg.job, self.stage, self.replica):
-            raise ConfigError("checkpoint_dir", "checkpoint belongs to another job or tasklet")
-        self.module.load_state_dict(state["module"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.codecs.load_state_dict(state.get("codecs") or {})
-        load_avg = getattr(self.reducer, "load_state_dict", None)
-        if state.get("averaging") is not None and load_avg is not None:
-            load_avg(state["averaging"])
-        self.step = int(state["step"])
-        self.inbox.advance(self.step)
-        logger.info("stage %d replica %d resumes at step %d", self.stage, self.replica, self.step)
-        return self.step
+        return self.load_state(checkpoint.load(self._dir(), step))
+
+
+def _host_copy(obj: Any) -> Any:
+    """``obj`` with every tensor copied to host memory (nested dicts, lists, tuples; the rest as is)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        return {k: _host_copy(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return type(obj)(_host_copy(v) for v in obj)
+    return obj

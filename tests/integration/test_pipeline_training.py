@@ -1,6 +1,7 @@
 """Pipeline training over real p2pd on loopback: 2 stages x 2 replicas match the single-process reference,
 1F1B == GPipe, AC-SGD fw4/bw8 + 8-bit gradients stay within 3 %, and a killed run resumes from checkpoints
-(uncompressed, and AC-SGD with its buffers: the same curve, sender and receiver buffers bit-identical)."""
+(uncompressed, and AC-SGD with its buffers: the same curve, sender and receiver buffers bit-identical), and
+one replica's rollback state, loaded into fresh workers of both replicas, continues the uninterrupted curve."""
 
 from __future__ import annotations
 
@@ -19,7 +20,16 @@ from peerd.models.gpt import GPT
 from peerd.pipeline import checkpoint
 from peerd.pipeline.codec import CompressionConfig
 from peerd.pipeline.config import ModelBuild, TrainConfig
-from peerd.pipeline.launch import LocalPeer, Placement, RunResult, run_allocation, start_peers, stop_peers
+from peerd.pipeline.launch import (
+    LocalPeer,
+    Placement,
+    RunResult,
+    build_workers,
+    run_allocation,
+    run_workers,
+    start_peers,
+    stop_peers,
+)
 from peerd.pipeline.local import LocalRunConfig, train_pipelined, train_unstaged
 from peerd.pipeline.streams import StreamConfig
 from peerd.pipeline.worker import StepReport
@@ -236,3 +246,26 @@ def test_killed_acsgd_run_resumes_with_its_buffers_on_the_uninterrupted_curve(
         s0 = checkpoint.load(checkpoint.tasklet_dir(tmp_path, cfg.job, 0, replica), 12)
         s1 = checkpoint.load(checkpoint.tasklet_dir(tmp_path, cfg.job, 1, replica), 12)
         _assert_mirrored(s0["codecs"]["send_act"], s1["codecs"]["recv_act"])
+
+
+def test_one_replicas_rollback_state_restarts_both_replicas_on_the_uninterrupted_curve(cluster: Cluster):
+    """Run 4 steps, take replica 0's state of step 3 (the rollback copy) for each stage, load it
+    into fresh workers of both replicas and finish: the single-process run's curve (elastic D_DP's
+    path: any surviving replica's state serves every replica of its stage)."""
+    cfg = dataclasses.replace(CFG, job="rollback", steps=8, rollback=True)
+    placement = Placement.grid(STAGES, REPLICAS)
+    first = build_workers(cfg, placement, cluster.peers, reducer_factory=group_allreduce)
+    head = cluster.run(run_workers(first, until=4))
+    assert head.ok, head.errors
+    assert all(w.available_steps() == (3, 4) for w in first)
+    states = {w.stage: w.state_at(3) for w in first if w.replica == 0}
+    assert all(s["codecs"] is None and s["averaging"] is None for s in states.values())
+    fresh = build_workers(cfg, placement, cluster.peers, reducer_factory=group_allreduce)
+    for w in fresh:
+        assert w.load_state(states[w.stage]) == 3
+    tail = cluster.run(run_workers(fresh))
+    assert tail.ok, tail.errors
+    assert {r.step for r in tail.reports} == set(range(3, 8))
+    expected = reference(cfg)
+    assert rel(head.losses(), expected[:4]) < 1e-5
+    assert rel(tail.losses(), expected[3:]) < 1e-5

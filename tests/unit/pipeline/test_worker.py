@@ -149,3 +149,132 @@ def test_placement_grid_validation_and_the_links_to_shape():
 
     result = RunResult(0, [report(0, 0, 2.0), report(0, 1, 4.0), report(0, 0, None), report(1, 0, 1.0)])
     assert result.losses() == [3.0]  # step 1 is incomplete (one replica): not a global loss yet
+
+
+# ---------------------------------------------------------------- state API (churn recovery)
+
+
+def reference_states(cfg: TrainConfig, steps: int) -> list[dict[str, torch.Tensor]]:
+    """The single-process model's stage-0 weights at the start of every step 0..steps."""
+    from peerd.pipeline.partition import partition
+
+    model, dataset = GPT(cfg.model.gpt(), seed=cfg.model.seed), build_dataset(cfg.data)
+    stage = partition(model, cfg.layers_per_stage)[0]
+    local = LocalRunConfig(
+        steps=1, global_batch=cfg.global_batch, micro_batch_size=cfg.micro_batch_size, lr=cfg.lr
+    )
+    optimizer = torch.optim.AdamW(list(model.parameters()), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    out = [{k: v.clone() for k, v in stage.state_dict().items()}]
+    for step in range(steps):
+        train_pipelined(model, dataset, dataclasses.replace(local, start_step=step), optimizer=optimizer)
+        out.append({k: v.clone() for k, v in stage.state_dict().items()})
+    return out
+
+
+def same_weights(module: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> bool:
+    assert module.keys() == ref.keys()
+    return all(torch.equal(module[k], ref[k]) for k in ref)
+
+
+def test_rollback_keeps_the_step_before_and_its_state_continues_the_same_curve():
+    cfg = dataclasses.replace(CFG, rollback=True, steps=8)
+    full = run(one_stage(dataclasses.replace(cfg, rollback=False)))
+    worker = one_stage(cfg)
+    assert worker.available_steps() == (0,)
+    assert run(worker, until=5) == full[:5]
+    assert worker.available_steps() == (4, 5)
+    refs = reference_states(cfg, 5)
+    before, now = worker.state_at(4), worker.state_at(5)
+    assert (before["step"], now["step"]) == (4, 5)
+    assert same_weights(before["module"], refs[4]) and same_weights(now["module"], refs[5])
+    assert (before["data"]["epoch"], before["data"]["batch"]) == worker.sampler.position(4)
+    assert before["codecs"] is None and before["averaging"] is None
+    assert now["codecs"] == {}  # uncompressed: no AC-SGD buffers, but the live entry is there
+    with pytest.raises(ConfigError, match="step"):
+        worker.state_at(3)
+    for state, start in ((before, 4), (now, 5)):
+        fresh = one_stage(cfg)
+        assert fresh.load_state(state) == start
+        assert fresh.available_steps() == (start,)  # no snapshot survives a load
+        assert run(fresh) == full[start:]
+    # without rollback only the current step is kept
+    plain = one_stage(dataclasses.replace(cfg, rollback=False))
+    run(plain, until=3)
+    assert plain.available_steps() == (3,)
+    with pytest.raises(ConfigError, match="step"):
+        plain.state_at(2)
+
+
+def test_load_state_takes_another_replicas_state_and_refuses_other_runs():
+    worker = one_stage()
+    run(worker, until=2)
+    state = worker.state_at(2)
+    other = {**state, "replica": 1, "data": {**state["data"], "replicas": 2}}  # elastic D_DP
+    assert one_stage().load_state(other) == 2
+    changes = {
+        "state.job": {"job": "other"},
+        "state.stage": {"stage": 1},
+        "state.meta.layers": {"meta": {**state["meta"], "layers": [0, 3]}},
+        "state.data.digest": {"data": {**state["data"], "digest": "x"}},
+        "state.data.seed": {"data": {**state["data"], "seed": 7}},
+        "state.data.global_batch": {"data": {**state["data"], "global_batch": 6}},
+        "state.format": {"format": 99},
+    }
+    for field_name, change in changes.items():
+        with pytest.raises(ConfigError) as info:
+            one_stage().load_state({**state, **change})
+        assert info.value.field == field_name
+    with pytest.raises(ConfigError, match=r"state\.optimizer"):
+        one_stage().load_state({k: v for k, v in state.items() if k != "optimizer"})
+
+
+def test_a_cancel_during_the_update_never_splits_it():
+    """Cancel ``run`` while the compute thread is inside step 3's optimizer step: after ``quiesce``
+    the worker says step 4 and holds step 4's weights (the update finished, and was counted)."""
+    import threading
+
+    worker = one_stage(dataclasses.replace(CFG, rollback=True))
+    refs = reference_states(CFG, 4)
+    released, inside = threading.Event(), threading.Event()
+
+    async def go() -> None:
+        loop = asyncio.get_running_loop()
+        task = asyncio.ensure_future(worker.run())
+
+        def pre_step(_opt, _args, _kwargs) -> None:  # compute thread, just before AdamW's update
+            if worker.step == 3:
+                inside.set()
+                loop.call_soon_threadsafe(task.cancel)
+                released.wait(30)  # the update is held until the cancel has reached the task
+
+        worker.optimizer.register_step_pre_hook(pre_step)
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert inside.is_set() and worker.step == 3  # cancelled mid-update: not counted yet
+        released.set()
+        await worker.quiesce()
+        await worker.close()
+
+    asyncio.run(go())
+    assert worker.step == 4 and worker.available_steps() == (3, 4)
+    assert same_weights(worker.state_at(4)["module"], refs[4])
+    assert same_weights(worker.state_at(3)["module"], refs[3])
+
+
+def test_reset_codecs_empties_both_acsgd_sides():
+    three = dataclasses.replace(
+        CFG,
+        model=ModelBuild("tiny", {"n_layer": 4, "d_model": 32, "max_seq_len": 32}),
+        layers_per_stage=[2, 2, 2],
+        compression=CompressionConfig(forward="acsgd", forward_bits=2, backward="quant", backward_bits=8),
+    )
+    w = StageWorker(three, stage=1, replica=0, replicas=1, transport=None, upstream="up", downstream="down")  # type: ignore[arg-type]
+    assert w.codecs.send_act is not None and w.codecs.recv_act is not None
+    x = torch.randn(2, 16, 32)
+    payload = w.codecs.send_act.encode((1, 2), x)  # this stage's buffers toward stage 2 ...
+    msg = w._message(KIND_ACT, 0, 0, [1, 2], x, payload)
+    w.codecs.recv_act.decode(msg, bytearray(payload))  # ... and (the same rows) from stage 0
+    assert {side: b["examples"] for side, b in w.codecs.buffers().items()} == {"send_act": 2, "recv_act": 2}
+    w.reset_codecs()
+    assert {side: b["examples"] for side, b in w.codecs.buffers().items()} == {"send_act": 0, "recv_act": 0}
+    asyncio.run(w.close())
