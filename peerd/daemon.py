@@ -1,7 +1,8 @@
 """The peerd daemon lifecycle: start the swarm services in order, run until told to stop, shut down in reverse.
 
 Startup: control endpoint (also the "this home is in use" lock) -> swarm node
-(p2pd + DHT) -> transport and probe responder -> announcer (JOINING) and the
+(p2pd + DHT, bootstrapped through the initial peers and the peers remembered in
+HOME/known_peers.json, which the membership loop keeps current) -> transport and probe responder -> announcer (JOINING) and the
 membership reader -> device profile -> ONLINE -> link prober -> jobs (``peerd.jobs``:
 discovery, planning, tasklets) -> metrics endpoint (opt-in). Shutdown runs the
 same list backwards within ``shutdown_timeout``: metrics, jobs, prober, announcer (publishes
@@ -19,6 +20,7 @@ import contextlib
 import json
 import os
 import signal
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -35,7 +37,16 @@ from peerd.log import get_logger
 from peerd.metrics import MetricsServer
 from peerd.swarm.identity import Identity, make_record_validators
 from peerd.swarm.links import LinkProber, ProbeConfig, ProbeResponder
-from peerd.swarm.membership import Announcer, PeerEntry, fetch_peers, peers_view
+from peerd.swarm.membership import (
+    KNOWN_PEERS_FILE,
+    Announcer,
+    KnownPeer,
+    KnownPeersStore,
+    PeerEntry,
+    bootstrap_peers,
+    fetch_peers,
+    peers_view,
+)
 from peerd.swarm.node import NodeSettings, SwarmNode, parse_peer_id
 from peerd.swarm.profiling import with_live_memory
 from peerd.swarm.records import DeviceProfile, PeerRecord, PeerState, fit_peer_record
@@ -89,6 +100,9 @@ class Daemon:
         self.announcer: Announcer | None = None
         self.profile: DeviceProfile | None = None  # measured in start(), off the event loop
         self.entries: dict[str, PeerEntry] = {}  # peer id -> latest validated record
+        assert self.config.home is not None  # resolved() fills every path
+        # the peers seen, kept in the home: the next start bootstraps through them too
+        self.known_peers = KnownPeersStore(self.config.home / KNOWN_PEERS_FILE, self.config.swarm)
         self.control = ControlServer(self.config.control_socket)  # type: ignore[arg-type]
         self._tasks: dict[str, asyncio.Task] = {}
         self._stop_requested = asyncio.Event()
@@ -118,14 +132,7 @@ class Daemon:
             resolve_device(cfg.device)  # a device that does not exist fails before p2pd starts
             _set_threads(cfg.threads)
             self.identity = Identity.load_or_create(cfg.identity)
-            settings = NodeSettings(
-                initial_peers=cfg.initial_peers,
-                host_maddrs=cfg.host_maddrs,
-                announce_maddrs=cfg.announce_maddrs,
-                identity_path=cfg.identity,
-                startup_timeout=cfg.startup_timeout,
-            )
-            self.node = await SwarmNode.start(settings, make_record_validators(self.identity, cfg.swarm))
+            self.node = await self._start_node(self.known_peers.load())
             self._started_at = self.node.now()
 
             self.transport = Transport(self.node.p2p, shaper=self._make_shaper())
@@ -254,6 +261,52 @@ class Daemon:
             await self.node.shutdown(timeout=max(1.0, cfg.shutdown_timeout / 2))
         await self.control.close()
 
+    async def _start_node(self, remembered: tuple[KnownPeer, ...]) -> SwarmNode:
+        """The swarm node, bootstrapped through the configured initial peers and the remembered ones.
+
+        With no initial peers configured, a peer none of whose remembered peers answers starts
+        on its own (as the first peer of a swarm would), so that the others, which remember it
+        too, can rejoin through it; configured initial peers that do not answer are an error.
+        """
+        cfg = self.config
+        assert self.identity is not None
+        validators = make_record_validators(self.identity, cfg.swarm)
+        peers = bootstrap_peers(cfg.initial_peers, remembered)
+        if remembered:
+            logger.info(
+                "bootstrapping through %d configured and %d remembered peers",
+                len(cfg.initial_peers),
+                len(remembered),
+            )
+        try:
+            return await SwarmNode.start(self._node_settings(peers), validators)
+        except PeerUnavailable as exc:
+            if cfg.initial_peers or not remembered or exc.code == ErrorCode.TIMEOUT:
+                raise
+            logger.warning(
+                "none of the %d remembered peers answered; starting on our own, reachable for those who "
+                "remember this peer (pass --initial-peers to join a running swarm)",
+                len(remembered),
+            )
+        return await SwarmNode.start(self._node_settings([]), validators)
+
+    def _node_settings(self, initial_peers: list[str]) -> NodeSettings:
+        cfg = self.config
+        return NodeSettings(
+            initial_peers=initial_peers,
+            host_maddrs=cfg.host_maddrs,
+            announce_maddrs=cfg.announce_maddrs,
+            identity_path=cfg.identity,
+            startup_timeout=cfg.startup_timeout,
+        )
+
+    async def _remember(self, entries: list[PeerEntry]) -> None:
+        """Add the peers in ``entries`` to the remembered ones; the file is rewritten off the event loop."""
+        assert self.node is not None
+        now = time.time()  # wall clock: the file outlives this run and its DHT time
+        if self.known_peers.update([e.record for e in entries], self_id=self.node.peer_id, now=now):
+            await asyncio.get_running_loop().run_in_executor(None, self.known_peers.save, now)
+
     # -- background loops -----------------------------------------------------------------------
 
     def _spawn(self, name: str, loop_fn: Callable[[], Awaitable[None]]) -> None:
@@ -291,7 +344,7 @@ class Daemon:
                 self.request_stop()
                 return
             try:
-                await self.refresh_peers()
+                await self._remember(await self.refresh_peers())
             except PeerdError as exc:
                 logger.warning("reading the peers table failed: %s", exc)
             await asyncio.sleep(interval)

@@ -144,6 +144,37 @@ class LocalSwarm:
             raise
         return self
 
+    def add_peer(
+        self,
+        name: str | None = None,
+        *,
+        initial_peers: list[str] | None = None,
+        options: dict[str, Any] | None = None,
+    ) -> LocalPeer:
+        """Start one more daemon and wait until it is ready; it joins through ``initial_peers``
+        (default: the addresses of the first running peer)."""
+        index = len(self.peers)
+        name = name or f"peer{index}"
+        if any(p.name == name for p in self.peers):
+            raise ValueError(f"the local swarm already has a peer named {name!r}")
+        peer = LocalPeer(
+            index=index, name=name, home=self.root / name, options={**self.options, **(options or {})}
+        )
+        self.peers.append(peer)
+        self._launch(peer, initial_peers=self.bootstrap_maddrs if initial_peers is None else initial_peers)
+        self._wait_ready([peer])
+        return peer
+
+    def restart_peer(self, peer: LocalPeer | int, *, initial_peers: list[str] | None = None) -> LocalPeer:
+        """Start a stopped peer again in its home (same identity, same remembered peers) and wait until it
+        is ready; ``initial_peers`` default: none, so it rejoins through the peers it remembers."""
+        peer = self.peers[peer] if isinstance(peer, int) else peer
+        if peer.alive:
+            raise ValueError(f"{peer.name} is still running; stop it first")
+        self._launch(peer, initial_peers=list(initial_peers or []))
+        self._wait_ready([peer])
+        return peer
+
     @property
     def bootstrap_maddrs(self) -> list[str]:
         """Where new peers join: the multiaddrs of the first ready peer."""

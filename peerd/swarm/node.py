@@ -189,7 +189,7 @@ def _startup_error(exc: BaseException, settings: NodeSettings, deadline: float) 
         )
     if "bootstrap" in lowered or "initial_peers" in lowered:
         return PeerUnavailable(
-            f"none of the initial peers answered ({', '.join(settings.initial_peers)}); "
+            f"none of the initial peers answered ({_some(settings.initial_peers)}); "
             "check the address and that the peer is running",
         )
     if "already taken" in lowered:
@@ -203,6 +203,12 @@ def _startup_error(exc: BaseException, settings: NodeSettings, deadline: float) 
     if "listen" in lowered or "address already in use" in lowered:
         return ConfigError("host_maddrs", f"cannot listen on {settings.host_maddrs}: {text}")
     return PeerUnavailable(f"the swarm node failed to start: {type(exc).__name__}: {text}")
+
+
+def _some(items: list[str], shown: int = 3) -> str:
+    """The first ``shown`` items and how many more: a message stays readable with dozens of remembered peers."""
+    more = len(items) - shown
+    return ", ".join(items[:shown]) + (f" and {more} more" if more > 0 else "")
 
 
 def parse_peer_id(peer_id: str) -> PeerID:
