@@ -11,8 +11,9 @@ request ``{"v": 1, "method": "status", "params": {...}}``, reply
 ``{"v": 1, "ok": true, "result": ...}`` or
 ``{"v": 1, "ok": false, "error": {"code": 100, "name": "MALFORMED", "message": "..."}}``.
 Adding a method is one ``server.register("name", handler)`` call; handlers are
-``async (params: dict) -> JSON-able``. A handler's error is sent to the caller,
-never raised into the daemon.
+``async (params: dict) -> JSON-able`` and read their parameters with ``number_param`` /
+``text_param`` (a bad one is a ``ConfigError`` naming it). A handler's error is sent to
+the caller, never raised into the daemon.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import asyncio
 import contextlib
 import errno
 import json
+import math
 import os
 import socket
 from collections.abc import Awaitable, Callable
@@ -142,6 +144,29 @@ class ControlServer:
 
     async def _ping(self, params: dict[str, Any]) -> dict[str, Any]:
         return {"pid": os.getpid()}
+
+
+def number_param(params: dict[str, Any], key: str, *, default: float, gt: float = 0.0) -> float:
+    """The number ``params[key]`` (``default`` if absent); ``ConfigError`` naming ``key`` unless finite and > ``gt``."""
+    value = params.get(key, default)
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int | float)
+        or not math.isfinite(value)
+        or value <= gt
+    ):
+        raise ConfigError(key, f"must be a number > {gt:g}, got {value!r}")
+    return float(value)
+
+
+def text_param(params: dict[str, Any], key: str, *, default: str, max_chars: int = 200) -> str:
+    """The string ``params[key]`` (``default`` if absent or empty), at most ``max_chars`` characters."""
+    value = params.get(key) or default
+    if not isinstance(value, str):
+        raise ConfigError(key, f"must be a string, got {type(value).__name__}")
+    if len(value) > max_chars:
+        raise ConfigError(key, f"at most {max_chars} characters, got {len(value)}")
+    return value
 
 
 def _decode_request(line: bytes) -> tuple[str, dict[str, Any]]:

@@ -239,3 +239,37 @@ def test_malformed_error_replies_from_a_daemon_are_typed_errors(sock_path):
         assert info.value.code == code
     thread.join(5)
     assert not thread.is_alive()
+
+
+def test_parameter_readers_name_the_bad_parameter_over_the_socket(sock_path):
+    """``number_param``/``text_param`` in a real handler: good values pass, bad ones come back as CONFIG_INVALID."""
+
+    def setup(server: ControlServer) -> None:
+        async def leave(params: dict) -> dict:
+            grace = control.number_param(params, "grace_s", default=60.0)
+            return {
+                "grace_s": grace,
+                "reason": control.text_param(params, "reason", default="none", max_chars=8),
+            }
+
+        server.register("leave", leave)
+
+    def body() -> None:
+        client = ControlClient(sock_path)
+        assert client.call("leave") == {"grace_s": 60.0, "reason": "none"}
+        assert client.call("leave", grace_s=5, reason="gpu") == {"grace_s": 5.0, "reason": "gpu"}
+        assert client.call("leave", reason="") == {"grace_s": 60.0, "reason": "none"}
+        for params, words in (
+            ({"grace_s": 0}, "grace_s: must be a number > 0, got 0"),
+            ({"grace_s": -3.5}, "grace_s: must be a number > 0"),
+            ({"grace_s": True}, "grace_s: must be a number > 0, got True"),
+            ({"grace_s": "soon"}, "grace_s: must be a number > 0, got 'soon'"),
+            ({"reason": 7}, "reason: must be a string, got int"),
+            ({"reason": "far too long"}, "reason: at most 8 characters, got 12"),
+        ):
+            with pytest.raises(ControlError) as info:
+                client.call("leave", **params)
+            assert info.value.code == ErrorCode.CONFIG_INVALID
+            assert words in str(info.value), (params, str(info.value))
+
+    _serve(sock_path, body, setup=setup)
