@@ -4,23 +4,32 @@ The views serve ``peerd status`` / ``peerd jobs`` / the metrics endpoint. ``prog
 folds the tasklets' progress records into the job's numbers: the step every tasklet has
 completed, the loss curve of the last stage (mean over its replicas per step), the job's
 throughput, and bytes on the wire by kind with what they would have been uncompressed.
+Everything a view says comes from public records (the owner's job record, the commit that
+records prove, the tasklets' progress) plus what this daemon sees of the swarm, so every peer
+reports the same state, step and allocation. Reasons are sentences for volunteers:
+``start_warnings`` and ``waiting_reason`` say why a job does not start, ``describe_failure``
+says which peer, which stage and what happened when a tasklet stops.
 """
 
 from __future__ import annotations
 
 import asyncio
+import re
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from statistics import median
 from typing import Any
 
-from peerd.errors import ConfigError
+from peerd.errors import ConfigError, ErrorCode
 from peerd.jobs.planner import JobPlanner, commit_view
 from peerd.jobs.records import TERMINAL, JobRecord, JobState, Progress, TaskState
 from peerd.jobs.runner import TaskletRunner
 from peerd.jobs.spec import JobSpec
+from peerd.sched.allocation import Allocation
 from peerd.sched.consensus.actions import Commit
 
 WIRE_KINDS = ("activations", "gradients", "averaging")
+SHORT_PEER = 8  # trailing characters of a peer id in sentences (peerd status shows the same)
 
 
 @dataclass
@@ -37,6 +46,9 @@ class JobEntry:
     progress: dict[str, Progress] = field(default_factory=dict)
     stored_at: float = 0.0  # owner only: when the record was last stored
     final_progress: bool = False  # progress read once after the job ended: nothing changes any more
+    records_read: bool = (
+        False  # the commit was looked up in the public records (a job this peer did not plan)
+    )
 
 
 def effective_state(entry: JobEntry, now: float) -> JobState:
@@ -101,6 +113,181 @@ def spec_summary(spec: JobSpec) -> dict[str, Any]:
     }
 
 
+# -- reasons ---------------------------------------------------------------------------------------
+
+
+def _peers(n: int, more: bool = False) -> str:
+    return f"{n} {'more ' if more else ''}peer" + ("" if n == 1 else "s")
+
+
+def start_warnings(spec: JobSpec, online: Collection[str]) -> list[str]:
+    """What keeps ``spec`` from starting on the swarm this daemon sees (``online``: the ids of the
+    online, profiled peers, this one included); ``peerd submit`` prints each line."""
+    n, need = len(set(online)), spec.min_peers
+    out = []
+    if n < need:
+        out.append(
+            f"this swarm has {_peers(n)} online and the job needs min_peers {need}: it waits in "
+            f"planning until {_peers(need - n, more=True)} join" + ("s" if need - n == 1 else "")
+        )
+    shape = spec.parallel.known()
+    if spec.planning.objective == "dtfm" and len(shape) == 2:
+        tasklets = shape["d_pp"] * shape["d_dp"]
+        roster = n if spec.max_peers is None else min(n, spec.max_peers)
+        if roster > tasklets:
+            out.append(
+                f"objective dtfm gives every roster peer a tasklet, but up to {roster} peers would join "
+                f"a {shape['d_pp']} x {shape['d_dp']} job: set max_peers: {tasklets}, or use objective "
+                "peerd (the extra peers wait as spares)"
+            )
+    return out
+
+
+def waiting_reason(
+    spec: JobSpec,
+    *,
+    online: Collection[str] | None,
+    planning: dict[str, Any] | None,
+    opens_in: float = 0.0,
+) -> str:
+    """Why a job without a commit is not training yet, as a sentence ("" when planning goes on normally).
+
+    ``online``: the peers this daemon sees (None: unknown); ``planning``: ``JobPlanner.view()``,
+    whose ``roster`` (``{"epoch", "peers"}``, the last frozen roster view) and islands' errors
+    are used when present; ``opens_in``: seconds until planning epoch 0 opens.
+    """
+    need = spec.min_peers
+    if online is not None and len(set(online)) < need:
+        n = len(set(online))
+        return f"waiting for {_peers(need - n, more=True)}: {n} of min_peers {need} are online"
+    planning = planning or {}
+    roster = planning.get("roster") or {}
+    if roster.get("peers") is not None and roster["peers"] < need:
+        n = int(roster["peers"])
+        return (
+            f"waiting for {_peers(need - n, more=True)}: the roster of planning epoch {roster.get('epoch', 0)} "
+            f"had {n} of min_peers {need}"
+        )
+    failed = [r for r in planning.get("islands") or [] if r.get("error")]
+    if failed:
+        last = failed[-1]
+        return f"this peer's search in planning epoch {last.get('epoch', 0)} failed: {_clean(last['error'])}"
+    if opens_in > 0:
+        return f"planning opens in {opens_in:.0f} s"
+    return ""
+
+
+_CODE = re.compile(r"\s*\[([A-Z_]+)\]\s*$")
+# what a libp2p / socket error appends after the sentence that matters
+_RAW_TAIL = re.compile(
+    r"(:\s*)?(failed to dial|all dials failed|dial tcp|dial backoff|Traceback|\n).*$", re.S
+)
+_MULTIADDR = re.compile(r"/(ip4|ip6|dns|dns4|dns6|tcp|udp|quic|quic-v1|p2p|ws)/\S*")
+
+
+def _clean(text: str, ids: Collection[str] = ()) -> str:
+    """One short sentence of an error text: no code suffix, multiaddrs, dial details or full peer ids."""
+    text = _CODE.sub("", text)
+    text = _RAW_TAIL.sub("", text)
+    text = _MULTIADDR.sub("", text)
+    for peer in sorted(ids, key=len, reverse=True):
+        text = text.replace(peer, f"…{peer[-SHORT_PEER:]}")
+    text = " ".join(text.split()).strip(" :;,.")
+    return text[:157] + "..." if len(text) > 160 else text
+
+
+def _where(allocation: Allocation | None, peer: str) -> tuple[int, int] | None:
+    for s, stage in enumerate(allocation.stages if allocation is not None else ()):
+        if peer in stage:
+            return s, stage.index(peer)
+    return None
+
+
+def _partner(p: Progress, allocation: Allocation | None, message: str) -> str:
+    """The partner the error names (or the tasklet suspects), described by its place in the pipeline."""
+    known = [*(allocation.devices if allocation else []), *(allocation.spares if allocation else [])]
+    named = [d for d in dict.fromkeys([*known, *p.suspects]) if d != p.peer and d in message]
+    peer = named[0] if named else next((d for d in p.suspects if d != p.peer), None)
+    if peer is None:
+        return ""
+    short = f"…{peer[-SHORT_PEER:]}"
+    where = _where(allocation, peer)
+    if where is None:
+        return f"peer {short}"
+    stage = where[0]
+    if stage == p.stage - 1:
+        return f"its previous stage's peer {short} (stage {stage})"
+    if stage == p.stage + 1:
+        return f"its next stage's peer {short} (stage {stage})"
+    if stage == p.stage:
+        return f"its replica partner {short} in stage {stage}"
+    return f"peer {short} (stage {stage})"
+
+
+def describe_failure(p: Progress, allocation: Allocation | None = None) -> str:
+    """A tasklet's progress record as a sentence: which peer, which stage, what happened.
+
+    The record's ``reason`` is the error text the tasklet stopped on (``message [CODE]``); its
+    code picks the sentence, the partner it names (or ``suspects``) is described by its place
+    in ``allocation``, and raw transport details (multiaddrs, dial errors) are left out.
+    """
+    who = f"stage {p.stage} replica {p.replica} (peer …{p.peer[-SHORT_PEER:]})"
+    if p.state == TaskState.DONE:
+        return f"{who} finished all {p.steps} steps"
+    if p.state == TaskState.LEFT:
+        return f"{who} left the swarm at step {p.step}; its tasklet was handed over"
+    if p.state == TaskState.RUNNING:
+        return f"{who} is training (step {p.step})"
+    found = _CODE.search(p.reason)
+    code = ErrorCode.__members__.get(found.group(1)) if found else None
+    partner = _partner(p, allocation, p.reason)
+    ids = [*(allocation.devices if allocation else []), *p.suspects, p.peer]
+    detail = _clean(p.reason, ids)
+    if p.reason.startswith("stopped"):
+        what = "was stopped: the job was cancelled or its daemon shut down"
+    elif code == ErrorCode.TIMEOUT:
+        what = f"heard nothing from {partner or 'a partner'} in time"
+    elif code == ErrorCode.PEER_UNAVAILABLE:
+        what = f"lost its connection to {partner}" if partner else "lost the connection to a partner"
+    elif code == ErrorCode.NON_FINITE:
+        what = "stopped because training diverged (NaN or infinite values)"
+    elif code == ErrorCode.CONFIG_INVALID:
+        what = f"could not start ({detail})" if detail else "could not start"
+    elif code is not None and 500 <= code < 700:
+        source = f" from {partner}" if partner else ""
+        what = f"received data{source} it could not use ({detail})"
+    else:
+        what = f"stopped on an error ({detail})" if detail else "stopped on an error"
+    if p.state == TaskState.RECOVERING:
+        return f"{who} is recovering after step {p.step}: it {what}"
+    return f"{who} {what} at step {p.step}"
+
+
+def failure_reason(entry: JobEntry) -> str:
+    """The sentence for a failed job: its first failed tasklet of the committed epoch ("" if none)."""
+    commit = entry.commit
+    if commit is None:
+        return ""
+    failed = sorted(
+        (p for p in entry.progress.values() if p.epoch == commit.epoch and p.state == TaskState.FAILED),
+        key=lambda p: (p.stage, p.replica, p.peer),
+    )
+    return describe_failure(failed[0], commit.allocation) if failed else ""
+
+
+def job_reason(entry: JobEntry, state: JobState, now: float, online: Collection[str] | None = None) -> str:
+    """The reason a view shows beside ``state``: a failure's sentence, why planning waits, or the owner's word."""
+    rec = entry.record
+    if state == JobState.FAILED:
+        return failure_reason(entry) or _clean(rec.reason)
+    if rec.reason:
+        return rec.reason
+    if state in (JobState.PENDING, JobState.PLANNING) and entry.commit is None:
+        planning = entry.planner.view() if entry.planner is not None else None
+        return waiting_reason(entry.spec, online=online, planning=planning, opens_in=rec.epoch0_start - now)
+    return ""
+
+
 def progress_summary(progress: dict[str, Progress], epoch: int | None, steps: int) -> dict[str, Any]:
     """The job's progress from its tasklets' records (only those of the committed ``epoch``)."""
     tasklets = [p for p in progress.values() if epoch is None or p.epoch == epoch]
@@ -144,35 +331,45 @@ def progress_summary(progress: dict[str, Progress], epoch: int | None, steps: in
     return out
 
 
-def job_view(entry: JobEntry, me: str, now: float, *, detail: bool) -> dict[str, Any]:
-    """One job as ``peerd jobs`` lists it (``detail``: as ``peerd job status`` shows it)."""
+def job_view(
+    entry: JobEntry, me: str, now: float, *, detail: bool, online: Collection[str] | None = None
+) -> dict[str, Any]:
+    """One job as ``peerd jobs`` lists it (``detail``: as ``peerd job status`` shows it).
+
+    ``online``: the peers this daemon sees (for the reason a job waits; None: not said). The
+    allocation and step come from the commit and progress records, whether or not this daemon
+    planned or ran the job.
+    """
     rec = entry.record
+    state = effective_state(entry, now)
     view: dict[str, Any] = {
         "job_id": rec.job_id,
         "short_id": rec.job_id[:8],
         "name": entry.spec.name,
         "owner": rec.owner,
         "owner_is_me": rec.owner == me,
-        "state": effective_state(entry, now).value,
+        "state": state.value,
         "record_state": rec.state.value,
-        "reason": rec.reason,
+        "reason": job_reason(entry, state, now, online),
         "created_at": rec.created_at,
         "epoch0_start": rec.epoch0_start,
         "spec": spec_summary(entry.spec),
     }
     commit = entry.commit
     planner = entry.planner
-    if planner is not None:
-        regions = planner.regions
-        if commit is not None:
-            allocation = commit_view(commit)
-            allocation["regions"] = {p: regions.get(p, "") for p in commit.allocation.devices}
-            view["allocation"] = allocation
-        if detail:
-            view["planning"] = planner.view()
+    if commit is not None:
+        regions = planner.regions if planner is not None else {}
+        allocation = commit_view(commit)
+        allocation["regions"] = {p: regions.get(p, "") for p in commit.allocation.devices}
+        view["allocation"] = allocation
+    if planner is not None and detail:
+        view["planning"] = planner.view()
     if detail:
         view["spec_mapping"] = rec.spec
-    view["progress"] = progress_summary(entry.progress, commit.epoch if commit else None, entry.spec.steps)
+    progress = progress_summary(entry.progress, commit.epoch if commit else None, entry.spec.steps)
+    if state in TERMINAL and not progress["tasklets"]:
+        progress["step"] = None  # no tasklet record left to say how far it got: unknown, not 0
+    view["progress"] = progress
     if entry.runner is not None:
         view["tasklet"] = {
             "stage": entry.runner.stage,
