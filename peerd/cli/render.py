@@ -80,7 +80,8 @@ def _human_bytes(n: float) -> str:
 
 
 def _steps(progress: dict[str, Any]) -> str:
-    return f"{progress.get('step') or 0}/{progress.get('steps', '?')}"
+    step = progress.get("step", 0)  # None: no tasklet record says how far the job got
+    return f"{'?' if step is None else step}/{progress.get('steps', '?')}"
 
 
 def _loss(value: float | None) -> str:
@@ -195,7 +196,7 @@ def render_status(view: dict[str, Any]) -> RenderableType:
 
 
 def jobs_table(views: list[dict[str, Any]]) -> Table:
-    columns = ("id", "name", "state", "step>", "loss>", "tok/s>", "allocation")
+    columns = ("id", "name", "state", "step>", "loss>", "tok/s>", "allocation", "reason")
     table = _table("jobs", columns, "* owned by this peer")
     for v in views:
         p = v.get("progress") or {}
@@ -213,6 +214,7 @@ def jobs_table(views: list[dict[str, Any]]) -> Table:
             _loss(p.get("loss")),
             _rate(p.get("tokens_per_s")),
             shape,
+            v.get("reason") or "",
         )
     return table
 
@@ -237,6 +239,10 @@ def job_panel(view: dict[str, Any], names: dict[str, str]) -> RenderableType:
                 for s, peer in enumerate(pipe)
             ]
             lines.append(f"replica {j}: " + " → ".join(hops))
+        if alloc.get("spares"):
+            lines.append("spares: " + ", ".join(names.get(peer, peer[-8:]) for peer in alloc["spares"]))
+    if view.get("reason"):
+        lines.append(f"reason: {view['reason']}")
     losses = [v for _, v in p.get("losses") or []]
     if losses:
         lines.append(f"loss {losses[0]:.3f} {sparkline(losses)} {losses[-1]:.3f}")
@@ -254,18 +260,19 @@ def job_panel(view: dict[str, Any], names: dict[str, str]) -> RenderableType:
 
 
 def job_line(view: dict[str, Any]) -> str:
-    """The job's progress in one line: planning (epoch, islands searched), else step, loss, tokens/s."""
+    """The job's progress in one line: planning (epoch, islands searched), else step, loss, tokens/s;
+    then the view's reason (why it waits, why it failed) in parentheses."""
     if view["state"] in ("pending", "planning"):
         planning = view.get("planning") or {}
         islands = planning.get("islands") or []
         best = [r["best_cost"] for r in islands if r.get("best_cost") is not None]
         line = f"{view['state']} epoch {planning.get('epoch', 0)}: "
         line += f"{len(islands)} island(s) searched" if islands else "roster open"
-        return line + (f", this island's best {best[-1]:.4g} s/step" if best else "")
-    p = view.get("progress") or {}
-    return (
-        f"{view['state']} step {_steps(p)} loss {_loss(p.get('loss'))} {_rate(p.get('tokens_per_s'))} tok/s"
-    )
+        line += f", this island's best {best[-1]:.4g} s/step" if best else ""
+    else:
+        p = view.get("progress") or {}
+        line = f"{view['state']} step {_steps(p)} loss {_loss(p.get('loss'))} {_rate(p.get('tokens_per_s'))} tok/s"
+    return line + (f" ({view['reason']})" if view.get("reason") else "")
 
 
 def follow_job(

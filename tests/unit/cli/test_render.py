@@ -92,3 +92,28 @@ def test_loss_plot(tmp_path: Path) -> None:
 @pytest.mark.parametrize("state", ["failed", "cancelled"])
 def test_follow_job_returns_on_any_final_state(state: str, capsys) -> None:
     assert follow_job(lambda: _job(state), console())["state"] == state
+
+
+def test_a_waiting_or_failed_job_shows_its_reason(capsys) -> None:
+    waiting = {**_job("planning"), "reason": "waiting for 3 more peers: 3 of min_peers 6 are online"}
+    assert job_line(waiting) == (
+        "planning epoch 0: roster open (waiting for 3 more peers: 3 of min_peers 6 are online)"
+    )
+    failed = {**_job("failed", 2), "reason": "stage 1 replica 0 (peer …abcdefgh) lost its connection"}
+    assert job_line(failed).endswith("(stage 1 replica 0 (peer …abcdefgh) lost its connection)")
+    late = {**_job("done"), "short_id": "abababab", "progress": {"step": None, "steps": 120}}
+    assert job_line(late).startswith("done step ?/120")
+    alloc = {
+        "allocation_hash": "f" * 64,
+        "epoch": 1,
+        "cost": 0.5,
+        "stages": [["QmA"], ["QmB"]],
+        "pipelines": [["QmA", "QmB"]],
+        "spares": ["QmC"],
+    }
+    view = {**failed, "short_id": "abababab", "allocation": alloc}
+    console().print(render_status({"peers": [], "jobs": [view, waiting | {"short_id": "cdcdcdcd"}]}))
+    out = capsys.readouterr().out
+    assert "spares: QmC" in out
+    assert "reason: stage 1 replica 0 (peer …abcdefgh) lost its connection" in out
+    assert "waiting for 3 more peers" in out  # the jobs table's reason column
