@@ -98,19 +98,24 @@ class StatusCollector(Collector):
         cost = gauge(
             "peerd_job_allocation_cost_seconds", "Cost-model seconds per step of the committed allocation."
         )
+        tasklets = gauge("peerd_job_tasklets", "Tasklets (stage replicas) of the committed allocation.")
+        spares = gauge("peerd_job_spares", "Roster peers the committed allocation keeps as spares.")
         for job in jobs:
             jid = job["job_id"]
             _add(info, 1, jid, job.get("name", ""), job["state"], job.get("owner", ""))
             progress = job.get("progress") or {}
-            _add(step, progress.get("step"), jid)
+            _add(step, progress.get("step"), jid)  # None (unknown: no tasklet record left) is no sample
             _add(steps, progress.get("steps"), jid)
             _add(loss, progress.get("loss"), jid)
             _add(tps, progress.get("tokens_per_s"), jid)
             for kind, n in sorted((progress.get("bytes") or {}).items()):
                 _add(raw if kind.endswith("_raw") else wire, n, jid, kind.removesuffix("_raw"))
-            if job.get("allocation"):
-                _add(cost, job["allocation"].get("cost"), jid)
-        yield from (info, step, steps, loss, tps, wire, raw, cost)
+            alloc = job.get("allocation")
+            if alloc:
+                _add(cost, alloc.get("cost"), jid)
+                _add(tasklets, sum(len(stage) for stage in alloc.get("stages") or []), jid)
+                _add(spares, len(alloc.get("spares") or []), jid)
+        yield from (info, step, steps, loss, tps, wire, raw, cost, tasklets, spares)
 
 
 class MetricsServer:

@@ -12,7 +12,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from peerd.errors import ConfigError
 from peerd.metrics import MetricsServer, StatusCollector
 
-JOB, IDLE = "ab" * 16, "cd" * 16
+JOB, IDLE, LATE = "ab" * 16, "cd" * 16, "ef" * 16
 VIEW = {
     "peers": [
         {"peer_id": "QmA", "name": 'peer"0', "state": "online"},
@@ -36,7 +36,15 @@ VIEW = {
                 "tokens_per_s": 1000.5,
                 "bytes": {"activations": 10, "activations_raw": 80},
             },
-            "allocation": {"cost": 0.5},
+            "allocation": {"cost": 0.5, "stages": [["QmA", "QmB"], ["QmC", "QmD"]], "spares": ["QmE"]},
+        },
+        {
+            # a job that ended before this daemon joined, its tasklet records gone: step unknown
+            "job_id": LATE,
+            "name": "old",
+            "owner": "QmC",
+            "state": "done",
+            "progress": {"step": None, "steps": 120},
         },
         {
             "job_id": IDLE,
@@ -65,6 +73,10 @@ EXPECTED = {
     ("peerd_job_wire_bytes_total", (("job", JOB), ("kind", "activations"))): 10,
     ("peerd_job_raw_bytes_total", (("job", JOB), ("kind", "activations"))): 80,
     ("peerd_job_allocation_cost_seconds", (("job", JOB),)): 0.5,
+    ("peerd_job_tasklets", (("job", JOB),)): 4,
+    ("peerd_job_spares", (("job", JOB),)): 1,
+    ("peerd_job_info", (("job", LATE), ("name", "old"), ("state", "done"), ("owner", "QmC"))): 1,
+    ("peerd_job_steps", (("job", LATE),)): 120,  # and no peerd_job_step sample: unknown is not 0
 }
 COUNTERS = {"peerd_job_wire_bytes", "peerd_job_raw_bytes"}
 
