@@ -16,6 +16,7 @@ whole fetch; the server caps sessions per peer and in total and packs one blob p
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import hashlib
 import io
@@ -185,9 +186,11 @@ class StateSyncConfig:
     """Streams a holder serves one peer at once; more get BUSY."""
     session_idle_s: float = 30.0
     """A holder ends a session that sends no request for this long (it stops pinning the blob)."""
+    window: int = 4
+    """Chunk requests a client keeps in flight on one stream (the holder answers them in order)."""
 
     def __post_init__(self) -> None:
-        for name in ("chunk_bytes", "max_sessions", "max_sessions_per_peer"):
+        for name in ("chunk_bytes", "max_sessions", "max_sessions_per_peer", "window"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"statesync.{name}", f"must be >= 1, got {getattr(self, name)}")
         for name in ("connect_timeout_s", "request_timeout_s", "deadline_s", "session_idle_s"):
@@ -369,7 +372,10 @@ class StateServer:
 
         def pack() -> _Blob | None:
             data = self.provider(stage, step)
-            return None if data is None else _Blob(bytes(data), hashlib.sha256(data).digest())
+            if data is None:
+                return None
+            data = data if isinstance(data, bytes) else bytes(data)  # immutable while sessions share it
+            return _Blob(data, hashlib.sha256(data).digest())
 
         started = time.perf_counter()
         blob = await asyncio.to_thread(pack)
@@ -555,21 +561,32 @@ async def _fetch_from(
     config: StateSyncConfig,
 ) -> None:
     conn = await transport.connect(holder, state_protocol(job), timeout=config.connect_timeout_s)
+    hashing: asyncio.Future[None] | None = None
     try:
         # replies larger than the chunk this client asks for fail on their prefix, before any read
         conn.limits = FrameLimits(max_header=REPLY_HEADER_BYTES, max_payload=config.chunk_bytes)
-        raw, _ = await _request(conn, holder, Describe(stage=stage, step=step), config)
-        info = parse(raw, (KIND_INFO,))
+        await _send(conn, holder, Describe(stage=stage, step=step), config)
+        info = parse((await _recv(conn, holder, KIND_DESCRIBE, config))[0], (KIND_INFO,))
         if (info.stage, info.step) != (stage, step):
             raise ProtocolError(
                 f"{holder} described stage {info.stage} step {info.step}, asked for stage {stage} step {step}",
                 code=ErrorCode.WRONG_STEP,
             )
-        offset = assembly.adopt(holder, info)
-        chunk = min(config.chunk_bytes, info.chunk)
-        for start, length in chunk_plan(info.size, offset, chunk):
-            request = ChunkRequest(stage=stage, step=step, offset=start, length=length)
-            raw, payload = await _request(conn, holder, request, config)
+        plan = chunk_plan(info.size, assembly.adopt(holder, info), min(config.chunk_bytes, info.chunk))
+        asked: collections.deque[tuple[int, int]] = collections.deque()
+
+        async def ask_next() -> None:
+            if (nxt := next(plan, None)) is not None:
+                await _send(
+                    conn, holder, ChunkRequest(stage=stage, step=step, offset=nxt[0], length=nxt[1]), config
+                )
+                asked.append(nxt)
+
+        for _ in range(config.window):  # requests in flight hide the round trip between chunks
+            await ask_next()
+        while asked:
+            start, length = asked.popleft()
+            raw, payload = await _recv(conn, holder, KIND_CHUNK, config)
             data = parse(raw, (KIND_DATA,))
             if (data.stage, data.step, data.offset, data.length, len(payload)) != (
                 stage,
@@ -584,27 +601,44 @@ async def _fetch_from(
                     f"and {len(payload)} payload bytes",
                     code=ErrorCode.MALFORMED,
                 )
-            assembly.add(start, payload)
+            await ask_next()
+            if hashing is not None:
+                await hashing
+            # hashed in a thread (hashlib lets go of the GIL) while the next chunk streams in
+            hashing = asyncio.ensure_future(asyncio.to_thread(assembly.add, start, payload))
+        if hashing is not None:
+            await hashing
     finally:
+        if hashing is not None and not hashing.done():
+            await asyncio.wait([hashing])  # the assembly is consistent before anyone else reads it
         await conn.close(timeout=1.0)
 
 
-async def _request(
-    conn: Connection, holder: PeerRef, msg: _Message, config: StateSyncConfig
+async def _send(conn: Connection, holder: PeerRef, msg: _Message, config: StateSyncConfig) -> None:
+    try:
+        await conn.send(header(msg), timeout=config.request_timeout_s)
+    except PeerdError as exc:
+        raise _named(exc, holder, msg.kind) from None
+
+
+async def _recv(
+    conn: Connection, holder: PeerRef, asked: str, config: StateSyncConfig
 ) -> tuple[Header, bytearray]:
     timeout = config.request_timeout_s
     try:
         async with asyncio.timeout(timeout):
-            return await conn.request(header(msg), timeout=timeout)
+            return await conn.recv(timeout=timeout)
     except TimeoutError:
         raise PeerUnavailable(
-            f"{holder} did not answer {msg.kind} within {timeout:g} s", code=ErrorCode.TIMEOUT
+            f"{holder} did not answer {asked} within {timeout:g} s", code=ErrorCode.TIMEOUT
         ) from None
-    except PeerdError as exc:  # name the holder; a refusal it sent reads as its own words
-        text = exc.message.removeprefix("remote: ")
-        if text != exc.message:
-            text = f"refused {msg.kind}: {text}"
-        cls = PeerUnavailable if isinstance(exc, PeerUnavailable) else type(exc)
-        raise cls(
-            f"{holder} {text}" if text.startswith("refused") else f"{holder}: {text}", code=exc.code
-        ) from None
+    except PeerdError as exc:
+        raise _named(exc, holder, asked) from None
+
+
+def _named(exc: PeerdError, holder: PeerRef, asked: str) -> PeerdError:
+    """``exc`` with the holder's name in front; a refusal it sent reads as its own words."""
+    text = exc.message.removeprefix("remote: ")
+    text = f"{holder} refused {asked}: {text}" if text != exc.message else f"{holder}: {text}"
+    cls = PeerUnavailable if isinstance(exc, PeerUnavailable) else type(exc)
+    return cls(text, code=exc.code)
