@@ -245,6 +245,10 @@ def describe_failure(p: Progress, allocation: Allocation | None = None) -> str:
     detail = _clean(p.reason, ids)
     if p.reason.startswith("stopped"):
         what = "was stopped: the job was cancelled or its daemon shut down"
+    elif code == ErrorCode.TIMEOUT and "did not start" in p.reason:
+        what = (
+            f"waited in vain for {partner or 'its partners'} to start {'its' if partner else 'their'} tasklet"
+        )
     elif code == ErrorCode.TIMEOUT:
         what = f"heard nothing from {partner or 'a partner'} in time"
     elif code == ErrorCode.PEER_UNAVAILABLE:

@@ -121,6 +121,14 @@ def test_timeouts_name_the_suspect_and_other_reasons_read_as_sentences() -> None
     recovering = progress(PEERS[2], TaskState.RECOVERING, frame, suspects=(PEERS[1],))
     assert describe_failure(recovering, ALLOC).startswith("stage 0 replica 1")
     assert "is recovering after step 37" in describe_failure(recovering, ALLOC)
+    ready = str(
+        PeerUnavailable(
+            f"tasklet partners {sorted(PEERS[1:3])} did not start within 300 s", code=ErrorCode.TIMEOUT
+        )
+    )
+    assert describe_failure(progress(PEERS[3], TaskState.FAILED, ready, step=0), ALLOC).endswith(
+        f"waited in vain for its previous stage's peer …{PEERS[1][-8:]} (stage 0) to start its tasklet at step 0"
+    )
     nan = progress(PEERS[6], TaskState.FAILED, "loss is nan at step 9 [NON_FINITE]")
     assert "training diverged" in describe_failure(nan, ALLOC)
     assert describe_failure(progress(PEERS[6], TaskState.DONE, step=120)).endswith("finished all 120 steps")
