@@ -168,9 +168,9 @@ def waiting_reason(
             f"waiting for {_peers(need - n, more=True)}: the roster of planning epoch {roster.get('epoch', 0)} "
             f"had {n} of min_peers {need}"
         )
-    failed = [r for r in planning.get("islands") or [] if r.get("error")]
-    if failed:
-        last = failed[-1]
+    islands = planning.get("islands") or []
+    if islands and islands[-1].get("error"):  # the latest epoch's search only: older ones are history
+        last = islands[-1]
         return f"this peer's search in planning epoch {last.get('epoch', 0)} failed: {_clean(last['error'])}"
     if opens_in > 0:
         return f"planning opens in {opens_in:.0f} s"

@@ -85,6 +85,8 @@ def test_a_waiting_job_says_how_many_peers_it_waits_for() -> None:
     assert waiting_reason(s, online=PEERS, planning=broken) == (
         "this peer's search in planning epoch 2 failed: ConfigError: x"
     )
+    healed = {"epoch": 3, "islands": [*broken["islands"], {"epoch": 3, "error": ""}]}
+    assert waiting_reason(s, online=PEERS, planning=healed) == ""
     assert waiting_reason(s, online=None, planning=None, opens_in=5.2) == "planning opens in 5 s"
     assert waiting_reason(s, online=PEERS, planning={"epoch": 0, "islands": []}) == ""
 
