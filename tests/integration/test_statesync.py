@@ -7,13 +7,16 @@ import hashlib
 import threading
 import tracemalloc
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 from hivemind.p2p import P2P
 
-from peerd.errors import ErrorCode, PeerdError
+from peerd.errors import ErrorCode, PeerdError, ProtocolError
+from peerd.pipeline import checkpoint
+from peerd.pipeline.replicas import CheckpointReplicas, own_checkpoints, replicate
 from peerd.pipeline.statesync import (
     KIND_CHUNK,
     KIND_DESCRIBE,
@@ -390,3 +393,58 @@ def test_too_many_sessions_get_a_typed_busy_refusal(swarm: Swarm, async_wait_unt
     assert per_peer.code == ErrorCode.BUSY and "sessions of this peer" in str(per_peer)
     assert total.code == ErrorCode.BUSY and "2 sessions (at most 2)" in str(total)
     assert refused == 2 and blob == BLOB
+
+
+# ---------------------------------------------------------------- checkpoint replicas
+
+
+def test_checkpoint_replica_is_served_after_its_stage_is_gone(swarm: Swarm, tmp_path: Path):
+    """A's stage checkpoint is replicated to B; with A's server gone, C restores it from B."""
+    checkpoint.save(checkpoint.tasklet_dir(tmp_path / "a", JOB, STAGE, 0), make_state())
+    quick = StateSyncConfig(chunk_bytes=CHUNK, connect_timeout_s=1, request_timeout_s=5, deadline_s=60)
+
+    async def go():
+        owner = StateServer(swarm.a, JOB, own_checkpoints(tmp_path / "a", JOB), config=quick)
+        await owner.start()
+        store = CheckpointReplicas(tmp_path / "b", budget_bytes=64 << 20)
+        try:
+            path = await replicate(swarm.b, [swarm.a.peer_id], JOB, STAGE, STEP, store, 8 << 20, config=quick)
+            again = await replicate(
+                swarm.b, [swarm.a.peer_id], JOB, STAGE, STEP, store, 8 << 20, config=quick
+            )
+            served_by_owner = owner.bytes_served
+        finally:
+            await owner.close()  # the stage's peers are gone
+        replica = StateServer(swarm.b, JOB, store.provider(JOB), config=quick)
+        await replica.start()
+        try:
+            holders = [swarm.a.peer_id, swarm.b.peer_id]
+            blob = await fetch_state(swarm.c, holders, JOB, STAGE, STEP, max_bytes=8 << 20, config=quick)
+        finally:
+            await replica.close()
+        return path, again, served_by_owner, blob
+
+    path, again, served_by_owner, blob = swarm.run(go())
+    original = checkpoint.checkpoint_file(checkpoint.tasklet_dir(tmp_path / "a", JOB, STAGE, 0), STEP)
+    assert again == path and served_by_owner == original.stat().st_size  # the second call fetched nothing
+    assert path.read_bytes() == original.read_bytes() == blob
+    restored = unpack_state(blob)
+    torch.testing.assert_close(restored["module"]["w"], make_state()["module"]["w"], rtol=0, atol=0)
+
+
+def test_replicate_refuses_the_checkpoint_of_another_stage(swarm: Swarm, tmp_path: Path):
+    other = make_state() | {"stage": STAGE + 1}
+
+    async def go():
+        server = StateServer(swarm.a, JOB, holding(pack_state(other)), config=FAST)
+        await server.start()
+        store = CheckpointReplicas(tmp_path, budget_bytes=64 << 20)
+        try:
+            await replicate(swarm.b, [swarm.a.peer_id], JOB, STAGE, STEP, store, 8 << 20, config=FAST)
+        finally:
+            await server.close()
+            assert store.steps(JOB, STAGE) == [] and store.used_bytes == 0
+
+    with pytest.raises(ProtocolError) as info:
+        swarm.run(go())
+    assert info.value.code == ErrorCode.WRONG_STEP and f"stage {STAGE + 1}" in str(info.value)
