@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from peerd.errors import PeerdError
 from peerd.log import get_logger
 from peerd.sched.allocation import Allocation
 from peerd.sched.evolution import Island
@@ -110,6 +111,9 @@ class IslandThread:
                     self.report.evaluations = island.obj.evaluations
                 if improved:
                     self._publish(island)
+        except PeerdError as exc:  # the roster cannot be planned (e.g. no shape fits): a reason, not a bug
+            logger.warning("island of epoch %d cannot search: %s", self.report.epoch, exc)
+            self.report.error = exc.message
         except Exception as exc:  # a scheduler bug must not take the daemon down; planning goes on without us
             logger.exception("island of epoch %d failed", self.report.epoch)
             self.report.error = f"{type(exc).__name__}: {exc}"

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import logging
+import time
 from typing import Any
 
 import pytest
 
 from peerd.errors import ConfigError
+from peerd.jobs.island import IslandThread
 from peerd.jobs.scoring import RosterScorer, job_model, job_shapes
 from peerd.jobs.spec import JobSpec, parse_job_spec
 from peerd.sched.allocation import Allocation
@@ -117,3 +120,19 @@ def test_the_dtfm_objective_says_it_uses_every_peer() -> None:
     with pytest.raises(ConfigError, match="uses every device"):
         job_shapes(scorer.scenario(roster(5)), scorer.jm)
     assert job_shapes(scorer.scenario(roster(4)), scorer.jm) == [Shape(2, 2)]
+
+
+def test_an_island_that_cannot_search_reports_why_without_a_traceback(caplog) -> None:
+    scorer = RosterScorer(spec(2, 2, planning={"objective": "dtfm"}))
+    scenario = scorer.scenario(roster(5))
+    thread = IslandThread(
+        lambda: scorer.island(scenario, 1, time_budget=1.0), epoch=3, seed=1, deadline=1e18, clock=time.time
+    )
+    with caplog.at_level(logging.WARNING, logger="peerd.jobs.island"):
+        thread.start()
+        give_up = time.monotonic() + 30
+        while thread.running and time.monotonic() < give_up:
+            time.sleep(0.01)
+    assert not thread.running, "the island thread did not end on its error"
+    assert "uses every device" in thread.report.error and "[CONFIG_INVALID]" not in thread.report.error
+    assert caplog.records and all(r.exc_info is None for r in caplog.records)
