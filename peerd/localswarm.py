@@ -290,7 +290,8 @@ class LocalSwarm:
     def stop_peer(
         self, peer: LocalPeer | int, timeout: float | None = None, *, sig: signal.Signals = signal.SIGTERM
     ) -> int | None:
-        """SIGTERM (graceful: the daemon announces OFFLINE), SIGKILL after the grace period; returns the exit code."""
+        """SIGTERM (a leave: the daemon hands its work over, announces OFFLINE), SIGKILL after the grace period;
+        returns the exit code."""
         peer = self.peers[peer] if isinstance(peer, int) else peer
         if peer.process is None:
             return None
@@ -309,10 +310,19 @@ class LocalSwarm:
         return self._reap(peer, 0.0)
 
     def close(self) -> None:
-        """Stop every peer (SIGTERM to all at once, SIGKILL after the grace period) and reap everything."""
+        """Stop every peer at once, SIGKILL what is left after the grace period, and reap everything.
+
+        The whole swarm goes, so there is nobody to hand work over to: each daemon gets the
+        control ``shutdown`` (OFFLINE, then exit), not the leave that SIGTERM starts; SIGTERM
+        only where the control socket does not answer.
+        """
         started = [p for p in self.peers if p.process is not None]
         for peer in started:
-            if peer.alive:
+            if not peer.alive:
+                continue
+            try:
+                peer.control(timeout=5.0).call("shutdown")
+            except PeerdError:
                 with contextlib.suppress(ProcessLookupError):
                     peer.process.send_signal(signal.SIGTERM)  # type: ignore[union-attr]
         deadline = time.monotonic() + self.grace_s
