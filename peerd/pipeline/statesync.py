@@ -415,8 +415,8 @@ class Assembly:
     sha256: bytes | None = None
     received: int = 0
     sources: list[PeerRef] = field(default_factory=list)
-    _parts: list[bytes | bytearray] = field(default_factory=list)
-    _hasher: Any = field(default_factory=hashlib.sha256)
+    _parts: list[bytes | bytearray] = field(default_factory=list, init=False, repr=False)
+    _hasher: Any = field(default_factory=hashlib.sha256, init=False, repr=False)
 
     def adopt(self, holder: PeerRef, info: Info) -> int:
         """Take ``holder``'s description; return the offset to continue from (0: start over)."""
