@@ -3,7 +3,13 @@
 ``JobManager.run()`` loops every ``discover_s``: read the owners' job indexes of this swarm,
 the job records they name (only the owner's own record counts, see ``catalog``), and for
 every live job keep one ``JobPlanner`` (participating when this peer is eligible) and, once
-an allocation that includes this peer is committed, one ``TaskletRunner``. A job's state as
+an allocation that includes this peer is committed, one ``TaskletRunner`` that adopts every
+later commit too. Each round also reads the job's progress records and asks
+``health.assess`` whether a tasklet's peer is gone or the pipeline is stuck; if so this peer
+freezes its tasklet and re-plans (``JobPlanner.replan`` with the state it holds): every
+peer reaches the same verdict from the same records, and the consensus picks the repair.
+``drain`` (leave) and ``pause`` hand this peer's tasklets over: they publish ``left``, the
+others re-plan without it, and it keeps serving its stage's state meanwhile. A job's state as
 everyone sees it is derived from public records (``effective_state``); the owner's daemon
 writes it back into the job record, re-stores its records before they expire, and is the
 only one whose ``cancel`` counts. The control endpoint's submit/cancel/jobs/job_status are
@@ -22,6 +28,7 @@ from typing import Any
 
 from peerd.errors import ConfigError, ErrorCode, PeerdError, ProtocolError
 from peerd.jobs import catalog
+from peerd.jobs.health import HealthConfig, assess
 from peerd.jobs.planner import JobPlanner, LocalInfo, PlannerConfig
 from peerd.jobs.records import (
     NONCE_BYTES,
@@ -38,14 +45,22 @@ from peerd.jobs.runner import TaskletRunner, tasklet_of, unsupported
 from peerd.jobs.scoring import job_model
 from peerd.jobs.spec import JobSpec, parse_job_spec
 from peerd.jobs.store import RecordStore
-from peerd.jobs.views import JobEntry, effective_state, job_view, resolve_job_id
+from peerd.jobs.views import (
+    JobEntry,
+    effective_state,
+    failure_reason,
+    job_view,
+    resolve_job_id,
+    start_warnings,
+)
 from peerd.log import get_logger
 from peerd.sched.consensus.actions import Commit
+from peerd.sched.consensus.messages import HeldState
 from peerd.swarm.keys import job_key, jobs_key
 
 logger = get_logger(__name__)
 
-RunnerFactory = Callable[[JobRecord, JobSpec, Commit], TaskletRunner]
+RunnerFactory = Callable[[JobRecord, JobSpec], TaskletRunner]
 
 
 @dataclass(frozen=True)
@@ -59,6 +74,9 @@ class ManagerConfig:
     refresh_s: float = 600.0
     """The owner re-stores its job records and index this often."""
     planner: PlannerConfig = field(default_factory=PlannerConfig)
+    health: HealthConfig = field(default_factory=HealthConfig)
+    roster_retry_s: float = 1.0
+    """A commit's roster entries not all readable yet: retry this often (they propagate)."""
 
 
 def eligible(job_id: str, me: str, online: list[str], max_peers: int | None) -> bool:
@@ -92,6 +110,10 @@ class JobManager:
         self._expiry: dict[str, float] = {}
         self._discovering = asyncio.Lock()
         self.unusable: set[str] = set()  # jobs whose spec this peer cannot use (logged once)
+        self.paused: str | None = None  # why this peer handed its tasklets over and applies for none
+        self.leaving = False
+        self._recovering_since: dict[str, dict[tuple[int, str], float]] = {}  # job -> (epoch, peer) -> t
+        self._adopting: dict[str, asyncio.Task] = {}
         self._wake = asyncio.Event()
 
     @property
@@ -107,6 +129,7 @@ class JobManager:
         errors, warnings = unsupported(spec)
         if errors:
             raise errors[0]
+        warnings = [*warnings, *start_warnings(spec, self._online_with_me())]
         now = self.store.now()
         nonce = os.urandom(NONCE_BYTES)
         record = new_job_record(
@@ -164,12 +187,15 @@ class JobManager:
 
     async def job_status(self, params: dict[str, Any]) -> dict[str, Any]:
         entry = await self._find(params.get("job_id"))
-        return job_view(entry, self.me, self.store.now(), detail=True)
+        return job_view(entry, self.me, self.store.now(), detail=True, online=self._online_with_me())
 
     def views(self, detail: bool = True) -> list[dict[str, Any]]:
-        now = self.store.now()
+        now, online = self.store.now(), self._online_with_me()
         entries = sorted(self.jobs.values(), key=lambda e: e.record.created_at, reverse=True)
-        return [job_view(e, self.me, now, detail=detail) for e in entries]
+        return [job_view(e, self.me, now, detail=detail, online=online) for e in entries]
+
+    def _online_with_me(self) -> set[str]:
+        return {*self.online(), self.me}
 
     async def _find(self, job_id: Any) -> JobEntry:
         if not isinstance(job_id, str) or not job_id:
@@ -261,10 +287,17 @@ class JobManager:
                 await self._stop(entry)
             elif entry.planner_task is None:
                 self._start_planner(entry)
+            if entry.commit is None and rec.state in TERMINAL and not entry.records_read:
+                # a job that ended before this daemon knew it: its allocation from the public records
+                with contextlib.suppress(PeerdError):
+                    entry.commit = await catalog.read_commit(self.store, rec.job_id)
+                    entry.records_read = True
             if entry.commit is not None and not entry.final_progress:
                 with contextlib.suppress(PeerdError):
                     entry.progress = await catalog.read_progress(self.store, rec.job_id)
                     entry.final_progress = rec.state in TERMINAL  # one last read after the end
+                if rec.state not in TERMINAL:
+                    await self._check_health(entry, now)
             if rec.owner == self.me:
                 await self._owner_duties(entry, now)
         if self.my_jobs and now - self._index_stored_at > self.config.refresh_s:
@@ -292,28 +325,120 @@ class JobManager:
         entry.planner_task = asyncio.create_task(self._supervised(entry.planner.run, f"planner {rec.job_id}"))
 
     def _on_commit(self, entry: JobEntry, commit: Commit) -> None:
-        old = entry.commit
         entry.commit = commit
         self._wake.set()
-        if old is not None and old.allocation_hash == commit.allocation_hash:
-            return
-        if entry.runner_task is not None:
-            logger.warning(
-                "job %s: a newer allocation superseded the running one; restarting the tasklet",
-                entry.record.job_id,
+        job_id = entry.record.job_id
+        previous = self._adopting.get(job_id)
+        if previous is not None and not previous.done():
+            previous.cancel()  # a newer commit supersedes one still being adopted
+        self._adopting[job_id] = asyncio.create_task(
+            self._supervised(
+                lambda: self._adopt(entry, commit), f"adopting job {job_id} epoch {commit.epoch}"
             )
-            entry.runner_task.cancel()
-            entry.runner, entry.runner_task = None, None
-        if self.runner_factory is None or tasklet_of(commit.allocation, self.me) is None:
-            return
-        try:
-            entry.runner = self.runner_factory(entry.record, entry.spec, commit)
-        except PeerdError as exc:
-            logger.error("job %s: cannot start this peer's tasklet: %s", entry.record.job_id, exc)
-            return
-        entry.runner_task = asyncio.create_task(
-            self._supervised(entry.runner.run, f"tasklet {entry.record.job_id}")
         )
+
+    async def _adopt(self, entry: JobEntry, commit: Commit) -> None:
+        """Hand ``commit`` to this peer's runner (creating it when this peer has a tasklet)."""
+        job_id = entry.record.job_id
+        if self.runner_factory is None or self.leaving or self.paused is not None:
+            return
+        if entry.runner is None:
+            if tasklet_of(commit.allocation, self.me) is None:
+                return  # a spare that holds nothing: nothing to run or serve
+            try:
+                entry.runner = self.runner_factory(entry.record, entry.spec)
+                await entry.runner.start()
+            except PeerdError as exc:
+                logger.error("job %s: cannot start this peer's tasklet: %s", job_id, exc)
+                entry.runner = None
+                return
+        roster = None
+        for _ in range(30):  # the committed roster's entries propagate within seconds
+            assert entry.planner is not None
+            roster = await entry.planner.committed_roster(commit)
+            if roster is not None:
+                break
+            await asyncio.sleep(self.config.roster_retry_s)
+        if roster is None:
+            logger.warning(
+                "job %s: the roster of epoch %d is not readable; resuming blind", job_id, commit.epoch
+            )
+        await entry.runner.adopt(commit, roster)
+
+    async def _check_health(self, entry: JobEntry, now: float) -> None:
+        """Re-plan when the job's records say a tasklet's peer is gone or the pipeline is stuck."""
+        planner, commit, job_id = entry.planner, entry.commit, entry.record.job_id
+        if planner is None or commit is None or planner.replanning or self.leaving or self.paused:
+            return
+        since = self._recovering_since.setdefault(job_id, {})
+        current = {
+            (p.epoch, peer): since.get((p.epoch, peer), now)
+            for peer, p in entry.progress.items()
+            if p.epoch == commit.epoch and p.state == TaskState.RECOVERING
+        }
+        self._recovering_since[job_id] = current
+        verdict = assess(
+            commit.allocation,
+            commit.epoch,
+            entry.progress,
+            now,
+            committed_at=planner.committed_at if planner.committed_at is not None else now,
+            recovering_since={peer: t for (_, peer), t in current.items()},
+            config=self.config.health,
+        )
+        if not verdict.replan:
+            return
+        cause = verdict.cause()
+        held: tuple[HeldState, ...] = ()
+        if entry.runner is not None:
+            await entry.runner.freeze(cause)
+            held = entry.runner.held()
+        await planner.replan(cause, held)
+
+    # -- volunteer controls ---------------------------------------------------------------------
+
+    async def drain(self, grace_s: float) -> None:
+        """Leave: hand every tasklet over (``left``), keep serving state until the others re-planned or ``grace_s``."""
+        self.leaving = True
+        await self._hand_over("this peer is leaving the swarm")
+        await self._await_handover(grace_s)
+
+    async def pause(self, reason: str = "") -> None:
+        """Give the device back: hand the tasklets over and apply for no roster until ``resume``."""
+        self.paused = reason or "paused by its volunteer"
+        await self._hand_over(f"this peer paused: {self.paused}")
+
+    async def resume(self) -> None:
+        """Apply for rosters again: this peer joins a job at its next re-plan (as a spare or to fill a hole)."""
+        self.paused = None
+        for entry in self.jobs.values():
+            if entry.planner is not None:
+                entry.planner.participate = eligible(
+                    entry.record.job_id, self.me, self.online(), entry.spec.max_peers
+                )
+
+    async def _hand_over(self, reason: str) -> None:
+        for entry in self.jobs.values():
+            if entry.planner is not None:
+                entry.planner.participate = False
+            if entry.runner is not None and entry.record.state not in TERMINAL:
+                await entry.runner.leave(reason)
+
+    async def _await_handover(self, grace_s: float) -> None:
+        deadline = asyncio.get_running_loop().time() + grace_s
+        while asyncio.get_running_loop().time() < deadline:
+            waiting = [
+                e
+                for e in self.jobs.values()
+                if e.runner is not None
+                and e.record.state not in TERMINAL
+                and e.commit is not None
+                and tasklet_of(e.commit.allocation, self.me) is not None
+            ]
+            if not waiting:
+                return
+            await asyncio.sleep(0.5)
+        logger.warning("leaving before every job re-planned without this peer (grace %.0f s over)", grace_s)
 
     async def _supervised(self, run: Callable[[], Awaitable[Any]], what: str) -> Any:
         try:
@@ -325,12 +450,15 @@ class JobManager:
             return None
 
     async def _stop(self, entry: JobEntry) -> None:
-        for name in ("runner_task", "planner_task"):
-            task = getattr(entry, name)
+        adopting = self._adopting.pop(entry.record.job_id, None)
+        for task in (adopting, entry.planner_task):
             if task is not None and not task.done():
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await task
+        if entry.runner is not None:
+            await entry.runner.close()
+            entry.runner = None
         if entry.planner is not None:
             entry.planner.close()
 
@@ -340,10 +468,7 @@ class JobManager:
         state = effective_state(entry, now)
         rec = entry.record
         if state != rec.state and rec.state not in TERMINAL:
-            reason = ""
-            if state == JobState.FAILED:
-                failed = [p for p in entry.progress.values() if p.state == TaskState.FAILED]
-                reason = failed[0].reason if failed else ""
+            reason = failure_reason(entry) if state == JobState.FAILED else ""
             entry.record = rec.with_state(state, now, reason)
             logger.info("job %s: %s -> %s", rec.job_id, rec.state.value, state.value)
             await self._store_record(entry)

@@ -11,6 +11,12 @@ this peer's subkey (retried until it lands), ``StartSearch`` -> an island thread
 machine (hash of job, epoch, peer), ``Migrate`` -> a migrant for it, ``StopSearch`` -> stop and
 log the island's result, ``Commit`` -> ``on_commit``, ``Misbehaviour`` -> ignore that peer for
 the rest of the job. Wire layout and expirations: ``protocols/jobs.md``.
+
+``replan(cause, held)`` re-plans a committed job (the manager calls it when the health
+verdict says so): the machine joins a new epoch with this peer's held stage state, and
+the driver seeds that epoch with repairs of the running allocation (``recovery.
+patch_allocation``), so the hysteresis vote has the cheap fix to choose. After any commit,
+``committed_roster`` gives the committed roster's entries (the resume step is theirs).
 """
 
 from __future__ import annotations
@@ -20,14 +26,15 @@ import math
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Annotated, Any
+from typing import Any
 
-from msgspec import Meta
 from msgspec.structs import replace
 
 from peerd.errors import PeerdError, ProtocolError
+from peerd.jobs.catalog import decode_votes, encode_votes
 from peerd.jobs.island import IslandReport, IslandThread
 from peerd.jobs.records import JobRecord
+from peerd.jobs.recovery import patch_allocation
 from peerd.jobs.scoring import RosterScorer
 from peerd.jobs.spec import JobSpec
 from peerd.jobs.store import RecordStore
@@ -45,6 +52,7 @@ from peerd.sched.consensus.actions import (
 from peerd.sched.consensus.machine import ConsensusConfig, ConsensusMachine
 from peerd.sched.consensus.messages import (
     CommitRecord,
+    HeldState,
     Message,
     RosterDevice,
     RosterEntry,
@@ -54,12 +62,10 @@ from peerd.sched.consensus.messages import (
     encode,
 )
 from peerd.swarm.keys import candidates_key, commit_key, roster_key, votes_key
-from peerd.wire import canonical_pack, decode_value
 
 logger = get_logger(__name__)
 
 LocalInfo = Callable[[], tuple[RosterDevice, tuple[RosterLink, ...]]]
-MAX_VOTES_BYTES = 16 * 1024
 
 
 @dataclass(frozen=True)
@@ -76,20 +82,6 @@ class PlannerConfig:
     """After a commit only newer commit records matter: read them this often."""
     island_patience: int = 25
     """Generations without improvement (and no migrant) before an island idles."""
-
-
-# One voter's encoded vote messages, in round order (round 0, then maybe round 1).
-VotesEntry = Annotated[list[bytes], Meta(min_length=1, max_length=2)]
-
-
-def encode_votes(votes: list[bytes]) -> bytes:
-    """The value under ``votes_key``: a msgpack array of one voter's encoded vote messages, round order."""
-    return canonical_pack([bytes(v) for v in votes])
-
-
-def decode_votes(raw: bytes) -> list[bytes]:
-    votes: list[bytes] = decode_value(raw, VotesEntry, max_bytes=MAX_VOTES_BYTES, what="votes entry")
-    return votes
 
 
 def author_of(msg: Message) -> str:
@@ -140,6 +132,7 @@ class JobPlanner:
         self._pending: dict[str, tuple[bytes, float]] = {}  # stores that did not land yet
         self._last_commit_read = -math.inf
         self._started = False
+        self.replans: list[dict[str, Any]] = []  # each re-plan: epoch from, cause, when (DHT time)
 
     # -- driving --------------------------------------------------------------------------------
 
@@ -180,6 +173,51 @@ class JobPlanner:
             logger.debug("job %s: reading consensus records failed: %s", self.job.job_id, exc)
         await self._retry_pending()
 
+    async def replan(self, cause: str, held: tuple[HeldState, ...] = ()) -> bool:
+        """Re-plan the committed allocation (``cause`` in words); False if not committed or already re-planning."""
+        now = self.store.now()
+        self.machine.set_held(held)
+        actions = self.machine.replan(now)
+        if not actions:
+            return False
+        previous = self.machine.replanning
+        assert previous is not None
+        self.replans.append(
+            {"from_epoch": previous.epoch, "epoch": self.machine.epoch, "cause": cause, "at": now}
+        )
+        logger.warning("job %s: re-planning (epoch %d): %s", self.job.job_id, self.machine.epoch, cause)
+        await self._handle(actions)
+        return True
+
+    @property
+    def replanning(self) -> bool:
+        return self.machine.replanning is not None
+
+    async def committed_roster(self, commit: Commit) -> list[RosterEntry] | None:
+        """The entries of ``commit``'s roster (from this peer's view, else read from the DHT); None if some are missing."""
+        wanted = dict(commit.record.roster)
+        found: dict[str, RosterEntry] = {}
+        es = self.machine._epochs.get(commit.epoch)
+        if es is not None:
+            found = {p: e for p, e in es.entries.items() if wanted.get(p) == e.hash}
+        if len(found) < len(wanted):
+            try:
+                entries = await self.store.read(roster_key(self.job.job_id, commit.epoch))
+            except PeerdError as exc:
+                logger.debug("job %s: reading the committed roster failed: %s", self.job.job_id, exc)
+                entries = []
+            for entry in entries:
+                msg = self._decode(entry.value)
+                if (
+                    isinstance(msg, RosterEntry)
+                    and self._authentic(msg, entry.author)
+                    and wanted.get(msg.peer) == msg.hash
+                ):
+                    found[msg.peer] = msg
+        if len(found) < len(wanted):
+            return None
+        return [found[p] for p in sorted(found)]
+
     async def _propose(self, now: float) -> None:
         if self._island is None:
             return
@@ -195,7 +233,7 @@ class JobPlanner:
         job, t = self.job.job_id, self.consensus.timing
         keys: list[str] = []
         epoch = self.machine.epoch
-        if self.machine.committed is None and epoch >= 0:
+        if self.machine.planning and epoch >= 0:
             at = now - self.consensus.start(epoch)
             if at < t.freeze + t.max_skew_s:
                 keys.append(roster_key(job, epoch))
@@ -317,6 +355,7 @@ class JobPlanner:
                 await self._publish(action)
             elif isinstance(action, StartSearch):
                 self._start_island(action)
+                await self._propose_repairs(action)
             elif isinstance(action, Migrate):
                 if self._island is not None and self._island.report.epoch == action.epoch:
                     self._island.offer(action.allocation)
@@ -342,6 +381,8 @@ class JobPlanner:
         if not self.participate:
             return  # an observer keeps its roster entry, candidates and votes to itself
         end = self.consensus.start(msg.epoch + 1) + c.keep_s
+        if isinstance(msg, Vote):  # a commit record is proved by votes: they live as long as it does
+            end = max(end, self.store.now() + c.commit_ttl_s)
         if action.kind == "roster":
             await self._put(roster_key(job, msg.epoch), encode(msg), end)
         elif action.kind == "candidate":
@@ -406,6 +447,27 @@ class JobPlanner:
             action.seed,
         )
 
+    async def _propose_repairs(self, action: StartSearch) -> None:
+        """In a re-plan epoch: offer the repairs of the running allocation as candidates (cheapest kept)."""
+        running = self.machine.replanning
+        if running is None:
+            return
+        previous = running.allocation
+        widths = range(previous.d_dp, 0, -1)
+        for allocation in patch_allocation(previous, action.roster.entries, widths):
+            try:
+                self.scorer(action.roster, allocation)
+            except PeerdError as exc:
+                logger.debug("job %s: repair %s not scorable: %s", self.job.job_id, allocation.stages, exc)
+                continue
+            logger.info(
+                "job %s epoch %d: proposing the repair %s", self.job.job_id, action.epoch, allocation.stages
+            )
+            await self._handle(self.machine.propose(allocation, self.store.now()))
+            if self._island is not None:
+                self._island.offer(allocation)
+            return  # the widest repair that scores: the one that loses the least throughput
+
     def _stop_island(self, epoch: int | None) -> None:
         island = self._island
         if island is None or (epoch is not None and island.report.epoch != epoch):
@@ -463,6 +525,9 @@ class JobPlanner:
             "rejected": dict(m.stats),
             "driver": dict(self.stats),
             "banned": sorted(self.banned),
+            **({"roster": {"epoch": r[0], "peers": r[1]}} if (r := m.last_roster) else {}),
+            "replanning": self.replanning,
+            "replans": list(self.replans),
         }
         if c is not None:
             out["commit"] = commit_view(c)

@@ -1,15 +1,26 @@
-"""The job runner: on a committed allocation, run this peer's tasklet and publish its progress.
+"""The job runner: this peer's part in one job across commits — run its tasklet, keep its stage's state, serve it.
 
-``TaskletRunner`` composes the pipeline and averaging layers for one peer: the job spec and
-the committed allocation become a ``TrainConfig`` (layers per stage from the allocation,
-compression from the spec), the allocation names the upstream and downstream neighbours and
-the stage's replica group (``GroupAllReduce`` in allocation order), and a ``StageWorker``
-trains on the daemon's transport until the job's last step, checkpointing every
-``checkpoint_interval`` steps and at the end. Neighbours start within seconds of each other
-(each sees the commit on its own poll); the streams' connect deadlines absorb that, so no
-extra barrier is needed. Progress (step, loss history, tokens/s, bytes on the wire by kind
-and what they would have been uncompressed) goes to ``progress_key(job)`` under this peer's
-subkey every ``interval`` seconds and when the tasklet ends.
+``TaskletRunner`` composes the pipeline and averaging layers for one peer and one job. On
+each committed allocation (``adopt``) the job spec and the allocation become a
+``TrainConfig`` (layers per stage from the allocation, compression from the spec), the
+allocation names the upstream and downstream neighbours and the stage's replica group
+(``GroupAllReduce`` in allocation order), and a ``StageWorker`` trains on the daemon's
+transport until the job's last step, checkpointing every ``checkpoint_interval`` steps.
+
+Churn. A step that breaks (a partner vanished, a stream or the averaging failed) turns the
+tasklet ``recovering``: it names the partners it suspects, keeps its stage's state (the
+live step and, with the worker's rollback snapshot, the step before) and waits for the
+re-plan the manager starts (``peerd.jobs.health``). ``freeze`` stops a running tasklet the
+same way; ``held`` is what the re-plan's roster entry declares. A commit of the re-plan
+epoch is adopted like the first: every tasklet resumes from the committed roster's resume
+step (``peerd.jobs.recovery``), taking its stage's state from its own memory, its own
+checkpoint, or a holder over the p2p state-sync protocol (``peerd.pipeline.statesync``,
+served here for the whole job), with every AC-SGD boundary reset on both sides.
+
+Progress (step, loss history, tokens/s, bytes on the wire by kind and what they would have
+been uncompressed, suspects) goes to ``progress_key(job)`` under this peer's subkey every
+``interval`` seconds, also while a step runs: that heartbeat is how the other peers tell a
+slow tasklet from a dead one.
 """
 
 from __future__ import annotations
@@ -18,25 +29,28 @@ import asyncio
 import contextlib
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-
-import torch
 
 from peerd.averaging import GroupAllReduce
 from peerd.errors import ConfigError, ErrorCode, PeerdError, PeerUnavailable
 from peerd.jobs.catalog import read_progress
-from peerd.jobs.records import JobRecord, Progress, TaskState, downsample, encode_progress
+from peerd.jobs.records import MAX_SUSPECTS, JobRecord, Progress, TaskState, downsample, encode_progress
+from peerd.jobs.recovery import held_state, holders, resume_step, stage_layers
 from peerd.jobs.spec import JobSpec
 from peerd.jobs.store import RecordStore
 from peerd.log import get_logger
+from peerd.pipeline import checkpoint
 from peerd.pipeline.codec import CompressionConfig
 from peerd.pipeline.config import ModelBuild, TrainConfig
 from peerd.pipeline.partition import balanced_layers_per_stage
+from peerd.pipeline.statesync import StateServer, StateSyncConfig, fetch_state, pack_state, unpack_state
 from peerd.pipeline.streams import StreamConfig
 from peerd.pipeline.worker import StageWorker, StepReport
 from peerd.sched.allocation import Allocation
 from peerd.sched.consensus.actions import Commit
+from peerd.sched.consensus.messages import HeldState, RosterEntry
 from peerd.swarm.keys import progress_key
 from peerd.swarm.transport import Transport
 
@@ -112,17 +126,26 @@ def train_config(
         averaging_timeout_s=180.0,
         checkpoint_dir=str(checkpoint_root) if checkpoint_root is not None else None,
         checkpoint_every=spec.checkpoint_interval,
+        rollback=True,  # a re-plan may resume one step back: keep the state before each update
     )
 
 
+@dataclass
+class _Frozen:
+    """A stopped tasklet's stage state, by step (what ``held`` declares and the state server serves)."""
+
+    stage: int
+    layers: tuple[int, int]
+    states: dict[int, dict[str, Any]]
+
+
 class TaskletRunner:
-    """Runs this peer's tasklet of a committed allocation: ``await run()`` returns when it ends."""
+    """This peer's part in one job: ``start``, ``adopt`` each commit, ``freeze`` on a failure, ``close``."""
 
     def __init__(
         self,
         job: JobRecord,
         spec: JobSpec,
-        commit: Commit,
         *,
         store: RecordStore,
         transport: Transport,
@@ -130,106 +153,342 @@ class TaskletRunner:
         checkpoint_root: Path | None,
         interval: float = 2.0,
         ready_timeout: float = 120.0,
+        statesync: StateSyncConfig | None = None,
     ) -> None:
-        where = tasklet_of(commit.allocation, store.me)
-        if where is None:
-            raise ConfigError(
-                "allocation", f"peer {store.me} has no tasklet in allocation {commit.allocation_hash}"
-            )
-        self.job, self.spec, self.commit, self.store = job, spec, commit, store
-        self.stage, self.replica = where
-        self.allocation = commit.allocation
-        self.cfg = train_config(job.job_id, spec, commit.allocation, checkpoint_root)
+        self.job, self.spec, self.store = job, spec, store
         self.transport, self.peer_ref, self.interval = transport, peer_ref, interval
+        self.checkpoint_root = checkpoint_root
         self.ready_timeout = ready_timeout
+        self.statesync = statesync or StateSyncConfig()
+        self.commit: Commit | None = None
+        self.stage: int | None = None  # this peer's tasklet in ``commit`` (None: a spare)
+        self.replica: int | None = None
+        self.cfg: TrainConfig | None = None
         self.state = TaskState.RUNNING
         self.reason = ""
+        self.suspects: tuple[str, ...] = ()
         self.step = 0
         self.losses: list[tuple[int, float]] = []
         self.tokens_per_s = 0.0
         self.wire: dict[str, int] = {}
         self.started_at = store.now()
         self.worker: StageWorker | None = None
+        self.recoveries: list[dict[str, Any]] = []  # per adopted commit: where the state came from, how long
+        self.server = StateServer(transport, job.job_id, self._provide, config=self.statesync)
+        self._frozen: _Frozen | None = None
+        self._task: asyncio.Task | None = None
+        self._publisher: asyncio.Task | None = None
+        self._lock = asyncio.Lock()
         self._dirty = asyncio.Event()
-        gpt = spec.model.gpt_config()
-        self._boundary_raw = gpt.d_model * 4  # fp32 bytes per token crossing a stage boundary
+        self._boundary_raw = spec.model.gpt_config().d_model * 4  # fp32 bytes per token at a boundary
         self._avg_raw_per_step = 0
+        self._wire_before: dict[str, int] = {}  # bytes sent by the workers of earlier commits
         self._expires = 0.0
         self._group: GroupAllReduce | None = None
 
-    def _reducer(self) -> GroupAllReduce | None:
-        group = self.allocation.stages[self.stage]
-        if len(group) == 1:
-            return None
-        return GroupAllReduce(
-            self.transport,
-            [self.peer_ref(p) for p in group],
-            self.peer_ref(self.store.me),
-            key=f"{self.job.job_id}/s{self.stage}",
-            compressor=self.cfg.compression.gradient_compressor,
-            timeout=self.cfg.averaging_timeout_s,
-        )
+    @property
+    def me(self) -> str:
+        return self.store.me
 
-    def _neighbour(self, stage: int) -> Any:
-        if not 0 <= stage < self.allocation.d_pp:
-            return None
-        return self.peer_ref(self.allocation.stages[stage][self.replica])
+    # ------------------------------------------------------------------ lifecycle
 
-    async def run(self) -> TaskState:
-        torch.set_num_threads(1)  # several daemons share this machine's cores; one compute thread each
+    async def start(self) -> None:
+        """Serve this job's state-sync protocol (peers may fetch the stage state held here)."""
+        await self.server.start()
+        self._publisher = asyncio.create_task(self._publish_loop())
+
+    async def close(self) -> None:
+        """Stop the tasklet, publish its last record, stop serving; never raises (shutdown paths call it)."""
+        async with self._lock:
+            with contextlib.suppress(Exception):
+                await self._stop_tasklet("stopped (job cancelled or daemon shutting down)", TaskState.FAILED)
+        if self._publisher is not None:
+            self._publisher.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._publisher
+        with contextlib.suppress(Exception):
+            await self.server.close()
+
+    async def wait(self) -> TaskState:
+        """Until the current tasklet ends (done, failed or recovering); its state."""
+        task = self._task
+        if task is not None:
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.shield(task)
+        return self.state
+
+    @property
+    def running(self) -> bool:
+        return self._task is not None and not self._task.done()
+
+    # ------------------------------------------------------------------ churn API
+
+    def held(self) -> tuple[HeldState, ...]:
+        """The stage state this peer can serve: the stopped tasklet's steps and its checkpoints on disk."""
+        found: dict[tuple[int, tuple[int, int]], set[int]] = {}
+        frozen = self._frozen
+        if frozen is not None:
+            found.setdefault((frozen.stage, frozen.layers), set()).update(frozen.states)
+        if self.checkpoint_root is not None and self.cfg is not None:
+            for stage, span in enumerate(stage_layers(self.cfg.layers_per_stage)):
+                steps = self._checkpoint_steps(stage)
+                if steps:
+                    found.setdefault((stage, span), set()).update(steps)
+        return tuple(held_state(stage, span, steps) for (stage, span), steps in sorted(found.items()))
+
+    async def freeze(self, reason: str) -> None:
+        """Stop a running tasklet where it is and keep its state for the re-plan (no-op when none runs)."""
+        async with self._lock:
+            if self.running:
+                await self._stop_tasklet(reason, TaskState.RECOVERING)
+
+    async def leave(self, reason: str) -> None:
+        """Hand the tasklet over: stop it, publish ``left`` (the others re-plan without this peer), keep serving state."""
+        async with self._lock:
+            await self._stop_tasklet(reason, TaskState.LEFT)
+            if self.state not in (TaskState.DONE, TaskState.FAILED):
+                self.state, self.reason = TaskState.LEFT, reason[:200]
+            with contextlib.suppress(PeerdError):
+                await self._publish()
+
+    async def adopt(self, commit: Commit, roster: list[RosterEntry] | None) -> None:
+        """Run this peer's tasklet of ``commit`` (a spare runs none), resuming at the roster's common step."""
+        async with self._lock:
+            if self.commit is not None and commit.epoch <= self.commit.epoch:
+                return
+            started = time.monotonic()
+            if self.running:
+                await self._stop_tasklet(
+                    f"superseded by the allocation of epoch {commit.epoch}", TaskState.RECOVERING
+                )
+            first = self.commit is None
+            self.commit = commit
+            where = tasklet_of(commit.allocation, self.me)
+            self.cfg = train_config(self.job.job_id, self.spec, commit.allocation, self.checkpoint_root)
+            if where is None:
+                self.stage = self.replica = None
+                logger.info("job %s: this peer is a spare in epoch %d", self.job.job_id, commit.epoch)
+                return
+            self.stage, self.replica = where
+            spans = stage_layers(self.cfg.layers_per_stage)
+            resume = resume_step(roster or [], spans)
+            self.state, self.reason, self.suspects = TaskState.RECOVERING, "loading state", ()
+            self.step = resume
+            self.losses = [(s, loss) for s, loss in self.losses if s < resume]
+            try:
+                worker = await asyncio.get_running_loop().run_in_executor(None, self._build_worker)
+                source = await self._load(worker, spans[self.stage], resume, roster or [])
+            except PeerdError as exc:
+                self._recovering(f"could not take the state of stage {self.stage} at step {resume}: {exc}")
+                self.suspects = tuple(
+                    p
+                    for p in holders(roster or [], self.stage, spans[self.stage], resume, job=self.job.job_id)
+                    if p != self.me
+                )[:MAX_SUSPECTS]
+                self._dirty.set()
+                return
+            self.worker = worker
+            self.recoveries.append(
+                {
+                    "epoch": commit.epoch,
+                    "resume_step": resume,
+                    "source": source,
+                    "seconds": round(time.monotonic() - started, 3),
+                }
+            )
+            if not first:
+                logger.info(
+                    "job %s: tasklet s%dr%d resumes at step %d (state: %s)",
+                    self.job.job_id,
+                    self.stage,
+                    self.replica,
+                    resume,
+                    source,
+                )
+            self._task = asyncio.create_task(self._run_tasklet(worker))
+
+    # ------------------------------------------------------------------ the tasklet
+
+    async def _run_tasklet(self, worker: StageWorker) -> None:
+        assert self.commit is not None
         logger.info(
-            "job %s: running tasklet stage %d replica %d of %dx%d (layers %s)",
+            "job %s: running tasklet stage %s replica %s of %dx%d (layers %s) from step %d",
             self.job.job_id,
             self.stage,
             self.replica,
-            self.allocation.d_pp,
-            self.allocation.d_dp,
-            self.cfg.layers_per_stage,
+            self.commit.allocation.d_pp,
+            self.commit.allocation.d_dp,
+            worker.cfg.layers_per_stage,
+            worker.step,
         )
-        publisher = asyncio.create_task(self._publish_loop())
         try:
-            self.worker = await asyncio.get_running_loop().run_in_executor(None, self._build_worker)
-            await self.worker.start()  # serve the stage protocol ...
+            await worker.start()  # serve the stage protocol ...
             if self._group is not None:
                 await self._group.start()  # ... and the replica group's
-            await self._publish()  # step 0: "this tasklet serves" (the ready handshake)
+            self.state, self.reason = TaskState.RUNNING, ""
+            await self._publish()  # "this tasklet serves" for this epoch (the ready handshake)
             await self._wait_ready()
-            await self.worker.connect()
-            await self.worker.run()
+            await worker.connect()
+            await worker.run()
             self.state = TaskState.DONE
             logger.info(
-                "job %s: tasklet s%dr%d finished %d steps",
+                "job %s: tasklet s%sr%s finished %d steps",
                 self.job.job_id,
                 self.stage,
                 self.replica,
                 self.step,
             )
         except asyncio.CancelledError:
-            self.state, self.reason = TaskState.FAILED, "stopped (job cancelled or daemon shutting down)"
             raise
-        except PeerdError as exc:
+        except ConfigError as exc:
             self.state, self.reason = TaskState.FAILED, str(exc)[:200]
             logger.warning(
-                "job %s: tasklet s%dr%d failed: %s", self.job.job_id, self.stage, self.replica, exc
+                "job %s: tasklet s%sr%s failed: %s", self.job.job_id, self.stage, self.replica, exc
             )
-        finally:
-            if self.worker is not None:
-                await self.worker.close()
-            publisher.cancel()
+        except PeerdError as exc:
+            self._recovering(str(exc))
+            self.suspects = tuple(sorted(self._partners()))[:MAX_SUSPECTS]
+            logger.warning(
+                "job %s: tasklet s%sr%s stopped at step %d, waiting for a re-plan: %s",
+                self.job.job_id,
+                self.stage,
+                self.replica,
+                worker.step,
+                exc,
+            )
+        except Exception as exc:  # a bug: this tasklet cannot go on, the job must not wait for it forever
+            logger.exception("job %s: tasklet s%sr%s crashed", self.job.job_id, self.stage, self.replica)
+            self.state, self.reason = TaskState.FAILED, f"{type(exc).__name__}: {exc}"[:200]
+        self._capture(worker)
+        await worker.close()
+        self._dirty.set()
+
+    def _recovering(self, reason: str) -> None:
+        self.state, self.reason = TaskState.RECOVERING, reason[:200]
+
+    async def _stop_tasklet(self, reason: str, state: TaskState) -> None:
+        """Cancel the running tasklet, keep its state (``_frozen``), release its worker; lock held."""
+        task, self._task = self._task, None
+        worker = self.worker
+        if task is not None and not task.done():
+            task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
-                await publisher
-            with contextlib.suppress(Exception):
-                await asyncio.shield(self._publish())
-        return self.state
+                await task
+            if worker is not None:
+                await worker.quiesce()  # the compute thread finished: step and state agree
+                self._capture(worker)
+                await worker.close()
+            if self.state not in (TaskState.DONE, TaskState.FAILED):
+                self.state, self.reason = state, reason[:200]
+        self.worker = None
+        with contextlib.suppress(PeerdError):
+            await self._publish()
+
+    def _capture(self, worker: StageWorker) -> None:
+        """Keep ``worker``'s states (live step and rollback step) without codec buffers (re-plans reset them)."""
+        if worker.step == 0 and self._frozen is not None and self._frozen.stage == worker.stage:
+            return  # never ran a step: the state held from before stays the better one
+        states = {}
+        for step in worker.available_steps():
+            state = worker.state_at(step)
+            states[step] = {**state, "codecs": None, "averaging": None}
+        self._frozen = _Frozen(worker.stage, (worker.module.spec.start, worker.module.spec.end), states)
+        for kind, n in self._worker_bytes(worker).items():
+            self._wire_before[kind] = self._wire_before.get(kind, 0) + n
+
+    async def _load(
+        self, worker: StageWorker, span: tuple[int, int], step: int, roster: list[RosterEntry]
+    ) -> str:
+        """Put ``worker`` at ``step``; returns where the state came from ("init", "memory", "checkpoint", a peer)."""
+        assert self.stage is not None
+        worker.reset_codecs()  # a new epoch starts every boundary empty on both sides
+        if step == 0:
+            return "init"  # every peer builds the same initial weights from the job's seed
+        state = self._local_state(self.stage, span, step)
+        source = "memory" if state is not None else ""
+        if state is None:
+            state = await asyncio.to_thread(self._checkpoint_state, self.stage, step)
+            source = "checkpoint" if state is not None else ""
+        if state is None:
+            peers = [p for p in holders(roster, self.stage, span, step, job=self.job.job_id) if p != self.me]
+            params = sum(p.numel() * p.element_size() for p in worker.module.state_dict().values())
+            raw = await fetch_state(
+                self.transport,
+                [self.peer_ref(p) for p in peers],
+                self.job.job_id,
+                self.stage,
+                step,
+                max_bytes=4 * params + (16 << 20),  # weights + optimizer moments + headroom
+                config=self.statesync,
+            )
+            state = await asyncio.to_thread(unpack_state, raw)
+            source = f"peer {peers[0] if len(peers) == 1 else 'of ' + ', '.join(peers)}"
+        worker.load_state({**state, "codecs": None})
+        return source
+
+    def _local_state(self, stage: int, span: tuple[int, int], step: int) -> dict[str, Any] | None:
+        frozen = self._frozen
+        if frozen is not None and frozen.stage == stage and frozen.layers == span:
+            return frozen.states.get(step)
+        return None
+
+    def _checkpoint_dirs(self, stage: int) -> list[Path]:
+        if self.checkpoint_root is None:
+            return []
+        root = Path(self.checkpoint_root) / self.job.job_id
+        return sorted(root.glob(f"stage{stage}-replica*")) if root.is_dir() else []
+
+    def _checkpoint_steps(self, stage: int) -> set[int]:
+        return {s for d in self._checkpoint_dirs(stage) for s in checkpoint.saved_steps(d)}
+
+    def _checkpoint_state(self, stage: int, step: int) -> dict[str, Any] | None:
+        for directory in self._checkpoint_dirs(stage):
+            if step in checkpoint.saved_steps(directory):
+                state = checkpoint.load(directory, step)
+                return {**state, "codecs": None, "averaging": None}
+        return None
+
+    def _provide(self, stage: int, step: int) -> bytes | None:
+        """State-sync provider (runs in a thread): the packed state of ``stage`` at ``step``, if held here."""
+        frozen = self._frozen
+        if frozen is not None and frozen.stage == stage and step in frozen.states:
+            return pack_state(frozen.states[step])
+        state = self._checkpoint_state(stage, step)
+        return None if state is None else pack_state(state)
+
+    # ------------------------------------------------------------------ wiring
+
+    def _reducer(self) -> GroupAllReduce | None:
+        assert self.commit is not None and self.stage is not None and self.cfg is not None
+        group = self.commit.allocation.stages[self.stage]
+        if len(group) == 1:
+            return None
+        return GroupAllReduce(
+            self.transport,
+            [self.peer_ref(p) for p in group],
+            self.peer_ref(self.me),
+            key=f"{self.job.job_id}/s{self.stage}",
+            compressor=self.cfg.compression.gradient_compressor,
+            timeout=self.cfg.averaging_timeout_s,
+        )
+
+    def _neighbour(self, stage: int) -> Any:
+        assert self.commit is not None
+        allocation = self.commit.allocation
+        if not 0 <= stage < allocation.d_pp:
+            return None
+        return self.peer_ref(allocation.stages[stage][self.replica or 0])
 
     def _partners(self) -> set[str]:
         """Peers this tasklet opens streams to: its pipeline neighbours and its replica group."""
-        stages, r = self.allocation.stages, self.replica
+        assert self.commit is not None and self.stage is not None and self.replica is not None
+        stages, r = self.commit.allocation.stages, self.replica
         near = {stages[s][r] for s in (self.stage - 1, self.stage + 1) if 0 <= s < len(stages)}
-        return (near | set(stages[self.stage])) - {self.store.me}
+        return (near | set(stages[self.stage])) - {self.me}
 
     async def _wait_ready(self) -> None:
         """Wait until every partner published progress for this epoch, i.e. serves its protocols."""
+        assert self.commit is not None
         need = self._partners()
         deadline = time.monotonic() + self.ready_timeout
         while True:
@@ -238,7 +497,8 @@ class TaskletRunner:
             except PeerdError as exc:
                 logger.debug("job %s: reading progress failed: %s", self.job.job_id, exc)
                 found = {}
-            missing = {p for p in need if p not in found or found[p].epoch != self.commit.epoch}
+            epoch = self.commit.epoch
+            missing = {p for p in need if p not in found or found[p].epoch != epoch}
             if not missing:
                 return
             if time.monotonic() > deadline:
@@ -249,24 +509,29 @@ class TaskletRunner:
             await asyncio.sleep(READY_POLL_S)
 
     def _build_worker(self) -> StageWorker:
+        assert self.commit is not None and self.cfg is not None
+        assert self.stage is not None and self.replica is not None
         reducer = self._group = self._reducer()
-        self._avg_raw_per_step = 0
+        allocation = self.commit.allocation
         worker = StageWorker(
             self.cfg,
             stage=self.stage,
             replica=self.replica,
-            replicas=self.allocation.d_dp,
+            replicas=allocation.d_dp,
             transport=self.transport,
             upstream=self._neighbour(self.stage - 1),
             downstream=self._neighbour(self.stage + 1),
             reducer=reducer,
             on_report=self._on_report,
         )
+        self._avg_raw_per_step = 0
         if reducer is not None:
             numel = sum(p.numel() for p in worker.params)
-            d = self.allocation.d_dp
+            d = allocation.d_dp
             self._avg_raw_per_step = int(numel * 4 * 2 * (d - 1) / d)  # fp32 reduce-scatter + all-gather
         return worker
+
+    # ------------------------------------------------------------------ progress
 
     def _on_report(self, report: StepReport) -> None:
         self.step = report.step + 1
@@ -278,25 +543,33 @@ class TaskletRunner:
             self.wire = self._bytes(worker, report)
         self._dirty.set()
 
-    def _bytes(self, worker: StageWorker, report: StepReport) -> dict[str, int]:
+    def _worker_bytes(self, worker: StageWorker) -> dict[str, int]:
         sent = {"activations": 0, "gradients": 0}
         for (_, direction), counters in worker.stats.sent.items():
             sent["activations" if direction == "fwd" else "gradients"] += counters.wire_bytes
+        stats = getattr(worker.reducer, "stats", None)
+        sent["averaging"] = int(getattr(stats, "bytes_sent", 0))
+        return sent
+
+    def _bytes(self, worker: StageWorker, report: StepReport) -> dict[str, int]:
+        assert self.commit is not None and self.stage is not None
+        out = {k: v + self._wire_before.get(k, 0) for k, v in self._worker_bytes(worker).items()}
         steps = self.step
         tokens = report.tokens * steps  # this replica's tokens so far (same every step)
-        out = dict(sent)
-        out["activations_raw"] = tokens * self._boundary_raw if self.stage + 1 < self.allocation.d_pp else 0
+        d_pp = self.commit.allocation.d_pp
+        out["activations_raw"] = tokens * self._boundary_raw if self.stage + 1 < d_pp else 0
         out["gradients_raw"] = tokens * self._boundary_raw if self.stage > 0 else 0
-        stats = getattr(worker.reducer, "stats", None)
-        out["averaging"] = int(getattr(stats, "bytes_sent", 0))
         out["averaging_raw"] = self._avg_raw_per_step * steps
         return out
 
-    def progress(self) -> Progress:
+    def progress(self) -> Progress | None:
+        """This tasklet's record for the current commit; None for a spare (it runs no tasklet)."""
+        if self.commit is None or self.stage is None or self.replica is None:
+            return None
         last = self.losses[-1][1] if self.losses else None
         return Progress(
             job_id=self.job.job_id,
-            peer=self.store.me,
+            peer=self.me,
             epoch=self.commit.epoch,
             stage=self.stage,
             replica=self.replica,
@@ -310,21 +583,26 @@ class TaskletRunner:
             losses=downsample(self.losses),
             bytes=dict(self.wire),
             reason=self.reason,
+            suspects=tuple(sorted(self.suspects)) if self.state == TaskState.RECOVERING else (),
         )
 
     async def _publish(self) -> bool:
-        raw = encode_progress(self.progress())
+        record = self.progress()
+        if record is None:
+            return False
+        raw = encode_progress(record)
         # strictly later expirations: hivemind keeps a subkey's value with the latest one
         self._expires = max(self.store.now() + PROGRESS_TTL_S, self._expires + 1e-3)
         return await self.store.put(progress_key(self.job.job_id), raw, self._expires)
 
     async def _publish_loop(self) -> None:
+        """A record every ``interval`` (the heartbeat), sooner after a step or a state change."""
         last = -1.0
         while True:
             with contextlib.suppress(TimeoutError, asyncio.TimeoutError):
-                await asyncio.wait_for(self._dirty.wait(), timeout=self.interval * 5)
+                await asyncio.wait_for(self._dirty.wait(), timeout=self.interval)
             wait = self.interval - (time.monotonic() - last)
-            if wait > 0:
+            if wait > 0 and self.state == TaskState.RUNNING:
                 await asyncio.sleep(wait)
             self._dirty.clear()
             last = time.monotonic()

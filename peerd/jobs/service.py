@@ -3,7 +3,7 @@
 The daemon hands over its DHT, identity, transport and three live readings (its device
 profile, its link measurements, the peers table); this module turns them into what the
 planner and the runner need (consensus roster profiles and links, the online peers, a
-``TaskletRunner`` per committed tasklet) so ``daemon.py`` only wires.
+``TaskletRunner`` per job this peer runs a tasklet of) so ``daemon.py`` only wires.
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ from peerd.jobs.records import JobRecord
 from peerd.jobs.runner import TaskletRunner
 from peerd.jobs.spec import JobSpec
 from peerd.jobs.store import DhtStore
-from peerd.sched.consensus.actions import Commit
 from peerd.sched.consensus.messages import RosterDevice, RosterLink
 from peerd.swarm.node import parse_peer_id
 from peerd.swarm.records import DeviceProfile, LinkMeasurement, LinkStatus, PeerRecord, PeerState
@@ -95,11 +94,10 @@ class JobService:
     def local(self) -> tuple[RosterDevice, tuple[RosterLink, ...]]:
         return roster_profile(self._profile(), self.region), roster_links(self._links(), set(self.online()))
 
-    def make_runner(self, job: JobRecord, spec: JobSpec, commit: Commit) -> TaskletRunner:
+    def make_runner(self, job: JobRecord, spec: JobSpec) -> TaskletRunner:
         return TaskletRunner(
             job,
             spec,
-            commit,
             store=self.store,
             transport=self.transport,
             peer_ref=parse_peer_id,

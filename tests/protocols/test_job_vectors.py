@@ -20,8 +20,7 @@ from typing import Any
 import pytest
 
 from peerd.errors import ErrorCode, ProtocolError
-from peerd.jobs.catalog import check_job_entry
-from peerd.jobs.planner import decode_votes, encode_votes
+from peerd.jobs.catalog import check_job_entry, decode_votes, encode_votes
 from peerd.jobs.records import (
     decode_index,
     decode_job,

@@ -202,7 +202,7 @@ class ConsensusMachine:
     def propose(self, allocation: Allocation, now: float) -> list[Action]:
         """The local island's current best; published when it improves (rate-limited)."""
         es = self._epochs.get(self.epoch)
-        if es is None or es.roster is None or not es.participant or "stop" in es.done or not self._planning:
+        if es is None or es.roster is None or not es.participant or "stop" in es.done or not self.planning:
             return []
         allocation = allocation.canonical()
         if not set(allocation.devices) | set(allocation.spares) <= es.members:
@@ -221,7 +221,7 @@ class ConsensusMachine:
         """Take every phase transition whose deadline has passed on this peer's clock."""
         out: list[Action] = []
         t = self.config.timing
-        while self.epoch >= 0 and self._planning:
+        while self.epoch >= 0 and self.planning:
             es = self._epochs[self.epoch]
             at = now - es.start
             if at >= t.freeze and self._once(es, "freeze"):
@@ -242,7 +242,7 @@ class ConsensusMachine:
                     out += self._cast(es, 0, cid, now)
             if at >= t.adopt and self._once(es, "adopt") and es.participant:
                 out += self._adopt(es, now)
-            if at < t.period or not self._planning:
+            if at < t.period or not self.planning:
                 break
             self.epoch += 1
             log.info(
@@ -393,7 +393,16 @@ class ConsensusMachine:
     # --- helpers -------------------------------------------------------------------------
 
     @property
-    def _planning(self) -> bool:
+    def last_roster(self) -> tuple[int, int] | None:
+        """(epoch, members) of the newest epoch whose view froze; None before any froze."""
+        frozen = [es for es in self._epochs.values() if es.roster is not None]
+        if not frozen:
+            return None
+        es = max(frozen, key=lambda e: e.epoch)
+        return es.epoch, len(es.members)
+
+    @property
+    def planning(self) -> bool:
         """Whether epochs run: before the first commit, and during a re-plan."""
         return self.committed is None or self.replanning is not None
 

@@ -17,7 +17,8 @@ import time
 import pytest
 from msgspec.structs import replace
 
-from peerd.jobs.planner import JobPlanner, PlannerConfig, decode_votes, encode_votes
+from peerd.jobs.catalog import decode_votes, encode_votes
+from peerd.jobs.planner import JobPlanner, PlannerConfig
 from peerd.jobs.records import new_job_record
 from peerd.jobs.scoring import RosterScorer
 from peerd.jobs.spec import JobSpec, PlanningSpec, parse_job_spec

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from peerd.errors import ProtocolError
-from peerd.jobs.planner import decode_votes, encode_votes
+from peerd.jobs.catalog import decode_votes, encode_votes
 
 entries = st.lists(st.binary(max_size=300), min_size=1, max_size=2)
 
