@@ -12,6 +12,7 @@ daemon, which builds the same object from DHT records. YAML/JSON shape::
     devices:
       - {id: a, region: ohio, tflops: 125, memory_gb: 16}
       - {id: b, region: virginia, tflops: 125, memory_gb: 16, access_mbps: 1000}
+      - {id: c, region: ohio, tflops: 312, memory_gb: 80, memory_bandwidth_gb_s: 2039}
     links:                        # optional: device-level, directional, override regions
       - {src: a, dst: b, delay_ms: 12.5, bandwidth_mbps: 900}
     estimate_missing: false       # true: fill unmeasured pairs from two-hop relay paths
@@ -55,6 +56,9 @@ class Device:
     """Accelerator memory in GB (1e9 bytes); 0 = unknown."""
     access_mbps: Annotated[float | None, Range(gt=0)] = None
     """Optional access-link cap: region-level bandwidth to/from this device never exceeds it."""
+    memory_bandwidth_gb_s: Annotated[float | None, Range(gt=0)] = None
+    """Accelerator memory bandwidth in GB/s (1e9 bytes/s); None = unknown. The RL scheduler needs it
+    (decoding is memory-bound); the training objectives ignore it."""
 
     def problems(self) -> list[ConfigError]:
         return [] if self.id else [ConfigError("id", "must be a non-empty string")]

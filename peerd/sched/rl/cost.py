@@ -1,0 +1,244 @@
+"""Cost terms of the RL workflow: seconds of each task on a tasklet grid, from device and link parameters.
+
+Notation (SI): P params, L layers, h hidden, F device FLOP/s, B memory bytes/s, e_c / e_m the
+compute / memory efficiencies, α one-way delay (s), β link bytes/s, N sequences of T = T_p + T_r
+tokens, micro-batches of m sequences; ``ar(x, n) = 2(n-1)/n · x/β_min + 2(n-1)·α_max`` is a ring
+all-reduce of x bytes over n devices (reduce-scatter + all-gather).
+
+- **Tensor-parallel traffic** of k tokens through ℓ layers with a all-reduces per layer:
+  ``a · ℓ · ar(k · h · b_act, tp)`` over the links among the tp ranks.
+- **Generation**, replica of tp devices (F_r = tp·min F·e_c, B_r = tp·min B·e_m), S sequences:
+  KV bytes per sequence ``kv = kv_tok · T``; concurrency cap ``C = floor(tp · free / kv)`` with
+  ``free`` the least memory left on a rank after its weight shard; ``W = ceil(S / C)`` waves of
+  ``c = S / W`` sequences; ``prefill = 2 P c T_p / F_r + TP(c T_p, L, 2)`` per wave;
+  ``step = max((P b_w + c · kv_tok · (T_p + T_r/2)) / B_r, 2 P c / F_r) + TP(c, L, 2)``
+  (roofline: weights and the average KV read per decode step, or compute);
+  ``time = W · (prefill + T_r · step)``.
+- **Inference** (forward), replica of pp stages, ``M = ceil(S / m)`` micro-batches: per stage and
+  micro-batch ``c_s = 2 (P/pp) m T / (tp · min F · e_c) + TP(m T, L/pp, 2)``; per boundary
+  ``x_s = max_ranks (α + m T h b_act / tp / β)``; ``time = (M + pp - 1) · max(c_s, x_s)``
+  (every slot of the pipeline waits for its slowest stage or transfer; pp - 1 slots of bubble).
+- **Training** (forward + backward, ×4 forward FLOPs with recomputation, ×3 without), per
+  optimizer step with ``M = ceil(S / (m · steps))``: ``c_s`` as above with that factor and 4
+  all-reduces per layer, slot ``max(c_s, 2 x_s)`` (activations forward, gradients back), then
+  the data-parallel all-reduce of each stage's gradients ``ar(P/(pp·tp) · b_g, dp)`` among the dp
+  devices holding the same (stage, rank), the slowest group counting:
+  ``time = steps · (max_replicas (M + pp - 1) · slot + max_groups ar)``.
+- **Load balancing**: sequences go to replicas in proportion to their rate at an even split
+  (``balanced``), or evenly (as verl does); a task takes as long as its slowest replica.
+- **Transfer** of x bytes between two groups: through the best pair, ``min_{i∈A, j∈B} α_ij + x/β_ij``.
+- **Weight sync** (actor bytes X = P b_w) when generation and actor training use different
+  devices: into the generator group over its best link from the trainers, then along the
+  generators' maximum-bandwidth spanning tree (pipelined chunks):
+  ``max(min_{i,j} α_ij + X/β_ij,  X/β_tree + α_max)``, β_tree = the tree's narrowest edge.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from peerd.sched.rl.cluster import Cluster
+from peerd.sched.rl.workload import ModelSize, Workload
+
+INF = math.inf
+
+
+def allreduce(nbytes: float, n: int, alpha: float, beta: float) -> float:
+    """Ring all-reduce of ``nbytes`` over ``n`` devices: 2(n-1)/n · nbytes/β + 2(n-1)·α."""
+    if n <= 1:
+        return 0.0
+    return 2.0 * (n - 1) / n * nbytes / beta + 2.0 * (n - 1) * alpha
+
+
+def link_extremes(cluster: Cluster, devices: np.ndarray) -> tuple[float, float]:
+    """(largest delay, smallest bandwidth) among the ordered pairs of ``devices`` (0, inf for one)."""
+    idx = np.asarray(devices, dtype=np.intp).ravel()
+    if idx.size <= 1:
+        return 0.0, INF
+    sub_d = cluster.delay[np.ix_(idx, idx)]
+    sub_b = cluster.bw[np.ix_(idx, idx)]
+    return float(sub_d.max()), float(sub_b.min())
+
+
+def tp_traffic(
+    tokens: float,
+    layers: float,
+    per_layer: int,
+    hidden: int,
+    act_bytes: float,
+    tp: int,
+    alpha: float,
+    beta: float,
+) -> float:
+    """Seconds of tensor-parallel all-reduces for ``tokens`` through ``layers`` layers."""
+    if tp <= 1:
+        return 0.0
+    return per_layer * layers * allreduce(tokens * hidden * act_bytes, tp, alpha, beta)
+
+
+@dataclass(frozen=True)
+class ReplicaGen:
+    """The devices of one generation replica, reduced to what its time needs."""
+
+    flops: float
+    """Σ over tp ranks of the slowest rank's FLOP/s (tp · min F)."""
+    mem_bw: float
+    """tp · min memory bandwidth, bytes/s."""
+    free: float
+    """Least memory (bytes) left on a rank for the KV cache after parked state and the weight shard."""
+    alpha: float
+    beta: float
+
+
+def generation_time(model: ModelSize, w: Workload, rep: ReplicaGen, tp: int, seqs: float) -> float:
+    """Seconds to generate ``seqs`` sequences on one replica; inf when not even one sequence's KV fits."""
+    if seqs <= 0:
+        return 0.0
+    k = w.constants
+    kv_tok = model.kv_bytes_per_token(k.kv_bytes)
+    cap = math.floor(tp * rep.free / (kv_tok * w.seq_len)) if rep.free > 0 else 0
+    if cap < 1:
+        return INF
+    waves = math.ceil(seqs / cap)
+    c = seqs / waves
+    flops = rep.flops * k.compute_efficiency
+    bw = rep.mem_bw * k.memory_efficiency
+    tp_p = tp_traffic(
+        c * w.prompt_len, model.layers, 2, model.hidden, k.activation_bytes, tp, rep.alpha, rep.beta
+    )
+    tp_d = tp_traffic(c, model.layers, 2, model.hidden, k.activation_bytes, tp, rep.alpha, rep.beta)
+    prefill = 2.0 * model.params * c * w.prompt_len / flops + tp_p
+    read = model.params * k.weight_bytes + c * kv_tok * (w.prompt_len + w.response_len / 2.0)
+    step = max(read / bw, 2.0 * model.params * c / flops) + tp_d
+    return waves * (prefill + w.response_len * step)
+
+
+@dataclass(frozen=True)
+class Pipelines:
+    """The dp pipeline replicas of a task: per-stage compute speed and TP links, per-boundary links."""
+
+    stage_flops: np.ndarray
+    """(dp, pp) the slowest rank's FLOP/s in each stage."""
+    stage_alpha: np.ndarray
+    stage_beta: np.ndarray
+    """(dp, pp) largest delay / smallest bandwidth among each stage's tp ranks (0 / inf for tp = 1)."""
+    hop_alpha: np.ndarray
+    hop_beta: np.ndarray
+    """(dp, pp - 1, tp) delay and bandwidth from stage s rank t to stage s+1 rank t."""
+
+    @classmethod
+    def of(cls, cluster: Cluster, grid: np.ndarray) -> Pipelines:
+        """From a (dp, pp, tp) tasklet grid; the diagonal (0 delay, inf bandwidth) never sets an extreme."""
+        pair_d = cluster.delay[grid[..., :, None], grid[..., None, :]]  # (dp, pp, tp, tp)
+        pair_b = cluster.bw[grid[..., :, None], grid[..., None, :]]
+        return cls(
+            stage_flops=cluster.flops[grid].min(axis=2),
+            stage_alpha=pair_d.max(axis=(2, 3)),
+            stage_beta=pair_b.min(axis=(2, 3)),
+            hop_alpha=cluster.delay[grid[:, :-1], grid[:, 1:]],
+            hop_beta=cluster.bw[grid[:, :-1], grid[:, 1:]],
+        )
+
+
+def tp_traffic_array(
+    tokens: float,
+    layers: float,
+    per_layer: int,
+    hidden: int,
+    act_bytes: float,
+    tp: int,
+    alpha: np.ndarray,
+    beta: np.ndarray,
+) -> np.ndarray:
+    """``tp_traffic`` elementwise over arrays of link extremes."""
+    if tp <= 1:
+        return np.zeros_like(alpha)
+    nbytes = tokens * hidden * act_bytes
+    return per_layer * layers * (2.0 * (tp - 1) / tp * nbytes / beta + 2.0 * (tp - 1) * alpha)
+
+
+def pipeline_slots(model: ModelSize, w: Workload, pipes: Pipelines, tp: int, train: bool) -> np.ndarray:
+    """(dp,) seconds of one pipeline slot per replica: its slowest stage's micro-batch compute or transfer."""
+    k = w.constants
+    pp = pipes.stage_flops.shape[1]
+    tokens = w.micro_batch * w.seq_len
+    factor = (8.0 if k.recompute else 6.0) if train else 2.0
+    per_layer = 4 if train else 2
+    compute = factor * (model.params / pp) * tokens / (tp * pipes.stage_flops * k.compute_efficiency)
+    compute = compute + tp_traffic_array(
+        tokens,
+        model.layers / pp,
+        per_layer,
+        model.hidden,
+        k.activation_bytes,
+        tp,
+        pipes.stage_alpha,
+        pipes.stage_beta,
+    )
+    slot = compute.max(axis=1)
+    if pp > 1:
+        xfer = (pipes.hop_alpha + tokens * model.hidden * k.activation_bytes / tp / pipes.hop_beta).max(
+            axis=(1, 2)
+        )
+        slot = np.maximum(slot, (2.0 if train else 1.0) * xfer)
+    return slot
+
+
+def pipeline_time(micro_batches: int, pp: int, slot: float) -> float:
+    """(M + pp - 1) slots: M micro-batches plus the pipeline's fill and drain."""
+    return 0.0 if micro_batches <= 0 else float((micro_batches + pp - 1) * slot)
+
+
+def balanced_split(
+    total: float, n: int, time_of: Callable[[int, float], float], balanced: bool
+) -> list[float]:
+    """Sequences per replica: in proportion to each replica's rate at an even split, or evenly."""
+    even = total / n
+    if not balanced or n == 1:
+        return [even] * n
+    times = [time_of(r, even) for r in range(n)]
+    if any(not math.isfinite(t) for t in times):
+        return [even] * n
+    rates = [even / t if t > 0 else INF for t in times]
+    if any(math.isinf(r) for r in rates):
+        return [even] * n
+    s = sum(rates)
+    return [total * r / s for r in rates]
+
+
+def transfer_time(nbytes: float, alpha: np.ndarray, beta: np.ndarray) -> float:
+    """Best-pair transfer of ``nbytes``: min over the given pairs of α + nbytes/β."""
+    return float((alpha + nbytes / beta).min())
+
+
+def tree_bottleneck(cluster: Cluster, devices: list[int]) -> float:
+    """Narrowest edge (bytes/s) of the maximum-bandwidth spanning tree over ``devices`` (inf for one)."""
+    if len(devices) <= 1:
+        return INF
+    idx = np.asarray(devices, dtype=np.intp)
+    sub = cluster.bw[np.ix_(idx, idx)]
+    sym = np.minimum(sub, sub.T)
+    n = len(idx)
+    inside = np.zeros(n, dtype=bool)
+    inside[0] = True
+    best = sym[0].copy()
+    narrowest = INF
+    for _ in range(n - 1):  # Prim on -bandwidth: always add the widest edge leaving the tree
+        cand = np.where(inside, -INF, best)
+        j = int(np.argmax(cand))
+        narrowest = min(narrowest, float(cand[j]))
+        inside[j] = True
+        best = np.maximum(best, sym[j])
+    return narrowest
+
+
+def sync_internal(cluster: Cluster, gen_devices: list[int], nbytes: float) -> float:
+    """Relay of ``nbytes`` along the generators' widest spanning tree: X/β_tree + largest delay."""
+    if len(gen_devices) <= 1:
+        return 0.0
+    alpha, _ = link_extremes(cluster, np.asarray(gen_devices))
+    return nbytes / tree_bottleneck(cluster, gen_devices) + alpha

@@ -1,0 +1,222 @@
+"""One task group on its devices: each task's best layout, its time, and the memory it needs per device.
+
+A group's tasks time-share its devices; each task independently takes the fastest layout that
+fits in memory next to what the group parks (``peerd.sched.rl.memory``), so a group's result
+depends only on its tasks and on how many devices of each class it holds.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from peerd.sched.rl import cost, memory
+from peerd.sched.rl.cluster import Cluster
+from peerd.sched.rl.layout import Layout, arrange, canonical_order, layouts
+from peerd.sched.rl.workflow import KIND, ROLE
+from peerd.sched.rl.workload import Workload
+
+
+@dataclass(frozen=True)
+class Shortfall:
+    """Why a task fits nowhere in its group: the device short of memory and by how many bytes."""
+
+    task: str
+    device: str
+    bytes: float
+
+    def __str__(self) -> str:
+        return f"{self.task} needs {self.bytes / 1e9:.2f} GB more on {self.device}"
+
+
+@dataclass(frozen=True)
+class TaskPlan:
+    """A task's chosen layout, its seconds, its tasklet grid and its bytes per device."""
+
+    task: str
+    layout: Layout
+    seconds: float
+    grid: np.ndarray
+    """(dp, pp, tp) device indices."""
+    peak: dict[int, float]
+    """Device index -> bytes held while this task runs (parked state included)."""
+
+
+@dataclass(frozen=True)
+class GroupResult:
+    tasks: tuple[str, ...]
+    devices: tuple[int, ...]
+    """In arrangement order."""
+    plans: dict[str, TaskPlan]
+    shortfall: Shortfall | None
+    """Set when some task fits under no layout (then ``plans`` lacks it and ``busy`` is inf)."""
+
+    @property
+    def feasible(self) -> bool:
+        return self.shortfall is None
+
+    @property
+    def busy(self) -> float:
+        """Seconds the group's devices work per iteration (its tasks one after another)."""
+        if not self.feasible:
+            return math.inf
+        return sum(p.seconds for p in self.plans.values())
+
+    def seconds(self, task: str) -> float:
+        return self.plans[task].seconds if task in self.plans else math.inf
+
+    def peak_bytes(self) -> dict[int, float]:
+        """Device index -> the most bytes it holds during any of the group's tasks."""
+        out: dict[int, float] = {}
+        for p in self.plans.values():
+            for d, b in p.peak.items():
+                out[d] = max(out.get(d, 0.0), b)
+        return out
+
+
+def evaluate_group(
+    cluster: Cluster,
+    w: Workload,
+    tasks: tuple[str, ...],
+    devices: list[int],
+    balanced: bool = True,
+    only: dict[str, Layout] | None = None,
+) -> GroupResult:
+    """Best layout of each task of ``tasks`` on ``devices`` (or the layouts in ``only``)."""
+    ordered = canonical_order(cluster, devices)
+    parked = np.zeros(cluster.n)
+    idx = np.asarray(ordered, dtype=np.intp)
+    parked[idx] = memory.parked_per_device(memory.parked_total(w, tasks), cluster.memory[idx])
+    plans: dict[str, TaskPlan] = {}
+    worst: Shortfall | None = None
+    for task in tasks:
+        model = w.model(ROLE[task])
+        options = (
+            [only[task]]
+            if only and task in only
+            else layouts(len(ordered), model.layers, model.kv_heads or model.heads, KIND[task] == "generate")
+        )
+        best: TaskPlan | None = None
+        least: Shortfall | None = None
+        for lay in options:
+            plan, short = _task_on(cluster, w, task, lay, arrange(ordered, lay), parked, len(tasks), balanced)
+            if plan is not None and (best is None or plan.seconds < best.seconds):
+                best = plan
+            if short is not None and (least is None or short.bytes < least.bytes):
+                least = short
+        if best is not None:
+            plans[task] = best
+        elif worst is None:
+            worst = least or Shortfall(task, "?", math.inf)
+    return GroupResult(tasks, tuple(ordered), plans, worst)
+
+
+def _task_on(
+    cluster: Cluster,
+    w: Workload,
+    task: str,
+    lay: Layout,
+    grid: np.ndarray,
+    parked: np.ndarray,
+    n_tasks: int,
+    balanced: bool,
+) -> tuple[TaskPlan | None, Shortfall | None]:
+    if KIND[task] == "generate":
+        return _generate(cluster, w, task, lay, grid, parked, balanced)
+    return _pipeline_task(cluster, w, task, lay, grid, parked, n_tasks, balanced)
+
+
+def _generate(
+    cluster: Cluster,
+    w: Workload,
+    task: str,
+    lay: Layout,
+    grid: np.ndarray,
+    parked: np.ndarray,
+    balanced: bool,
+) -> tuple[TaskPlan | None, Shortfall | None]:
+    model = w.model(ROLE[task])
+    shard = memory.weight_shard(model, w, lay)
+    kv_seq = memory.kv_per_sequence(model, w, lay.tp)
+    devs = grid[:, 0, :]  # (dp, tp)
+    room = (cluster.memory[devs] - parked[devs] - shard).min(axis=1)
+    if room.min() < kv_seq:
+        r = int(np.argmin(room))
+        d = devs[r][int(np.argmin(cluster.memory[devs[r]] - parked[devs[r]]))]
+        return None, Shortfall(task, cluster.ids[d], kv_seq - float(room.min()))
+    pair_d = cluster.delay[devs[:, :, None], devs[:, None, :]]
+    pair_b = cluster.bw[devs[:, :, None], devs[:, None, :]]
+    reps = [
+        cost.ReplicaGen(
+            flops=lay.tp * float(f), mem_bw=lay.tp * float(b), free=float(fr), alpha=float(a), beta=float(bt)
+        )
+        for f, b, fr, a, bt in zip(
+            cluster.flops[devs].min(axis=1),
+            cluster.mem_bw[devs].min(axis=1),
+            room,
+            pair_d.max(axis=(1, 2)),
+            pair_b.min(axis=(1, 2)),
+            strict=True,
+        )
+    ]
+    split = cost.balanced_split(
+        w.sequences, lay.dp, lambda r, s: cost.generation_time(model, w, reps[r], lay.tp, s), balanced
+    )
+    seconds = max(cost.generation_time(model, w, reps[r], lay.tp, s) for r, s in enumerate(split))
+    peak = {}
+    for r, s in enumerate(split):
+        cap = math.floor(reps[r].free / kv_seq)  # as in cost.generation_time
+        live = math.ceil(s / math.ceil(s / cap)) if s > 0 else 0
+        for d in grid[r, 0, :]:
+            peak[int(d)] = float(parked[d] + shard + live * kv_seq)
+    return TaskPlan(task, lay, seconds, grid, peak), None
+
+
+def _pipeline_task(
+    cluster: Cluster,
+    w: Workload,
+    task: str,
+    lay: Layout,
+    grid: np.ndarray,
+    parked: np.ndarray,
+    n_tasks: int,
+    balanced: bool,
+) -> tuple[TaskPlan | None, Shortfall | None]:
+    model = w.model(ROLE[task])
+    train = KIND[task] == "train"
+    if train:
+        stage_bytes = memory.training_stage_bytes(model, w, lay, optimizer_local=n_tasks == 1)
+    else:
+        stage_bytes = memory.inference_stage_bytes(model, w, lay)
+    need = stage_bytes[None, :, None] + parked[grid]  # (dp, pp, tp)
+    over = need - cluster.memory[grid]
+    if over.max() > 0:
+        d = grid.flat[int(np.argmax(over))]
+        return None, Shortfall(task, cluster.ids[d], float(over.max()))
+    slots = cost.pipeline_slots(model, w, cost.Pipelines.of(cluster, grid), lay.tp, train)
+    per_step = w.optimizer_steps if train else 1
+
+    def replica_time(r: int, seqs: float) -> float:
+        micro = math.ceil(seqs / (w.micro_batch * per_step) - 1e-9) if seqs > 0 else 0
+        return cost.pipeline_time(micro, lay.pp, slots[r])
+
+    split = cost.balanced_split(w.sequences, lay.dp, replica_time, balanced)
+    pipe = max(replica_time(r, s) for r, s in enumerate(split))
+    if train:
+        grads = model.params / (lay.pp * lay.tp) * w.constants.grad_bytes
+        ar = 0.0
+        if lay.dp > 1:  # the dp devices of each (stage, rank) all-reduce; extremes over their pairs
+            pair_d = cluster.delay[grid[:, None], grid[None, :]]  # (dp, dp, pp, tp)
+            pair_b = cluster.bw[grid[:, None], grid[None, :]]
+            alpha, beta = pair_d.max(axis=(0, 1)), pair_b.min(axis=(0, 1))
+            ar = max(
+                cost.allreduce(grads, lay.dp, float(a), float(b))
+                for a, b in zip(alpha.ravel(), beta.ravel(), strict=True)
+            )
+        seconds = per_step * (pipe + ar)
+    else:
+        seconds = pipe
+    peak = {int(d): float(b) for d, b in zip(grid.ravel(), need.ravel(), strict=True)}
+    return TaskPlan(task, lay, seconds, grid, peak), None

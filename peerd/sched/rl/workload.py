@@ -1,0 +1,145 @@
+"""The RL post-training workload: the models, the rollout batch, and the constants of the cost model.
+
+All sizes are plain counts or bytes; the YAML gives the same names. ``Workload`` is the
+``workload:`` section of an RL scenario file (see ``peerd.sched.rl.scenario``)::
+
+    workload:
+      name: qwen-8b
+      algo: grpo                 # or ppo (adds the critic)
+      actor: {params: 8.2e+9, layers: 36, hidden: 4096, heads: 32, kv_heads: 8, head_dim: 128}
+      reward: {...}              # optional: a reward model; omitted = rule-based (no model)
+      prompts: 1024
+      responses_per_prompt: 8
+      prompt_len: 1024
+      response_len: 1024
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Annotated, Literal
+
+from peerd.errors import ConfigError
+from peerd.loading import Range
+
+Algo = Literal["grpo", "ppo"]
+Count = Annotated[int, Range(ge=1)]
+Fraction = Annotated[float, Range(gt=0, le=1)]
+Bytes = Annotated[float, Range(gt=0)]
+
+
+@dataclass
+class ModelSize:
+    """One transformer of the workflow, as far as its cost and memory go."""
+
+    params: Annotated[float, Range(gt=0)]
+    """Total parameters (embeddings included)."""
+    layers: Count
+    """Transformer blocks (the unit a pipeline stage holds)."""
+    hidden: Count
+    """Hidden size (activations per token are ``hidden`` values)."""
+    heads: Count
+    """Attention (query) heads."""
+    kv_heads: Annotated[int | None, Range(ge=1)] = None
+    """Key/value heads (grouped-query attention); default ``heads``."""
+    head_dim: Annotated[int | None, Range(ge=1)] = None
+    """Size of one head; default ``hidden // heads``."""
+    vocab: Count = 151_936
+    """Vocabulary size (the logits of the last stage); Qwen's by default."""
+    name: str = ""
+
+    def problems(self) -> list[ConfigError]:
+        kv = self.kv_heads or self.heads
+        if self.heads % kv:
+            return [ConfigError("kv_heads", f"must divide heads ({self.heads}), got {kv}")]
+        return []
+
+    def kv_bytes_per_token(self, element_bytes: float) -> float:
+        """KV-cache bytes one token holds over all layers: 2 (K and V) x layers x kv_heads x head_dim."""
+        kv = self.kv_heads or self.heads
+        dim = self.head_dim or self.hidden // self.heads
+        return 2.0 * self.layers * kv * dim * element_bytes
+
+
+@dataclass
+class CostConstants:
+    """Efficiencies and element sizes of the cost model (defaults: bf16 mixed precision with Adam)."""
+
+    compute_efficiency: Fraction = 0.4
+    """Achieved / peak FLOP/s of dense matmuls (model FLOPs utilisation)."""
+    memory_efficiency: Fraction = 0.8
+    """Achieved / peak memory bandwidth while decoding."""
+    memory_usable: Fraction = 0.9
+    """Share of device memory a plan may fill (the rest: CUDA context, fragmentation)."""
+    weight_bytes: Bytes = 2.0
+    """Bytes per parameter of weights in use and on the wire (bf16)."""
+    grad_bytes: Bytes = 2.0
+    """Bytes per parameter of gradients, held and all-reduced (bf16)."""
+    optimizer_bytes: Bytes = 12.0
+    """Bytes per parameter of fp32 master weights + Adam moments, sharded over data-parallel replicas."""
+    kv_bytes: Bytes = 2.0
+    """Bytes per KV-cache element (bf16)."""
+    activation_bytes: Bytes = 2.0
+    """Bytes per activation element on the wire and in checkpoints (bf16)."""
+    logit_bytes: Bytes = 4.0
+    """Bytes per logit held for log-probabilities (fp32)."""
+    layer_work_bytes_per_token: Annotated[float, Range(gt=0)] = 34.0
+    """Working-set bytes per token per hidden unit of one layer's forward+backward (34 s b h; Korthikanti et al. 2022)."""
+    recompute: bool = True
+    """Activation checkpointing in training: keep one input per layer, redo the forward (4x forward FLOPs, not 3x)."""
+    token_id_bytes: Bytes = 4.0
+    """Bytes per token of a rollout sent between groups (int32 ids)."""
+    score_bytes: Bytes = 4.0
+    """Bytes per scored token (log-prob, value) sent to the trainers (fp32)."""
+
+
+@dataclass
+class Workload:
+    """One RL post-training job: its models and the size of one iteration."""
+
+    actor: ModelSize
+    """The policy: generates, is trained, and is synced to the generators."""
+    algo: Algo = "grpo"
+    """``grpo`` (group-relative advantages, no critic) or ``ppo`` (adds a critic)."""
+    reference: ModelSize | None = None
+    """The frozen reference for the KL term; default the actor's size."""
+    reward: ModelSize | None = None
+    """A learned reward model; omitted = a rule-based (verifiable) reward with no model to place."""
+    critic: ModelSize | None = None
+    """PPO's value model; default the actor's size. Ignored under GRPO."""
+    prompts: Count = 1024
+    """Prompts per iteration."""
+    responses_per_prompt: Count = 8
+    """Sampled responses per prompt (GRPO's group size)."""
+    prompt_len: Count = 1024
+    """Prompt tokens per sequence."""
+    response_len: Count = 1024
+    """Generated tokens per sequence (the number of decode steps)."""
+    micro_batch: Count = 2
+    """Sequences per micro-batch in inference and training."""
+    optimizer_steps: Count = 1
+    """Optimizer steps (mini-batches) per iteration; each ends in a gradient all-reduce."""
+    staleness: Annotated[int, Range(ge=0)] = 0
+    """Async depth k: generation may run k iterations ahead of training (0 = synchronous, on-policy)."""
+    name: str = ""
+    constants: CostConstants = field(default_factory=CostConstants)
+
+    @property
+    def sequences(self) -> int:
+        return self.prompts * self.responses_per_prompt
+
+    @property
+    def seq_len(self) -> int:
+        return self.prompt_len + self.response_len
+
+    def model(self, role: str) -> ModelSize:
+        """The model of ``role``: actor, reference, reward or critic (defaults filled in)."""
+        if role == "actor":
+            return self.actor
+        if role == "reference":
+            return self.reference or self.actor
+        if role == "critic":
+            return self.critic or self.actor
+        if role == "reward" and self.reward is not None:
+            return self.reward
+        raise ConfigError("workload", f"no {role} model in this workload")

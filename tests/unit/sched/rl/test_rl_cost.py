@@ -1,0 +1,153 @@
+"""Each cost and memory term of the RL scheduler on small hand-computed cases."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from peerd.sched.rl import cost, memory
+from peerd.sched.rl.cluster import Cluster, rl_scenario
+from peerd.sched.rl.group import evaluate_group
+from peerd.sched.rl.layout import Layout, arrange, layouts
+from peerd.sched.rl.workload import CostConstants, ModelSize, Workload
+from peerd.sched.scenario import Device, Regions, Scenario
+
+# one layer, one head of 64: a token's KV is 2 (K, V) x 1 x 1 x 64 x 2 bytes = 256 bytes
+TOY = ModelSize(params=1e9, layers=1, hidden=64, heads=1, vocab=100)
+HALF = CostConstants(compute_efficiency=0.5, memory_efficiency=0.5, memory_usable=1.0)
+
+
+def toy_workload(**kw) -> Workload:
+    args = dict(
+        actor=TOY, prompts=25, responses_per_prompt=1, prompt_len=100, response_len=100, micro_batch=1
+    )
+    args.update(kw)
+    return Workload(constants=HALF, **args)  # type: ignore[arg-type]
+
+
+def test_ring_allreduce():
+    # 2 (n-1)/n x bytes / bw + 2 (n-1) x delay = 1.5 s + 6 ms
+    assert cost.allreduce(1e9, 4, 1e-3, 1e9) == pytest.approx(1.506)
+    assert cost.allreduce(1e9, 1, 1.0, 1.0) == 0.0
+
+
+def test_tensor_parallel_traffic():
+    # 2 all-reduces x 3 layers x ring(10 tokens x 64 x 2 bytes = 1280 B over 2 ranks: 1280/1e6 + 2e-3)
+    assert cost.tp_traffic(10, 3, 2, 64, 2.0, 2, 1e-3, 1e6) == pytest.approx(6 * (1280 / 1e6 + 2e-3))
+    assert cost.tp_traffic(10, 3, 2, 64, 2.0, 1, 1e-3, 1e6) == 0.0
+
+
+def test_generation_roofline_with_waves():
+    w = toy_workload()
+    assert TOY.kv_bytes_per_token(2.0) == 256.0
+    # room for exactly 10 sequences of 200 tokens: 25 sequences take 3 waves of 25/3
+    rep = cost.ReplicaGen(flops=1e12, mem_bw=1e11, free=256 * 200 * 10, alpha=0.0, beta=math.inf)
+    c = 25 / 3
+    prefill = 2 * 1e9 * c * 100 / 5e11  # 2 P c T_p / (F e_c)
+    read = (2e9 + c * 256 * (100 + 50)) / 5e10  # weights + average KV per step / (B e_m)
+    compute = 2e9 * c / 5e11  # below the memory time: decode is memory-bound here
+    assert compute < read
+    assert cost.generation_time(TOY, w, rep, 1, 25) == pytest.approx(3 * (prefill + 100 * read))
+    short = cost.ReplicaGen(flops=1e12, mem_bw=1e11, free=256 * 199, alpha=0.0, beta=math.inf)
+    assert cost.generation_time(TOY, w, short, 1, 25) == math.inf  # not one sequence's KV fits
+
+
+def test_pipeline_slot_and_time():
+    w = toy_workload()
+    pipes = cost.Pipelines(
+        stage_flops=np.array([[1e12, 5e11]]),
+        stage_alpha=np.zeros((1, 2)),
+        stage_beta=np.full((1, 2), np.inf),
+        hop_alpha=np.array([[[0.01]]]),
+        hop_beta=np.array([[[1e6]]]),
+    )
+    # forward of a micro-batch (200 tokens) on half the params: 2 x 5e8 x 200 / (F x 0.5) = 0.4 s, 0.8 s
+    # boundary: 0.01 + 200 x 64 x 2 / 1e6 = 0.0356 s, below the slower stage
+    assert cost.pipeline_slots(TOY, w, pipes, 1, train=False)[0] == pytest.approx(0.8)
+    # training with recomputation: 4 forwards = 3.2 s on the slow stage (transfers 2 x 0.0356)
+    assert cost.pipeline_slots(TOY, w, pipes, 1, train=True)[0] == pytest.approx(3.2)
+    assert cost.pipeline_time(4, 2, 0.8) == pytest.approx(5 * 0.8)  # 4 micro-batches + 1 slot of bubble
+    slow_link = cost.Pipelines(
+        pipes.stage_flops, pipes.stage_alpha, pipes.stage_beta, np.array([[[0.01]]]), np.array([[[1e4]]])
+    )
+    # 25600 bytes at 1e4 B/s = 2.56 s + 0.01: the link is the slot now
+    assert cost.pipeline_slots(TOY, w, slow_link, 1, train=False)[0] == pytest.approx(2.57)
+
+
+def test_balanced_split_follows_rates():
+    times = {0: 1.0, 1: 3.0}  # seconds per sequence
+    split = cost.balanced_split(8.0, 2, lambda r, s: times[r] * s, balanced=True)
+    assert split == pytest.approx([6.0, 2.0])  # rates 1 : 1/3
+    assert cost.balanced_split(8.0, 2, lambda r, s: times[r] * s, balanced=False) == [4.0, 4.0]
+
+
+def test_best_pair_transfer_and_broadcast_tree():
+    alpha = np.array([[0.01, 0.05]])
+    beta = np.array([[1e6, 1e8]])
+    # 1e6 bytes: 0.01 + 1 = 1.01 vs 0.05 + 0.01 = 0.06
+    assert cost.transfer_time(1e6, alpha, beta) == pytest.approx(0.06)
+    cl = _cluster([(0, 1, 100.0), (1, 2, 10.0), (0, 2, 1.0)])
+    # widest spanning tree: 0-1 (100) and 1-2 (10); its narrowest edge is 10 Mbit/s = 1.25e6 B/s
+    assert cost.tree_bottleneck(cl, [0, 1, 2]) == pytest.approx(10e6 / 8)
+    # relay of 1.25e6 bytes: 1 s over the narrowest edge + the largest delay (5 ms)
+    assert cost.sync_internal(cl, [0, 1, 2], 1.25e6) == pytest.approx(1.005)
+    assert cost.sync_internal(cl, [0], 1.25e6) == 0.0
+
+
+def test_memory_terms():
+    w = toy_workload(prompts=8)
+    k = w.constants
+    lay = Layout(dp=2, pp=2, tp=1)
+    # inference: 1e9 x 2 / 2 weights + 34 x 200 x 64 working set; logits 200 x 100 x 4 on the last stage
+    inf = memory.inference_stage_bytes(TOY, w, lay)
+    assert inf[0] == pytest.approx(1e9 + 34 * 200 * 64)
+    assert inf[1] - inf[0] == pytest.approx(200 * 100 * 4)
+    # training, 4 micro-batches per replica; in flight 2 at stage 0, 1 at stage 1 (1F1B)
+    tr = memory.training_stage_bytes(TOY, w, lay, optimizer_local=True)
+    state = 1e9 * (2 + 2) / 2 + 1e9 * 12 / 4
+    ckpt = 200 * 0.5 * 64 * 2  # one checkpoint per layer: half a layer per stage here
+    work = 34 * 200 * 64
+    assert tr[0] == pytest.approx(state + 2 * ckpt + work)
+    assert tr[1] == pytest.approx(state + ckpt + work + 2 * 200 * 100 * 4)
+    # a group of two tasks parks both models' weights and the trained one's optimizer state
+    assert memory.parked_total(w, ("generate", "actor_train")) == pytest.approx(1e9 * (k.weight_bytes + 12))
+    assert memory.parked_total(w, ("actor_train",)) == 0.0
+    assert memory.parked_per_device(30.0, np.array([1.0, 2.0])) == pytest.approx([10.0, 20.0])
+
+
+def test_layouts_and_arrangement():
+    found = {(x.dp, x.pp, x.tp, x.stage_major) for x in layouts(4, layers=8, heads=4, generation=False)}
+    assert found == {(4, 1, 1, False), (2, 2, 1, False), (2, 2, 1, True), (1, 4, 1, False),
+                     (2, 1, 2, False), (1, 2, 2, False), (1, 1, 4, False)}  # fmt: skip
+    assert all(x.pp == 1 for x in layouts(8, layers=8, heads=8, generation=True))
+    grid = arrange([10, 11, 12, 13], Layout(2, 2, 1))
+    assert grid[:, :, 0].tolist() == [[10, 11], [12, 13]]  # replica-major: a pipeline is a block
+    grid = arrange([10, 11, 12, 13], Layout(2, 2, 1, stage_major=True))
+    assert grid[:, :, 0].tolist() == [[10, 12], [11, 13]]  # stage-major: a stage's replicas are a block
+
+
+def test_training_task_time_adds_data_parallel_allreduce():
+    cl = _cluster([(0, 1, 8.0)], tflops=1.0)  # 8 Mbit/s = 1e6 B/s, 5 ms
+    w = toy_workload(prompts=4, optimizer_steps=2)
+    r = evaluate_group(cl, w, ("actor_train",), [0, 1], only={"actor_train": Layout(2, 1, 1)})
+    slot = 8 * 1e9 * 200 / (1e12 * 0.5)  # 3.2 s per micro-batch
+    micro = 1  # 4 sequences / 2 replicas / 2 steps
+    ar = cost.allreduce(1e9 * 2, 2, 0.005, 1e6)  # bf16 gradients of the whole model
+    assert r.plans["actor_train"].seconds == pytest.approx(2 * (micro * slot + ar))
+
+
+def _cluster(links: list[tuple[int, int, float]], tflops: float = 100.0) -> Cluster:
+    """Three devices in three regions with the given symmetric bandwidths (Mbit/s), 5 ms apart."""
+    names = ["r0", "r1", "r2"]
+    bw = [[1e6] * 3 for _ in range(3)]
+    for a, b, v in links:
+        bw[a][b] = bw[b][a] = v
+    delay = [[0.0 if i == j else 5.0 for j in range(3)] for i in range(3)]
+    devs = [
+        Device(id=f"d{i}", region=names[i], tflops=tflops, memory_gb=1000, memory_bandwidth_gb_s=100)
+        for i in range(3)
+    ]
+    sc = Scenario(devices=devs, regions=Regions(names=names, delay_ms=delay, bandwidth_mbps=bw))  # type: ignore[arg-type]
+    return Cluster.of(rl_scenario(sc, toy_workload()))
