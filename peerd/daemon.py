@@ -7,9 +7,11 @@ membership reader -> device profile -> ONLINE -> link prober -> jobs (``peerd.jo
 discovery, planning, tasklets) -> metrics endpoint (opt-in). Shutdown runs the
 same list backwards within ``shutdown_timeout``: metrics, jobs, prober, announcer (publishes
 OFFLINE), reader, transport, node (stops p2pd), control endpoint; whatever is
-still alive at the deadline is killed. SIGINT/SIGTERM request that shutdown (a
-second signal skips the grace period); the previous handlers are restored
-afterwards. Background loops are supervised: an error is logged and the loop
+still alive at the deadline is killed. A leave (``peerd leave``, SIGTERM, SIGINT)
+first hands this peer's tasklets over, for at most ``leave_grace_s``, and then
+shuts down; a second signal skips what is left of both grace periods; the
+previous handlers are restored afterwards. ``peerd pause``/``resume`` stop and
+restart training here without leaving the swarm. Background loops are supervised: an error is logged and the loop
 restarts, so bad input from the network never ends the daemon.
 """
 
@@ -29,8 +31,9 @@ import torch
 
 from peerd import __version__
 from peerd.config import DaemonConfig
-from peerd.control import ControlServer
+from peerd.control import ControlServer, number_param, text_param
 from peerd.errors import ConfigError, ErrorCode, PeerdError, PeerUnavailable
+from peerd.jobs.manager import JobManager
 from peerd.jobs.service import METHODS as JOB_METHODS
 from peerd.jobs.service import JobService
 from peerd.log import get_logger
@@ -57,6 +60,7 @@ logger = get_logger(__name__)
 
 READY_PREFIX = "PEERD_READY "
 RESTART_BACKOFF_S = (1.0, 30.0)  # supervised loops restart after min(2^n, 30) s
+DRAIN_SLACK_S = 5.0  # beyond a leave's grace period, before the hand-over is cut short
 
 
 @dataclass(frozen=True)
@@ -110,9 +114,17 @@ class Daemon:
         self._probe_wake = asyncio.Event()
         self._started_at = 0.0
         self._stopped = False
+        self._leave_grace_s: float | None = None  # set by a leave: the stop hands work over first
         self.failure: str | None = None  # why the daemon stopped by itself, if it did
         self.control.register("status", self._rpc_status, "This peer, the peers table and the link matrix.")
-        self.control.register("shutdown", self._rpc_shutdown, "Leave the swarm gracefully and exit.")
+        self.control.register(
+            "shutdown", self._rpc_shutdown, "Stop now: announce OFFLINE and exit without handing work over."
+        )
+        self.control.register(
+            "leave", self._rpc_leave, "Hand this peer's tasklets over (at most grace_s seconds), then exit."
+        )
+        self.control.register("pause", self._rpc_pause, "Stop training here and take no work until resume.")
+        self.control.register("resume", self._rpc_resume, "Take work again after a pause.")
         self.jobs: JobService | None = None  # submit/cancel/planning/training: peerd.jobs
         self.metrics: MetricsServer | None = None
         for method, (_, doc) in JOB_METHODS.items():
@@ -195,6 +207,21 @@ class Daemon:
     def request_stop(self) -> None:
         self._stop_requested.set()
 
+    def request_leave(self, grace_s: float | None = None) -> float:
+        """Stop, handing this peer's tasklets over first for at most ``grace_s`` (default ``leave_grace_s``).
+
+        Returns the grace period that applies: the first leave's, if one was already asked for.
+        """
+        if self._leave_grace_s is None and not self._stopped:
+            self._leave_grace_s = self.config.leave_grace_s if grace_s is None else grace_s
+            logger.info("leaving: handing this peer's work over for at most %.0f s", self._leave_grace_s)
+        self.request_stop()
+        return self._leave_grace_s or 0.0
+
+    @property
+    def leaving(self) -> bool:
+        return self._leave_grace_s is not None
+
     @property
     def stop_requested(self) -> bool:
         return self._stop_requested.is_set()
@@ -212,6 +239,8 @@ class Daemon:
             return
         self._stopped = True
         self._stop_requested.set()
+        if self._leave_grace_s is not None:
+            await self._drain(self._leave_grace_s)
         steps = asyncio.create_task(self._shutdown_steps())
         hurry = asyncio.create_task(self._hurry.wait())
         try:
@@ -230,6 +259,29 @@ class Daemon:
             logger.error("a shutdown step failed", exc_info=steps.exception())
             await self._kill_rest()
         logger.info("peer %s stopped", self.config.name)
+
+    async def _drain(self, grace_s: float) -> None:
+        """Hand this peer's tasklets over before shutting down; bounded by ``grace_s``, cut short by ``hurry()``."""
+        if self.jobs is None:
+            return
+        drain = asyncio.create_task(self.jobs.manager.drain(grace_s), name="peerd-drain")
+        hurry = asyncio.create_task(self._hurry.wait())
+        try:
+            # the manager keeps to grace_s itself; the slack lets it publish its last records
+            await asyncio.wait(
+                {drain, hurry}, timeout=grace_s + DRAIN_SLACK_S, return_when=asyncio.FIRST_COMPLETED
+            )
+        finally:
+            hurry.cancel()
+        if not drain.done():
+            logger.warning("handing work over did not finish within %.0f s; shutting down anyway", grace_s)
+            drain.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await drain
+        elif drain.exception() is not None:
+            logger.error("handing work over failed; shutting down anyway", exc_info=drain.exception())
+        else:
+            logger.info("handed this peer's work over")
 
     async def _kill_rest(self) -> None:
         if self.node is not None:
@@ -443,6 +495,10 @@ class Daemon:
             "seq": self.announcer.seq if self.announcer else 0,
             "started_at": self._started_at,
             "threads": torch.get_num_threads(),
+            # volunteer controls: paused (no training here until resume), leaving (handing work over)
+            "paused": self.jobs is not None and self.jobs.manager.paused is not None,
+            "pause_reason": self.jobs.manager.paused if self.jobs is not None else None,
+            "leaving": self.leaving or (self.jobs is not None and self.jobs.manager.leaving),
         }
         view["stale"] = stale
         return view
@@ -468,6 +524,37 @@ class Daemon:
         logger.info("shutdown requested through the control endpoint")
         asyncio.get_running_loop().call_soon(self.request_stop)
         return {"stopping": True}
+
+    async def _rpc_leave(self, params: dict[str, Any]) -> dict[str, Any]:
+        asked = number_param(params, "grace_s", default=self.config.leave_grace_s)
+        logger.info("leave requested through the control endpoint")
+        grace = self.request_leave(asked)  # the reply goes out before the shutdown closes this endpoint
+        return {
+            "leaving": True,
+            "name": self.config.name,
+            "grace_s": grace,
+            "shutdown_timeout_s": self.config.shutdown_timeout,
+        }
+
+    async def _rpc_pause(self, params: dict[str, Any]) -> dict[str, Any]:
+        manager = self._manager()
+        await manager.pause(text_param(params, "reason", default=""))  # "": the manager's default reason
+        logger.info("paused: %s", manager.paused)
+        return {"paused": True, "reason": manager.paused}
+
+    async def _rpc_resume(self, params: dict[str, Any]) -> dict[str, Any]:
+        manager = self._manager()
+        was_paused = manager.paused is not None
+        await manager.resume()
+        logger.info("resumed" if was_paused else "resume asked while not paused")
+        return {"paused": False, "was_paused": was_paused}
+
+    def _manager(self) -> JobManager:
+        if self.jobs is None:
+            raise PeerUnavailable("the daemon is still starting; try again in a moment", code=ErrorCode.BUSY)
+        if self.leaving:
+            raise PeerdError("this peer is leaving the swarm", code=ErrorCode.BUSY)
+        return self.jobs.manager
 
 
 def _set_threads(threads: int | None) -> None:
@@ -505,8 +592,13 @@ async def serve(config: DaemonConfig, on_ready: Callable[[ReadyInfo], None] | No
 
     def on_signal(sig: signal.Signals) -> None:
         if not daemon.stop_requested:
-            logger.info("%s received: leaving the swarm (send it again to skip the grace period)", sig.name)
-            daemon.request_stop()
+            logger.info(
+                "%s received: leaving the swarm, handing work over for at most %.0f s "
+                "(send it again to skip the grace period)",
+                sig.name,
+                daemon.config.leave_grace_s,
+            )
+            daemon.request_leave()
             if not start_task.done():
                 start_task.cancel()  # interrupt a slow startup; start() cleans up after itself
         else:

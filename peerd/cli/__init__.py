@@ -22,6 +22,9 @@ from peerd.errors import PeerdError
 COMMANDS: dict[str, str] = {
     "join": "peerd.cli.swarm:join",
     "status": "peerd.cli.swarm:status",
+    "leave": "peerd.cli.swarm:leave",
+    "pause": "peerd.cli.swarm:pause",
+    "resume": "peerd.cli.swarm:resume",
     "plan": "peerd.cli.plan:plan",
     "bench": "peerd.cli.bench:bench",
     "demo": "peerd.cli.demo:demo",
@@ -68,6 +71,7 @@ def cli(log_level: str) -> None:
     Start a swarm:        peerd join
     Join one:             peerd join --initial-peers /ip4/1.2.3.4/tcp/31337/p2p/Qm...
     See who is there:     peerd status
+    Need your GPU back:   peerd pause   (then peerd resume), or leave: peerd leave
     Plan an allocation:   peerd plan configs/scenarios/dtfm-case0.yaml
     """
     from peerd.log import setup_logging

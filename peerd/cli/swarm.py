@@ -1,4 +1,4 @@
-"""``peerd join`` and ``peerd status``: run a peer, and show who is in the swarm (peers table + link matrix).
+"""``peerd join``, ``status``, ``leave``, ``pause``, ``resume``: run a peer, see the swarm, and the volunteer's controls.
 
 The flags of both commands are generated from ``peerd.config.DaemonConfig``
 fields, so an option and its help text are declared once, in the config.
@@ -10,15 +10,18 @@ import asyncio
 import contextlib
 import logging
 import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import click
 
-from peerd.cli.options import CliError, client_of, command, config_options, no_daemon
+from peerd.cli.options import DAEMON, CliError, call, client_of, command, config_options, no_daemon
 from peerd.cli.render import show_status
 from peerd.config import DaemonConfig, load_config
 from peerd.errors import PeerdError
+
+LEAVE_SLACK_S = 10.0  # beyond the daemon's grace period and shutdown timeout, before `peerd leave` gives up
 
 # -- peerd join ---------------------------------------------------------------------------------------
 
@@ -26,10 +29,13 @@ from peerd.errors import PeerdError
 @command("""
   peerd join                                   start a new swarm; prints the address others join with
   peerd join --initial-peers /ip4/10.0.0.5/tcp/31337/p2p/QmX...   join a running swarm
+  peerd join --initial-peers MADDR_A --initial-peers MADDR_B      any one that answers is enough
+  peerd join                                   later, same home: rejoins through the peers it remembers
   peerd join --host-maddrs /ip4/0.0.0.0/tcp/31337 --announce-maddrs /ip4/203.0.113.7/tcp/31337
   peerd join --config peer.yaml --device cuda:1
-Stop with Ctrl-C or SIGTERM: the peer announces OFFLINE and exits;
-a second Ctrl-C skips the grace period.
+Stop with `peerd leave`, Ctrl-C or SIGTERM: the peer hands its work over (at most
+--leave-grace-s), announces OFFLINE and exits; a second Ctrl-C skips the grace period.
+`peerd pause` / `peerd resume` stop and restart training here without leaving.
 """)
 @config_options()
 def join(config_file: str | None, **overrides: Any) -> None:
@@ -139,3 +145,83 @@ def _direct_reader(config: DaemonConfig) -> Iterator[Callable[[], dict[str, Any]
         thread.join(timeout=5)
         if not thread.is_alive():
             loop.close()
+
+
+# -- peerd leave / pause / resume ---------------------------------------------------------------------
+
+
+@command("""
+  peerd leave                       hand this peer's work over, announce OFFLINE, wait until the daemon exits
+  peerd leave --grace-s 10          give the hand-over at most 10 s
+  peerd leave --no-wait             ask the daemon to leave and return at once
+  peerd leave --home /tmp/peer2     the daemon that uses another state directory
+SIGTERM (e.g. `kill PID`, `systemctl stop`) leaves the same way, with --leave-grace-s.
+""")
+@click.option(
+    "--grace-s",
+    type=click.FloatRange(min=0, min_open=True),
+    help="Seconds the daemon may spend handing its tasklets over; default: its --leave-grace-s.",
+)
+@click.option(
+    "--wait/--no-wait",
+    default=True,
+    help="Wait until the daemon has exited (its control socket is closed), or return once it has agreed.",
+)
+@config_options(only=DAEMON)
+def leave(grace_s: float | None, wait: bool, config_file: str | None, **overrides: Any) -> None:
+    """Leave the swarm gracefully: hand this peer's training over to others, then stop the daemon.
+
+    The daemon stops taking work, hands its tasklets (stage state, data position) to
+    the peers that take them over, announces OFFLINE and exits, so the job loses no
+    step. Exit code 3 when no daemon runs here, 1 when it is still running after its
+    grace period and shutdown timeout.
+    """
+    daemon = client_of(load_config(config_file, overrides).resolved())
+    params = {} if grace_s is None else {"grace_s": grace_s}
+    reply = call(daemon, "leave", **params)
+    click.echo(f"peer {reply['name']} is leaving: handing its work over for at most {reply['grace_s']:.0f} s")
+    if not wait:
+        return
+    limit = reply["grace_s"] + reply["shutdown_timeout_s"] + LEAVE_SLACK_S
+    deadline = time.monotonic() + limit
+    while daemon.available():
+        if time.monotonic() > deadline:
+            raise CliError(f"the daemon is still running {limit:.0f} s after it agreed to leave; see its log")
+        time.sleep(0.2)
+    click.echo(f"peer {reply['name']} left the swarm")
+
+
+@command("""
+  peerd pause                       stop training here (e.g. to use the GPU yourself); the peer stays in the swarm
+  peerd pause --reason "gaming"     the reason `peerd status` shows
+  peerd resume                      take work again
+""")
+@click.option(
+    "--reason", help="Why, in a few words (`peerd status` shows it); default: 'paused by its volunteer'."
+)
+@config_options(only=DAEMON)
+def pause(reason: str | None, config_file: str | None, **overrides: Any) -> None:
+    """Stop training on this peer until `peerd resume`, without leaving the swarm.
+
+    Training here stops and the peer takes no new work; the daemon keeps running,
+    answering and measuring links, so `peerd resume` brings it back at once. Exit code
+    3 when no daemon runs here.
+    """
+    daemon = client_of(load_config(config_file, overrides).resolved())
+    reply = call(daemon, "pause", **({"reason": reason} if reason else {}))
+    click.echo(f"paused ({reply['reason']}); `peerd resume` takes work again")
+
+
+@command("""
+  peerd resume                      after `peerd pause`: take work again
+  peerd resume --home /tmp/peer2    the daemon that uses another state directory
+""")
+@config_options(only=DAEMON)
+def resume(config_file: str | None, **overrides: Any) -> None:
+    """Take work again after `peerd pause`: the peer can be planned into jobs from their next re-plan.
+
+    Exit code 3 when no daemon runs here.
+    """
+    daemon = client_of(load_config(config_file, overrides).resolved())
+    reply = call(daemon, "resume")
+    click.echo("resumed: this peer takes work again" if reply["was_paused"] else "this peer was not paused")

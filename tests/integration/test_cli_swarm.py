@@ -121,6 +121,40 @@ def test_one_daemon_table_watch_and_home_lock(local_swarm, peerd_cli):
     assert not peer.control_socket.exists()
 
 
+def test_pause_resume_and_leave_through_the_cli(local_swarm, peerd_cli):
+    """The volunteer controls on a real daemon: pause and resume show in status; leave drains, then exits 0."""
+    swarm = local_swarm(1, leave_grace_s=30.0)
+    peer = swarm.peers[0]
+    home = ("--home", str(peer.home))
+
+    result = peerd_cli("pause", "--reason", "gaming", *home)
+    assert result.returncode == 0 and "paused (gaming)" in result.stdout, result.stderr
+    me = peer.status()["self"]
+    assert (me["paused"], me["pause_reason"], me["leaving"]) == (True, "gaming", False)
+    result = peerd_cli("resume", *home)
+    assert result.returncode == 0 and "resumed" in result.stdout, result.stderr
+    assert (peer.status()["self"]["paused"], peer.status()["self"]["pause_reason"]) == (False, None)
+    result = peerd_cli("resume", *home)
+    assert result.returncode == 0 and "was not paused" in result.stdout
+
+    result = peerd_cli("leave", "--grace-s", "0", *home)
+    assert (
+        result.returncode == 2 and "--grace-s" in result.stderr
+    )  # refused by the CLI: nothing reached the daemon
+    result = peerd_cli("leave", "--grace-s", "5", *home, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert "is leaving: handing its work over for at most 5 s" in result.stdout
+    assert "peer0 left the swarm" in result.stdout  # --wait (the default) returns once the daemon is gone
+    assert peer.process.wait(timeout=30) == 0
+    log = peer.log_tail(60)
+    assert "leaving: handing this peer's work over for at most 5 s" in log and "announced OFFLINE" in log
+    assert "handed this peer's work over" in log
+    for command in ("leave", "pause", "resume"):
+        result = peerd_cli(command, *home)
+        assert result.returncode == 3 and "no peerd daemon is running" in result.stderr
+        _no_traceback(result)
+
+
 def test_two_daemons_status_and_jobs_off_a_terminal(local_swarm):
     swarm = local_swarm(2)
     names = [p.name for p in swarm.peers]
