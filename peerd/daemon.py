@@ -11,8 +11,9 @@ still alive at the deadline is killed. A leave (``peerd leave``, SIGTERM, SIGINT
 first hands this peer's tasklets over, for at most ``leave_grace_s``, and then
 shuts down; a second signal skips what is left of both grace periods; the
 previous handlers are restored afterwards. ``peerd pause``/``resume`` stop and
-restart training here without leaving the swarm. Background loops are supervised: an error is logged and the loop
-restarts, so bad input from the network never ends the daemon.
+restart training here without leaving the swarm. Background loops are supervised:
+an error is logged and the loop restarts, so bad input from the network never
+ends the daemon.
 """
 
 from __future__ import annotations
