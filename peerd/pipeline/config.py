@@ -10,6 +10,7 @@ from peerd.data.config import DataConfig
 from peerd.errors import ConfigError
 from peerd.models.gpt import PRESETS, GPTConfig
 from peerd.pipeline.codec import CompressionConfig
+from peerd.pipeline.optim import OptimizerConfig, with_shorthands
 from peerd.pipeline.partition import validate_layers_per_stage
 from peerd.pipeline.schedule import available_schedules
 from peerd.pipeline.streams import StreamConfig
@@ -55,8 +56,12 @@ class TrainConfig:
     """Optimizer steps to run (from the start or the resumed step)."""
     schedule: str = "1f1b"
     """Micro-batch schedule: ``gpipe`` or ``1f1b``."""
-    lr: float = 1e-3
-    weight_decay: float = 0.0
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    """Optimizer, learning-rate schedule (over ``steps``) and global-norm gradient clipping."""
+    lr: float | None = None
+    """Shorthand for ``optimizer.lr`` (folded into ``optimizer`` when built, then None)."""
+    weight_decay: float | None = None
+    """Shorthand for ``optimizer.weight_decay`` (folded into ``optimizer`` when built, then None)."""
     data_seed: int = 0
     """Seed of the (seed, epoch, replica) shuffle."""
     compression: CompressionConfig = field(default_factory=CompressionConfig)
@@ -72,6 +77,13 @@ class TrainConfig:
     rollback: bool = False
     """Keep a host copy of the state from before the last update, so a worker can serve the step
     before its current one too (churn recovery: survivors one update apart resume together)."""
+
+    def __post_init__(self) -> None:
+        # one source of truth: the shorthands only ever live in ``optimizer``
+        if self.lr is not None or self.weight_decay is not None:
+            object.__setattr__(self, "optimizer", with_shorthands(self.optimizer, self.lr, self.weight_decay))
+            object.__setattr__(self, "lr", None)
+            object.__setattr__(self, "weight_decay", None)
 
     def validate(self) -> None:
         if not self.job or len(self.job) > 64 or not set(self.job) <= _JOB_CHARS:
@@ -97,6 +109,7 @@ class TrainConfig:
             raise ConfigError("checkpoint_every", "must be >= 0, and keep_checkpoints >= 1")
         if not self.averaging_timeout_s > 0:
             raise ConfigError("averaging_timeout_s", f"must be > 0, got {self.averaging_timeout_s}")
+        self.optimizer.validate()
         self.compression.validate()
         self.streams.validate()
 

@@ -1,7 +1,10 @@
 """Activation and gradient messages between pipeline stages: header schema, chunking, validation (protocols/pipeline-frames.md).
 
 A *message* is one micro-batch's tensor crossing one stage boundary: activations forward
-(``pp.act``) or the gradient w.r.t. them backward (``pp.grad``). Its payload is the codec's
+(``pp.act``) or the gradient w.r.t. them backward (``pp.grad``); or, once per step when
+gradient clipping is on, one float64 of the replica's gradient norm exchange
+(``peerd.pipeline.optim``): a partial sum of squares backward (``pp.norm.part``) and the
+total forward (``pp.norm.total``), same header, no example ids, shape ``[1]``. Its payload is the codec's
 wire bytes (peerd.compress's format) or, for codec ``none``, the raw little-endian tensor.
 A message travels as one or more transport frames (*parts*), each carrying the full header
 plus ``part``/``parts``/``off`` so the receiver can check the metadata before the bulk arrives
@@ -30,13 +33,24 @@ from peerd.wire.types import Count, Name
 VERSION = 1
 KIND_ACT = "pp.act"
 KIND_GRAD = "pp.grad"
+KIND_NORM_PART = "pp.norm.part"  # sum of squared gradient norms of stages b+1.., travels upstream
+KIND_NORM_TOTAL = "pp.norm.total"  # the replica's total sum of squares, travels downstream
 KIND_ACK = "pp.ack"
 KIND_NACK = "pp.nack"
 KIND_ABORT = "pp.abort"
-DATA_KINDS = (KIND_ACT, KIND_GRAD)
+DATA_KINDS = (KIND_ACT, KIND_GRAD, KIND_NORM_PART, KIND_NORM_TOTAL)
+FORWARD_KINDS = (KIND_ACT, KIND_NORM_TOTAL)  # sent by the upstream neighbour
+BACKWARD_KINDS = (KIND_GRAD, KIND_NORM_PART)  # sent by the downstream neighbour
+NORM_SHAPE = (1,)
+NORM_DTYPE = "float64"
 CONTROL_KINDS = (KIND_ACK, KIND_NACK, KIND_ABORT)
 
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+DTYPES = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float64": torch.float64,  # norm frames only: a sum over stages keeps its precision
+}
 
 MAX_NDIM = 8
 MAX_IDS = 1 << 16  # examples per micro-batch
@@ -68,14 +82,16 @@ class _Envelope(WireStruct, kw_only=True):
 class TensorMessage(_Envelope):
     """Metadata of one activation or gradient message (identical in every part of it)."""
 
-    kind: str  # KIND_ACT | KIND_GRAD
+    kind: str  # one of DATA_KINDS
     job: Name
     step: Count
     mb: Annotated[int, Meta(ge=0, lt=MAX_IDS)]  # micro-batch index within the step
     boundary: Annotated[int, Meta(ge=0, lt=1 << 16)] = msgspec.field(name="b")  # stages b | b + 1
     ids: Annotated[tuple[Count, ...], Meta(max_length=MAX_IDS)]  # example ids, row order
     codec: Name
-    shape: Annotated[tuple[_Dim, ...], Meta(max_length=MAX_NDIM)]  # the decoded tensor's, (B, T, C)
+    shape: Annotated[
+        tuple[_Dim, ...], Meta(max_length=MAX_NDIM)
+    ]  # the decoded tensor's, (B, T, C); norm: (1,)
     dtype: Name  # the decoded tensor's dtype name
     seq: Count  # sender's message sequence number on this stream (ordering, acks, resends)
     nbytes: Count  # payload bytes of the whole message
@@ -311,13 +327,25 @@ class Expectation:
     """What a receiving stage accepts on one stream (everything the sender cannot choose)."""
 
     job: str
-    kind: str  # KIND_ACT on a stage's upstream stream, KIND_GRAD on its downstream stream
+    kind: str  # FORWARD_KINDS on a stage's upstream stream, BACKWARD_KINDS on its downstream stream
     boundary: int
     codec: str
     dtype: str
     row_shape: tuple[int, ...]  # per example: (T, C)
     steps: tuple[int, int]  # accepted steps, inclusive: the current one and the next
     ids_of: IdsOf
+    shape: tuple[int, ...] | None = None  # a fixed message shape (norm frames); None: (ids, *row_shape)
+
+
+def norm_expectation(job: str, kind: str, boundary: int, step: int) -> Expectation:
+    """What a stage accepts as a norm frame: micro-batch 0 of the current or next step, no ids, one float64."""
+    return Expectation(
+        job, kind, boundary, RAW_CODEC, NORM_DTYPE, (), (step, step + 1), _no_ids, shape=NORM_SHAPE
+    )
+
+
+def _no_ids(step: int, mb: int) -> Sequence[int] | None:
+    return () if mb == 0 else None
 
 
 def check_message(msg: TensorMessage, expect: Expectation, *, accepted: bool = False) -> None:
@@ -338,7 +366,7 @@ def check_message(msg: TensorMessage, expect: Expectation, *, accepted: bool = F
         _check_step(msg, expect)
     if msg.dtype != expect.dtype:
         raise _bad(f"dtype {msg.dtype}, this boundary carries {expect.dtype}", ErrorCode.DTYPE_MISMATCH)
-    want_shape = (len(msg.ids), *expect.row_shape)  # the micro-batch's ids, once checked
+    want_shape = expect.shape or (len(msg.ids), *expect.row_shape)  # the micro-batch's ids, once checked
     if msg.shape != want_shape:
         raise _bad(f"shape {list(msg.shape)}, expected {list(want_shape)}", ErrorCode.SHAPE_MISMATCH)
     if msg.codec != expect.codec:

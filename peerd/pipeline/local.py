@@ -5,8 +5,10 @@ lists as the stage workers (in ``simulate``'s dependency order), passes activati
 between stages through a ``BoundaryHook`` (identity by default; a codec plugs in here), accumulates
 gradients over micro-batches, and optionally emulates ``R`` data-parallel replicas whose
 per-stage gradients are combined by a ``GradientReducer`` (mean by default; gradient compression
-with error feedback plugs in here). With identity hooks and fp32 it reproduces unstaged
-full-batch training up to float summation order.
+with error feedback plugs in here). The optimizer, LR schedule and clipping come from
+``peerd.pipeline.optim`` (clipping here is torch's own ``clip_grad_norm_`` over the whole model,
+what the workers' cross-stage norm must reproduce). With identity hooks and fp32 it reproduces
+unstaged full-batch training up to float summation order.
 """
 
 from __future__ import annotations
@@ -20,6 +22,13 @@ import torch
 from peerd.data.dataset import WindowDataset
 from peerd.data.sampler import EpochSampler, micro_batches
 from peerd.models.gpt import lm_loss
+from peerd.pipeline.optim import (
+    OptimizerConfig,
+    build_optimizer,
+    build_scheduler,
+    seek_schedule,
+    with_shorthands,
+)
 from peerd.pipeline.partition import StageModule, model_layers, partition
 from peerd.pipeline.schedule import Op, Schedule, get_schedule, simulate
 
@@ -163,17 +172,37 @@ class LocalRunConfig:
     layers_per_stage: list[int] | None = None  # None: one stage holding every layer
     replicas: int = 1
     schedule: str = "1f1b"
-    lr: float = 1e-3
-    weight_decay: float = 0.0
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    lr: float | None = None  # shorthand for optimizer.lr (folded in when built)
+    weight_decay: float | None = None  # shorthand for optimizer.weight_decay (folded in when built)
     data_seed: int = 0
     start_step: int = 0
+    total_steps: int | None = None  # the LR schedule's horizon; None: start_step + steps
+
+    def __post_init__(self) -> None:
+        if self.lr is not None or self.weight_decay is not None:
+            object.__setattr__(self, "optimizer", with_shorthands(self.optimizer, self.lr, self.weight_decay))
+            object.__setattr__(self, "lr", None)
+            object.__setattr__(self, "weight_decay", None)
+
+    @property
+    def horizon(self) -> int:
+        return self.total_steps if self.total_steps is not None else self.start_step + self.steps
 
 
-def make_optimizer(
-    params: Sequence[torch.nn.Parameter], lr: float, weight_decay: float
-) -> torch.optim.Optimizer:
-    """The optimizer every reference and distributed run uses, so their curves are comparable."""
-    return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
+def optimizer_and_scheduler(
+    params: Sequence[torch.nn.Parameter],
+    cfg: LocalRunConfig,
+    optimizer: torch.optim.Optimizer | None,
+    scheduler: torch.optim.lr_scheduler.LambdaLR | None,
+) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
+    """The given ones, or new ones; a new scheduler on a given optimizer starts at ``cfg.start_step``."""
+    optimizer = optimizer or build_optimizer(params, cfg.optimizer)
+    if scheduler is None:
+        # LambdaLR keeps a group's "initial_lr" if an earlier scheduler set it: the peak lr either way
+        scheduler = build_scheduler(optimizer, cfg.optimizer, cfg.horizon)
+        seek_schedule(scheduler, cfg.start_step)
+    return optimizer, scheduler
 
 
 def micro_batches_of(dataset: WindowDataset, ids: Sequence[int], micro_batch_size: int) -> list[MicroBatch]:
@@ -191,12 +220,14 @@ def train_pipelined(
     hook: BoundaryHook | None = None,
     reducer: GradientReducer | None = None,
     optimizer: torch.optim.Optimizer | None = None,
+    scheduler: torch.optim.lr_scheduler.LambdaLR | None = None,
 ) -> list[float]:
     """Train ``model`` split into stages for ``cfg.steps`` steps; returns the loss of every step.
 
     Each replica runs its shard of the step's batch through the pipeline; each stage's gradients
-    are then combined across replicas by ``reducer`` and one optimizer step is taken. Pass the
-    ``optimizer`` back in to continue a run (its state is part of the curve).
+    are then combined across replicas by ``reducer``, clipped to the model-wide norm, and one
+    optimizer step is taken. Pass the ``optimizer`` (and ``scheduler``) back in to continue a run
+    (their state is part of the curve).
     """
     layers = model_layers(model)
     split = cfg.layers_per_stage or [len(layers)]
@@ -204,7 +235,8 @@ def train_pipelined(
     pipe = LocalPipeline(stages, cfg.schedule, hook)
     params = stage_parameters(stages)
     reducer = reducer or MeanReducer()
-    optimizer = optimizer or make_optimizer([p for ps in params for p in ps], cfg.lr, cfg.weight_decay)
+    flat = [p for ps in params for p in ps]
+    optimizer, scheduler = optimizer_and_scheduler(flat, cfg, optimizer, scheduler)
     sampler = EpochSampler(len(dataset), cfg.global_batch, cfg.data_seed, cfg.replicas)
     losses = []
     for step in range(cfg.start_step, cfg.start_step + cfg.steps):
@@ -220,7 +252,7 @@ def train_pipelined(
             for k, (p, g) in enumerate(zip(ps, reduced, strict=True)):
                 # Untouched by every replica: leave it gradient-less, as plain training would.
                 p.grad = g if any(grads[s][k][1] for grads in per_replica) else None
-        optimizer.step()
+        _step(flat, cfg.optimizer, optimizer, scheduler)
         losses.append(loss)
     return losses
 
@@ -230,9 +262,11 @@ def train_unstaged(
     dataset: WindowDataset,
     cfg: LocalRunConfig,
     optimizer: torch.optim.Optimizer | None = None,
+    scheduler: torch.optim.lr_scheduler.LambdaLR | None = None,
 ) -> list[float]:
     """Plain full-batch training (no stages, no micro-batches): what ``train_pipelined`` must match."""
-    optimizer = optimizer or make_optimizer(list(model.parameters()), cfg.lr, cfg.weight_decay)
+    params = list(model.parameters())
+    optimizer, scheduler = optimizer_and_scheduler(params, cfg, optimizer, scheduler)
     sampler = EpochSampler(len(dataset), cfg.global_batch, cfg.data_seed, cfg.replicas)
     losses = []
     for step in range(cfg.start_step, cfg.start_step + cfg.steps):
@@ -240,9 +274,21 @@ def train_unstaged(
         optimizer.zero_grad(set_to_none=True)
         loss = lm_loss(model(x_BT), y_BT)
         loss.backward()
-        optimizer.step()
+        _step(params, cfg.optimizer, optimizer, scheduler)
         losses.append(loss.item())
     return losses
+
+
+def _step(
+    params: Sequence[torch.nn.Parameter],
+    cfg: OptimizerConfig,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LambdaLR,
+) -> None:
+    if cfg.grad_clip is not None:
+        torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
+    optimizer.step()
+    scheduler.step()
 
 
 def _grad_or_zero(p: torch.nn.Parameter) -> tuple[torch.Tensor, bool]:

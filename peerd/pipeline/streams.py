@@ -24,9 +24,9 @@ import torch
 from peerd.errors import CodecError, ConfigError, ErrorCode, PeerdError, PeerUnavailable, ProtocolError
 from peerd.log import get_logger
 from peerd.pipeline.frames import (
+    BACKWARD_KINDS,
+    FORWARD_KINDS,
     KIND_ABORT,
-    KIND_ACT,
-    KIND_GRAD,
     Abort,
     Ack,
     Assembler,
@@ -60,7 +60,7 @@ def stage_protocol(job: str, stage: int) -> str:
 
 
 def direction(kind: str) -> str:
-    return "fwd" if kind == KIND_ACT else "bwd"
+    return "fwd" if kind in FORWARD_KINDS else "bwd"
 
 
 @dataclass(frozen=True)
@@ -314,16 +314,18 @@ class StreamReceiver:
     ) -> None:
         part = parse_part(header)
         msg = part.message
-        kinds = {KIND_ACT} if conn.peer_id == self.upstream else set()
+        kinds = set(FORWARD_KINDS) if conn.peer_id == self.upstream else set()
         if conn.peer_id == self.downstream:
-            kinds.add(KIND_GRAD)
-        if msg.kind not in kinds:
+            kinds.update(BACKWARD_KINDS)
+        if msg.kind not in kinds or msg.kind not in self.expectations:
             raise ProtocolError(
-                f"{msg.kind} frames must come from the {'upstream' if msg.kind == KIND_ACT else 'downstream'} "
-                "neighbour",
+                f"{msg.kind} frames must come from the "
+                f"{'upstream' if msg.kind in FORWARD_KINDS else 'downstream'} neighbour"
+                + ("" if msg.kind in self.expectations else ", and this stage takes none"),
                 code=ErrorCode.NOT_ALLOWED,
             )
-        stream_key = (conn.peer_id, msg.kind)
+        # one sender per neighbour numbers all its kinds in one sequence
+        stream_key = (conn.peer_id, direction(msg.kind))
         expected_seq = self._next_seq.get(stream_key, 0)
         duplicate = msg.seq < expected_seq
         if part.index == 0:  # later parts must repeat this metadata (the assembler checks)

@@ -6,15 +6,19 @@ activations from its upstream neighbour and gradients from its downstream neighb
 loop keeps serving the streams meanwhile), encodes what it sends with the boundary codecs
 (AC-SGD forward, quantized backward, or raw), and after the last micro-batch averages its
 parameter gradients with the stage's other replicas through a pluggable ``Reducer`` (the
-averaging group's all-reduce; none when the stage has one replica), then steps the optimizer.
+averaging group's all-reduce; none when the stage has one replica), then, with gradient
+clipping on, joins the replica's cross-stage norm exchange (``peerd.pipeline.optim``: partial
+sums of squares upstream, the total back downstream, on the same streams) and steps the
+optimizer and its LR schedule.
 Stage 0 reads inputs by example id, the last stage reads labels by example id: only hidden
 states and their gradients cross the network. Any typed failure aborts the step on this
 worker and tells both neighbours, so the whole pipeline fails fast instead of waiting out
 timeouts. The arithmetic is that of ``peerd.pipeline.local.train_pipelined``: same layers,
-same micro-batch loss weights, same optimizer, so an uncompressed run reproduces it.
+same micro-batch loss weights, same optimizer, schedule and clipping, so an uncompressed run
+reproduces it.
 
-State for churn recovery: a step's update (averaged gradients assigned, optimizer step,
-``self.step += 1``) is one call in the compute thread, so cancelling ``run`` or ``train_step``
+State for churn recovery: a step's update (averaged gradients assigned and clipped,
+optimizer and LR-scheduler step, ``self.step += 1``) is one call in the compute thread, so cancelling ``run`` or ``train_step``
 at any await never leaves a half-applied step; ``quiesce`` waits for that call to finish.
 With ``TrainConfig.rollback`` the worker keeps a host copy of the state from just before the
 last update, so it can serve both ``self.step - 1`` and ``self.step`` (``available_steps``,
@@ -43,10 +47,28 @@ from peerd.loading import to_mapping
 from peerd.log import get_logger
 from peerd.models.gpt import build_layer, lm_loss
 from peerd.pipeline import checkpoint
-from peerd.pipeline.codec import build_codecs
+from peerd.pipeline.codec import RawDecoder, build_codecs
 from peerd.pipeline.config import TrainConfig
-from peerd.pipeline.frames import KIND_ACT, KIND_GRAD, Expectation, TensorMessage
-from peerd.pipeline.local import make_optimizer
+from peerd.pipeline.frames import (
+    KIND_ACT,
+    KIND_GRAD,
+    KIND_NORM_PART,
+    KIND_NORM_TOTAL,
+    NORM_DTYPE,
+    NORM_SHAPE,
+    RAW_CODEC,
+    Expectation,
+    TensorMessage,
+    norm_expectation,
+    raw_payload,
+)
+from peerd.pipeline.optim import (
+    build_optimizer,
+    build_scheduler,
+    clip_coefficient,
+    seek_schedule,
+    squared_norm,
+)
 from peerd.pipeline.partition import build_stage
 from peerd.pipeline.schedule import Op, get_schedule
 from peerd.pipeline.sender import StreamSender
@@ -75,6 +97,7 @@ class Snapshot:
     step: int
     module: dict[str, torch.Tensor]
     optimizer: dict[str, Any]
+    scheduler: dict[str, Any]
 
 
 @dataclass
@@ -140,7 +163,9 @@ class StageWorker:
             stage,
         )
         self.params = [p for p in self.module.parameters() if p.requires_grad]
-        self.optimizer = make_optimizer(self.params, cfg.lr, cfg.weight_decay)
+        self.optimizer = build_optimizer(self.params, cfg.optimizer)
+        self.scheduler = build_scheduler(self.optimizer, cfg.optimizer, cfg.steps)
+        self.clip = cfg.optimizer.grad_clip
         self.sampler = EpochSampler(len(self.dataset), cfg.global_batch, cfg.data_seed, replicas)
         self.schedule = get_schedule(cfg.schedule)
         self.codecs = build_codecs(cfg.compression, first=self.first, last=self.last)
@@ -154,15 +179,28 @@ class StageWorker:
             1, thread_name_prefix=f"peerd-s{stage}r{replica}"
         )
         self.protocol = stage_protocol(cfg.job, stage)
+        expectations = {KIND_ACT: self._expectation(KIND_ACT), KIND_GRAD: self._expectation(KIND_GRAD)}
+        decoders: dict[str, Any] = {
+            k: d
+            for k, d in ((KIND_ACT, self.codecs.recv_act), (KIND_GRAD, self.codecs.recv_grad))
+            if d is not None
+        }
+        if self.clip is not None:  # the norm exchange: partial sums from below, the total from above
+            if not self.last:
+                expectations[KIND_NORM_PART] = lambda step: norm_expectation(
+                    cfg.job, KIND_NORM_PART, stage, step
+                )
+                decoders[KIND_NORM_PART] = RawDecoder()
+            if not self.first:
+                expectations[KIND_NORM_TOTAL] = lambda step: norm_expectation(
+                    cfg.job, KIND_NORM_TOTAL, stage - 1, step
+                )
+                decoders[KIND_NORM_TOTAL] = RawDecoder()
         self.receiver = StreamReceiver(
             upstream=upstream,
             downstream=downstream,
-            expectations={KIND_ACT: self._expectation(KIND_ACT), KIND_GRAD: self._expectation(KIND_GRAD)},
-            decoders={
-                k: d
-                for k, d in ((KIND_ACT, self.codecs.recv_act), (KIND_GRAD, self.codecs.recv_grad))
-                if d is not None
-            },
+            expectations=expectations,
+            decoders=decoders,
             inbox=self.inbox,
             stats=self.stats,
             config=cfg.streams,
@@ -403,9 +441,53 @@ class StageWorker:
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
         if self.reducer is not None:
             grads = await self.reducer.allreduce(step, grads)
-        await self._compute(self._apply, step, grads)
+        scale = 1.0
+        if self.clip is not None:
+            scale = clip_coefficient(await self._replica_squared_norm(step, grads), self.clip)
+        await self._compute(self._apply, step, grads, scale)
 
-    def _apply(self, step: int, grads: list[torch.Tensor]) -> None:
+    async def _replica_squared_norm(self, step: int, grads: list[torch.Tensor]) -> float:
+        """The sum of squares of the whole replica's gradients: partial sums go up, stage 0's total comes down.
+
+        Every stage uses stage 0's one float64, so all stages (and replicas: their averaged
+        gradients are identical) scale by the same coefficient.
+        """
+        timeout = self.cfg.streams.recv_timeout_s
+        partial = await self._compute(squared_norm, grads)
+        if not self.last:  # stages below, summed by the next stage
+            partial += float(await self.inbox.get(KIND_NORM_PART, step, 0, timeout))
+        if self.first:
+            total = partial
+        else:
+            assert self.to_prev is not None
+            await self._send_norm(self.to_prev, KIND_NORM_PART, step, self.stage - 1, partial)
+            total = float(await self.inbox.get(KIND_NORM_TOTAL, step, 0, timeout))
+        if not self.last:
+            assert self.to_next is not None
+            await self._send_norm(self.to_next, KIND_NORM_TOTAL, step, self.stage, total)
+        return total
+
+    async def _send_norm(
+        self, sender: StreamSender, kind: str, step: int, boundary: int, value: float
+    ) -> None:
+        payload = raw_payload(torch.tensor([value], dtype=torch.float64))
+        msg = TensorMessage(
+            kind=kind,
+            job=self.cfg.job,
+            step=step,
+            mb=0,
+            boundary=boundary,
+            ids=(),
+            codec=RAW_CODEC,
+            shape=NORM_SHAPE,
+            dtype=NORM_DTYPE,
+            seq=0,  # the sender numbers it
+            nbytes=memoryview(payload).nbytes,
+        )
+        await sender.send(msg, payload)
+        await sender.flush()  # accepted before this stage may finish (close does not wait for acks)
+
+    def _apply(self, step: int, grads: list[torch.Tensor], scale: float = 1.0) -> None:
         """Compute thread: the whole update of ``step``, so a cancelled await never splits it.
 
         A cancelled caller stops waiting but this call still runs to its end (or, if it had
@@ -414,11 +496,15 @@ class StageWorker:
         assert self.step == step, f"update of step {step} applied at step {self.step}"
         if self.cfg.rollback:
             self._snapshot = Snapshot(
-                step, _host_copy(self.module.state_dict()), _host_copy(self.optimizer.state_dict())
+                step,
+                _host_copy(self.module.state_dict()),
+                _host_copy(self.optimizer.state_dict()),
+                copy.deepcopy(self.scheduler.state_dict()),
             )
         for p, g in zip(self.params, grads, strict=True):
-            p.grad = g
+            p.grad = g if scale == 1.0 else g.mul_(scale)  # clip_grad_norm_'s scaling, across stages
         self.optimizer.step()
+        self.scheduler.step()  # the lr of step + 1
         self.step = step + 1
 
     async def quiesce(self) -> None:
@@ -451,6 +537,7 @@ class StageWorker:
             self.step,
             self.module.state_dict(),
             self.optimizer.state_dict(),
+            self.scheduler.state_dict(),
             codecs=self.codecs.state_dict(),  # AC-SGD buffers of both boundary sides
             averaging=state_of() if state_of is not None else None,
         )
@@ -460,6 +547,7 @@ class StageWorker:
         step: int,
         module: dict[str, Any],
         optimizer: dict[str, Any],
+        scheduler: dict[str, Any],
         *,
         codecs: dict[str, Any] | None,
         averaging: dict[str, Any] | None,
@@ -473,6 +561,7 @@ class StageWorker:
             "step": step,
             "module": module,
             "optimizer": optimizer,
+            "scheduler": scheduler,
             "data": {
                 "epoch": epoch,
                 "batch": batch,
@@ -511,7 +600,7 @@ class StageWorker:
             raise ConfigError(
                 "step", f"state of step {step} is not kept here (have {self.available_steps()})"
             )
-        return self._state(step, snap.module, snap.optimizer, codecs=None, averaging=None)
+        return self._state(step, snap.module, snap.optimizer, snap.scheduler, codecs=None, averaging=None)
 
     def load_state(self, state: dict[str, Any]) -> int:
         """Take ``state`` (a checkpoint, or ``state_at`` of any replica of this stage); returns the next step.
@@ -526,6 +615,11 @@ class StageWorker:
         # optimizer.load_state_dict keeps the given tensors when dtype and device match: copy,
         # so two workers (or a worker and its snapshot) never share moment buffers
         self.optimizer.load_state_dict(copy.deepcopy(state["optimizer"]))
+        step = int(state["step"])
+        if state.get("scheduler") is not None:
+            self.scheduler.load_state_dict(copy.deepcopy(state["scheduler"]))  # it pops keys
+        else:  # a checkpoint from before schedules: the lr follows from the step
+            seek_schedule(self.scheduler, step)
         codecs = state.get("codecs")
         if codecs is None:
             self.reset_codecs()
@@ -535,7 +629,7 @@ class StageWorker:
         same_tasklet = state["replica"] == self.replica and state["data"].get("replicas") == self.replicas
         if state.get("averaging") is not None and load_avg is not None and same_tasklet:
             load_avg(state["averaging"])
-        self.step = int(state["step"])
+        self.step = step
         self._snapshot = None
         self.inbox.advance(self.step)
         logger.info(

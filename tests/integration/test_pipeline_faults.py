@@ -27,7 +27,7 @@ from peerd.pipeline.launch import (
     start_peers,
     stop_peers,
 )
-from peerd.pipeline.local import LocalRunConfig, train_pipelined
+from peerd.pipeline.local import LocalRunConfig, optimizer_and_scheduler, train_pipelined
 from peerd.pipeline.partition import partition
 from peerd.pipeline.streams import StreamConfig, stage_protocol
 from peerd.pipeline.worker import StageWorker
@@ -267,15 +267,23 @@ def reference_weights() -> list[list[dict[str, torch.Tensor]]]:
     """``[step][stage]``: the single-process model's stage weights at the start of steps 0..CFG.steps."""
     model = GPT(CFG.model.gpt(), seed=0)
     dataset, stages = build_dataset(CFG.data), partition(model, CFG.layers_per_stage)
-    optimizer = torch.optim.AdamW(list(model.parameters()), lr=CFG.lr, weight_decay=CFG.weight_decay)
-    local = LocalRunConfig(steps=1, global_batch=4, micro_batch_size=2, layers_per_stage=[2, 2], lr=3e-3)
+    local = LocalRunConfig(
+        steps=1,
+        global_batch=4,
+        micro_batch_size=2,
+        layers_per_stage=[2, 2],
+        optimizer=CFG.optimizer,
+        total_steps=CFG.steps,
+    )
+    optimizer, scheduler = optimizer_and_scheduler(list(model.parameters()), local, None, None)
 
     def weights() -> list[dict[str, torch.Tensor]]:
         return [{k: v.clone() for k, v in st.state_dict().items()} for st in stages]
 
     out = [weights()]
     for step in range(CFG.steps):
-        train_pipelined(model, dataset, dataclasses.replace(local, start_step=step), optimizer=optimizer)
+        once = dataclasses.replace(local, start_step=step)
+        train_pipelined(model, dataset, once, optimizer=optimizer, scheduler=scheduler)
         out.append(weights())
     return out
 

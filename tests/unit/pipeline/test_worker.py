@@ -156,17 +156,23 @@ def test_placement_grid_validation_and_the_links_to_shape():
 
 def reference_states(cfg: TrainConfig, steps: int) -> list[dict[str, torch.Tensor]]:
     """The single-process model's stage-0 weights at the start of every step 0..steps."""
+    from peerd.pipeline.local import optimizer_and_scheduler
     from peerd.pipeline.partition import partition
 
     model, dataset = GPT(cfg.model.gpt(), seed=cfg.model.seed), build_dataset(cfg.data)
     stage = partition(model, cfg.layers_per_stage)[0]
     local = LocalRunConfig(
-        steps=1, global_batch=cfg.global_batch, micro_batch_size=cfg.micro_batch_size, lr=cfg.lr
+        steps=1,
+        global_batch=cfg.global_batch,
+        micro_batch_size=cfg.micro_batch_size,
+        optimizer=cfg.optimizer,
+        total_steps=cfg.steps,
     )
-    optimizer = torch.optim.AdamW(list(model.parameters()), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    opt, sched = optimizer_and_scheduler(list(model.parameters()), local, None, None)
     out = [{k: v.clone() for k, v in stage.state_dict().items()}]
     for step in range(steps):
-        train_pipelined(model, dataset, dataclasses.replace(local, start_step=step), optimizer=optimizer)
+        once = dataclasses.replace(local, start_step=step)
+        train_pipelined(model, dataset, once, optimizer=opt, scheduler=sched)
         out.append({k: v.clone() for k, v in stage.state_dict().items()})
     return out
 
