@@ -6,7 +6,16 @@ from peerd.cli import LazyGroup
 from peerd.cli.options import command
 
 # Each is a module peerd.bench.NAME exposing ``command`` (a click.Command), imported when run.
-BENCHMARKS = ("scheduler", "compress", "links", "transport", "pipeline", "averaging", "consensus")
+BENCHMARKS = (
+    "scheduler",
+    "compress",
+    "links",
+    "transport",
+    "pipeline",
+    "averaging",
+    "consensus",
+    "rl-scheduler",
+)
 
 
 @command(
@@ -14,9 +23,10 @@ BENCHMARKS = ("scheduler", "compress", "links", "transport", "pipeline", "averag
   peerd bench scheduler --quick         allocation search vs DT-FM, random and greedy (JSON)
   peerd bench compress --help           the options of one benchmark
   peerd bench links > links.json        probe accuracy on shaped loopback links, kept to compare
+  peerd bench rl-scheduler --quick      RL plans vs verl/StreamRL-like, hybrid vs exact MILP (JSON)
 """,
     cls=LazyGroup,
-    lazy={name: f"peerd.bench.{name}:command" for name in BENCHMARKS},
+    lazy={name: f"peerd.bench.{name.replace('-', '_')}:command" for name in BENCHMARKS},
 )
 def bench() -> None:
     """Measure peerd against a baseline run in the same process; prints JSON.

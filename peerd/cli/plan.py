@@ -1,4 +1,8 @@
-"""``peerd plan SCENARIO``: search an allocation offline and print it (or its JSON)."""
+"""``peerd plan SCENARIO``: search an allocation offline and print it (or its JSON).
+
+``--kind train`` (default) places pipeline/data-parallel tasklets of one training job;
+``--kind rl`` places the tasks of an RL post-training workflow (``peerd.sched.rl``).
+"""
 
 from __future__ import annotations
 
@@ -6,18 +10,47 @@ import json
 
 import click
 
-from peerd.cli.options import command
+from peerd.cli.options import CliError, command
+from peerd.log import get_logger
 from peerd.sched.planner import OBJECTIVES, PlanResult
 from peerd.sched.planner import plan as run_plan
 from peerd.sched.scenario import load_scenario
+
+log = get_logger(__name__)
 
 
 @command("""
   peerd plan configs/scenarios/dtfm-case0.yaml               DT-FM's cost, 10 s of search
   peerd plan scenario.yaml --objective peerd --seed 3        compute, memory and spares too
   peerd plan scenario.yaml --generations 50 --json | jq .total
+  peerd plan --kind rl configs/scenarios/rl/multi-continent.yaml --workload qwen-14b
+  peerd plan --kind rl configs/scenarios/rl/single-region.yaml --algo ppo --async 1 --json
+  peerd plan --kind rl tiny.yaml --mode exact                 MILP optimum and its proven gap
 """)
 @click.argument("scenario", type=click.Path(exists=True, dir_okay=False))
+@click.option(
+    "--kind",
+    type=click.Choice(["train", "rl"]),
+    default="train",
+    help="train: tasklets of one training job; rl: the tasks of an RL post-training workflow.",
+)
+@click.option(
+    "--mode",
+    type=click.Choice(["hybrid", "exact"]),
+    default="hybrid",
+    help="rl: hybrid search (successive halving + GA) or the exact MILP (small swarms).",
+)
+@click.option("--algo", type=click.Choice(["grpo", "ppo"]), help="rl: override the workload's algorithm.")
+@click.option(
+    "--async",
+    "staleness",
+    type=int,
+    help="rl: async depth K (generation runs up to K iterations ahead; 0 = synchronous).",
+)
+@click.option("--workload", help="rl: a workload of workloads.yaml beside SCENARIO instead of its own.")
+@click.option(
+    "--budget", type=click.IntRange(min=1), default=3000, help="rl: evaluations of the hybrid search."
+)
 @click.option(
     "--objective",
     type=click.Choice(sorted(OBJECTIVES)),
@@ -31,9 +64,33 @@ from peerd.sched.scenario import load_scenario
 @click.option("--generations", type=click.IntRange(min=0), help="Stop after this many generations.")
 @click.option("--json", "as_json", is_flag=True, help="Print the machine-readable result.")
 def plan(
-    scenario: str, objective: str, seed: int, time_budget: float, generations: int | None, as_json: bool
+    scenario: str,
+    kind: str,
+    mode: str,
+    algo: str | None,
+    staleness: int | None,
+    workload: str | None,
+    budget: int,
+    objective: str,
+    seed: int,
+    time_budget: float,
+    generations: int | None,
+    as_json: bool,
 ) -> None:
-    """Plan which device runs which (stage, replica) tasklet for SCENARIO (YAML/JSON)."""
+    """Plan which device runs which (stage, replica) tasklet, or which RL task, for SCENARIO (YAML/JSON)."""
+    ctx = click.get_current_context()
+    given = {
+        p.name
+        for p in ctx.command.params
+        if p.name and ctx.get_parameter_source(p.name) == click.core.ParameterSource.COMMANDLINE
+    }
+    if kind == "rl":
+        for name in sorted(given & {"objective", "time_budget", "generations"}):
+            log.warning("--%s applies to --kind train and is ignored with --kind rl", name.replace("_", "-"))
+        _plan_rl(scenario, mode, algo, staleness, workload, budget, seed, as_json)
+        return
+    for name in sorted(given & {"mode", "algo", "staleness", "workload", "budget"}):
+        raise CliError(f"--{'async' if name == 'staleness' else name} needs --kind rl", 2)
     sc = load_scenario(scenario)
     result = run_plan(sc, objective, seed=seed, time_budget=time_budget, generations=generations)
     if as_json:
@@ -42,6 +99,78 @@ def plan(
         click.echo(json.dumps(data, indent=2))
     else:
         click.echo(_render(sc.name, len(sc.devices), result))
+
+
+def _plan_rl(
+    path: str,
+    mode: str,
+    algo: str | None,
+    staleness: int | None,
+    workload: str | None,
+    budget: int,
+    seed: int,
+    as_json: bool,
+) -> None:
+    from peerd.sched.rl.cluster import load_rl_scenario
+    from peerd.sched.rl.planner import plan_rl
+
+    rl = load_rl_scenario(path, workload)
+    result = plan_rl(rl, mode, algo=algo, staleness=staleness, seed=seed, budget=budget)  # type: ignore[arg-type]
+    if as_json:
+        click.echo(json.dumps(result.to_dict(), indent=2))
+    else:
+        click.echo(render_rl(result.to_dict(), len(rl.scenario.devices)))
+
+
+def render_rl(d: dict, n: int) -> str:
+    """The text form of an RL plan: groups with devices and layouts, the time and its parts, memory, baselines."""
+    lines = [
+        f"scenario   {d['scenario']} ({n} devices)   workload {d['workload'] or '-'} ({d['algo']}, "
+        + (f"async k={d['staleness']})" if d["staleness"] else "synchronous)"),
+        f"iteration  {d['iteration_seconds']:.2f} s   {d['throughput']['tokens_per_s']:.0f} tokens/s   "
+        f"critical path: {' > '.join(d['breakdown']['critical_path'])}",
+        _search_line(d),
+        "",
+        "groups:",
+    ]
+    for k, g in enumerate(d["groups"]):
+        where = ", ".join(f"{r} x{c}" for r, c in sorted(g["regions"].items()))
+        lines.append(
+            f"  {k}: {' + '.join(g['tasks'])}   {len(g['devices'])} devices ({where})   busy {g['busy_seconds']:.2f} s"
+        )
+        for task, lay in g["layouts"].items():
+            order = " stage-major" if lay["stage_major"] else ""
+            lines.append(
+                f"       {task:<13} dp{lay['dp']} pp{lay['pp']} tp{lay['tp']}{order}   {lay['seconds']:.2f} s"
+            )
+    if d["idle"]:
+        lines.append(
+            f"  idle: {len(d['idle'])} devices ({', '.join(d['idle'][:8])}{', ...' if len(d['idle']) > 8 else ''})"
+        )
+    b = d["breakdown"]
+    moves = [f"{t['payload']} {t['from']}->{t['to']} {t['seconds']:.2f} s" for t in b["transfers"]]
+    lines.append(f"transfers  {', '.join(moves) or 'none'}   weight sync {b['weight_sync']:.2f} s")
+    fullest = max(d["memory"].items(), key=lambda kv: kv[1]["used_gb"] / kv[1]["usable_gb"])
+    lines.append(
+        f"memory     fullest device {fullest[0]}: {fullest[1]['used_gb']:.1f} of {fullest[1]['usable_gb']:.1f} GB "
+        "(--json lists every device)"
+    )
+    lines.append("baselines (same cost model):")
+    for name, base in d["baselines"].items():
+        if base["speedup"] is None:
+            lines.append(f"  {name:<14} infeasible: {base.get('shortfall', 'no plan')}")
+        else:
+            lines.append(
+                f"  {name:<14} {base['iteration_seconds']:.2f} s   this plan is {base['speedup']:.2f}x faster"
+            )
+    return "\n".join(lines)
+
+
+def _search_line(d: dict) -> str:
+    s = d["search"]
+    if d["mode"] == "exact":
+        return f"search     exact MILP: {s['columns']} columns, {s['groupings']} groupings, gap {s['gap']:.2%}, {s['seconds']:.1f} s"
+    return f"search     hybrid: {s['arms']} arms, {s['evaluations']} evaluations, seed {s['seed']}, {s['seconds']:.1f} s"
 
 
 def _render(name: str, n: int, r: PlanResult) -> str:
