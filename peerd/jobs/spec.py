@@ -68,28 +68,31 @@ class ModelChoice:
 
 @dataclass(frozen=True)
 class OptimizerSpec:
-    name: Literal["adamw", "sgd"] = "adamw"
+    """What every stage worker trains with (``peerd.pipeline.optim``); every field here is run, none ignored."""
+
+    name: Literal["adamw", "adam", "sgd"] = "adamw"
+    """``adamw`` (decoupled weight decay), ``adam`` (L2 decay in the gradient) or ``sgd``."""
     lr: Annotated[float, Range(gt=0, lt=10)] = 3e-4
     """Peak learning rate."""
     betas: Annotated[tuple[float, float] | None, Range(ge=0, lt=1)] = None
-    """AdamW only; default (0.9, 0.95)."""
+    """Adam/AdamW only; default (0.9, 0.95)."""
     momentum: Annotated[float | None, Range(ge=0, lt=1)] = None
     """SGD only; default 0."""
     weight_decay: Annotated[float, Range(ge=0)] = 0.0
     warmup_steps: Annotated[int, Range(ge=0)] = 0
-    """Linear warm-up from 0 to ``lr``."""
-    schedule: Literal["cosine", "constant"] = "cosine"
-    """After warm-up: cosine decay to ``min_lr_ratio × lr`` at the last step, or constant."""
+    """Linear warm-up to ``lr``: step ``s`` below it runs at ``lr × (s + 1) / warmup_steps``."""
+    schedule: Literal["cosine", "linear", "constant"] = "cosine"
+    """After warm-up: cosine or linear decay to ``min_lr_ratio × lr`` at the last step, or constant."""
     min_lr_ratio: Annotated[float, Range(ge=0, le=1)] = 0.1
     grad_clip: Annotated[float | None, Range(gt=0)] = 1.0
-    """Global gradient-norm clip; null disables it."""
+    """Clip to this L2 norm of the whole model's gradient (all stages of a replica); null disables it."""
 
     def problems(self) -> list[ConfigError]:
-        used = [("betas", "adamw"), ("momentum", "sgd")]
+        used = [("betas", ("adamw", "adam")), ("momentum", ("sgd",))]
         return [
-            ConfigError(key, f"only used by {by}, not {self.name}")
+            ConfigError(key, f"only used by {' or '.join(by)}, not {self.name}")
             for key, by in used
-            if getattr(self, key) is not None and self.name != by
+            if getattr(self, key) is not None and self.name not in by
         ]
 
 
