@@ -57,6 +57,17 @@ def test_groupings_and_paths():
     assert all(p.sync for p in paths if p.cycle)  # generation and training apart: the loop syncs
     colocated = timing_paths(grpo, (("generate", "reference", "actor_train"),))
     assert not any(p.sync or p.transfers for p in colocated)
+    # a learned reward model of another size is one more unit, on the path to training
+    judge = ModelSize(params=0.5e9, layers=24, hidden=896, heads=14, kv_heads=2, head_dim=64)
+    rewarded = workload(reward=judge)
+    flow = Workflow.of(rewarded)
+    assert ("reward",) in flow.units and ("generate", "reward", "actor_train") in {
+        p.tasks for p in timing_paths(flow, flow.groupings(1)[0])
+    }
+    ev = Evaluator(Cluster.of(rl_scenario(tiny(), rewarded)), rewarded)
+    alone = ev.score((flow.tasks,), [(2, 1, 3)]).seconds
+    without = Evaluator(Cluster.of(rl_scenario(tiny(), workload())), workload())
+    assert alone > without.score((grpo.tasks,), [(2, 1, 3)]).seconds  # scoring takes time
 
 
 @pytest.mark.parametrize(
@@ -151,3 +162,28 @@ def test_staleness_and_algo_overrides_are_checked():
         with_overrides(workload(), "dpo", None)
     assert err.value.field == "algo"
     assert with_overrides(workload(), "ppo", 2).staleness == 2
+
+
+def test_iteration_time_combines_tasks_transfers_and_sync_along_the_graph():
+    sc = tiny(edge_mbps=800.0, l4=2)
+    grouping = (("generate",), ("reference", "actor_train"))
+    for k in (0, 2):
+        w = workload(staleness=k)
+        ev = Evaluator(Cluster.of(rl_scenario(sc, w)), w)
+        gen_counts, rest_counts = (0, 0, 2), (2, 1, 0)  # classes: A100 x2, L40S, L4 x2 (edge)
+        gen, rest = ev.group(grouping[0], gen_counts), ev.group(grouping[1], rest_counts)
+        # every transfer crosses the 800 Mbit/s, 10 ms edge link: 1e8 bytes/s
+        tokens = 64 * 8 * 2048 * 4
+        transfer = 0.010 + tokens / 1e8
+        # sync: 1.5e9 x 2 bytes over that link, or relayed between the two L4s (100 Gbit/s, 0.01 ms)
+        actor = 1.5e9 * 2
+        sync = max(0.010 + actor / 1e8, actor / 12.5e9 + 0.01e-3)
+        loop = (
+            gen.seconds("generate")
+            + transfer
+            + rest.seconds("reference")
+            + rest.seconds("actor_train")
+            + sync
+        )
+        expected = loop if k == 0 else max(gen.busy, rest.busy, loop / (k + 1))
+        assert ev.score(grouping, [gen_counts, rest_counts]).seconds == pytest.approx(expected, rel=1e-12)
