@@ -1,7 +1,9 @@
 """Baselines in the same cost model: verl-like (everything colocated) and StreamRL-like (generation disaggregated).
 
-- **verl-like**: one group of every device time-sharing all tasks; replicas get equal shares
-  (no load balancing: verl assumes identical GPUs), each task its best homogeneous layout.
+- **verl-like**: one group of every device time-sharing all tasks with one homogeneous layout:
+  data parallel over every device with the same tensor-parallel degree for every task, no
+  pipeline (verl's FSDP + vLLM setup); replicas get equal shares (no load balancing: verl
+  assumes identical GPUs). The best tensor-parallel degree is taken.
 - **StreamRL-like**: generation on one pool, every other task on the other; pools are unions of
   device types (GPU models), the best split of all; equal shares inside each task.
 """
@@ -13,6 +15,8 @@ import math
 
 from peerd.sched.rl.cluster import Cluster
 from peerd.sched.rl.evaluate import Counts, Evaluator, Grouping, Score
+from peerd.sched.rl.group import evaluate_group
+from peerd.sched.rl.layout import TP_DEGREES, Layout
 from peerd.sched.rl.workload import Workload
 
 
@@ -20,7 +24,19 @@ def verl_like(cluster: Cluster, workload: Workload) -> tuple[Grouping, tuple[Cou
     ev = Evaluator(cluster, workload, balanced=False)
     grouping = (ev.workflow.tasks,)
     counts = (tuple(int(s) for s in cluster.class_sizes),)
-    return grouping, counts, ev.score(grouping, list(counts))
+    best = Score(math.inf)
+    for tp in TP_DEGREES:
+        if cluster.n % tp:
+            continue
+        only = {t: Layout(cluster.n // tp, 1, tp) for t in grouping[0]}
+        result = evaluate_group(cluster, workload, grouping[0], list(range(cluster.n)), False, only)
+        if result.shortfall is not None:
+            score = Score(math.inf, result.shortfall)
+        else:
+            score = Score(ev.combine(grouping, list(counts), [result])["seconds"])
+        if score.key < best.key:
+            best = score
+    return grouping, counts, best
 
 
 def streamrl_like(cluster: Cluster, workload: Workload) -> tuple[Grouping, tuple[Counts, ...], Score]:
