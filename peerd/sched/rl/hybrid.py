@@ -1,14 +1,16 @@
 """Hybrid search: successive halving over (task grouping, devices per group) arms, a deap GA below each arm.
 
 Top levels are arms: a grouping of the workflow's units and a size per group (multiples of a
-quantum that divides the device count). Rung 0 scores every arm by its greedy seeds; each
-later rung gives every surviving arm an equal share of the rung's evaluations of genetic
-search, then keeps the better half, until one arm is left or the budget is spent.
+quantum that divides the device count; the rest idle). Rung 0 scores every arm by its greedy
+seeds and keeps the best few plus the best arm of every grouping; each later rung gives every
+surviving arm an equal share of the rung's evaluations of genetic search, then keeps the
+better half, until one arm is left or the budget is spent.
 
-Below an arm, an individual labels every device with its group (sizes fixed by the arm). The
-GA (deap individuals and fitness) breeds by tournament, a uniform crossover repaired back to
-the arm's sizes, and cross-group swaps of devices of different classes (a swap inside a class
-changes nothing); the layout of each task and the tasklet arrangement are then chosen exactly
+Below an arm, an individual labels every device with its group (or idle); the arm fixes the
+starting sizes. The GA (deap individuals and fitness) breeds by tournament, a uniform crossover
+repaired back to the first parent's sizes, cross-group swaps of devices of different classes (a
+swap inside a class changes nothing) and now and then a move of one device to another group or
+to idle (so sizes can leave the arm's quantum grid); the layout of each task and the tasklet arrangement are then chosen exactly
 for each group (``peerd.sched.rl.group``). Seeds are greedy: devices ordered region by region,
 by TFLOPS, or by memory bandwidth, poured into the groups heaviest-first or generation-first.
 
@@ -49,11 +51,16 @@ class HybridConfig:
     """Group sizes are multiples of this; default the largest divisor of N not above N / 8."""
     allow_idle: bool = True
     """Arms may leave some quanta of devices idle (a slow or badly linked device can cost more than it adds)."""
+    survivors: int = 16
+    """Arms kept after the seeds (rung 0): the best this many, plus the best arm of every grouping."""
     population: int = 8
     tournament: int = 3
     crossover_prob: float = 0.7
     swaps: float = 1.5
     """Mean number of cross-group swaps per child (at least one)."""
+    move_prob: float = 0.5
+    """Chance that a child also moves one device to another group or to idle: sizes drift off the
+    arm's quantum grid (an arm is where its search starts, not a cage)."""
     seed: int = 0
 
 
@@ -110,7 +117,10 @@ def search(ev: Evaluator, cfg: HybridConfig) -> HybridResult:
         for labels in _seeds(ev, arm):
             _consider(ev, arm, labels)
     start = ev.evaluations
-    alive = sorted(arms, key=lambda a: (a.best.key, a.index))
+    ranked = sorted(arms, key=lambda a: (a.best.key, a.index))
+    firsts = {a.grouping: a for a in reversed(ranked)}  # the best arm of each grouping
+    keep = {a.index for a in ranked[: cfg.survivors]} | {a.index for a in firsts.values()}
+    alive = [a for a in ranked if a.index in keep]
     rungs = max(1, math.ceil(math.log2(max(len(alive), 1))))
     history = [(0, float(alive[0].best.seconds))]
     for rung in range(rungs):
@@ -202,9 +212,11 @@ def _evolve(ev: Evaluator, arm: Arm, evaluations: int, cfg: HybridConfig) -> Non
         if rng.random() < cfg.crossover_prob and p1 != p2:
             mask = rng.random(len(child)) < 0.5
             child = [b if m else a for a, b, m in zip(p1, p2, mask, strict=True)]
-            _repair(child, arm.sizes, rng)
+            _repair(child, tuple(p1.count(g) for g in range(len(arm.sizes))), rng)
         for _ in range(1 + rng.poisson(max(cfg.swaps - 1.0, 0.0))):
             _swap(child, cls, rng)
+        if rng.random() < cfg.move_prob:
+            _move(child, cls, len(arm.sizes), rng)
         _consider(ev, arm, child)
         if len(arm.population) > cfg.population:
             arm.population = list(toolbox.best(arm.population, cfg.population))
@@ -231,6 +243,26 @@ def _repair(labels: list[int], sizes: tuple[int, ...], rng: np.random.Generator)
             i = spare.pop(int(rng.integers(len(spare))))
             labels[i] = g
             have[g] += 1
+
+
+def _move(labels: list[int], cls: np.ndarray, groups: int, rng: np.random.Generator) -> None:
+    """Move some devices of one class from one group (or idle) to another group or to idle.
+
+    Moving several at once matters: dropping a whole node of slow GPUs one device at a time
+    passes through sizes with poor layouts (a prime number of devices has few).
+    """
+    i = int(rng.integers(len(labels)))
+    src, c = labels[i], cls[i]
+    same = [j for j, g in enumerate(labels) if g == src and cls[j] == c]
+    size = labels.count(src)
+    limit = len(same) if src < 0 else min(len(same), size - 1)
+    if limit < 1:
+        return
+    choices = [g for g in range(-1, groups) if g != src]
+    dst = choices[int(rng.integers(len(choices)))]
+    k = limit if rng.random() < 0.5 else int(rng.integers(1, limit + 1))  # often the whole block
+    for j in rng.choice(same, size=k, replace=False):
+        labels[int(j)] = dst
 
 
 def _swap(labels: list[int], cls: np.ndarray, rng: np.random.Generator) -> None:
