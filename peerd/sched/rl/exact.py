@@ -66,15 +66,16 @@ def count_vectors(sizes: np.ndarray) -> list[Counts]:
 
 def solve(ev: Evaluator, cfg: ExactConfig) -> ExactResult:
     start = time.perf_counter()
-    vectors = count_vectors(ev.cluster.class_sizes)
     groupings = ev.workflow.groupings(cfg.max_groups)
     task_sets = sorted({g for grouping in groupings for g in grouping})
-    if len(vectors) * len(task_sets) > cfg.max_columns:
+    n_vectors = math.prod(int(s) + 1 for s in ev.cluster.class_sizes) - 1
+    if n_vectors * len(task_sets) > cfg.max_columns:
         raise ConfigError(
             "mode",
-            f"exact needs {len(vectors) * len(task_sets)} candidate columns here (limit {cfg.max_columns}); "
+            f"exact needs {n_vectors * len(task_sets)} candidate columns here (limit {cfg.max_columns}); "
             "use the hybrid mode for this many device classes",
         )
+    vectors = count_vectors(ev.cluster.class_sizes)
     columns = {ts: [v for v in vectors if ev.group(ts, v).feasible] for ts in task_sets}
     best: tuple[float, Grouping, tuple[Counts, ...]] | None = None
     bound = math.inf

@@ -92,3 +92,11 @@ def test_plan_rl_usage_errors_exit_2(tmp_path, capsys):
     with pytest.raises(SystemExit) as info:
         main(["plan", str(path), "--mode", "exact"])
     assert info.value.code == 2 and "--mode needs --kind rl" in capsys.readouterr().err
+
+
+def test_exact_mode_refuses_a_swarm_with_too_many_columns(capsys):
+    # 8 classes of 8 devices: 9^8 - 1 class-count vectors per task set, far past the column limit
+    with pytest.raises(SystemExit) as info:
+        main(["plan", "--kind", "rl", str(RL_DIR / "single-region.yaml"), "--mode", "exact"])
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and "mode: exact needs" in err and "hybrid" in err
