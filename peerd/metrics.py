@@ -100,6 +100,15 @@ class StatusCollector(Collector):
         )
         tasklets = gauge("peerd_job_tasklets", "Tasklets (stage replicas) of the committed allocation.")
         spares = gauge("peerd_job_spares", "Roster peers the committed allocation keeps as spares.")
+        epoch = gauge("peerd_job_epoch", "Planning epoch of the committed allocation.")
+        replans = CounterMetricFamily(
+            "peerd_job_replans", "Re-plans this daemon started for the job.", labels=["job"]
+        )
+        suspects = gauge("peerd_job_suspected_peers", "Peers the job's tasklets report as failing.")
+        recovery = gauge(
+            "peerd_job_last_recovery_seconds",
+            "Seconds this peer's tasklet took to resume after the latest commit (state loaded).",
+        )
         for job in jobs:
             jid = job["job_id"]
             _add(info, 1, jid, job.get("name", ""), job["state"], job.get("owner", ""))
@@ -115,7 +124,30 @@ class StatusCollector(Collector):
                 _add(cost, alloc.get("cost"), jid)
                 _add(tasklets, sum(len(stage) for stage in alloc.get("stages") or []), jid)
                 _add(spares, len(alloc.get("spares") or []), jid)
-        yield from (info, step, steps, loss, tps, wire, raw, cost, tasklets, spares)
+            churn = job.get("churn")
+            if churn:
+                _add(epoch, churn.get("epoch"), jid)
+                _add(replans, len(churn.get("replans") or []), jid)
+                _add(suspects, len(churn.get("suspects") or []), jid)
+            recoveries = (job.get("tasklet") or {}).get("recoveries") or []
+            if recoveries:
+                _add(recovery, recoveries[-1].get("seconds"), jid)
+        yield from (
+            info,
+            step,
+            steps,
+            loss,
+            tps,
+            wire,
+            raw,
+            cost,
+            tasklets,
+            spares,
+            epoch,
+            replans,
+            suspects,
+            recovery,
+        )
 
 
 class MetricsServer:

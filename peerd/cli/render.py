@@ -28,6 +28,7 @@ STATE_STYLE = {
     "pending": "yellow",
     "planning": "cyan",
     "running": "blue",
+    "recovering": "yellow",
     "done": "green",
     "failed": "red",
     "cancelled": "magenta",
@@ -178,7 +179,12 @@ def render_status(view: dict[str, Any]) -> RenderableType:
         parts.append(Text(f"error: {view['error']}", style="red"))
     me = view.get("self")
     if me:
-        parts.append(Text(f"this peer: {me['name']}, {me['state'].upper()} in swarm {me['swarm']!r}"))
+        flags = ""
+        if me.get("paused"):
+            flags += ", PAUSED" + (f" ({me['pause_reason']})" if me.get("pause_reason") else "")
+        if me.get("leaving"):
+            flags += ", LEAVING"
+        parts.append(Text(f"this peer: {me['name']}, {me['state'].upper()}{flags} in swarm {me['swarm']!r}"))
         parts.append(Text(f"peer id:   {me['peer_id']}"))
     if view.get("stale"):
         parts.append(Text("the DHT did not answer; showing the last known table", style="yellow"))
@@ -243,6 +249,19 @@ def job_panel(view: dict[str, Any], names: dict[str, str]) -> RenderableType:
             lines.append("spares: " + ", ".join(names.get(peer, peer[-8:]) for peer in alloc["spares"]))
     if view.get("reason"):
         lines.append(f"reason: {view['reason']}")
+    churn = view.get("churn") or {}
+    if churn.get("replans"):
+        last = churn["replans"][-1]
+        lines.append(f"re-plans: {len(churn['replans'])} (latest in epoch {last['epoch']}: {last['cause']})")
+    if churn.get("suspects"):
+        lines.append("suspected: " + ", ".join(names.get(peer, peer[-8:]) for peer in churn["suspects"]))
+    recoveries = (view.get("tasklet") or {}).get("recoveries") or []
+    if len(recoveries) > 1:  # the first is the start, not a recovery
+        r = recoveries[-1]
+        lines.append(
+            f"this tasklet resumed at step {r['resume_step']} in {r['seconds']:.1f} s "
+            f"(state from {r['source']}, {r['steps_redone']} step(s) redone)"
+        )
     losses = [v for _, v in p.get("losses") or []]
     if losses:
         lines.append(f"loss {losses[0]:.3f} {sparkline(losses)} {losses[-1]:.3f}")

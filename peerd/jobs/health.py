@@ -11,8 +11,9 @@ from the same records, is:
   partner that merely saw a slow or broken stream does not remove a live peer), when its
   heartbeat is older than ``silent_grace_s`` with no suspicion at all, or when it never
   started the committed epoch's tasklet within ``start_grace_s`` of the commit;
-- the job is **stuck** when a tasklet has been ``recovering`` for ``stuck_grace_s`` while
-  nobody is gone (a transient stream failure broke a step): a re-plan on the same roster
+- the job is **stuck** when a tasklet has been ``recovering`` while nobody is gone, for
+  ``stuck_grace_s`` after its step broke (it names suspects: a transient stream failure), or
+  for ``start_grace_s`` while it loads its state (no suspects): a re-plan on the same roster
   restarts the pipeline from the common step.
 
 Either one makes every peer re-plan; the consensus makes them agree on the repair.
@@ -41,7 +42,8 @@ class HealthConfig:
     start_grace_s: float = 120.0
     """After a commit, a tasklet's first heartbeat of the new epoch may take this long (state transfer)."""
     stuck_grace_s: float = 20.0
-    """A tasklet recovering this long while nobody is gone makes the job re-plan anyway."""
+    """A tasklet whose step broke (recovering, naming suspects) this long while nobody is gone makes
+    the job re-plan anyway; one still loading its state (no suspects) gets ``start_grace_s``."""
 
     def __post_init__(self) -> None:
         if self.heartbeat_s <= 0:
@@ -119,10 +121,7 @@ def assess(
     if not gone:
         for peer, report in current.items():
             since = recovering_since.get(peer)
-            if (
-                report.state == TaskState.RECOVERING
-                and since is not None
-                and now - since > config.stuck_grace_s
-            ):
+            grace = config.stuck_grace_s if report.suspects else config.start_grace_s
+            if report.state == TaskState.RECOVERING and since is not None and now - since > grace:
                 stuck[peer] = report.reason
     return Verdict(gone, stuck)

@@ -343,8 +343,8 @@ class JobManager:
         if self.runner_factory is None or self.leaving or self.paused is not None:
             return
         if entry.runner is None:
-            if tasklet_of(commit.allocation, self.me) is None:
-                return  # a spare that holds nothing: nothing to run or serve
+            if self.me not in (*commit.allocation.devices, *commit.allocation.spares):
+                return  # not allocated: nothing to run, keep or serve
             try:
                 entry.runner = self.runner_factory(entry.record, entry.spec)
                 await entry.runner.start()

@@ -49,6 +49,7 @@ class JobState(StrEnum):
     PENDING = "pending"  # published; planning has not started (epoch 0 lies ahead)
     PLANNING = "planning"  # peers are agreeing on an allocation
     RUNNING = "running"  # an allocation is committed; stage workers train
+    RECOVERING = "recovering"  # a tasklet's peer is gone or a step broke: re-planning, restoring state
     DONE = "done"  # every tasklet finished its steps and left a final checkpoint
     FAILED = "failed"  # training stopped on an error; the reason says which
     CANCELLED = "cancelled"  # the owner cancelled it

@@ -17,6 +17,12 @@ step (``peerd.jobs.recovery``), taking its stage's state from its own memory, it
 checkpoint, or a holder over the p2p state-sync protocol (``peerd.pipeline.statesync``,
 served here for the whole job), with every AC-SGD boundary reset on both sides.
 
+Checkpoints outlive their stage: for every stage, ``checkpoint_replicas`` peers of the
+allocation outside it (spares included; ranked by a hash of job, stage and peer, so every
+peer agrees) pull each new checkpoint of that stage into their ``CheckpointReplicas`` store
+and declare it in ``held``. When every peer of a stage is gone, the job resumes from the
+newest checkpoint some member still holds for every stage.
+
 Progress (step, loss history, tokens/s, bytes on the wire by kind and what they would have
 been uncompressed, suspects) goes to ``progress_key(job)`` under this peer's subkey every
 ``interval`` seconds, also while a step runs: that heartbeat is how the other peers tell a
@@ -27,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -38,14 +45,23 @@ from peerd.errors import ConfigError, ErrorCode, PeerdError, PeerUnavailable
 from peerd.jobs.catalog import read_progress
 from peerd.jobs.records import MAX_SUSPECTS, JobRecord, Progress, TaskState, downsample, encode_progress
 from peerd.jobs.recovery import held_state, holders, resume_step, stage_layers
-from peerd.jobs.spec import JobSpec
+from peerd.jobs.spec import JobSpec, OptimizerSpec
 from peerd.jobs.store import RecordStore
 from peerd.log import get_logger
+from peerd.models.costs import layer_costs
 from peerd.pipeline import checkpoint
 from peerd.pipeline.codec import CompressionConfig
 from peerd.pipeline.config import ModelBuild, TrainConfig
+from peerd.pipeline.optim import OptimizerConfig
 from peerd.pipeline.partition import balanced_layers_per_stage
-from peerd.pipeline.statesync import StateServer, StateSyncConfig, fetch_state, pack_state, unpack_state
+from peerd.pipeline.replicas import CheckpointReplicas, replicate
+from peerd.pipeline.statesync import (
+    StateServer,
+    StateSyncConfig,
+    fetch_state,
+    pack_state,
+    unpack_state,
+)
 from peerd.pipeline.streams import StreamConfig
 from peerd.pipeline.worker import StageWorker, StepReport
 from peerd.sched.allocation import Allocation
@@ -58,6 +74,7 @@ logger = get_logger(__name__)
 
 PROGRESS_TTL_S = 24 * 3600.0
 READY_POLL_S = 0.5
+REPLICATE_POLL_S = 3.0  # how often a replica peer looks for a newer checkpoint of its stages
 _FORWARD = {"acsgd": "acsgd", "direct": "quant", "none": "none"}
 
 
@@ -72,24 +89,30 @@ def tasklet_of(allocation: Allocation, peer: str) -> tuple[int, int] | None:
 def unsupported(spec: JobSpec) -> tuple[list[ConfigError], list[str]]:
     """(errors, warnings) for running ``spec`` with the pipeline worker as it is today.
 
-    Errors: what the runner cannot do at all (a fine-tune from ``init_checkpoint``). Warnings:
-    settings it ignores, because the stage worker runs AdamW at a constant learning rate.
+    Errors: what the runner cannot do at all (a fine-tune from ``init_checkpoint``). The optimizer
+    section runs as written (``peerd.pipeline.optim``), so nothing in it is ignored or warned about.
     """
     errors = []
     if spec.kind == "finetune":
         errors.append(
             ConfigError("kind", "finetune jobs cannot run yet: the runner does not load init_checkpoint")
         )
-    opt, warnings = spec.optimizer, []
-    if opt.name != "adamw":
-        warnings.append(f"optimizer.name {opt.name!r} (the stage worker uses AdamW)")
-    if opt.schedule != "constant" or opt.warmup_steps:
-        warnings.append("optimizer.schedule/warmup_steps (the learning rate stays at optimizer.lr)")
-    if opt.betas is not None:
-        warnings.append("optimizer.betas (AdamW defaults 0.9, 0.999)")
-    if opt.grad_clip is not None:
-        warnings.append("optimizer.grad_clip (no clipping)")
-    return errors, [f"ignored by the runner: {w}" for w in warnings]
+    return errors, []
+
+
+def optimizer_config(opt: OptimizerSpec) -> OptimizerConfig:
+    """The spec's optimizer section as the stage workers run it (the spec's documented defaults filled in)."""
+    return OptimizerConfig(
+        name=opt.name,
+        lr=opt.lr,
+        betas=opt.betas if opt.betas is not None else (0.9, 0.95),
+        momentum=opt.momentum if opt.momentum is not None else 0.0,
+        weight_decay=opt.weight_decay,
+        warmup_steps=opt.warmup_steps,
+        schedule=opt.schedule,
+        min_lr_ratio=opt.min_lr_ratio,
+        grad_clip=opt.grad_clip,
+    )
 
 
 def train_config(
@@ -118,8 +141,7 @@ def train_config(
         global_batch=spec.global_batch,
         micro_batch_size=spec.micro_batch,
         steps=spec.steps,
-        lr=spec.optimizer.lr,
-        weight_decay=spec.optimizer.weight_decay,
+        optimizer=optimizer_config(spec.optimizer),
         compression=compression,
         # neighbours start when they see the commit, seconds apart: generous connect deadlines
         streams=StreamConfig(connect_timeout_s=90.0, recv_timeout_s=180.0, ack_timeout_s=180.0),
@@ -154,12 +176,16 @@ class TaskletRunner:
         interval: float = 2.0,
         ready_timeout: float = 120.0,
         statesync: StateSyncConfig | None = None,
+        replicas: CheckpointReplicas | None = None,
+        checkpoint_replicas: int = 2,
     ) -> None:
         self.job, self.spec, self.store = job, spec, store
         self.transport, self.peer_ref, self.interval = transport, peer_ref, interval
         self.checkpoint_root = checkpoint_root
         self.ready_timeout = ready_timeout
         self.statesync = statesync or StateSyncConfig()
+        self.replicas = replicas
+        self.checkpoint_replicas = checkpoint_replicas
         self.commit: Commit | None = None
         self.stage: int | None = None  # this peer's tasklet in ``commit`` (None: a spare)
         self.replica: int | None = None
@@ -178,6 +204,7 @@ class TaskletRunner:
         self._frozen: _Frozen | None = None
         self._task: asyncio.Task | None = None
         self._publisher: asyncio.Task | None = None
+        self._replicator: asyncio.Task | None = None
         self._lock = asyncio.Lock()
         self._dirty = asyncio.Event()
         self._boundary_raw = spec.model.gpt_config().d_model * 4  # fp32 bytes per token at a boundary
@@ -196,16 +223,19 @@ class TaskletRunner:
         """Serve this job's state-sync protocol (peers may fetch the stage state held here)."""
         await self.server.start()
         self._publisher = asyncio.create_task(self._publish_loop())
+        if self.replicas is not None and self.checkpoint_root is not None and self.spec.checkpoint_interval:
+            self._replicator = asyncio.create_task(self._replicate_loop())
 
     async def close(self) -> None:
         """Stop the tasklet, publish its last record, stop serving; never raises (shutdown paths call it)."""
         async with self._lock:
             with contextlib.suppress(Exception):
                 await self._stop_tasklet("stopped (job cancelled or daemon shutting down)", TaskState.FAILED)
-        if self._publisher is not None:
-            self._publisher.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self._publisher
+        for task in (self._publisher, self._replicator):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await task
         with contextlib.suppress(Exception):
             await self.server.close()
 
@@ -232,6 +262,8 @@ class TaskletRunner:
         if self.checkpoint_root is not None and self.cfg is not None:
             for stage, span in enumerate(stage_layers(self.cfg.layers_per_stage)):
                 steps = self._checkpoint_steps(stage)
+                if self.replicas is not None:
+                    steps |= set(self.replicas.steps(self.job.job_id, stage))
                 if steps:
                     found.setdefault((stage, span), set()).update(steps)
         return tuple(held_state(stage, span, steps) for (stage, span), steps in sorted(found.items()))
@@ -257,6 +289,7 @@ class TaskletRunner:
             if self.commit is not None and commit.epoch <= self.commit.epoch:
                 return
             started = time.monotonic()
+            reached = self.step  # steps this peer's tasklet had completed before the re-plan
             if self.running:
                 await self._stop_tasklet(
                     f"superseded by the allocation of epoch {commit.epoch}", TaskState.RECOVERING
@@ -269,6 +302,8 @@ class TaskletRunner:
                 self.stage = self.replica = None
                 logger.info("job %s: this peer is a spare in epoch %d", self.job.job_id, commit.epoch)
                 return
+            if (self.stage, self.replica) != where:
+                self.losses = []  # another tasklet's data shard: its losses are another replica's
             self.stage, self.replica = where
             spans = stage_layers(self.cfg.layers_per_stage)
             resume = resume_step(roster or [], spans)
@@ -292,6 +327,7 @@ class TaskletRunner:
                 {
                     "epoch": commit.epoch,
                     "resume_step": resume,
+                    "steps_redone": max(0, reached - resume) if not first else 0,  # this tasklet's rollback
                     "source": source,
                     "seconds": round(time.monotonic() - started, 3),
                 }
@@ -411,14 +447,13 @@ class TaskletRunner:
             source = "checkpoint" if state is not None else ""
         if state is None:
             peers = [p for p in holders(roster, self.stage, span, step, job=self.job.job_id) if p != self.me]
-            params = sum(p.numel() * p.element_size() for p in worker.module.state_dict().values())
             raw = await fetch_state(
                 self.transport,
                 [self.peer_ref(p) for p in peers],
                 self.job.job_id,
                 self.stage,
                 step,
-                max_bytes=4 * params + (16 << 20),  # weights + optimizer moments + headroom
+                max_bytes=self._state_bound(),
                 config=self.statesync,
             )
             state = await asyncio.to_thread(unpack_state, raw)
@@ -442,19 +477,88 @@ class TaskletRunner:
         return {s for d in self._checkpoint_dirs(stage) for s in checkpoint.saved_steps(d)}
 
     def _checkpoint_state(self, stage: int, step: int) -> dict[str, Any] | None:
+        """This peer's own checkpoint of ``stage`` at ``step``, else its replica copy; codec buffers dropped."""
         for directory in self._checkpoint_dirs(stage):
             if step in checkpoint.saved_steps(directory):
                 state = checkpoint.load(directory, step)
                 return {**state, "codecs": None, "averaging": None}
-        return None
+        blob = self.replicas.get(self.job.job_id, stage, step) if self.replicas is not None else None
+        return None if blob is None else unpack_state(blob)
 
     def _provide(self, stage: int, step: int) -> bytes | None:
         """State-sync provider (runs in a thread): the packed state of ``stage`` at ``step``, if held here."""
         frozen = self._frozen
         if frozen is not None and frozen.stage == stage and step in frozen.states:
             return pack_state(frozen.states[step])
+        if self.replicas is not None and (blob := self.replicas.get(self.job.job_id, stage, step)):
+            return blob  # stored as fetched: already without codec buffers
         state = self._checkpoint_state(stage, step)
         return None if state is None else pack_state(state)
+
+    def replica_stages(self) -> list[int]:
+        """Stages whose checkpoints this peer keeps copies of in the current allocation."""
+        commit = self.commit
+        if commit is None or self.checkpoint_replicas < 1:
+            return []
+        allocation = commit.allocation
+        peers = [*allocation.devices, *allocation.spares]
+        out = []
+        for stage, members in enumerate(allocation.stages):
+            others = sorted(
+                (p for p in peers if p not in members),
+                key=lambda p: hashlib.sha256(f"{self.job.job_id}|{stage}|{p}".encode()).digest(),
+            )
+            if self.me in others[: self.checkpoint_replicas]:
+                out.append(stage)
+        return out
+
+    async def _replicate_loop(self) -> None:
+        """Pull each new checkpoint of the stages this peer keeps copies of from that stage's peers."""
+        assert self.replicas is not None
+        every, job = self.spec.checkpoint_interval, self.job.job_id
+        while True:
+            await asyncio.sleep(REPLICATE_POLL_S)
+            commit = self.commit
+            stages = self.replica_stages()
+            if commit is None or not stages:
+                continue
+            try:
+                progress = await read_progress(self.store, job)
+            except PeerdError:
+                continue
+            for stage in stages:
+                members = commit.allocation.stages[stage]
+                done = [
+                    progress[p].step for p in members if p in progress and progress[p].epoch == commit.epoch
+                ]
+                if len(done) < len(members):
+                    continue
+                target = min(done) // every * every
+                latest = self.replicas.latest(job, stage)
+                if target <= 0 or (latest is not None and latest >= target):
+                    continue
+                try:
+                    await replicate(
+                        self.transport,
+                        [self.peer_ref(p) for p in members],
+                        job,
+                        stage,
+                        target,
+                        self.replicas,
+                        max_bytes=self._state_bound(),
+                        config=self.statesync,
+                    )
+                    logger.info(
+                        "job %s: keeps a copy of stage %d's checkpoint of step %d", job, stage, target
+                    )
+                except PeerdError as exc:  # not saved yet, or its peers are busy: the next round retries
+                    logger.debug("job %s: replicating stage %d step %d: %s", job, stage, target, exc)
+
+    def _state_bound(self) -> int:
+        """Most bytes one stage's state may take on the wire: the whole model's weights and moments, plus headroom."""
+        gpt = self.spec.model.gpt_config()
+        params = sum(c.params for c in layer_costs(gpt, self.spec.data.seq_len))
+        return int(4 * 4 * params) + (16 << 20)
 
     # ------------------------------------------------------------------ wiring
 
@@ -498,7 +602,10 @@ class TaskletRunner:
                 logger.debug("job %s: reading progress failed: %s", self.job.job_id, exc)
                 found = {}
             epoch = self.commit.epoch
-            missing = {p for p in need if p not in found or found[p].epoch != epoch}
+            serving = (TaskState.RUNNING, TaskState.DONE)  # a recovering record of the epoch: still loading
+            missing = {
+                p for p in need if p not in found or found[p].epoch != epoch or found[p].state not in serving
+            }
             if not missing:
                 return
             if time.monotonic() > deadline:

@@ -17,10 +17,13 @@ from peerd.jobs.records import JobRecord
 from peerd.jobs.runner import TaskletRunner
 from peerd.jobs.spec import JobSpec
 from peerd.jobs.store import DhtStore
+from peerd.pipeline.replicas import CheckpointReplicas
 from peerd.sched.consensus.messages import RosterDevice, RosterLink
 from peerd.swarm.node import parse_peer_id
 from peerd.swarm.records import DeviceProfile, LinkMeasurement, LinkStatus, PeerRecord, PeerState
 from peerd.swarm.transport import Transport
+
+REPLICA_BUDGET_BYTES = 4 << 30  # disk for other stages' checkpoint copies, over all jobs
 
 # control method -> (JobManager attribute, help shown by the ``methods`` call)
 METHODS: dict[str, tuple[str, str]] = {
@@ -78,6 +81,8 @@ class JobService:
         self.store = DhtStore(dht, owner_tag, peer_id, clock)
         self.transport, self.region = transport, region
         self.checkpoints = home / "checkpoints"
+        # other stages' checkpoints this peer keeps for the swarm (a stage's peers may all vanish)
+        self.replicas = CheckpointReplicas(home / "replicas", budget_bytes=REPLICA_BUDGET_BYTES)
         self._profile, self._links, self._peers = profile, links, peers
         self.manager = JobManager(
             self.store,
@@ -102,6 +107,7 @@ class JobService:
             transport=self.transport,
             peer_ref=parse_peer_id,
             checkpoint_root=self.checkpoints,
+            replicas=self.replicas,
         )
 
     async def run(self) -> None:

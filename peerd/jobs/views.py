@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import re
-from collections.abc import Collection
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
 from statistics import median
 from typing import Any
@@ -64,6 +64,9 @@ def effective_state(entry: JobEntry, now: float) -> JobState:
         done = {p.peer for p in tasklets if p.state == TaskState.DONE}
         if allocated and allocated <= done:
             return JobState.DONE
+        replanning = entry.planner is not None and entry.planner.replanning
+        if replanning or any(p.state in (TaskState.RECOVERING, TaskState.LEFT) for p in tasklets):
+            return JobState.RECOVERING
         return JobState.RUNNING
     return JobState.PLANNING if now >= rec.epoch0_start else JobState.PENDING
 
@@ -286,10 +289,62 @@ def job_reason(entry: JobEntry, state: JobState, now: float, online: Collection[
         return failure_reason(entry) or _clean(rec.reason)
     if rec.reason:
         return rec.reason
+    if state == JobState.RECOVERING:
+        return recovery_reason(entry, online)
     if state in (JobState.PENDING, JobState.PLANNING) and entry.commit is None:
         planning = entry.planner.view() if entry.planner is not None else None
         return waiting_reason(entry.spec, online=online, planning=planning, opens_in=rec.epoch0_start - now)
     return ""
+
+
+def recovery_reason(entry: JobEntry, online: Collection[str] | None = None) -> str:
+    """Why a running job is recovering: the re-plan's cause, and what it waits for when it cannot go on."""
+    planner, commit = entry.planner, entry.commit
+    replans = planner.replans if planner is not None else []
+    cause = _clean(replans[-1]["cause"]) if replans else ""
+    if planner is not None and planner.replanning:
+        view = planner.view()
+        waiting = waiting_reason(entry.spec, online=online, planning=view)
+        if not waiting and view.get("rejected", {}).get("no_repair"):
+            waiting = "waiting for peers: no roster since then can hold every stage of the running pipeline"
+        head = f"re-planning after: {cause}" if cause else "re-planning"
+        return f"{head}; {waiting}" if waiting else head
+    if commit is not None:
+        loading = [
+            p for p in entry.progress.values() if p.epoch == commit.epoch and p.state == TaskState.RECOVERING
+        ]
+        if loading:
+            return f"restoring state at step {min(p.step for p in loading)} in planning epoch {commit.epoch}"
+    return cause
+
+
+def loss_curve(records: Iterable[Progress], *, last_stage: int) -> list[tuple[int, float]]:
+    """The job's loss per step: the mean over the last stage's replicas, from records of every epoch.
+
+    After a re-plan a step's loss may sit in the record of a peer that is gone (the steps
+    before its death) or of its successor (the steps after): per (step, replica) the record
+    of the newest epoch that has it counts. A step counts once every replica of that epoch
+    (the replica indices its records name) has it.
+    """
+    best: dict[tuple[int, int], tuple[int, float]] = {}  # (step, replica) -> (epoch, loss)
+    width: dict[int, int] = {}  # epoch -> replicas of the last stage seen in its records
+    for p in records:
+        if p.stage != last_stage:
+            continue
+        width[p.epoch] = max(width.get(p.epoch, 0), p.replica + 1)
+        for s, loss in p.losses:
+            seen = best.get((s, p.replica))
+            if seen is None or p.epoch > seen[0]:
+                best[(s, p.replica)] = (p.epoch, loss)
+    per_step: dict[int, dict[int, tuple[int, float]]] = {}
+    for (s, replica), value in best.items():
+        per_step.setdefault(s, {})[replica] = value
+    curve = []
+    for s, values in sorted(per_step.items()):
+        epoch = max(e for e, _ in values.values())
+        if len(values) >= width.get(epoch, 0):
+            curve.append((s, sum(loss for _, loss in values.values()) / len(values)))
+    return curve
 
 
 def progress_summary(progress: dict[str, Progress], epoch: int | None, steps: int) -> dict[str, Any]:
@@ -300,14 +355,7 @@ def progress_summary(progress: dict[str, Progress], epoch: int | None, steps: in
         out.update(bytes={}, tasklets=[])
         return out
     out["step"] = min(p.step for p in tasklets)
-    last_stage = max(p.stage for p in tasklets)
-    per_step: dict[int, list[float]] = {}
-    for p in tasklets:
-        if p.stage == last_stage:
-            for s, loss in p.losses:
-                per_step.setdefault(s, []).append(loss)
-    replicas = max((len(v) for v in per_step.values()), default=0)
-    curve = [(s, sum(v) / len(v)) for s, v in sorted(per_step.items()) if len(v) == replicas]
+    curve = loss_curve(progress.values(), last_stage=max(p.stage for p in tasklets))
     out["losses"] = [[s, round(v, 6)] for s, v in curve]
     out["loss"] = curve[-1][1] if curve else None
     rates = [p.tokens_per_s for p in tasklets if p.tokens_per_s > 0]
@@ -374,11 +422,28 @@ def job_view(
     if state in TERMINAL and not progress["tasklets"]:
         progress["step"] = None  # no tasklet record left to say how far it got: unknown, not 0
     view["progress"] = progress
+    view["churn"] = churn_view(entry)
     if entry.runner is not None:
         view["tasklet"] = {
             "stage": entry.runner.stage,
             "replica": entry.runner.replica,
             "state": entry.runner.state.value,
             "step": entry.runner.step,
+            "recoveries": list(entry.runner.recoveries),
         }
     return view
+
+
+def churn_view(entry: JobEntry) -> dict[str, Any]:
+    """Re-plans (epoch, cause), suspected peers and spares, as this daemon sees them."""
+    commit, planner = entry.commit, entry.planner
+    suspects = sorted(
+        {s for p in entry.progress.values() if commit is None or p.epoch == commit.epoch for s in p.suspects}
+    )
+    return {
+        "epoch": commit.epoch if commit is not None else None,
+        "replans": list(planner.replans) if planner is not None else [],
+        "replanning": bool(planner is not None and planner.replanning),
+        "suspects": suspects,
+        "spares": list(commit.allocation.spares) if commit is not None else [],
+    }

@@ -37,6 +37,8 @@ VIEW = {
                 "bytes": {"activations": 10, "activations_raw": 80},
             },
             "allocation": {"cost": 0.5, "stages": [["QmA", "QmB"], ["QmC", "QmD"]], "spares": ["QmE"]},
+            "churn": {"epoch": 3, "replans": [{"cause": "peer QmF left the swarm"}], "suspects": ["QmF"]},
+            "tasklet": {"recoveries": [{"seconds": 0.0}, {"seconds": 4.5}]},
         },
         {
             # a job that ended before this daemon joined, its tasklet records gone: step unknown
@@ -75,10 +77,14 @@ EXPECTED = {
     ("peerd_job_allocation_cost_seconds", (("job", JOB),)): 0.5,
     ("peerd_job_tasklets", (("job", JOB),)): 4,
     ("peerd_job_spares", (("job", JOB),)): 1,
+    ("peerd_job_epoch", (("job", JOB),)): 3,
+    ("peerd_job_replans_total", (("job", JOB),)): 1,
+    ("peerd_job_suspected_peers", (("job", JOB),)): 1,
+    ("peerd_job_last_recovery_seconds", (("job", JOB),)): 4.5,
     ("peerd_job_info", (("job", LATE), ("name", "old"), ("state", "done"), ("owner", "QmC"))): 1,
     ("peerd_job_steps", (("job", LATE),)): 120,  # and no peerd_job_step sample: unknown is not 0
 }
-COUNTERS = {"peerd_job_wire_bytes", "peerd_job_raw_bytes"}
+COUNTERS = {"peerd_job_wire_bytes", "peerd_job_raw_bytes", "peerd_job_replans"}
 
 
 def series(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:

@@ -117,3 +117,32 @@ def test_a_waiting_or_failed_job_shows_its_reason(capsys) -> None:
     assert "spares: QmC" in out
     assert "reason: stage 1 replica 0 (peer …abcdefgh) lost its connection" in out
     assert "waiting for 3 more peers" in out  # the jobs table's reason column
+
+
+def test_a_recovering_job_shows_its_re_plans_suspects_and_this_tasklets_recovery(capsys) -> None:
+    alloc = {
+        "allocation_hash": "e" * 64,
+        "epoch": 4,
+        "cost": 0.5,
+        "stages": [["QmA"], ["QmB"]],
+        "pipelines": [["QmA", "QmB"]],
+        "spares": [],
+    }
+    view = {
+        **_job("recovering", 7),
+        "short_id": "efefefef",
+        "reason": "re-planning after: peer QmD stopped answering",
+        "allocation": alloc,
+        "churn": {"replans": [{"epoch": 4, "cause": "peer QmD stopped answering"}], "suspects": ["QmD"]},
+        "tasklet": {
+            "recoveries": [
+                {"resume_step": 0, "seconds": 0.1, "source": "init", "steps_redone": 0},
+                {"resume_step": 7, "seconds": 3.2, "source": "peer QmB", "steps_redone": 1},
+            ]
+        },
+    }
+    console().print(render_status({"peers": [], "jobs": [view]}))
+    out = capsys.readouterr().out
+    assert "RECOVERING" in out and "re-plans: 1 (latest in epoch 4: peer QmD stopped answering)" in out
+    assert "suspected: QmD" in out
+    assert "resumed at step 7 in 3.2 s (state from peer QmB, 1 step(s) redone)" in out

@@ -76,8 +76,15 @@ def test_left_is_gone_at_once_and_done_or_failed_never() -> None:
     assert verdict(progress).gone == {"d": "left the swarm"}
 
 
-def test_recovering_with_nobody_gone_is_stuck_after_its_grace() -> None:
+def test_loading_state_gets_the_start_grace_before_it_counts_as_stuck() -> None:
     progress = {p: rec(p, 99.0) for p in "abd"} | {"c": rec("c", 99.0, TaskState.RECOVERING)}
+    assert not verdict(progress, since={"c": 70.0}).replan  # 30 s loading: fine
+    assert verdict(progress, since={"c": 30.0}).stuck  # 70 s > start_grace 60 s
+
+
+def test_recovering_with_nobody_gone_is_stuck_after_its_grace() -> None:
+    broke = rec("c", 99.0, TaskState.RECOVERING, suspects=("d",))
+    progress = {p: rec(p, 99.0) for p in "abd"} | {"c": broke}
     assert not verdict(progress, since={"c": 90.0}).replan
     v = verdict(progress, since={"c": 70.0})
     assert v.stuck == {"c": "stream to c broke"} and "cannot continue" in v.cause()

@@ -138,7 +138,7 @@ def test_cross_field_problems_are_all_reported_together() -> None:
         ({"optimizer": {"name": "sgd", "momentum": 1.5}}, "optimizer.momentum", "[0, 1)"),
         ({"optimizer": {"betas": [0.9, 1.0]}}, "optimizer.betas[1]", "[0, 1)"),
         ({"optimizer": {"betas": [0.9]}}, "optimizer.betas", "exactly 2"),
-        ({"optimizer": {"schedule": "linear"}}, "optimizer.schedule", "'cosine'"),
+        ({"optimizer": {"schedule": "step"}}, "optimizer.schedule", "'cosine'"),
         ({"optimizer": {"weight_decay": -0.1}}, "optimizer.weight_decay", ">= 0"),
         ({"optimizer": {"grad_clip": 0}}, "optimizer.grad_clip", "> 0 or null"),
         ({"optimizer": {"min_lr_ratio": 2}}, "optimizer.min_lr_ratio", "[0, 1]"),
