@@ -4,11 +4,12 @@ Sections of the JSON result, all measured in this run:
 
 - ``tiny``: exact MILP vs brute force (device-level enumeration) on instances of <= 8 devices:
   equal optimum, and the seconds of each.
-- ``medium``: hybrid vs exact on 16-24 devices: the hybrid's gap to the proven optimum, the time
+- ``medium``: hybrid vs exact on 16-32 devices: the hybrid's gap to the proven optimum, the time
   ratio, and a quality-vs-budget curve (hybrid at growing evaluation budgets).
 - ``scenarios``: the 64-GPU scenarios (four networks x Qwen-like 4B / 8B / 14B): the hybrid
   plan's predicted iteration time and seconds to plan, the verl-like and StreamRL-like
-  predictions in the same cost model, and the speedups over them.
+  predictions in the same cost model, and the speedups over them; ``scenarios_async`` the same
+  with async depth ``--async`` (baselines at that depth too).
 """
 
 from __future__ import annotations
@@ -70,6 +71,7 @@ def medium_cases() -> list[tuple[Scenario, Workload]]:
     return [
         (synthetic("medium-16", [("a", "a100", 4), ("a", "l40s", 4), ("b", "l40s", 4), ("b", "l4", 4)], 10.0, 5000.0), w),
         (synthetic("medium-24", [("a", "a100", 8), ("b", "l40s", 8), ("c", "l4", 8)], 30.0, 2000.0), w),
+        (synthetic("medium-32", [("a", "a100", 8), ("a", "l40s", 8), ("b", "l40s", 8), ("b", "l4", 8)], 20.0, 2000.0), w),
         (synthetic("medium-24-async", [("a", "a100", 8), ("b", "l40s", 8), ("c", "l4", 8)], 30.0, 2000.0),
          Workload(actor=QWEN_4B, prompts=256, staleness=1, name="qwen-4b")),
     ]  # fmt: skip
@@ -141,12 +143,14 @@ def bench_medium(budgets: list[int], seed: int) -> dict:
     return out
 
 
-def bench_scenarios(folder: Path, networks: list[str], models: list[str], budget: int, seed: int) -> dict:
+def bench_scenarios(
+    folder: Path, networks: list[str], models: list[str], budget: int, seed: int, staleness: int = 0
+) -> dict:
     out: dict[str, dict] = {}
     for net in networks:
         for model in models:
             rl = load_rl_scenario(folder / f"{net}.yaml", model)
-            r = plan_rl(rl, "hybrid", seed=seed, budget=budget)
+            r = plan_rl(rl, "hybrid", seed=seed, budget=budget, staleness=staleness)
             verl, stream = r.baselines["verl_like"], r.baselines["streamrl_like"]
             out.setdefault(net, {})[model] = {
                 "hybrid_seconds_per_iteration": round(r.seconds, 3),
@@ -191,6 +195,14 @@ def summary(scen: dict) -> dict:
 )
 @click.option("--networks", default=",".join(NETWORKS), show_default=True)
 @click.option("--models", default=",".join(MODELS), show_default=True)
+@click.option(
+    "--async",
+    "staleness",
+    type=int,
+    default=1,
+    show_default=True,
+    help="Also plan the 64-GPU scenarios with this async depth (section scenarios_async; 0 = skip).",
+)
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--quick", is_flag=True, help="Smaller budgets, 8B only.")
 @click.option(
@@ -202,6 +214,7 @@ def command(
     medium_budgets: str,
     networks: str,
     models: str,
+    staleness: int,
     seed: int,
     quick: bool,
     scenarios: Path,
@@ -220,7 +233,17 @@ def command(
         "medium": bench_medium(curve, seed),
         "scenarios": scen,
         "summary": summary(scen),
-        "settings": {"budget": budget, "medium_budgets": curve, "seed": seed, "quick": quick},
+        "settings": {
+            "budget": budget,
+            "medium_budgets": curve,
+            "seed": seed,
+            "quick": quick,
+            "async": staleness,
+        },
     }
+    if staleness > 0:
+        late = bench_scenarios(scenarios, nets, sizes, budget, seed, staleness)
+        result["scenarios_async"] = late
+        result["summary_async"] = summary(late)
     result["seconds"] = round(time.perf_counter() - started, 1)
     emit_json(result, out)
