@@ -15,6 +15,8 @@ BENCHMARKS = (
     "averaging",
     "consensus",
     "rl-scheduler",
+    "statesync",
+    "churn",
 )
 
 
@@ -24,6 +26,7 @@ BENCHMARKS = (
   peerd bench compress --help           the options of one benchmark
   peerd bench links > links.json        probe accuracy on shaped loopback links, kept to compare
   peerd bench rl-scheduler --quick      RL plans vs verl/StreamRL-like, hybrid vs exact MILP (JSON)
+  peerd bench churn                     recovery time and steps lost per failure kind (8 daemons)
 """,
     cls=LazyGroup,
     lazy={name: f"peerd.bench.{name.replace('-', '_')}:command" for name in BENCHMARKS},

@@ -109,6 +109,7 @@ def jobs(as_json: bool, config_file: str | None, **overrides: Any) -> None:
   peerd fetch 3f9a1c2e --out model/               model/model.pt and model/job.json
   peerd fetch 3f9a --out m/ --from /tmp/peer2/checkpoints --from /tmp/peer3/checkpoints
                                                   stages checkpointed by other local daemons
+  peerd fetch 3f9a --out m/ --p2p                 every stage from the peers that hold it
 """)
 @click.argument("job_id", metavar="ID")
 @click.option(
@@ -125,26 +126,56 @@ def jobs(as_json: bool, config_file: str | None, **overrides: Any) -> None:
     type=click.Path(exists=True, file_okay=False),
     help="Extra checkpoint roots to search (e.g. other local daemons' HOME/checkpoints); repeat for several.",
 )
+@click.option(
+    "--p2p/--local",
+    "p2p",
+    default=None,
+    help="Where the stages come from: --local searches this machine only, --p2p asks the peers "
+    "that ran or keep copies of each stage (through the daemon). Default: local, then p2p for "
+    "what is missing here.",
+)
 @config_options(only=DAEMON)
 def fetch(
-    job_id: str, out_dir: str, roots: tuple[str, ...], config_file: str | None, **overrides: Any
+    job_id: str,
+    out_dir: str,
+    roots: tuple[str, ...],
+    p2p: bool | None,
+    config_file: str | None,
+    **overrides: Any,
 ) -> None:
     """Assemble the latest checkpoint of every stage of job ID into one model file (OUT/model.pt).
 
-    Searches the local daemon's HOME/checkpoints and every --from directory; the result loads
-    with ``peerd.jobs.fetch.load_model`` (a ``peerd.models.gpt.GPT`` with its weights).
+    Searches the local daemon's HOME/checkpoints and every --from directory, or gathers the
+    stages over p2p from the peers that hold them (this daemon need not have run a tasklet of
+    the job); the result loads with ``peerd.jobs.fetch.load_model`` (a ``peerd.models.gpt.GPT``
+    with its weights).
     """
     from peerd.jobs.fetch import assemble
     from peerd.jobs.spec import parse_job_spec
 
     config = load_config(config_file, overrides).resolved()
-    view = call(client_of(config), "job_status", job_id=job_id)
+    client = client_of(config)
+    view = call(client, "job_status", job_id=job_id)
     spec = parse_job_spec(view["spec_mapping"])
     search = [Path(str(config.home)) / "checkpoints", *(Path(r) for r in roots)]
-    try:
-        result = assemble(view["job_id"], spec, search, Path(out_dir))
-    except PeerdError as exc:
-        raise CliError(str(exc)) from None
+    if not p2p:
+        try:
+            result = assemble(view["job_id"], spec, search, Path(out_dir))
+        except PeerdError as exc:
+            if p2p is False:
+                raise CliError(str(exc)) from None
+            click.echo(
+                f"not on this machine ({exc.message}); asking the peers that hold the stages", err=True
+            )
+        else:
+            click.echo(
+                f"wrote {result.path} (step {result.step}, {result.stages} stages, "
+                f"{result.parameters:,} parameters)"
+            )
+            return
+    gathering = client_of(config, timeout=600.0)  # a big model's stages take a while to arrive
+    got = call(gathering, "fetch", job_id=view["job_id"], out=str(Path(out_dir).absolute()))
     click.echo(
-        f"wrote {result.path} (step {result.step}, {result.stages} stages, {result.parameters:,} parameters)"
+        f"wrote {got['path']} (step {got['step']}, {got['stages']} stages, {got['parameters']:,} parameters, "
+        "gathered over p2p)"
     )

@@ -7,24 +7,35 @@ replicas of a stage hold identical weights after averaging), renames each stage'
 ``layers.k.*`` parameters to the full model's ``layers.(start + k).*``, checks the result
 loads into ``GPT(config)`` exactly (no missing or unexpected keys, matching shapes) and
 writes ``model.pt`` (config, weights, job, step) plus ``job.json`` (the spec).
+
+``gather`` gets those checkpoints over p2p instead, for a daemon that ran no tasklet of the
+job: each stage's from the peers that ran it in the committed allocation or keep copies of
+it (``recovery.replica_peers``), through the state-sync protocol, at the newest step every
+stage has; the result is written in the same directory layout and assembled as above.
 """
 
 from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from peerd.errors import ConfigError
+from peerd.errors import ConfigError, PeerdError, PeerUnavailable
+from peerd.jobs.recovery import CHECKPOINT_REPLICAS, replica_peers
 from peerd.jobs.spec import JobSpec
 from peerd.loading import from_mapping, to_mapping
 from peerd.log import get_logger
 from peerd.models.gpt import GPT, GPTConfig
 from peerd.pipeline import checkpoint
+from peerd.pipeline.replicas import check_checkpoint
+from peerd.pipeline.statesync import StateProvider, StateSyncConfig, fetch_state
+from peerd.sched.allocation import Allocation
+from peerd.swarm.transport import Transport
 
 logger = get_logger(__name__)
 
@@ -108,6 +119,64 @@ def assemble(job_id: str, spec: JobSpec, roots: list[Path], out_dir: Path) -> Fe
     )
     logger.info("job %s: assembled %d stages at step %d into %s", job_id, stages, step, path)
     return Fetched(path, step, stages, model.num_parameters(), sources)
+
+
+async def gather(
+    transport: Transport,
+    peer_ref: Callable[[str], Any],
+    job_id: str,
+    allocation: Allocation,
+    steps: list[int],
+    dest: Path,
+    *,
+    me: str,
+    max_bytes: int,
+    local: StateProvider | None = None,
+    config: StateSyncConfig | None = None,
+) -> tuple[int, dict[int, str]]:
+    """Fetch every stage's checkpoint at the first of ``steps`` all stages have into ``dest``.
+
+    ``dest`` gets the checkpoint layout ``assemble`` reads. ``local`` serves what this peer
+    holds itself. Returns the step and, per stage, where its checkpoint came from;
+    PeerUnavailable naming the stage and step when no candidate step could be gathered.
+    """
+    failures = []
+    for step in steps:
+        blobs: dict[int, bytes] = {}
+        sources: dict[int, str] = {}
+        try:
+            for stage in range(allocation.d_pp):
+                blob = local(stage, step) if local is not None else None
+                sources[stage] = "this peer"
+                if blob is None:
+                    peers = [
+                        *allocation.stages[stage],
+                        *replica_peers(job_id, allocation, stage, CHECKPOINT_REPLICAS),
+                    ]
+                    peers = [p for p in dict.fromkeys(peers) if p != me]
+                    blob = await fetch_state(
+                        transport,
+                        [peer_ref(p) for p in peers],
+                        job_id,
+                        stage,
+                        step,
+                        max_bytes=max_bytes,
+                        config=config or StateSyncConfig(),
+                    )
+                    sources[stage] = "peers " + ", ".join(peers)
+                check_checkpoint(blob, job_id, stage, step)
+                blobs[stage] = blob
+        except PeerdError as exc:
+            failures.append(f"step {step}: {exc.message}")
+            continue
+        for stage, blob in blobs.items():
+            directory = checkpoint.tasklet_dir(dest, job_id, stage, 0)
+            directory.mkdir(parents=True, exist_ok=True)
+            checkpoint.checkpoint_file(directory, step).write_bytes(blob)
+        return step, sources
+    raise PeerUnavailable(
+        f"no checkpoint of job {job_id} could be gathered: {'; '.join(failures) or 'no step'}"
+    )
 
 
 def load_model(path: str | Path) -> tuple[GPT, dict[str, Any]]:

@@ -35,7 +35,7 @@ class HealthConfig:
 
     heartbeat_s: float = 2.0
     """A tasklet re-publishes its progress this often, also while a step is running."""
-    suspect_grace_s: float = 8.0
+    suspect_grace_s: float = 6.0
     """A suspected peer whose heartbeat is older than this is gone (a few missed beats plus DHT delay)."""
     silent_grace_s: float = 30.0
     """Any allocated peer whose heartbeat is older than this is gone, suspected or not."""

@@ -161,7 +161,7 @@ class JobManager:
 
     async def cancel(self, params: dict[str, Any]) -> dict[str, Any]:
         """Cancel a job this peer owns; NOT_OWNER for anybody else's."""
-        entry = await self._find(params.get("job_id"))
+        entry = await self.find(params.get("job_id"))
         rec = entry.record
         if rec.owner != self.me:
             raise ProtocolError(
@@ -186,7 +186,7 @@ class JobManager:
         return self.views(detail=False)
 
     async def job_status(self, params: dict[str, Any]) -> dict[str, Any]:
-        entry = await self._find(params.get("job_id"))
+        entry = await self.find(params.get("job_id"))
         return job_view(entry, self.me, self.store.now(), detail=True, online=self._online_with_me())
 
     def views(self, detail: bool = True) -> list[dict[str, Any]]:
@@ -197,7 +197,7 @@ class JobManager:
     def _online_with_me(self) -> set[str]:
         return {*self.online(), self.me}
 
-    async def _find(self, job_id: Any) -> JobEntry:
+    async def find(self, job_id: Any) -> JobEntry:
         if not isinstance(job_id, str) or not job_id:
             raise ConfigError("job_id", "give the job id (or a unique prefix of it)")
         full = resolve_job_id(job_id, self.jobs)

@@ -151,6 +151,7 @@ class Progress(FrozenWireStruct, frozen=True, tag_field="kind", tag="progress"):
     reason: Reason = ""  # absent on the wire when empty
     # partners this tasklet saw fail (stream or averaging errors); absent on the wire when empty
     suspects: Annotated[tuple[PeerId, ...], Meta(max_length=MAX_SUSPECTS)] = ()
+    replicas: Count = 0  # the epoch's data-parallel width (0: not said); absent on the wire when 0
     version: int = msgspec.field(default=PROTOCOL_VERSION, name="v")
 
 
@@ -269,7 +270,7 @@ PROGRESS = Schema(
     version=PROTOCOL_VERSION,
     kind="progress",
     rules=_progress_rules,
-    omit_when_empty=frozenset({"reason", "losses", "suspects"}),
+    omit_when_empty=frozenset({"reason", "losses", "suspects", "replicas"}),
 )
 
 # ---------------------------------------------------------------- codec

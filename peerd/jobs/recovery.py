@@ -16,6 +16,9 @@ from collections.abc import Iterable, Sequence
 from peerd.sched.allocation import Allocation
 from peerd.sched.consensus.messages import MAX_HELD_STEPS, HeldState, RosterEntry
 
+CHECKPOINT_REPLICAS = 2
+"""Peers outside a stage that keep copies of each of its checkpoints (``replica_peers``)."""
+
 
 def stage_layers(layers_per_stage: Sequence[int]) -> list[tuple[int, int]]:
     """[start, end) layer range of each stage for a per-stage layer count."""
@@ -59,6 +62,18 @@ def holders(
         if any(h.stage == stage and tuple(h.layers) == tuple(span) and step in h.steps for h in e.held)
     ]
     return sorted(found, key=lambda p: hashlib.sha256(f"{job}|{step}|{p}".encode()).digest())
+
+
+def replica_peers(job: str, allocation: Allocation, stage: int, k: int) -> list[str]:
+    """The ``k`` peers outside ``stage`` (spares included) that keep copies of its checkpoints.
+
+    Ranked by a hash of (job, stage, peer): every peer derives the same ones, and different
+    stages spread their copies over different peers.
+    """
+    members = set(allocation.stages[stage])
+    others = [p for p in (*allocation.devices, *allocation.spares) if p not in members]
+    ranked = sorted(others, key=lambda p: hashlib.sha256(f"{job}|{stage}|{p}".encode()).digest())
+    return ranked[:k]
 
 
 def patch_allocation(

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -44,7 +43,14 @@ from peerd.averaging import GroupAllReduce
 from peerd.errors import ConfigError, ErrorCode, PeerdError, PeerUnavailable
 from peerd.jobs.catalog import read_progress
 from peerd.jobs.records import MAX_SUSPECTS, JobRecord, Progress, TaskState, downsample, encode_progress
-from peerd.jobs.recovery import held_state, holders, resume_step, stage_layers
+from peerd.jobs.recovery import (
+    CHECKPOINT_REPLICAS,
+    held_state,
+    holders,
+    replica_peers,
+    resume_step,
+    stage_layers,
+)
 from peerd.jobs.spec import JobSpec, OptimizerSpec
 from peerd.jobs.store import RecordStore
 from peerd.log import get_logger
@@ -84,6 +90,13 @@ def tasklet_of(allocation: Allocation, peer: str) -> tuple[int, int] | None:
         if peer in stage:
             return s, stage.index(peer)
     return None
+
+
+def state_bound(spec: JobSpec) -> int:
+    """Most bytes one stage's state may take on the wire: the whole model's fp32 weights and two moments, plus headroom."""
+    gpt = spec.model.gpt_config()
+    params = sum(c.params for c in layer_costs(gpt, spec.data.seq_len))
+    return int(4 * 4 * params) + (16 << 20)
 
 
 def unsupported(spec: JobSpec) -> tuple[list[ConfigError], list[str]]:
@@ -177,7 +190,7 @@ class TaskletRunner:
         ready_timeout: float = 120.0,
         statesync: StateSyncConfig | None = None,
         replicas: CheckpointReplicas | None = None,
-        checkpoint_replicas: int = 2,
+        checkpoint_replicas: int = CHECKPOINT_REPLICAS,
     ) -> None:
         self.job, self.spec, self.store = job, spec, store
         self.transport, self.peer_ref, self.interval = transport, peer_ref, interval
@@ -200,7 +213,7 @@ class TaskletRunner:
         self.started_at = store.now()
         self.worker: StageWorker | None = None
         self.recoveries: list[dict[str, Any]] = []  # per adopted commit: where the state came from, how long
-        self.server = StateServer(transport, job.job_id, self._provide, config=self.statesync)
+        self.server = StateServer(transport, job.job_id, self.provide, config=self.statesync)
         self._frozen: _Frozen | None = None
         self._task: asyncio.Task | None = None
         self._publisher: asyncio.Task | None = None
@@ -230,7 +243,7 @@ class TaskletRunner:
         """Stop the tasklet, publish its last record, stop serving; never raises (shutdown paths call it)."""
         async with self._lock:
             with contextlib.suppress(Exception):
-                await self._stop_tasklet("stopped (job cancelled or daemon shutting down)", TaskState.FAILED)
+                await self._stop_tasklet("its daemon shut down", TaskState.LEFT)
         for task in (self._publisher, self._replicator):
             if task is not None:
                 task.cancel()
@@ -453,7 +466,7 @@ class TaskletRunner:
                 self.job.job_id,
                 self.stage,
                 step,
-                max_bytes=self._state_bound(),
+                max_bytes=state_bound(self.spec),
                 config=self.statesync,
             )
             state = await asyncio.to_thread(unpack_state, raw)
@@ -485,7 +498,7 @@ class TaskletRunner:
         blob = self.replicas.get(self.job.job_id, stage, step) if self.replicas is not None else None
         return None if blob is None else unpack_state(blob)
 
-    def _provide(self, stage: int, step: int) -> bytes | None:
+    def provide(self, stage: int, step: int) -> bytes | None:
         """State-sync provider (runs in a thread): the packed state of ``stage`` at ``step``, if held here."""
         frozen = self._frozen
         if frozen is not None and frozen.stage == stage and step in frozen.states:
@@ -500,17 +513,12 @@ class TaskletRunner:
         commit = self.commit
         if commit is None or self.checkpoint_replicas < 1:
             return []
-        allocation = commit.allocation
-        peers = [*allocation.devices, *allocation.spares]
-        out = []
-        for stage, members in enumerate(allocation.stages):
-            others = sorted(
-                (p for p in peers if p not in members),
-                key=lambda p: hashlib.sha256(f"{self.job.job_id}|{stage}|{p}".encode()).digest(),
-            )
-            if self.me in others[: self.checkpoint_replicas]:
-                out.append(stage)
-        return out
+        allocation, job = commit.allocation, self.job.job_id
+        return [
+            stage
+            for stage in range(allocation.d_pp)
+            if self.me in replica_peers(job, allocation, stage, self.checkpoint_replicas)
+        ]
 
     async def _replicate_loop(self) -> None:
         """Pull each new checkpoint of the stages this peer keeps copies of from that stage's peers."""
@@ -545,7 +553,7 @@ class TaskletRunner:
                         stage,
                         target,
                         self.replicas,
-                        max_bytes=self._state_bound(),
+                        max_bytes=state_bound(self.spec),
                         config=self.statesync,
                     )
                     logger.info(
@@ -553,12 +561,6 @@ class TaskletRunner:
                     )
                 except PeerdError as exc:  # not saved yet, or its peers are busy: the next round retries
                     logger.debug("job %s: replicating stage %d step %d: %s", job, stage, target, exc)
-
-    def _state_bound(self) -> int:
-        """Most bytes one stage's state may take on the wire: the whole model's weights and moments, plus headroom."""
-        gpt = self.spec.model.gpt_config()
-        params = sum(c.params for c in layer_costs(gpt, self.spec.data.seq_len))
-        return int(4 * 4 * params) + (16 << 20)
 
     # ------------------------------------------------------------------ wiring
 
@@ -691,6 +693,7 @@ class TaskletRunner:
             bytes=dict(self.wire),
             reason=self.reason,
             suspects=tuple(sorted(self.suspects)) if self.state == TaskState.RECOVERING else (),
+            replicas=self.commit.allocation.d_dp,
         )
 
     async def _publish(self) -> bool:

@@ -8,13 +8,18 @@ planner and the runner need (consensus roster profiles and links, the online pee
 
 from __future__ import annotations
 
+import asyncio
+import tempfile
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
+from peerd.errors import ConfigError
+from peerd.jobs import catalog
+from peerd.jobs.fetch import assemble, gather
 from peerd.jobs.manager import JobManager, ManagerConfig
 from peerd.jobs.records import JobRecord
-from peerd.jobs.runner import TaskletRunner
+from peerd.jobs.runner import TaskletRunner, state_bound
 from peerd.jobs.spec import JobSpec
 from peerd.jobs.store import DhtStore
 from peerd.pipeline.replicas import CheckpointReplicas
@@ -34,7 +39,13 @@ METHODS: dict[str, tuple[str, str]] = {
     "cancel": ("cancel", "Cancel a job this peer owns (NOT_OWNER for anybody else's)."),
     "jobs": ("list_jobs", "The jobs of this swarm: state, allocation, progress."),
     "job_status": ("job_status", "One job in detail: planning, committed allocation, progress, tasklets."),
+    "fetch": (
+        "fetch",
+        "Gather a job's newest checkpoint of every stage from the peers that hold it (p2p) and "
+        "assemble it into OUT/model.pt.",
+    ),
 }
+SERVICE_METHODS = {"fetch"}  # served by JobService itself (it holds the transport), not the manager
 
 
 def roster_profile(profile: DeviceProfile | None, region: str) -> RosterDevice:
@@ -117,7 +128,48 @@ class JobService:
         await self.manager.close()
 
     def handler(self, method: str) -> Callable[[dict[str, Any]], Awaitable[Any]]:
-        return getattr(self.manager, METHODS[method][0])
+        owner = self if method in SERVICE_METHODS else self.manager
+        return getattr(owner, METHODS[method][0])
+
+    async def fetch(self, params: dict[str, Any]) -> dict[str, Any]:
+        """``params``: ``job_id``, ``out`` (a directory on this machine). Checkpoints over p2p, then ``assemble``."""
+        out = params.get("out")
+        if not isinstance(out, str) or not out:
+            raise ConfigError("out", "give the directory to write model.pt into")
+        entry = await self.manager.find(params.get("job_id"))
+        rec, spec = entry.record, entry.spec
+        commit = entry.commit or await catalog.read_commit(self.store, rec.job_id)
+        if commit is None:
+            raise ConfigError("job_id", f"job {rec.job_id} has no committed allocation yet: nothing to fetch")
+        done = min((p.step for p in entry.progress.values() if p.epoch == commit.epoch), default=0)
+        every = spec.checkpoint_interval or spec.steps
+        steps = sorted(
+            {spec.steps if done >= spec.steps else 0, *range(done // every * every, 0, -every)}, reverse=True
+        )
+        steps = [s for s in steps if s > 0][:4]  # the newest few: older ones are pruned everywhere
+        runner = entry.runner
+        with tempfile.TemporaryDirectory(
+            prefix=".fetch-", dir=Path(out).parent if Path(out).parent.is_dir() else None
+        ) as tmp:
+            step, sources = await gather(
+                self.transport,
+                parse_peer_id,
+                rec.job_id,
+                commit.allocation,
+                steps,
+                Path(tmp),
+                me=self.store.me,
+                max_bytes=state_bound(spec),
+                local=runner.provide if runner is not None else None,
+            )
+            result = await asyncio.to_thread(assemble, rec.job_id, spec, [Path(tmp)], Path(out))
+        return {
+            "path": str(result.path),
+            "step": step,
+            "stages": result.stages,
+            "parameters": result.parameters,
+            "sources": {str(k): v for k, v in sources.items()},
+        }
 
     def views(self) -> list[dict[str, Any]]:
         return self.manager.views(detail=True)

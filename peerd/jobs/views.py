@@ -324,14 +324,14 @@ def loss_curve(records: Iterable[Progress], *, last_stage: int) -> list[tuple[in
     After a re-plan a step's loss may sit in the record of a peer that is gone (the steps
     before its death) or of its successor (the steps after): per (step, replica) the record
     of the newest epoch that has it counts. A step counts once every replica of that epoch
-    (the replica indices its records name) has it.
+    (its records say how many there are) has it.
     """
     best: dict[tuple[int, int], tuple[int, float]] = {}  # (step, replica) -> (epoch, loss)
     width: dict[int, int] = {}  # epoch -> replicas of the last stage seen in its records
     for p in records:
         if p.stage != last_stage:
             continue
-        width[p.epoch] = max(width.get(p.epoch, 0), p.replica + 1)
+        width[p.epoch] = max(width.get(p.epoch, 0), p.replicas, p.replica + 1)
         for s, loss in p.losses:
             seen = best.get((s, p.replica))
             if seen is None or p.epoch > seen[0]:

@@ -12,15 +12,14 @@ they are saved and restored atomically with the weights they belong to.
 from __future__ import annotations
 
 import contextlib
-import os
 import re
-import tempfile
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from peerd.durable import TMP_PREFIX, replace_file
 from peerd.errors import ConfigError
 from peerd.log import get_logger
 
@@ -62,19 +61,12 @@ def save(directory: str | Path, state: dict[str, Any], keep: int = 2) -> Path:
     assert not missing, f"checkpoint state lacks {missing}"
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    final = checkpoint_file(directory, int(state["step"]))
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".pt", dir=directory)
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            torch.save(state, fh)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, final)
-    except BaseException:
+    for stale in directory.glob(f"{TMP_PREFIX}*"):  # a crash mid-save left it: one saver per directory
         with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-    _fsync_dir(directory)
+            stale.unlink()
+    final = replace_file(
+        checkpoint_file(directory, int(state["step"])), lambda fh: torch.save(state, fh), suffix=".pt"
+    )
     for old in saved_steps(directory)[:-keep]:
         with contextlib.suppress(OSError):
             checkpoint_file(directory, old).unlink()
@@ -103,16 +95,3 @@ def load(directory: str | Path, step: int | None = None) -> dict[str, Any]:
     if state["format"] != FORMAT:
         raise ConfigError("checkpoint_dir", f"{path} has format {state['format']}, this peerd reads {FORMAT}")
     return state
-
-
-def _fsync_dir(directory: Path) -> None:
-    # the rename is only durable once the directory entry is on disk (POSIX; not possible on Windows)
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        with contextlib.suppress(OSError):
-            os.fsync(fd)
-    finally:
-        os.close(fd)

@@ -14,13 +14,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
-import tempfile
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from peerd.durable import TMP_PREFIX, replace_file
 from peerd.errors import ConfigError, ErrorCode, ProtocolError
 from peerd.log import get_logger
 from peerd.pipeline import checkpoint
@@ -34,8 +33,6 @@ from peerd.pipeline.statesync import (
 from peerd.swarm.transport import Transport
 
 logger = get_logger(__name__)
-
-_TMP_PREFIX = ".tmp-"
 
 
 @dataclass(frozen=True)
@@ -105,19 +102,9 @@ class CheckpointReplicas:
         directory = self.directory(job, stage)
         with self._lock:
             directory.mkdir(parents=True, exist_ok=True)
-            final = checkpoint.checkpoint_file(directory, step)
-            fd, tmp = tempfile.mkstemp(prefix=_TMP_PREFIX, suffix=".pt", dir=directory)
-            try:
-                with os.fdopen(fd, "wb") as fh:
-                    fh.write(blob)
-                    fh.flush()
-                    os.fsync(fh.fileno())
-                os.replace(tmp, final)
-            except BaseException:
-                with contextlib.suppress(OSError):
-                    os.unlink(tmp)
-                raise
-            checkpoint._fsync_dir(directory)  # one copy of the durability rule, beside checkpoint.save
+            final = replace_file(
+                checkpoint.checkpoint_file(directory, step), lambda fh: fh.write(blob), suffix=".pt"
+            )
             for old in checkpoint.saved_steps(directory)[: -self.keep]:
                 self._delete(job, stage, old, f"older than the newest {self.keep}")
             self._evict(keep=(job, stage, step))
@@ -169,7 +156,7 @@ class CheckpointReplicas:
         removed = 0
         for job_dir in _subdirs(self.root):
             for stage_dir in _subdirs(job_dir):
-                for path in stage_dir.glob(f"{_TMP_PREFIX}*"):
+                for path in stage_dir.glob(f"{TMP_PREFIX}*"):
                     with contextlib.suppress(OSError):
                         path.unlink()
                         removed += 1

@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
-import os
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +25,7 @@ import msgspec
 from hivemind.dht import DHT
 from hivemind.utils import get_dht_time
 
+from peerd.durable import replace_file
 from peerd.errors import PeerdError, ProtocolError
 from peerd.log import get_logger
 from peerd.swarm.identity import check_peer_entry
@@ -380,18 +380,10 @@ class KnownPeersStore:
         peers = self.peers
         doc = KnownPeersFile(KNOWN_PEERS_KIND, KNOWN_PEERS_VERSION, self.swarm, peers)
         data = msgspec.json.format(msgspec.json.encode(doc), indent=1)
-        tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
         try:
-            with open(tmp, "wb") as fh:
-                fh.write(data)
-                fh.flush()
-                os.fsync(fh.fileno())
-            os.replace(tmp, self.path)
-            _fsync_dir(self.path.parent)
+            replace_file(self.path, lambda fh: fh.write(data))
         except OSError as exc:
             logger.warning("cannot save the remembered peers to %s: %s", self.path, exc)
-            with contextlib.suppress(OSError):
-                tmp.unlink()
             return
         self._saved, self._saved_at = _content(peers), now
         logger.debug("remembered %d peers in %s", len(peers), self.path)
@@ -399,13 +391,3 @@ class KnownPeersStore:
 
 def _content(peers: Iterable[KnownPeer]) -> tuple[tuple[str, tuple[str, ...]], ...]:
     return tuple(sorted((p.peer_id, p.maddrs) for p in peers))
-
-
-def _fsync_dir(directory: Path) -> None:
-    """Make a rename durable (POSIX); where directories cannot be opened (Windows) the rename must do."""
-    with contextlib.suppress(OSError):
-        fd = os.open(directory, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)

@@ -92,9 +92,10 @@ class ConsensusConfig:
         return max(0, int((now - self.epoch0_start) // self.timing.period))
 
     def replan_epoch(self, now: float, after: int) -> int:
-        """The epoch a re-plan decided at ``now`` joins: the first after ``after`` whose roster
-        is open for at least half its window more (an entry sent later may miss other clocks)."""
+        """The epoch a re-plan decided at ``now`` joins: the first after ``after`` whose roster is
+        still open on this clock (every peer takes an entry issued up to ``roster_s + max_skew_s``
+        into the epoch by its author's clock, and it arrives before their ``settle_s`` ends)."""
         epoch = max(after + 1, self.epoch_at(now))
-        if now - self.start(epoch) > self.timing.roster_s / 2:
+        if now - self.start(epoch) > self.timing.roster_s:
             epoch += 1
         return epoch

@@ -95,7 +95,7 @@ def test_recovering_with_nobody_gone_is_stuck_after_its_grace() -> None:
     [
         ({"heartbeat_s": 0}, "health.heartbeat_s"),
         ({"suspect_grace_s": 3.0}, "health.suspect_grace_s"),
-        ({"silent_grace_s": 6.0}, "health.silent_grace_s"),
+        ({"silent_grace_s": 5.0}, "health.silent_grace_s"),
     ],
 )
 def test_thresholds_are_checked(kw: dict, field: str) -> None:

@@ -29,6 +29,8 @@ def tasklet(peer: str, state: TaskState, epoch: int = 1, **kw: Any) -> Any:
         "losses": (),
         "bytes": {},
         "reason": "",
+        "suspects": (),
+        "replicas": 0,
     }
     return NS(peer=peer, state=state, epoch=epoch, **{**fields, **kw})
 
@@ -101,3 +103,34 @@ def test_a_short_or_ambiguous_prefix_says_so(prefix: str, says: str):
     assert info.value.field == "job_id" and says in info.value.detail
     if "ambiguous" in says:
         assert JOBS[0] in info.value.detail and JOBS[1] in info.value.detail
+
+
+def test_the_loss_curve_merges_epochs_and_counts_a_step_only_with_every_replica() -> None:
+    from peerd.jobs.records import Progress, TaskState
+    from peerd.jobs.views import loss_curve
+
+    def last(peer: str, epoch: int, replica: int, losses, replicas: int = 2) -> Progress:
+        return Progress(
+            job_id="0" * 32,
+            peer=peer,
+            epoch=epoch,
+            stage=1,
+            replica=replica,
+            step=9,
+            steps=10,
+            state=TaskState.RUNNING,
+            tokens_per_s=1.0,
+            updated_at=1.0,
+            started_at=0.0,
+            losses=tuple(losses),
+            replicas=replicas,
+        )
+
+    records = [
+        last("dead", 3, 0, [(0, 4.0), (1, 3.0), (2, 2.0)]),  # died after step 2; its record stays
+        last("kept", 5, 1, [(0, 6.0), (1, 5.0), (2, 4.0), (3, 3.0), (4, 2.5)]),  # the surviving replica
+        last("new", 5, 0, [(3, 1.0), (4, 0.5)]),  # the spare in the dead one's slot, from step 3
+        # an overwritten record of epoch 4 shows one replica only: its steps still need both
+        last("moved", 4, 0, [(5, 9.0)]),
+    ]
+    assert loss_curve(records, last_stage=1) == [(0, 5.0), (1, 4.0), (2, 3.0), (3, 2.0), (4, 1.5)]

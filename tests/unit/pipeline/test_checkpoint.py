@@ -54,6 +54,14 @@ def test_a_failed_write_leaves_the_previous_checkpoint_and_no_debris(tmp_path: P
     assert sorted(p.name for p in d.iterdir()) == ["step-00000001.pt"]
 
 
+def test_a_temporary_left_by_a_crash_is_removed_by_the_next_save(tmp_path: Path):
+    d = tmp_path / "t"
+    checkpoint.save(d, state(1))
+    (d / ".tmp-crashed.pt").write_bytes(b"half a checkpoint")  # a kill between write and rename
+    checkpoint.save(d, state(2))
+    assert sorted(p.name for p in d.iterdir()) == ["step-00000001.pt", "step-00000002.pt"]
+
+
 def test_torn_and_foreign_files_are_ignored_or_refused(tmp_path: Path):
     d = tmp_path / "t"
     d.mkdir()

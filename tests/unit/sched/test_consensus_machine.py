@@ -608,14 +608,14 @@ def test_replan_joins_the_next_open_epoch_with_the_state_it_holds() -> None:
     m = net.m["p0"]
     m.set_held(_held(0, 6, 7))
     # Epoch 1 starts at END; its roster is open for 10 s: a re-plan 3 s in joins it,
-    # one 6 s in (past half the window) joins epoch 2.
+    # one 11 s in (past the window) joins epoch 2.
     acts = m.replan(END + 3)
     entry = next(a.payload for a in acts if isinstance(a, Publish))
     assert (entry.epoch, entry.held) == (1, _held(0, 6, 7)) and m.epoch == 1
     late = four()
     late.start()
     run_epoch(late, 0)
-    late.m["p1"].replan(END + 6)
+    late.m["p1"].replan(END + 11)
     assert late.m["p1"].epoch == 2
 
 

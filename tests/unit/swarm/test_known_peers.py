@@ -155,20 +155,24 @@ def test_entries_without_a_usable_address_are_dropped_on_load(tmp_path):
     assert peer == KnownPeer(IDS[3], (f"/ip4/10.0.0.1/tcp/1/p2p/{IDS[3]}",), NOW)
 
 
-def test_a_failed_save_is_a_warning_and_keeps_the_old_file(tmp_path, caplog):
+def test_a_failed_save_is_a_warning_and_keeps_the_old_file(tmp_path, caplog, monkeypatch):
     path = tmp_path / "known_peers.json"
     store = KnownPeersStore(path, "lab")
     store.update([_record(IDS[0])], self_id=ME, now=NOW)
     store.save(NOW)
     before = path.read_bytes()
-    blocker = tmp_path / f".known_peers.json.{os.getpid()}.tmp"
-    blocker.mkdir()  # the temporary file cannot be created (works as root too, unlike chmod)
+
+    def disk_full(src, dst):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(os, "replace", disk_full)  # the rename fails (works as root too, unlike chmod)
     store.update([_record(IDS[1])], self_id=ME, now=NOW + 1)
     with caplog.at_level(logging.WARNING, logger="peerd.swarm.membership"):
         store.save(NOW + 1)
     assert "cannot save the remembered peers" in caplog.text
     assert path.read_bytes() == before
+    assert [p.name for p in tmp_path.iterdir()] == ["known_peers.json"]  # no temporary left behind
     assert store.update([], self_id=ME, now=NOW + 2)  # still unsaved: the next refresh tries again
-    blocker.rmdir()
+    monkeypatch.undo()
     store.save(NOW + 2)
     assert len(KnownPeersStore(path, "lab").load()) == 2
