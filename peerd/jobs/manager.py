@@ -284,7 +284,8 @@ class JobManager:
         for entry in list(self.jobs.values()):
             rec = entry.record
             if rec.state in TERMINAL:
-                await self._stop(entry)
+                # a finished job's checkpoints stay served here: peerd fetch gathers them over p2p
+                await self._stop(entry, keep_serving=rec.state == JobState.DONE)
             elif entry.planner_task is None:
                 self._start_planner(entry)
             if entry.commit is None and rec.state in TERMINAL and not entry.records_read:
@@ -449,14 +450,16 @@ class JobManager:
             logger.exception("%s stopped on an unexpected error", what)
             return None
 
-    async def _stop(self, entry: JobEntry) -> None:
+    async def _stop(self, entry: JobEntry, *, keep_serving: bool = False) -> None:
         adopting = self._adopting.pop(entry.record.job_id, None)
         for task in (adopting, entry.planner_task):
             if task is not None and not task.done():
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await task
-        if entry.runner is not None:
+        if entry.runner is not None and keep_serving:
+            await entry.runner.retire()
+        elif entry.runner is not None:
             await entry.runner.close()
             entry.runner = None
         if entry.planner is not None:

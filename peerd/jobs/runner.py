@@ -215,6 +215,7 @@ class TaskletRunner:
         self.recoveries: list[dict[str, Any]] = []  # per adopted commit: where the state came from, how long
         self.server = StateServer(transport, job.job_id, self.provide, config=self.statesync)
         self._frozen: _Frozen | None = None
+        self.retired = False
         self._task: asyncio.Task | None = None
         self._publisher: asyncio.Task | None = None
         self._replicator: asyncio.Task | None = None
@@ -241,9 +242,10 @@ class TaskletRunner:
 
     async def close(self) -> None:
         """Stop the tasklet, publish its last record, stop serving; never raises (shutdown paths call it)."""
-        async with self._lock:
-            with contextlib.suppress(Exception):
-                await self._stop_tasklet("its daemon shut down", TaskState.LEFT)
+        if not self.retired:  # a finished job's record stays as it ended
+            async with self._lock:
+                with contextlib.suppress(Exception):
+                    await self._stop_tasklet("its daemon shut down", TaskState.LEFT)
         for task in (self._publisher, self._replicator):
             if task is not None:
                 task.cancel()
@@ -251,6 +253,24 @@ class TaskletRunner:
                     await task
         with contextlib.suppress(Exception):
             await self.server.close()
+
+    async def retire(self) -> None:
+        """The job ended: stop the tasklet and the background loops, keep serving the checkpoints held here.
+
+        Idempotent (the manager calls it every round of a finished job); ``close`` ends the serving too.
+        """
+        if self.retired:
+            return
+        self.retired = True
+        async with self._lock:
+            if self.running:
+                await self._stop_tasklet("the job ended", TaskState.DONE)
+            self._frozen = None  # memory back: what is served now comes from the files
+        for task in (self._publisher, self._replicator):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await task
 
     async def wait(self) -> TaskState:
         """Until the current tasklet ends (done, failed or recovering); its state."""
