@@ -7,6 +7,17 @@ second before it crashes reach only some readers; clocks are skewed by up to
 ``skew_s``. Every message goes through the real msgpack codec. One peer may crash
 mid-round, one may be byzantine (false low claimed costs, optionally equivocating votes).
 Everything is driven by one ``random.Random(seed)``: the same seed replays exactly.
+
+A partition (``partition_s > 0``) splits the peers into two seeded halves for that long,
+starting around the re-plan (or epoch 0 without one); both halves keep running. Its split
+and start come from a second stream seeded alike, so every other draw stays as it is
+without a partition until the first delivery the partition cuts. A
+delivery between the halves that falls into the partition is lost (``partition_drop``,
+the default: roster entries, candidates and votes stored during it never reach the other
+half, harsher than a DHT) or postponed to a poll after the heal (a DHT: the record stayed
+stored, it was just unreachable). Commit records are postponed in both modes: they live
+under ``commit_key(job)`` until the job ends and a committed driver re-reads that key
+forever (``peerd.jobs.planner``), so even a real network partition cannot erase them.
 """
 
 from __future__ import annotations
@@ -24,6 +35,7 @@ from peerd.sched.consensus.actions import Commit, Migrate, NextEpoch, Publish, S
 from peerd.sched.consensus.machine import ConsensusConfig, ConsensusMachine, ConsensusTiming
 from peerd.sched.consensus.messages import (
     Candidate,
+    CommitRecord,
     Roster,
     RosterDevice,
     RosterLink,
@@ -156,6 +168,11 @@ class SimConfig:
     epochs: int = 4  # simulate at most this many epochs
     search_tries: int = 6  # island moves per tick
     replan: bool = False  # after the first commit, one allocated peer dies and the survivors re-plan
+    kill_at: tuple[float, float] = (0.0, SIM_TIMING.period / 2)  # when, into epoch 1 (uniform draw)
+    partition_s: float = 0.0  # the two halves cannot reach each other this long (0: no partition)
+    partition_at: tuple[float, float] = (-4.0, 4.0)  # it starts this long after the kill (or epoch 0)
+    partition_side: float = 0.5  # the share of peers in the first half (a seeded split)
+    partition_drop: bool = True  # lose what crosses during it (True) or deliver it after the heal
 
 
 @dataclass
@@ -168,6 +185,10 @@ class PeerState:
     island_results: dict[int, float] = field(default_factory=dict)  # epoch -> final island cost
     commits: list[Commit] = field(default_factory=list)
     next_epochs: list[int] = field(default_factory=list)
+    commit_at: list[float] = field(default_factory=list)  # sim time of each Commit
+    next_epoch_at: list[float] = field(default_factory=list)  # sim time of each NextEpoch
+    replanned_at: float | None = None  # sim time of its replan() call
+    replanned_into: int | None = None  # the epoch that call joined
 
 
 @dataclass
@@ -179,6 +200,9 @@ class SimResult:
     killed: str | None  # the allocated peer that died after the first commit (replan runs)
     delivered: int
     dropped: int
+    partition: tuple[float, float] | None = None  # sim time window of the partition
+    halves: tuple[frozenset[str], frozenset[str]] | None = None
+    cut: int = 0  # deliveries lost to the partition (drop) or postponed past its end (delay)
 
 
 def run(seed: int, cfg: SimConfig | None = None) -> SimResult:
@@ -211,7 +235,18 @@ def run(seed: int, cfg: SimConfig | None = None) -> SimResult:
 
     queue: list[tuple[float, int, str, str, object]] = []
     seq = itertools.count()
-    stats = {"delivered": 0, "dropped": 0}
+    stats = {"delivered": 0, "dropped": 0, "cut": 0}
+    window: tuple[float, float] | None = None  # the partition, once it is scheduled
+    halves: tuple[frozenset[str], frozenset[str]] | None = None
+    if cfg.partition_s > 0:  # its own stream: the other draws stay as without a partition
+        prng = random.Random(f"partition/{seed}")
+        order = prng.sample(names, len(names))
+        k = min(len(names) - 1, max(1, round(cfg.partition_side * len(names))))
+        halves = frozenset(order[:k]), frozenset(order[k:])
+        side = {q: 0 if q in halves[0] else 1 for q in names}
+        lag = prng.uniform(*cfg.partition_at)
+        if not cfg.replan:
+            window = (conf.epoch0_start + lag, conf.epoch0_start + lag + cfg.partition_s)
     decoded: dict[bytes, object] = {}
 
     def push(t: float, kind: str, peer: str, data: object = None) -> None:
@@ -237,9 +272,9 @@ def run(seed: int, cfg: SimConfig | None = None) -> SimResult:
             if (crash_soon and rng.random() < 0.5) or rng.random() < cfg.drop:
                 stats["dropped"] += 1
                 continue
-            push(t + delay(), "deliver", q, out)
+            push(t + delay(), "deliver", q, (src, out))
             if rng.random() < cfg.dup:
-                push(t + delay(), "deliver", q, out)
+                push(t + delay(), "deliver", q, (src, out))
 
     def handle(st: PeerState, actions: list, t: float) -> None:
         for a in actions:
@@ -256,8 +291,10 @@ def run(seed: int, cfg: SimConfig | None = None) -> SimResult:
                 st.island_results[a.epoch] = st.island.cost
             elif isinstance(a, Commit):
                 st.commits.append(a)
+                st.commit_at.append(t)
             elif isinstance(a, NextEpoch):
                 st.next_epochs.append(a.epoch)
+                st.next_epoch_at.append(t)
                 st.island = None
 
     killed: str | None = None
@@ -266,7 +303,7 @@ def run(seed: int, cfg: SimConfig | None = None) -> SimResult:
         start = conf.epoch0_start - 2.0 + rng.uniform(0, 1.5)
         push(start, "start", p)
     if cfg.replan:
-        push(conf.start(1) + rng.uniform(0.0, SIM_TIMING.period / 2), "kill", names[0])
+        push(conf.start(1) + rng.uniform(*cfg.kill_at), "kill", names[0])
     while queue:
         t, _, kind, p, data = heapq.heappop(queue)
         if t > horizon:
@@ -283,10 +320,13 @@ def run(seed: int, cfg: SimConfig | None = None) -> SimResult:
             victims = [q for q in committed[0].allocation.devices if q in honest]
             killed = rng.choice(victims)
             peers[killed].crash_at = t
+            if halves is not None:
+                window = (t + lag, t + lag + cfg.partition_s)
             for q in names:  # each survivor confirms the death on its own poll, seconds apart
                 push(t + rng.uniform(2.0, 8.0), "replan", q)
         elif kind == "replan":
             handle(st, st.machine.replan(now), t)
+            st.replanned_at, st.replanned_into = t, st.machine.epoch
             push(t + rng.uniform(0.7, 1.3), "tick", p)
         elif kind == "start":
             handle(st, st.machine.start(now), t)
@@ -298,13 +338,30 @@ def run(seed: int, cfg: SimConfig | None = None) -> SimResult:
             if not _settled(peers, t) or st.machine.replanning is not None:
                 push(t + rng.uniform(0.7, 1.3), "tick", p)
         else:
-            stats["delivered"] += 1
-            msg = decoded.get(data)
+            src, raw = data
+            msg = decoded.get(raw)
             if msg is None:  # all readers get the same bytes; decode each record once
-                msg = decoded[data] = decode(data)
+                msg = decoded[raw] = decode(raw)
+            if window is not None and window[0] <= t < window[1] and side[src] != side[p]:
+                stats["cut"] += 1
+                if not cfg.partition_drop or isinstance(msg, CommitRecord):
+                    push(window[1] + delay(), "deliver", p, data)  # read again once it heals
+                continue
+            stats["delivered"] += 1
             handle(st, st.machine.on_message(msg, now), t)
     survivors = [p for p in names if p not in (byz, crashed, killed)]
-    return SimResult(peers, survivors, byz, crashed, killed, stats["delivered"], stats["dropped"])
+    return SimResult(
+        peers,
+        survivors,
+        byz,
+        crashed,
+        killed,
+        stats["delivered"],
+        stats["dropped"],
+        window,
+        halves,
+        stats["cut"],
+    )
 
 
 def _settled(peers: dict[str, PeerState], t: float) -> bool:
