@@ -7,8 +7,12 @@ They travel in the job record, so all peers derive the same deadlines from
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from peerd.errors import ConfigError
+
+if TYPE_CHECKING:
+    from peerd.sched.consensus.messages import CommitRecord
 
 
 @dataclass(frozen=True)
@@ -69,6 +73,9 @@ class ConsensusConfig:
     max_candidates_per_author: int = 16  # more from one author in one epoch are dropped
     cost_rtol: float = 1e-6  # claimed vs re-scored cost (same code and data: equal up to rounding)
     replan_margin: float = 0.05  # a re-plan moves surviving tasklets only for a cost gain above this
+    anchor_epochs: int = (
+        6  # re-plan epochs this close to the running commit also need a majority of its roster
+    )
 
     def __post_init__(self) -> None:
         self.timing.validate()
@@ -82,10 +89,19 @@ class ConsensusConfig:
             raise ConfigError("cost_rtol", "must be in [0, 1)")
         if not 0 <= self.replan_margin < 1:
             raise ConfigError("replan_margin", "must be in [0, 1)")
+        if self.anchor_epochs < 0:
+            raise ConfigError("anchor_epochs", "must be >= 0")
 
     def start(self, epoch: int) -> float:
         """DHT time at which ``epoch`` starts."""
         return self.epoch0_start + epoch * self.timing.period
+
+    def anchor(self, committed: CommitRecord | None, epoch: int) -> frozenset[str]:
+        """Peers a commit of re-plan ``epoch`` needs a majority of: the running commit's roster
+        (``committed``: its CommitRecord), for ``anchor_epochs`` epochs after it; empty after that."""
+        if committed is None or not committed.epoch < epoch <= committed.epoch + self.anchor_epochs:
+            return frozenset()
+        return frozenset(peer for peer, _ in committed.roster)
 
     def epoch_at(self, now: float) -> int:
         """The epoch running at ``now`` (0 before epoch 0)."""

@@ -15,7 +15,7 @@ from msgspec.structs import replace
 
 from peerd.sched.allocation import Allocation
 from peerd.sched.consensus.messages import Candidate, CommitRecord, Message, Roster, RosterEntry, Vote
-from peerd.sched.consensus.tally import Ballot, quorum, winner
+from peerd.sched.consensus.tally import Ballot, anchored, quorum, winner
 
 
 @dataclass
@@ -38,6 +38,7 @@ class EpochState:
     ballots: tuple[Ballot, Ballot] = field(default_factory=lambda: (Ballot(), Ballot()))
     voted: list[bool] = field(default_factory=lambda: [False, False])
     done: set[str] = field(default_factory=set)  # phases already entered
+    anchor: frozenset[str] = frozenset()  # a re-plan epoch's commit also needs a majority of these
     participant: bool = False  # own entry published in time
     best: tuple[float, Allocation] | None = None  # own island's best
     published_cost: float = math.inf
@@ -130,6 +131,8 @@ class EpochState:
             if rescored is not None:  # the first copy may carry a false claim
                 cand = replace(cand, cost=rescored)
             votes = tuple(v for v in counted if v.candidate == cid)
+            if not anchored({v.voter for v in votes}, self.anchor):
+                continue  # a quorum of this view, but not of the running roster: another view may have one too
             return CommitRecord(job, self.epoch, rnd, me, now, cand, self.roster.refs, votes)
         return None
 

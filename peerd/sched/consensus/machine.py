@@ -19,8 +19,10 @@ open (``ConsensusConfig.replan_epoch``) with an entry that also lists the stage 
 peer holds (``set_held``), and runs the same phases. In such a re-plan epoch, round 0 votes
 by hysteresis over the running allocation (``tally.replan_choice``): only candidates that
 keep its depth and layer split count, and a repair that moves no surviving tasklet beats a
-reshuffle unless the reshuffle is cheaper by ``replan_margin``. Every commit of a newer
-epoch is announced, even of the same allocation: the tasklets resume from one common step.
+reshuffle unless the reshuffle is cheaper by ``replan_margin``. A re-plan epoch commits only
+with voters holding a majority of the running commit's roster as well (for ``anchor_epochs``
+epochs; ``tally.anchored``): views split by a partition cannot both commit. Every commit of a
+newer epoch is announced, even of the same allocation: the tasklets resume from one common step.
 
 A commit happens whenever a quorum of this peer's roster view votes for one candidate in
 one round, or a verified ``CommitRecord`` arrives (also late: an older epoch's record is
@@ -193,7 +195,10 @@ class ConsensusMachine:
                 if es.add_vote(v) == "equivocation":
                     out += self._misbehaved(es.epoch, v.voter, f"two different votes in round {v.round}")
         equivocators = es.ballots[record.round].equivocators if es else set()
-        why = verify_record(record, self.config.faulty, equivocators)
+        running = self.committed.record if self.committed is not None else None
+        why = verify_record(
+            record, self.config.faulty, equivocators, self.config.anchor(running, record.epoch)
+        )
         if why is not None:
             log.warning("job %s: commit record from %s rejected: %s", self.job, record.author, why)
             return out + self._reject("bad_commit_record")
@@ -448,7 +453,13 @@ class ConsensusMachine:
 
     def _state(self, epoch: int) -> EpochState:
         if epoch not in self._epochs:
-            self._epochs[epoch] = EpochState(epoch, self.config.start(epoch), faulty=self.config.faulty)
+            running = self.replanning.record if self.replanning is not None else None
+            self._epochs[epoch] = EpochState(
+                epoch,
+                self.config.start(epoch),
+                faulty=self.config.faulty,
+                anchor=self.config.anchor(running, epoch),
+            )
         return self._epochs[epoch]
 
     def _island_seed(self, epoch: int) -> int:

@@ -118,12 +118,21 @@ def replan_choice(
     return min(near, key=lambda c: (moved_tasklets(allocations[c], previous), keep[c], c))
 
 
-def verify_record(record: CommitRecord, faulty: int, equivocators: set[str]) -> str | None:
+def anchored(voters: set[str] | frozenset[str], anchor: frozenset[str]) -> bool:
+    """Whether ``voters`` hold a majority of ``anchor`` (always, when there is no anchor)."""
+    return not anchor or len(voters & anchor) >= len(anchor) // 2 + 1
+
+
+def verify_record(
+    record: CommitRecord, faulty: int, equivocators: set[str], anchor: frozenset[str] = frozenset()
+) -> str | None:
     """Why ``record`` does not prove a commit, or None if it does.
 
     The record must carry a quorum (of its own roster) of distinct votes for its candidate
     in its round, each naming the record's roster digest; ``equivocators`` (voters this
-    peer caught voting twice in that epoch and round) do not count.
+    peer caught voting twice in that epoch and round) do not count. In a re-plan epoch those
+    voters must also hold a majority of ``anchor``, the running commit's roster: two views that
+    do not overlap (a partition over the roster window) cannot both have one.
     """
     digest = roster_digest(record.roster)
     members = frozenset(p for p, _ in record.roster)
@@ -143,4 +152,6 @@ def verify_record(record: CommitRecord, faulty: int, equivocators: set[str]) -> 
         voters.add(v.voter)
     if len(voters - equivocators) < quorum(len(members), faulty):
         return f"{len(voters - equivocators)} valid votes, quorum is {quorum(len(members), faulty)}"
+    if not anchored(voters - equivocators, anchor):
+        return f"{len((voters - equivocators) & anchor)} voters of the running roster's {len(anchor)}: no majority"
     return None

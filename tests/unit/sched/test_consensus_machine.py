@@ -677,3 +677,33 @@ def test_messages_of_a_replan_epoch_wait_for_a_peer_that_has_not_re_planned_yet(
     assert net.m["p1"].stats["after_commit"] == before
     net.m["p1"].replan(END + 2)
     assert "p0" in net.m["p1"]._epochs[1].entries
+
+
+def test_a_replan_epoch_needs_a_majority_of_the_running_roster_for_a_while_then_only_its_view() -> None:
+    cfg = ConsensusConfig(epoch0_start=T0, timing=TIMING, anchor_epochs=2)
+    net = Net(["p0", "p1", "p2", "p3"], config=cfg)
+    net.proposals = {p: BEST for p in net.m}
+    net.start()
+    run_epoch(net, 0)
+    record = net.m["p0"].committed.record
+    assert cfg.anchor(record, 1) == cfg.anchor(record, 2) == frozenset({"p0", "p1", "p2", "p3"})
+    assert cfg.anchor(record, 3) == frozenset() and cfg.anchor(record, 0) == frozenset()
+    # p1..p3 die; p0 re-plans with two newcomers: its view quorum (2 of 3) is there, the anchor
+    # majority (3 of p0..p3) is not, so epochs 1 and 2 cannot commit; epoch 3 can
+    for p in ("p1", "p2", "p3"):
+        del net.m[p]
+    for p in ("p4", "p5"):
+        net.m[p] = ConsensusMachine(JOB, p, net.config, score, RosterDevice(20.0, 16 << 30))
+        net.log[p] = []
+    net.held = []
+    net.proposals = {p: alloc(("p0",), ("p4",), spares=("p5",)) for p in net.m}
+    net.now = END + 1
+    net.run_actions("p0", net.m["p0"].replan(END + 1))
+    for p in ("p4", "p5"):  # newcomers that adopted the old commit re-plan too
+        net.m[p].committed = net.m["p0"].replanning
+        net.run_actions(p, net.m[p].replan(END + 1))
+    for e in (1, 2, 3):
+        for t in (FREEZE, STOP, DECIDE, ADOPT, END):
+            net.tick(t + (e - 1) * TIMING.period + TIMING.period)
+    m = net.m["p0"]
+    assert m.committed.epoch == 3, m.committed.epoch

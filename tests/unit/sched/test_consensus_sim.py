@@ -211,23 +211,16 @@ def test_a_partition_during_a_replan_never_commits_twice_per_epoch_and_heals() -
     assert lost and late and failed >= seeds // 3, failed
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason=(
-        "machine bug: a quorum is a majority of the committer's own roster view only; a partition"
-        " over a re-plan epoch's roster window leaves two views (each half plus what crossed before"
-        " it) that each reach min_peers and are each a majority of their own, so both halves commit"
-        " epoch 2 and reject each other's record as after_commit"
-    ),
-)
 def test_a_partition_over_a_replan_roster_never_commits_twice_per_epoch() -> None:
     """Re-planners that joined epoch 1 (its roster still open) publish their epoch-2 entries at its start.
 
     The partition covers that instant and the freeze: every other survivor's entry crossed
     long before, so each half freezes epoch 2 as itself plus the other half's early
-    re-planners: 9 or 10 of the 11 live peers, min_peers met, and its quorum is exactly
-    that half. Nothing is lost (the DHT model: delayed until the heal).
+    re-planners: 9 or 10 of the 11 live peers, min_peers met, and its view quorum is exactly
+    that half. Nothing is lost (the DHT model: delayed until the heal). Without the anchor
+    rule both halves committed epoch 2 (seeds 39, 47, 51); with it a commit of a re-plan
+    epoch also needs a majority of the running commit's roster, which two disjoint sets of
+    voters cannot both hold.
     """
     cfg = sim.SimConfig(
         peers=12,

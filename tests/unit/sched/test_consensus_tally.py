@@ -119,3 +119,12 @@ def test_replan_choice_prefers_the_repair_within_the_margin_and_keeps_the_shape(
     assert replan_choice({b"r": 10.0, b"s": 9.0}, allocs, prev, 0.05) == b"s"  # 10 % gain: move
     assert replan_choice({b"r": 10.0, b"d": 1.0, b"l": 1.0}, allocs, prev, 0.05) == b"r"
     assert replan_choice({b"d": 1.0, b"l": 1.0}, allocs, prev, 0.05) is None
+
+
+def test_anchored_needs_a_majority_of_the_running_roster() -> None:
+    from peerd.sched.consensus.tally import anchored
+
+    running = frozenset("abcde")
+    assert anchored({"a", "b", "c"}, running) and anchored({"a", "b", "c", "x", "y"}, running)
+    assert not anchored({"a", "b", "x", "y", "z"}, running)  # a quorum of its view, 2 of the 5 anchors
+    assert anchored({"x"}, frozenset())  # no anchor (epoch 0, or long after the running commit)
