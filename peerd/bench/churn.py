@@ -198,12 +198,16 @@ def join_through_survivor(swarm: LocalSwarm, until: int) -> None:
         swarm.add_peer(initial_peers=through)
 
 
+BENCH_STEPS = 400  # long enough to outlast four failures and their recoveries
+
+
 def failures(root: Path, peers: int = 8) -> list[dict[str, Any]]:
     """Run the job and the four failure kinds on a fresh local swarm; one JSON row per failure."""
     swarm = start_swarm(root, peers)
     rows = []
+    spec = {**CHURN_SPEC, "steps": BENCH_STEPS}
     try:
-        job = SwarmJob(swarm, swarm.peers[0].control().call("submit", spec=CHURN_SPEC)["job_id"])
+        job = SwarmJob(swarm, swarm.peers[0].control().call("submit", spec=spec)["job_id"])
         job.wait(
             lambda vs: (
                 len(vs) >= peers
