@@ -147,9 +147,11 @@ class SwarmJob:
                 self.swarm.kill_peer(victim)
         gone = {v.info.peer_id for v in victims if v.info is not None}
 
+        replan = bool(gone & set(alloc.devices))  # a spare's death needs no re-plan: training goes on
+
         def trains_again(vs: Views) -> bool:
             return len(vs) >= MIN_VIEWS and all(
-                v["allocation"]["epoch"] > epoch
+                (v["allocation"]["epoch"] > epoch or not replan)
                 and not gone & set(allocation_of(v).devices)
                 and v["state"] == "running"
                 and v["progress"]["step"] > at
@@ -169,6 +171,7 @@ class SwarmJob:
         return {
             "kind": kind,
             "victims": [v.name for v in victims],
+            "replanned": replan,
             "recovery_s": round(seconds, 2),
             "step_at_failure": at,
             "resumed_at": resumed,
