@@ -266,7 +266,8 @@ def churn(peers: int = 8, *, transfer_mib: int = 16) -> dict[str, Any]:
         "benchmark": "churn",
         "regime": "loopback, 2-core shared machine: recovery is bound by the planning windows and detection",
         "job": {
-            k: CHURN_SPEC[k] for k in ("steps", "parallel", "checkpoint_interval", "min_peers", "max_peers")
+            "steps": BENCH_STEPS,
+            **{k: CHURN_SPEC[k] for k in ("parallel", "checkpoint_interval", "min_peers", "max_peers")},
         },
         "failures": rows,
         "state_transfer": {
