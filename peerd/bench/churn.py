@@ -43,7 +43,7 @@ CHURN_SPEC: dict[str, Any] = {
     "kind": "pretrain",
     "model": {"preset": "tiny", "seed": 0},
     "data": {"source": "builtin", "seq_len": 32, "max_bytes": 262144},
-    "steps": 40,
+    "steps": 80,
     "global_batch": 8,
     "micro_batch": 2,
     "optimizer": {"name": "adamw", "lr": 0.003},

@@ -394,6 +394,9 @@ class JobManager:
         if entry.runner is not None:
             await entry.runner.freeze(cause)
             held = entry.runner.held()
+        # who may apply is decided anew: the peers online when this planner started (dead ones
+        # not yet expired among them) may have ranked this peer out of max_peers
+        planner.participate = eligible(job_id, self.me, self.online(), entry.spec.max_peers)
         await planner.replan(cause, held)
 
     # -- volunteer controls ---------------------------------------------------------------------

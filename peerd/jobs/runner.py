@@ -546,41 +546,46 @@ class TaskletRunner:
         every, job = self.spec.checkpoint_interval, self.job.job_id
         while True:
             await asyncio.sleep(REPLICATE_POLL_S)
-            commit = self.commit
-            stages = self.replica_stages()
-            if commit is None or not stages:
+            try:
+                await self._replicate_once(every, job)
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # a bug must not end the copies silently: the next round tries again
+                logger.exception("job %s: copying checkpoints failed", job)
+
+    async def _replicate_once(self, every: int, job: str) -> None:
+        assert self.replicas is not None
+        commit = self.commit
+        stages = self.replica_stages()
+        if commit is None or not stages:
+            return
+        try:
+            progress = await read_progress(self.store, job)
+        except PeerdError:
+            return
+        for stage in stages:
+            members = commit.allocation.stages[stage]
+            done = [progress[p].step for p in members if p in progress and progress[p].epoch == commit.epoch]
+            if len(done) < len(members):
+                continue
+            target = min(done) // every * every
+            latest = self.replicas.latest(job, stage)
+            if target <= 0 or (latest is not None and latest >= target):
                 continue
             try:
-                progress = await read_progress(self.store, job)
-            except PeerdError:
-                continue
-            for stage in stages:
-                members = commit.allocation.stages[stage]
-                done = [
-                    progress[p].step for p in members if p in progress and progress[p].epoch == commit.epoch
-                ]
-                if len(done) < len(members):
-                    continue
-                target = min(done) // every * every
-                latest = self.replicas.latest(job, stage)
-                if target <= 0 or (latest is not None and latest >= target):
-                    continue
-                try:
-                    await replicate(
-                        self.transport,
-                        [self.peer_ref(p) for p in members],
-                        job,
-                        stage,
-                        target,
-                        self.replicas,
-                        max_bytes=state_bound(self.spec),
-                        config=self.statesync,
-                    )
-                    logger.info(
-                        "job %s: keeps a copy of stage %d's checkpoint of step %d", job, stage, target
-                    )
-                except PeerdError as exc:  # not saved yet, or its peers are busy: the next round retries
-                    logger.debug("job %s: replicating stage %d step %d: %s", job, stage, target, exc)
+                await replicate(
+                    self.transport,
+                    [self.peer_ref(p) for p in members],
+                    job,
+                    stage,
+                    target,
+                    self.replicas,
+                    max_bytes=state_bound(self.spec),
+                    config=self.statesync,
+                )
+                logger.info("job %s: keeps a copy of stage %d's checkpoint of step %d", job, stage, target)
+            except PeerdError as exc:  # not saved yet, or its peers are busy: the next round retries
+                logger.debug("job %s: replicating stage %d step %d: %s", job, stage, target, exc)
 
     # ------------------------------------------------------------------ wiring
 

@@ -266,6 +266,10 @@ class ConsensusMachine:
         if now - es.start >= self.config.timing.roster_s:
             log.info("job %s: joined epoch %d after its roster closed; observing", self.job, epoch)
             return []
+        if self.me in es.entries:
+            # entered twice (a newcomer that started in this epoch, adopted the running commit
+            # and re-plans into the same epoch): a second, different entry would be equivocation
+            return []
         links = tuple(sorted(self.links, key=lambda x: x.peer))
         entry = RosterEntry(self.job, epoch, self.me, now, self.profile, links, self.held)
         es.entries[self.me] = entry

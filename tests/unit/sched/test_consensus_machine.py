@@ -707,3 +707,19 @@ def test_a_replan_epoch_needs_a_majority_of_the_running_roster_for_a_while_then_
             net.tick(t + (e - 1) * TIMING.period + TIMING.period)
     m = net.m["p0"]
     assert m.committed.epoch == 3, m.committed.epoch
+
+
+def test_a_newcomer_that_re_plans_into_the_epoch_it_started_in_publishes_one_entry() -> None:
+    """It started in epoch 1 (an entry), adopted the running commit of epoch 0, then its health
+    check re-plans into epoch 1 again: a second, different entry would get it banned."""
+    net = four()
+    net.start()
+    run_epoch(net, 0)
+    record = net.m["p0"].committed.record
+    m = ConsensusMachine(JOB, "p4", net.config, score, RosterDevice(20.0, 16 << 30))
+    first = m.start(END + 1)
+    assert [a.kind for a in first if isinstance(a, Publish)] == ["roster"]
+    m.on_commit_record(record, END + 2)
+    assert m.committed is not None and m.committed.epoch == 0
+    again = m.replan(END + 3)
+    assert m.epoch == 1 and not [a for a in again if isinstance(a, Publish) and a.kind == "roster"]
