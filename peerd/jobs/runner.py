@@ -272,14 +272,6 @@ class TaskletRunner:
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await task
 
-    async def wait(self) -> TaskState:
-        """Until the current tasklet ends (done, failed or recovering); its state."""
-        task = self._task
-        if task is not None:
-            with contextlib.suppress(asyncio.CancelledError):
-                await asyncio.shield(task)
-        return self.state
-
     @property
     def running(self) -> bool:
         return self._task is not None and not self._task.done()

@@ -41,7 +41,6 @@ class JobEntry:
     planner: JobPlanner | None = None
     planner_task: asyncio.Task | None = None
     runner: TaskletRunner | None = None
-    runner_task: asyncio.Task | None = None
     commit: Commit | None = None
     progress: dict[str, Progress] = field(default_factory=dict)
     stored_at: float = 0.0  # owner only: when the record was last stored
