@@ -187,8 +187,10 @@ def test_demo_runs_a_swarm_and_cleans_up(peerd_cli, tmp_path):
     assert {x["status"] for x in view["links"]} == {"ok"} and len(view["links"]) == 2
     assert "shutting the swarm down" in result.stderr
     # stderr is a pipe: the job's progress is a line per change, not one redrawn line
-    steps = re.findall(r"^\[ *\d+ s\] running step (\d+)/\d+ loss \S+ \S+ tok/s$", result.stderr, re.M)
-    assert len(steps) >= 2 and len(set(steps)) == len(steps), result.stderr[-3000:]
+    lines = re.findall(r"^\[ *\d+ s\] (running step (\d+)/\d+ loss \S+ \S+ tok/s)$", result.stderr, re.M)
+    texts, steps = [text for text, _ in lines], [int(step) for _, step in lines]
+    assert len(set(steps)) >= 2 and steps == sorted(steps), result.stderr[-3000:]
+    assert all(a != b for a, b in zip(texts, texts[1:])), result.stderr[-3000:]  # printed only when it changes
     assert view["demo"]["state"] == "done" and "loss plot" in result.stderr
     for name in ("peer0", "peer1"):
         log = (root / name / "daemon.log").read_text()
