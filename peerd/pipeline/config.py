@@ -9,6 +9,7 @@ from typing import Any
 from peerd.data.config import DataConfig
 from peerd.errors import ConfigError
 from peerd.models.gpt import PRESETS, GPTConfig
+from peerd.models.registry import GPTFamily, ModelFamily
 from peerd.pipeline.codec import CompressionConfig
 from peerd.pipeline.optim import OptimizerConfig, with_shorthands
 from peerd.pipeline.partition import validate_layers_per_stage
@@ -36,6 +37,10 @@ class ModelBuild:
         if self.preset not in PRESETS:
             raise ConfigError("model.preset", f"unknown preset {self.preset!r} (known: {', '.join(PRESETS)})")
         return GPTConfig.preset(self.preset, **self.overrides)
+
+    def family(self) -> ModelFamily:
+        """The model a stage worker builds its layers from (``peerd.models.registry``)."""
+        return GPTFamily(self.gpt(), self.seed)
 
 
 @dataclass(frozen=True)

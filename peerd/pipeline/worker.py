@@ -45,7 +45,6 @@ from peerd.data.sampler import EpochSampler, micro_batches
 from peerd.errors import ConfigError, PeerdError
 from peerd.loading import to_mapping
 from peerd.log import get_logger
-from peerd.models.gpt import build_layer, lm_loss
 from peerd.pipeline import checkpoint
 from peerd.pipeline.codec import RawDecoder, build_codecs
 from peerd.pipeline.config import TrainConfig
@@ -153,15 +152,10 @@ class StageWorker:
         self.transport = transport
         self.reducer = reducer
         self.on_report = on_report
-        self.gpt = cfg.model.gpt()
+        self.model = cfg.model.family()  # the registry's model: layers, loss and hidden width
         self.dataset = dataset if dataset is not None else build_dataset(cfg.data)
         self.seq_len = self.dataset.seq_len
-        self.module = build_stage(
-            lambda i: build_layer(self.gpt, i, cfg.model.seed),
-            self.gpt.num_layers,
-            cfg.layers_per_stage,
-            stage,
-        )
+        self.module = build_stage(self.model.build_layer, self.model.num_layers, cfg.layers_per_stage, stage)
         self.params = [p for p in self.module.parameters() if p.requires_grad]
         self.optimizer = build_optimizer(self.params, cfg.optimizer)
         self.scheduler = build_scheduler(self.optimizer, cfg.optimizer, cfg.steps)
@@ -226,7 +220,7 @@ class StageWorker:
         boundary = self.stage - 1 if kind == KIND_ACT else self.stage
         decoder = self.codecs.recv_act if kind == KIND_ACT else self.codecs.recv_grad
         codec = decoder.name if decoder is not None else "none"
-        row_shape = (self.seq_len, self.gpt.d_model)
+        row_shape = (self.seq_len, self.model.hidden)
 
         def expect(step: int) -> Expectation:
             return Expectation(
@@ -402,7 +396,7 @@ class StageWorker:
         if not self.last:
             assert self.codecs.send_act is not None
             return y, 0.0, self.codecs.send_act.encode(tuple(ids), y.detach())  # y: (b, T, C)
-        loss = lm_loss(y, self.dataset.targets(ids))
+        loss = self.model.loss(y, self.dataset.targets(ids))
         return loss * weight, loss.item() * weight, None  # this micro-batch's share of the replica's mean
 
     def _backward(
