@@ -31,6 +31,8 @@ class ErrorCode(IntEnum):
     PEER_UNAVAILABLE = 300  # peer unreachable or did not answer
     TIMEOUT = 301  # a deadline passed while waiting
     BUSY = 302  # peer is up but refuses new work right now (probe budget, overload)
+    RATE_LIMITED = 303  # this caller used up its own share (streams, bytes per second); retry later
+    BANNED = 304  # this caller is banned for a while after garbage or exceeded limits; retry after the ban
     # 4xx: configuration
     CONFIG_INVALID = 400  # user-supplied configuration failed validation
     # 5xx: tensors and codecs

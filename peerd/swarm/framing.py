@@ -34,7 +34,9 @@ PREFIX_LEN = PREFIX.size  # 16
 ERROR_KIND = "error"
 
 # Codes that describe the remote peer or time rather than the bytes: raised as PeerUnavailable.
-_UNAVAILABLE_CODES = frozenset({ErrorCode.PEER_UNAVAILABLE, ErrorCode.TIMEOUT, ErrorCode.BUSY})
+_UNAVAILABLE_CODES = frozenset(
+    {ErrorCode.PEER_UNAVAILABLE, ErrorCode.TIMEOUT, ErrorCode.BUSY, ErrorCode.RATE_LIMITED, ErrorCode.BANNED}
+)
 
 Header = dict[str, Any]
 Payload = bytes | bytearray | memoryview

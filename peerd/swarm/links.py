@@ -7,6 +7,9 @@ One probe session is one ``peerd/probe/1`` stream (messages in protocols/probes.
 the receiver from the end of the first bulk frame to the end of the last, counting wire
 bytes of the frames in between, so the one-way delay and the start-up burst drop out.
 Each direction is bounded by a byte and a time budget; the whole session by a deadline.
+The responder serves each peer fairly: one session per peer at a time, a few in total, each
+within an idle and a total timeout, and every byte it answers with is charged to the
+peer's token bucket (a small request cannot make it send without bound).
 ``LinkProber.refresh`` probes a bounded number of peers per call, stalest first.
 """
 
@@ -27,7 +30,8 @@ from msgspec import Meta
 
 from peerd.errors import ConfigError, ErrorCode, PeerdError, PeerUnavailable, ProtocolError
 from peerd.log import get_logger
-from peerd.swarm.framing import StreamClosed
+from peerd.swarm.framing import FrameLimits, StreamClosed
+from peerd.swarm.limits import BudgetConfig, ByteBudget, StreamLimits
 from peerd.swarm.records import LinkMeasurement, LinkStatus
 from peerd.swarm.transport import Connection, Transport
 from peerd.wire import WireStruct, convert, to_builtin
@@ -58,10 +62,25 @@ class ProbeConfig:
     """Deadline for one whole probe session; after it the peer is marked TIMEOUT, not waited on."""
     peers_per_refresh: int = 4
     """Most peers probed per ``refresh`` call (stalest first)."""
-    max_sessions: int = 2
+    max_sessions: int = 4
     """Responder: concurrent probe sessions served; more are refused with BUSY."""
-    idle_timeout_s: float = 10.0
-    """Responder: a session that sends nothing for this long is closed."""
+    max_sessions_per_peer: int = 1
+    """Responder: concurrent probe sessions of one peer; more are refused with RATE_LIMITED
+    (so one peer cannot hold every slot)."""
+    idle_timeout_s: float = 5.0
+    """Responder: a session whose next frame does not arrive whole within this long is closed
+    (a prober sends its frames back to back; a trickle of bytes does not keep a slot)."""
+    session_timeout_s: float = 20.0
+    """Responder: a session open longer than this is closed with TIMEOUT, however busy (a whole
+    probe takes about 2 x bulk_seconds + a few round trips; the prober gives up at 15 s)."""
+    answer_burst_bytes: int = 16 << 20
+    """Responder: bytes one peer may get in answers at once (two default downloads)."""
+    answer_rate_Bps: float = 512 << 10
+    """Responder: bytes per second one peer's answer budget refills (4 Mbit/s)."""
+    answer_total_burst_bytes: int = 64 << 20
+    """Responder: bytes all peers together may get at once."""
+    answer_total_rate_Bps: float = 4 << 20
+    """Responder: bytes per second of the shared budget of all peers (32 Mbit/s of this uplink)."""
     max_bulk_bytes: int = 32 << 20
     """Responder: cap on the bytes one download request may ask for."""
     max_bulk_seconds: float = 5.0
@@ -70,7 +89,16 @@ class ProbeConfig:
     """Responder: cap on the frame size a download request may ask for."""
 
     def __post_init__(self) -> None:
-        for name in ("pings", "bulk_bytes", "frame_bytes", "peers_per_refresh", "max_sessions"):
+        for name in (
+            "pings",
+            "bulk_bytes",
+            "frame_bytes",
+            "peers_per_refresh",
+            "max_sessions",
+            "max_sessions_per_peer",
+            "answer_burst_bytes",
+            "answer_total_burst_bytes",
+        ):
             if getattr(self, name) < 1:
                 raise ConfigError(name, f"must be >= 1, got {getattr(self, name)!r}")
         for name in (
@@ -78,10 +106,41 @@ class ProbeConfig:
             "connect_timeout_s",
             "probe_timeout_s",
             "idle_timeout_s",
+            "session_timeout_s",
             "max_bulk_seconds",
+            "answer_rate_Bps",
+            "answer_total_rate_Bps",
         ):
             if not getattr(self, name) > 0:
                 raise ConfigError(name, f"must be > 0, got {getattr(self, name)!r}")
+        if self.max_sessions_per_peer > self.max_sessions:
+            raise ConfigError("max_sessions_per_peer", f"must be <= max_sessions ({self.max_sessions})")
+        if self.frame_bytes > self.max_frame_bytes:
+            raise ConfigError("frame_bytes", f"must be <= max_frame_bytes ({self.max_frame_bytes})")
+
+    @property
+    def stream_limits(self) -> StreamLimits:
+        """What the responder's transport grants probe streams."""
+        return StreamLimits(
+            max_per_peer=self.max_sessions_per_peer,
+            max_total=self.max_sessions,
+            idle_timeout_s=self.idle_timeout_s,
+            session_timeout_s=self.session_timeout_s,
+        )
+
+    @property
+    def frame_limits(self) -> FrameLimits:
+        """Probe frames are small: a bulk frame is at most ``max_frame_bytes`` (bigger ones: OVERSIZED)."""
+        return FrameLimits(max_header=4096, max_payload=self.max_frame_bytes)
+
+    @property
+    def answer_budget(self) -> BudgetConfig:
+        return BudgetConfig(
+            rate_Bps=self.answer_rate_Bps,
+            burst_bytes=self.answer_burst_bytes,
+            total_rate_Bps=self.answer_total_rate_Bps,
+            total_burst_bytes=self.answer_total_burst_bytes,
+        )
 
 
 def _expect(header: dict[str, Any], kind: str) -> None:
@@ -155,11 +214,18 @@ async def _send_bulk(conn: Connection, kind: str, nbytes: int, seconds: float, f
 
 
 class ProbeResponder:
-    """Answers probe sessions from other peers, within its own budget (refuses extra sessions with BUSY)."""
+    """Answers probe sessions from other peers, within its own budget (sessions and answer bytes per peer)."""
 
-    def __init__(self, transport: Transport, config: ProbeConfig = ProbeConfig()) -> None:
+    def __init__(
+        self,
+        transport: Transport,
+        config: ProbeConfig = ProbeConfig(),
+        *,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.transport = transport
         self.config = config
+        self.budget = ByteBudget(config.answer_budget, clock)
         self._active = 0
         self.sessions_served = 0
 
@@ -169,16 +235,18 @@ class ProbeResponder:
         return self._active
 
     async def start(self) -> None:
-        await self.transport.serve(PROBE_PROTOCOL, self._handle)
+        cfg = self.config
+        await self.transport.serve(
+            PROBE_PROTOCOL, self._handle, limits=cfg.frame_limits, streams=cfg.stream_limits
+        )
 
     async def stop(self) -> None:
         await self.transport.stop_serving(PROBE_PROTOCOL)
 
     async def _handle(self, conn: Connection) -> None:
+        """One session; the transport has granted its slot and enforces its idle and total timeouts."""
         cfg = self.config
-        if self._active >= cfg.max_sessions:
-            await conn.send_error(ErrorCode.BUSY, f"already serving {self._active} probe sessions")
-            return
+        peer = conn.peer_id
         self._active += 1
         self.sessions_served += 1
         try:
@@ -189,6 +257,7 @@ class ProbeResponder:
                 except StreamClosed:
                     return
                 kind = header["kind"]
+                sent = conn.bytes_sent
                 if kind == PING:
                     await conn.send({"kind": PONG, "seq": header.get("seq")})
                 elif kind == UP:
@@ -198,15 +267,18 @@ class ProbeResponder:
                     await conn.send({"kind": UP_RESULT, **to_builtin(timed)})
                 elif kind == DOWN_REQUEST:
                     ask = convert(header, _DownRequest, what=DOWN_REQUEST)
-                    await _send_bulk(
-                        conn,
-                        DOWN,
-                        min(ask.nbytes, cfg.max_bulk_bytes),
-                        min(ask.seconds, cfg.max_bulk_seconds),
-                        min(ask.frame_bytes, cfg.max_frame_bytes),
-                    )
+                    frame = min(ask.frame_bytes, cfg.max_frame_bytes)
+                    want = min(ask.nbytes, cfg.max_bulk_bytes)
+                    # what this peer's budget allows now; less than a few frames would time nothing
+                    grant = self.budget.grant(peer, want, at_least=min(want, 4 * frame))
+                    try:
+                        await _send_bulk(conn, DOWN, grant, min(ask.seconds, cfg.max_bulk_seconds), frame)
+                    finally:
+                        self.budget.charge(peer, conn.bytes_sent - sent)
+                    continue
                 else:
                     raise ProtocolError(f"unknown probe message {kind!r}", code=ErrorCode.UNKNOWN_KIND)
+                self.budget.charge(peer, conn.bytes_sent - sent)
         finally:
             self._active -= 1
 
@@ -271,8 +343,8 @@ class LinkProber:
         except TimeoutError:
             status = LinkStatus.TIMEOUT
         except PeerUnavailable as exc:
-            if exc.code == ErrorCode.BUSY:
-                status = LinkStatus.BUSY
+            if exc.code in (ErrorCode.BUSY, ErrorCode.RATE_LIMITED, ErrorCode.BANNED):
+                status = LinkStatus.BUSY  # alive, but not answering this peer right now
             elif exc.code == ErrorCode.TIMEOUT and partial[0].rtt_s is not None:
                 status = LinkStatus.TIMEOUT
             else:

@@ -36,6 +36,7 @@ from peerd.swarm.framing import (
     read_prefix,
     write_frame,
 )
+from peerd.swarm.limits import DEFAULT_STREAM_LIMITS, StreamLimits, StreamSlots
 from peerd.swarm.retry import PeerBans, RetryPolicy
 from peerd.swarm.shaper import LinkShaper, ShapedChannel
 
@@ -45,6 +46,7 @@ __all__ = [
     "PeerBans",
     "RetryPolicy",
     "StreamClosed",
+    "StreamLimits",
     "Traffic",
     "Transport",
     "create_p2p",
@@ -56,6 +58,12 @@ logger = get_logger(__name__)
 _NOT_SERVED = "protocols not supported"
 
 SERVER_LINGER_S = 2.0  # a served stream waits this long for the opener to close first (see Connection.close)
+# PeerUnavailable codes a handler raises to refuse work (sent to the remote), not because the remote vanished
+_REFUSAL_CODES = frozenset({ErrorCode.BUSY, ErrorCode.RATE_LIMITED, ErrorCode.BANNED})
+REFUSAL_LINGER_S = (
+    0.5  # a refused stream (not allowed, over its limits) lingers less: it carries one error frame
+)
+MAX_LINGERING_REFUSALS = 64  # beyond this many refusals at once, refused streams are closed without a word
 
 Handler = Callable[["Connection"], Awaitable[None]]
 Allowed = Callable[[PeerID], bool]
@@ -85,6 +93,7 @@ class Connection:
         limits: FrameLimits,
         traffic: Traffic,
         on_close: Callable[[Connection], None] | None = None,
+        max_wait: float | None = None,
     ) -> None:
         self.peer_id = peer_id
         self.protocol = protocol
@@ -101,6 +110,8 @@ class Connection:
         self._closed = False
         self._recv_broken: ProtocolError | None = None
         self._send_timeout: float | None = None
+        # served streams: the protocol's idle timeout caps every wait on the remote (StreamLimits)
+        self.max_wait = max_wait
 
     def __repr__(self) -> str:
         return f"<Connection {self.protocol} peer={self.peer_id} closed={self._closed}>"
@@ -119,6 +130,7 @@ class Connection:
         """Send one frame. ``timeout`` bounds each stall (the remote not reading), not the whole transfer."""
         if self._closed:
             raise PeerUnavailable(f"connection to {self.peer_id} is closed")
+        timeout = _capped(timeout, self.max_wait)
         async with self._send_lock:
             self._send_timeout = timeout
             try:
@@ -163,6 +175,7 @@ class Connection:
             raise PeerUnavailable(f"connection to {self.peer_id} is closed")
         if self._recv_broken is not None:
             raise ProtocolError(f"stream from {self.peer_id} is out of sync: {self._recv_broken}")
+        timeout = _capped(timeout, self.max_wait)
         async with self._recv_lock:
             started = False  # a timeout before the prefix consumed nothing: the stream stays usable
             try:
@@ -243,11 +256,19 @@ class Connection:
         await self.close()
 
 
+def _capped(timeout: float | None, cap: float | None) -> float | None:
+    if cap is None:
+        return timeout
+    return cap if timeout is None else min(timeout, cap)
+
+
 @dataclass
 class _Served:
     handler: Handler
     allowed: Allowed | None
     limits: FrameLimits
+    streams: StreamLimits
+    slots: StreamSlots
     tasks: set[asyncio.Task] = field(default_factory=set)
 
 
@@ -265,12 +286,16 @@ class Transport:
         shaper: LinkShaper | None = None,
         *,
         limits: FrameLimits = DEFAULT_LIMITS,
+        streams: StreamLimits = DEFAULT_STREAM_LIMITS,
         retry: RetryPolicy = RetryPolicy(),
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.p2p = p2p
         self.shaper = shaper
         self.limits = limits
+        self.streams = streams
+        self.refusals: dict[ErrorCode, int] = {}  # streams refused before their handler ran, by code
+        self._lingering_refusals = 0
         self.retry = retry
         self.bans = PeerBans(retry, clock)
         self.traffic: dict[PeerID, Traffic] = {}
@@ -289,15 +314,21 @@ class Transport:
         allowed: Allowed | None = None,
         *,
         limits: FrameLimits | None = None,
+        streams: StreamLimits | None = None,
     ) -> None:
         """Run ``handler(conn)`` for every stream a peer opens on ``protocol``; peers failing ``allowed`` are refused.
 
-        When the handler returns the stream is closed; a PeerdError it raises is sent to the
-        remote as an error frame with its code, anything else as INTERNAL.
+        ``limits`` bound each frame, ``streams`` how many streams a peer (and everyone) may hold
+        open and for how long (default: the transport's). When the handler returns the stream is
+        closed; a PeerdError it raises is sent to the remote as an error frame with its code,
+        anything else as INTERNAL.
         """
         if protocol in self._served:
             raise ConfigError("protocol", f"{protocol!r} is already served")
-        served = self._served[protocol] = _Served(handler, allowed, limits or self.limits)
+        stream_limits = streams or self.streams
+        served = self._served[protocol] = _Served(
+            handler, allowed, limits or self.limits, stream_limits, StreamSlots(stream_limits)
+        )
 
         async def on_stream(info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
             await self._handle_stream(protocol, served, info.peer_id, reader, writer)
@@ -363,6 +394,7 @@ class Transport:
         reader: asyncio.StreamReader,
         writer: asyncio.StreamWriter,
         limits: FrameLimits,
+        max_wait: float | None = None,
     ) -> Connection:
         channel = self.shaper.channel(peer_id, writer) if self.shaper is not None else None
         conn = Connection(
@@ -374,9 +406,15 @@ class Transport:
             limits=limits,
             traffic=self.traffic.setdefault(peer_id, Traffic()),
             on_close=self._connections.discard,
+            max_wait=max_wait,
         )
         self._connections.add(conn)
         return conn
+
+    def slots(self, protocol: str) -> StreamSlots | None:
+        """The stream slots of a served protocol (how many streams each peer holds now), or None."""
+        served = self._served.get(protocol)
+        return served.slots if served is not None else None
 
     async def _handle_stream(
         self,
@@ -389,19 +427,38 @@ class Transport:
         task = asyncio.current_task()
         assert task is not None
         served.tasks.add(task)
-        conn = self._connection(peer_id, protocol, reader, writer, served.limits)
+        conn = self._connection(
+            peer_id, protocol, reader, writer, served.limits, served.streams.idle_timeout_s
+        )
         linger = SERVER_LINGER_S
+        slot = lingering_refusal = False
         try:
-            if served.allowed is not None and not served.allowed(peer_id):
-                logger.info("refused %s stream from %s: not allowed", protocol, peer_id)
-                await conn.send_error(ErrorCode.NOT_ALLOWED, f"{protocol}: peer not allowed")
-                return
-            await served.handler(conn)
-        except PeerUnavailable as exc:  # the remote went away or stalled: nobody left to tell
-            logger.debug("%s stream from %s ended: %s", protocol, peer_id, exc)
+            refusal = self._refusal(protocol, served, peer_id)
+            if refusal is None:
+                served.slots.acquire(peer_id)  # raises RATE_LIMITED / BUSY: refused below
+                slot = True
+                await self._run_handler(protocol, served, conn)
+            else:
+                raise refusal
+        except PeerUnavailable as exc:
+            if not slot:  # refused before the handler ran: say why, briefly
+                linger = await self._refuse(conn, protocol, exc)
+                lingering_refusal = linger > 0
+            elif exc.code in _REFUSAL_CODES:  # the handler refused more work (e.g. a spent byte budget)
+                logger.info("%s stream from %s refused: %s", protocol, peer_id, exc)
+                await self._try_send_error(conn, exc.code, exc.message)
+            else:  # the remote went away or stalled: nobody left to tell
+                logger.debug("%s stream from %s ended: %s", protocol, peer_id, exc)
+        except ProtocolError as exc:
+            if not slot:
+                linger = await self._refuse(conn, protocol, exc)
+                lingering_refusal = linger > 0
+            else:
+                logger.info("%s stream from %s failed: %s", protocol, peer_id, exc)
+                await self._try_send_error(conn, exc.code, exc.message)
         except PeerdError as exc:
             logger.info("%s stream from %s failed: %s", protocol, peer_id, exc)
-            await self._try_send_error(conn, exc.code, str(exc))
+            await self._try_send_error(conn, exc.code, exc.message)
         except asyncio.CancelledError:
             # Cancelled by stop_serving/close. This task belongs to asyncio's unix server, whose
             # done-callback in Python 3.11 calls task.exception() and logs a spurious error for a
@@ -412,11 +469,46 @@ class Transport:
             logger.exception("%s handler failed on a stream from %s", protocol, peer_id)
             await self._try_send_error(conn, ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}")
         finally:
+            if slot:
+                served.slots.release(peer_id)
             served.tasks.discard(task)
             try:
                 await conn.close(linger=linger)
             except asyncio.CancelledError:  # see above: end the task normally
                 conn._abort()
+            finally:
+                if lingering_refusal:
+                    self._lingering_refusals -= 1
+
+    def _refusal(self, protocol: str, served: _Served, peer_id: PeerID) -> PeerdError | None:
+        """Why a new stream of ``peer_id`` is refused before its handler runs, or None."""
+        if served.allowed is not None and not served.allowed(peer_id):
+            return ProtocolError(f"{protocol}: peer not allowed", code=ErrorCode.NOT_ALLOWED)
+        return None
+
+    async def _refuse(self, conn: Connection, protocol: str, exc: PeerdError) -> float:
+        """Send the refusal's error frame; return how long the stream may linger (0 under a refusal flood)."""
+        self.refusals[exc.code] = self.refusals.get(exc.code, 0) + 1
+        logger.info("refused %s stream from %s: %s", protocol, conn.peer_id, exc)
+        if self._lingering_refusals >= MAX_LINGERING_REFUSALS:
+            return 0.0  # a flood of refused streams: close them at once, without a word
+        self._lingering_refusals += 1  # the caller gives it back after the linger
+        await self._try_send_error(conn, exc.code, exc.message)
+        return REFUSAL_LINGER_S
+
+    async def _run_handler(self, protocol: str, served: _Served, conn: Connection) -> None:
+        """The handler within the protocol's session timeout (a TIMEOUT error when it runs out)."""
+        limit = served.streams.session_timeout_s
+        try:
+            async with asyncio.timeout(limit) as deadline:
+                await served.handler(conn)
+        except TimeoutError:
+            if not deadline.expired():
+                raise
+            raise PeerdError(
+                f"{protocol}: stream open longer than {limit:.3g} s (the session limit)",
+                code=ErrorCode.TIMEOUT,
+            ) from None
 
     @staticmethod
     async def _try_send_error(conn: Connection, code: ErrorCode, message: str) -> None:

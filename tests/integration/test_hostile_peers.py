@@ -1,0 +1,229 @@
+"""Attacks of a hostile peer against a real peerd daemon on loopback (issue 15), with the figures printed.
+
+The victim is one ``peerd join`` process; the attackers are p2pd daemons of this test process
+that connect to it directly (they need no DHT record to open streams). Each test prints one
+``ATTACK {json}`` line with what it measured (run with ``-s`` to see it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+from hivemind.p2p import P2P, PeerID
+
+from peerd.errors import ErrorCode, PeerdError, PeerUnavailable
+from peerd.swarm.framing import encode_frame
+from peerd.swarm.links import PROBE_PROTOCOL, LinkProber, ProbeConfig
+from peerd.swarm.records import LinkStatus
+from peerd.swarm.transport import Connection, Transport
+
+pytestmark = pytest.mark.integration
+
+QUICK = ProbeConfig(
+    pings=2, bulk_seconds=0.2, bulk_bytes=1 << 20, connect_timeout_s=5.0, probe_timeout_s=10.0
+)
+
+
+def report(name: str, **figures: Any) -> None:
+    print(f"ATTACK {json.dumps({'attack': name, **figures}, sort_keys=True)}")
+
+
+class Attackers:
+    """p2pd daemons of this process, each a distinct peer identity, connected to the victim daemon."""
+
+    def __init__(self, victim_maddrs: list[str], victim_id: str) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.maddrs = victim_maddrs
+        self.victim = PeerID.from_base58(victim_id)
+        self.p2ps: list[P2P] = []
+        self.transports: list[Transport] = []
+
+    def run(self, coro: Any, timeout: float = 120.0) -> Any:
+        return self.loop.run_until_complete(asyncio.wait_for(coro, timeout))
+
+    async def new(self) -> Transport:
+        p2p = await P2P.create(initial_peers=self.maddrs)
+        self.p2ps.append(p2p)
+        transport = Transport(p2p)
+        self.transports.append(transport)
+        return transport
+
+    async def raw(self, transport: Transport, protocol: str = PROBE_PROTOCOL):
+        """A raw (reader, writer) stream to the victim: the attacker writes whatever bytes it likes."""
+        _info, reader, writer = await transport.p2p.call_binary_stream_handler(self.victim, protocol)
+        return reader, writer
+
+    async def close(self) -> None:
+        for transport in self.transports:
+            await transport.close()
+        for p2p in self.p2ps:
+            await p2p.shutdown()
+
+
+@pytest.fixture(scope="module")
+def victim(module_local_swarm: Callable[..., Any]) -> Any:
+    swarm = module_local_swarm(1)
+    return swarm.peers[0]
+
+
+@pytest.fixture
+def attackers(victim: Any) -> Iterator[Attackers]:
+    a = Attackers(list(victim.info.maddrs), victim.info.peer_id)
+    try:
+        yield a
+    finally:
+        a.run(a.close(), timeout=60)
+        a.loop.close()
+
+
+def test_probe_download_answers_are_bounded_by_the_per_peer_byte_budget(attackers: Attackers, victim: Any):
+    """840 bytes of ``probe.down_request`` (10 x 32 MiB asked) once made a daemon send 320 MiB."""
+    budget = ProbeConfig()
+
+    async def go() -> dict[str, Any]:
+        me = await attackers.new()
+        conn = await me.connect(attackers.victim, PROBE_PROTOCOL)
+        ask = {"kind": "probe.down_request", "bytes": 32 << 20, "seconds": 5.0, "frame_bytes": 256 << 10}
+        refused = None
+        started = time.monotonic()
+        for _ in range(10):
+            try:
+                await conn.send(ask)
+                while True:
+                    header, _ = await conn.recv(timeout=20)
+                    if header.get("last") is True:
+                        break
+            except PeerdError as exc:
+                refused = exc
+                break
+        elapsed = time.monotonic() - started
+        await conn.close()
+        return {
+            "sent": conn.bytes_sent,
+            "received": conn.bytes_received,
+            "elapsed": elapsed,
+            "refused": None if refused is None else refused.code.name,
+        }
+
+    got = attackers.run(go())
+    allowed = budget.answer_burst_bytes + budget.answer_rate_Bps * got["elapsed"] + (1 << 20)
+    report(
+        "probe-amplification",
+        request_bytes=got["sent"],
+        answer_bytes=got["received"],
+        amplification=round(got["received"] / got["sent"]),
+        elapsed_s=round(got["elapsed"], 2),
+        refused=got["refused"],
+        budget_bytes=int(allowed),
+    )
+    assert got["received"] <= allowed
+    assert got["refused"] == ErrorCode.RATE_LIMITED.name  # told why, with a code, not silently cut
+    # the budget refills: after a pause a legitimate probe from the same peer is answered again
+    attackers.run(asyncio.sleep(2.0))
+    m = attackers.run(LinkProber(attackers.transports[0], QUICK).probe(attackers.victim))
+    assert m.status == LinkStatus.OK, m
+
+
+async def _trickle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, every: float) -> float:
+    """Send a valid ping one byte every ``every`` seconds until the victim closes; return how long it held on."""
+    frame = encode_frame({"kind": "probe.ping", "seq": 0})
+    started = time.monotonic()
+    with pytest.raises((ConnectionError, OSError, asyncio.IncompleteReadError, PeerdError, TimeoutError)):
+        for i in range(10_000):
+            writer.write(frame[i % len(frame) : i % len(frame) + 1])
+            await writer.drain()
+            try:
+                async with asyncio.timeout(every):
+                    data = await reader.read(1 << 16)
+                if not data:
+                    raise ConnectionError("closed by the victim")
+            except TimeoutError:
+                pass
+    return time.monotonic() - started
+
+
+async def _ping_steadily(conn: Connection, every: float) -> tuple[float, str]:
+    """Ping every ``every`` s (always within the idle timeout) until refused; return (seconds held, code)."""
+    started = time.monotonic()
+    try:
+        for seq in range(10_000):
+            await conn.request({"kind": "probe.ping", "seq": seq}, timeout=30)
+            await asyncio.sleep(every)
+    except PeerdError as exc:
+        return time.monotonic() - started, exc.code.name
+    finally:
+        await conn.close()
+    return time.monotonic() - started, "never refused"
+
+
+def test_slow_sessions_lose_their_slot_and_never_lock_legitimate_probers_out(
+    attackers: Attackers, victim: Any
+):
+    """Two sessions trickling one byte every 5 s once held both probe slots: every other prober got BUSY.
+
+    Now a trickling session is closed at the idle timeout (its frame never arrives whole) and a
+    session that pings steadily forever is closed at the session timeout; while both are held,
+    honest probes from a third peer are answered.
+    """
+    cfg = ProbeConfig()
+
+    async def go() -> dict[str, Any]:
+        trickler, pinger, honest = [await attackers.new() for _ in range(3)]
+        reader, writer = await attackers.raw(trickler)
+        trickling = asyncio.create_task(_trickle(reader, writer, every=5.0))
+        pinging = asyncio.create_task(
+            _ping_steadily(await pinger.connect(attackers.victim, PROBE_PROTOCOL), every=2.0)
+        )
+        await asyncio.sleep(1.0)  # both slow sessions are in place
+        probes = [await LinkProber(honest, QUICK).probe(attackers.victim) for _ in range(3)]
+        held = await asyncio.wait_for(trickling, cfg.session_timeout_s + 30)
+        pinged, code = await asyncio.wait_for(pinging, cfg.session_timeout_s + 30)
+        return {"probes": probes, "trickle_held": held, "ping_held": pinged, "ping_code": code}
+
+    got = attackers.run(go(), timeout=cfg.session_timeout_s + 90)
+    statuses = [m.status.value for m in got["probes"]]
+    report(
+        "probe-lockout",
+        honest_probes=statuses,
+        trickle_held_s=round(got["trickle_held"], 1),
+        steady_pinger_held_s=round(got["ping_held"], 1),
+        steady_pinger_refused=got["ping_code"],
+        idle_timeout_s=cfg.idle_timeout_s,
+        session_timeout_s=cfg.session_timeout_s,
+    )
+    assert statuses == ["ok"] * 3
+    assert got["trickle_held"] <= cfg.idle_timeout_s + 5  # its frame never arrived whole
+    assert cfg.session_timeout_s - 3 <= got["ping_held"] <= cfg.session_timeout_s + 5
+    assert got["ping_code"] == ErrorCode.TIMEOUT.name
+
+
+def test_one_peer_cannot_hold_every_probe_slot(attackers: Attackers, victim: Any):
+    cfg = ProbeConfig()
+
+    async def go() -> dict[str, Any]:
+        greedy = await attackers.new()
+        held, refused = [], []
+        for _ in range(cfg.max_sessions):
+            conn = await greedy.connect(attackers.victim, PROBE_PROTOCOL)
+            try:
+                await conn.request({"kind": "probe.ping", "seq": 0}, timeout=10)
+                held.append(conn)
+            except PeerUnavailable as exc:
+                refused.append(exc.code.name)
+                await conn.close()
+        honest = await attackers.new()
+        m = await LinkProber(honest, QUICK).probe(attackers.victim)
+        for conn in held:
+            await conn.close()
+        return {"held": len(held), "refused": refused, "honest": m.status.value}
+
+    got = attackers.run(go())
+    report("probe-slots-one-peer", **got)
+    assert got["held"] == cfg.max_sessions_per_peer
+    assert got["refused"] == [ErrorCode.RATE_LIMITED.name] * (cfg.max_sessions - cfg.max_sessions_per_peer)
+    assert got["honest"] == "ok"
