@@ -1,8 +1,11 @@
-"""Per-example AC-SGD buffers m(id) of one boundary side: RAM up to a budget, then memory-mapped spill files.
+"""Per-example AC-SGD buffers m(id) of one boundary side: device memory, then host RAM, then memory-mapped spill files.
 
-Buffers are rows of fixed-shape chunks (``chunk_examples`` examples each): RAM chunks
-until ``ram_budget_mb`` is used, then chunks backed by files in ``spill_dir`` (a
-``torch.from_file`` shared mapping: the OS pages them in and out). Rows freed by
+Buffers are rows of fixed-shape chunks (``chunk_examples`` examples each): on a GPU (or MPS)
+stage, chunks in the stage's device memory until ``device_budget_mb`` is used; then host RAM
+chunks until ``ram_budget_mb`` (page-locked when the device is CUDA, so the codec's copies to
+and from them are DMA transfers); then chunks backed by files in ``spill_dir`` (a
+``torch.from_file`` shared mapping: the OS pages them in and out). A CPU stage has no device
+tier: its RAM chunks are the first tier. Rows freed by
 invalidation are reused. The store may keep rows at reduced precision (float16 / bfloat16);
 the delta codec reads them as float32 and writes its update back, rounding identically on
 both sides. ``state_dict`` / ``load_state_dict`` carry the buffered rows (stored precision,
@@ -19,6 +22,7 @@ from typing import Any, Literal
 
 import torch
 
+from peerd.compress.device import pinned_empty, to_host
 from peerd.compress.wire import DTYPE_NAMES
 from peerd.errors import CodecError, ConfigError, ErrorCode
 from peerd.log import get_logger
@@ -33,8 +37,12 @@ STATE_FORMAT = 1
 class BufferConfig:
     """Where and how the per-example buffers of one boundary side are kept."""
 
+    device: str = "cpu"
+    """The stage's device (``cpu``, ``cuda:N``, ``mps``): the first tier, and where the codec computes."""
+    device_budget_mb: float = 1024.0
+    """Device memory for buffers when ``device`` is not the CPU; beyond it new buffers go to host RAM."""
     ram_budget_mb: float = 1024.0
-    """RAM for buffers; beyond it new buffers go to memory-mapped files."""
+    """Host RAM for buffers; beyond it new buffers go to memory-mapped files."""
     disk_budget_mb: float | None = None
     """Spill-file space; None: unbounded. When both budgets are full new examples are not buffered."""
     spill_dir: str | None = None
@@ -47,6 +55,12 @@ class BufferConfig:
     def validate(self) -> None:
         if self.ram_budget_mb < 0:
             raise ConfigError("ram_budget_mb", "must be >= 0")
+        if self.device_budget_mb < 0:
+            raise ConfigError("device_budget_mb", "must be >= 0")
+        try:
+            torch.device(self.device)
+        except (RuntimeError, TypeError) as exc:
+            raise ConfigError("device", f"{self.device!r} is not a torch device: {exc}") from None
         if self.disk_budget_mb is not None and self.disk_budget_mb < 0:
             raise ConfigError("disk_budget_mb", "must be >= 0")
         if self.chunk_examples < 1:
@@ -60,16 +74,25 @@ class BufferStats:
     disk_bytes: int
     spill_files: int
     example_bytes: int
+    device_bytes: int = 0  # in the stage's device memory (GPU/MPS stages)
 
     @property
     def total_bytes(self) -> int:
-        return self.ram_bytes + self.disk_bytes
+        return self.device_bytes + self.ram_bytes + self.disk_bytes
 
 
 @dataclass
 class _Chunk:
     rows: torch.Tensor  # (n, *example_shape) in the storage dtype
-    path: str | None  # spill file, None for RAM
+    path: str | None  # spill file, None for memory (device or host RAM)
+
+    @property
+    def on_device(self) -> bool:
+        return self.rows.device.type != "cpu"
+
+    @property
+    def in_ram(self) -> bool:
+        return self.path is None and not self.on_device
 
 
 class BufferStore:
@@ -79,6 +102,7 @@ class BufferStore:
         self.cfg = cfg or BufferConfig()
         self.cfg.validate()
         self.dtype = DTYPE_NAMES[self.cfg.storage]
+        self.device = torch.device(self.cfg.device)
         self.example_shape: tuple[int, ...] | None = None
         self._chunks: list[_Chunk] = []
         self._slot: dict[int, tuple[int, int]] = {}  # example id -> (chunk, row)
@@ -122,10 +146,14 @@ class BufferStore:
         return self.example_numel * self.dtype.itemsize
 
     def stats(self) -> BufferStats:
-        ram = sum(c.rows.numel() * c.rows.element_size() for c in self._chunks if c.path is None)
-        disk = sum(c.rows.numel() * c.rows.element_size() for c in self._chunks if c.path is not None)
+        def size(c: _Chunk) -> int:
+            return c.rows.numel() * c.rows.element_size()
+
+        dev = sum(size(c) for c in self._chunks if c.on_device)
+        ram = sum(size(c) for c in self._chunks if c.in_ram)
+        disk = sum(size(c) for c in self._chunks if c.path is not None)
         spills = sum(1 for c in self._chunks if c.path is not None)
-        return BufferStats(len(self._slot), ram, disk, spills, self.example_bytes)
+        return BufferStats(len(self._slot), ram, disk, spills, self.example_bytes, device_bytes=dev)
 
     # -- admission ------------------------------------------------------------------------
     def check_shape(self, shape: tuple[int, ...]) -> None:
@@ -138,17 +166,18 @@ class BufferStore:
                 code=ErrorCode.SHAPE_MISMATCH,
             )
 
-    def _capacity(self) -> tuple[int, int | None]:
-        """Most examples in RAM, and on disk (None: unbounded)."""
+    def _capacity(self) -> tuple[int, int, int | None]:
+        """Most examples in device memory (0 on a CPU stage), in host RAM, and on disk (None: unbounded)."""
         per = max(1, self.example_bytes)
+        dev = 0 if self.device.type == "cpu" else int(self.cfg.device_budget_mb * _MB) // per
         ram = int(self.cfg.ram_budget_mb * _MB) // per
         disk = None if self.cfg.disk_budget_mb is None else int(self.cfg.disk_budget_mb * _MB) // per
-        return ram, disk
+        return dev, ram, disk
 
     def room(self) -> int | None:
         """How many more examples fit in the budgets (None: unbounded)."""
-        ram, disk = self._capacity()
-        return None if disk is None else max(0, ram + disk - len(self._slot))
+        dev, ram, disk = self._capacity()
+        return None if disk is None else max(0, dev + ram + disk - len(self._slot))
 
     def slot(self, example_id: int) -> torch.Tensor:
         """The buffer of ``example_id``, allocating one (contents undefined) if it has none."""
@@ -168,14 +197,18 @@ class BufferStore:
     def _grow(self) -> None:
         assert self.example_shape is not None, "check_shape() before allocating"
         k = self.cfg.chunk_examples
-        ram_cap, disk_cap = self._capacity()
-        ram_rows = sum(c.rows.shape[0] for c in self._chunks if c.path is None)
+        dev_cap, ram_cap, disk_cap = self._capacity()
+        dev_rows = sum(c.rows.shape[0] for c in self._chunks if c.on_device)
+        ram_rows = sum(c.rows.shape[0] for c in self._chunks if c.in_ram)
         disk_rows = sum(c.rows.shape[0] for c in self._chunks if c.path is not None)
         index = len(self._chunks)
-        if ram_rows < ram_cap:
+        path = None
+        if dev_rows < dev_cap:
+            n = min(k, dev_cap - dev_rows)
+            rows = torch.empty((n, *self.example_shape), dtype=self.dtype, device=self.device)
+        elif ram_rows < ram_cap:
             n = min(k, ram_cap - ram_rows)
-            rows = torch.empty((n, *self.example_shape), dtype=self.dtype)
-            path = None
+            rows = pinned_empty((n, *self.example_shape), self.dtype, self.device)
         else:
             n = k if disk_cap is None else min(k, disk_cap - disk_rows)
             assert n > 0, "room() before allocating"
@@ -206,7 +239,8 @@ class BufferStore:
         Rows go out per chunk: a fully used chunk as the chunk tensor itself (RAM, or the spill
         file's mapping, which ``torch.save`` streams without a gathered copy), a partly used one
         as a copy of its used rows. Ids are uint64 (they may use the whole 64-bit range).
-        Full chunks are views of the live rows: save the state before the store changes again.
+        Full host chunks are views of the live rows: save the state before the store changes again
+        (device chunks are copied to host memory).
         """
         by_chunk: dict[int, list[tuple[int, int]]] = {}
         for ex, (c, r) in self._slot.items():
@@ -216,7 +250,10 @@ class BufferStore:
             pairs.sort()
             rows = self._chunks[c].rows  # (n, *example_shape)
             used = [r for r, _ in pairs]
-            data = rows if used == list(range(rows.shape[0])) else rows[torch.tensor(used)]
+            data = (
+                rows if used == list(range(rows.shape[0])) else rows[torch.tensor(used, device=rows.device)]
+            )
+            data = to_host(data)  # checkpoints and peers get host tensors
             chunks.append({"ids": torch.tensor([ex for _, ex in pairs], dtype=torch.uint64), "rows": data})
         return {
             "format": STATE_FORMAT,

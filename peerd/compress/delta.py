@@ -80,16 +80,29 @@ def _check_groups(store: BufferStore, quant: QuantConfig) -> None:
         )
 
 
+def _same_device(views: list[torch.Tensor], device: torch.device) -> bool:
+    return all(v.device == device for v in views)
+
+
 def _stacked(views: list[torch.Tensor], device: torch.device) -> torch.Tensor:
-    """(n, *S) float32 copy of ``views`` on ``device``: one stack instead of n conversions."""
-    return torch.stack(views).to(device=device, dtype=torch.float32)
+    """(n, *S) float32 copy of ``views`` on ``device``: one stack instead of n conversions.
+
+    Rows may sit in different tiers of the store (device memory, pinned RAM, spill files):
+    then each row is copied to ``device`` first.
+    """
+    first = views[0].device
+    if _same_device(views, first):
+        return torch.stack(views).to(device=device, dtype=torch.float32)
+    # host-to-device copies may run asynchronously (stream order); device-to-host ones may not
+    asynchronous = device.type != "cpu"
+    return torch.stack([v.to(device=device, dtype=torch.float32, non_blocking=asynchronous) for v in views])
 
 
 def _write(views: list[torch.Tensor], rows: torch.Tensor) -> None:
     """views[i] <- rows[i], rounding to the storage dtype (the same rounding on both sides)."""
-    if rows.device == views[0].device:
+    if _same_device(views, rows.device):
         torch._foreach_copy_(views, list(rows.unbind(0)))  # one dispatch for all rows
-    else:
+    else:  # rows of other tiers: a blocking copy each (the store must hold them when this returns)
         for v, row in zip(views, rows.unbind(0), strict=True):
             v.copy_(row)
 
@@ -119,7 +132,7 @@ def _update_rows(
     _write(views, cur)
     if out is not None:
         # what the store now holds (its dtype's rounding of cur), as float32
-        out.copy_(cur if views[0].dtype == torch.float32 else torch.stack(views))
+        out.copy_(cur if views[0].dtype == torch.float32 else _stacked(views, out.device))
 
 
 class _BoundarySide:

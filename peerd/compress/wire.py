@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from peerd.compress.device import to_host
 from peerd.compress.packing import SUPPORTED_BITS, pack_layout
 from peerd.compress.quant import n_scales
 from peerd.errors import CodecError, ErrorCode
@@ -141,7 +142,7 @@ def build_frame(h: FrameHeader, scales: torch.Tensor | None, payload: torch.Tens
 
 
 def _tensor_bytes(t: torch.Tensor) -> memoryview | bytes:
-    t = t.detach().contiguous().cpu()
+    t = to_host(t.detach().contiguous())  # a device tensor: one (pinned, on CUDA) copy
     if t.numel() == 0:
         return b""
     return t.view(torch.uint8).numpy().data.cast("B")  # zero-copy; join() copies once

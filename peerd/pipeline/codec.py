@@ -6,6 +6,12 @@ the boundary) or ``quant`` (stateless b-bit uniform quantization, the usual choi
 The codec's name travels in every message header, so a receiver configured differently
 rejects the message (UNKNOWN_CODEC) instead of misreading it. Gradients exchanged among
 data-parallel replicas are compressed by the averaging group (``gradient_compressor``).
+
+Devices: encoders compute on the device of the tensor they are given (the stage's) and only
+the payload bytes leave it (``peerd.compress.device.to_host``: pinned, non-blocking on CUDA);
+quantized and AC-SGD decoders reconstruct onto the stage's device, and AC-SGD buffers live
+there up to ``buffer_device_mb``, then in (pinned) host RAM, then in spill files. The raw
+decoder hands out a zero-copy host view of the payload: the worker moves it to its device.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ import torch
 
 from peerd.compress.codecs import TensorCodec, make_codec
 from peerd.compress.delta import DeltaConfig, DeltaDecoder, DeltaEncoder
+from peerd.compress.device import to_host
 from peerd.compress.quant import QuantConfig
 from peerd.errors import ConfigError, ErrorCode, ProtocolError
 from peerd.pipeline.frames import TensorMessage, raw_payload, raw_tensor
@@ -48,8 +55,11 @@ class CompressionConfig:
     """AC-SGD: stateless codec of first (warm-up) visits (fp32, fp16, bf16, q8, ...)."""
     stochastic_rounding: bool = False
     """Unbiased randomized rounding in the quantizers (what the convergence proof assumes)."""
+    buffer_device_mb: float = 1024.0
+    """AC-SGD buffers kept in GPU/MPS memory per boundary side (device stages only); beyond it
+    they go to host RAM (page-locked on CUDA)."""
     buffer_ram_mb: float = 1024.0
-    """AC-SGD buffers kept in RAM per boundary side; beyond it they spill to memory-mapped files."""
+    """AC-SGD buffers kept in host RAM per boundary side; beyond it they spill to memory-mapped files."""
 
     def validate(self) -> None:
         for name in ("forward_bits", "backward_bits", "gradient_bits"):
@@ -57,8 +67,9 @@ class CompressionConfig:
                 raise ConfigError(name, f"must be one of 2, 3, 4, 8, got {getattr(self, name)}")
         if self.warmup_visits < 1:
             raise ConfigError("warmup_visits", f"must be >= 1, got {self.warmup_visits}")
-        if self.buffer_ram_mb < 0:
-            raise ConfigError("buffer_ram_mb", f"must be >= 0, got {self.buffer_ram_mb}")
+        for name in ("buffer_device_mb", "buffer_ram_mb"):
+            if getattr(self, name) < 0:
+                raise ConfigError(name, f"must be >= 0, got {getattr(self, name)}")
 
     def quant(self, bits: int) -> QuantConfig:
         return QuantConfig(bits=bits, rounding="stochastic" if self.stochastic_rounding else "nearest")
@@ -99,7 +110,7 @@ class RawEncoder:
     name = "none"
 
     def encode(self, ids: tuple[int, ...], x: torch.Tensor) -> Payload:
-        return raw_payload(x)
+        return raw_payload(to_host(x.detach().contiguous()))
 
 
 class RawDecoder:
@@ -130,12 +141,13 @@ class QuantEncoder:
 class QuantDecoder:
     inline = False
 
-    def __init__(self, name: str, quant: QuantConfig) -> None:
+    def __init__(self, name: str, quant: QuantConfig, device: torch.device | None = None) -> None:
         self.name = name
         self.codec: TensorCodec = make_codec("uniform", quant)
+        self.device = device or torch.device("cpu")
 
     def decode(self, msg: TensorMessage, payload: bytearray) -> torch.Tensor:
-        return self.codec.decode(payload)
+        return self.codec.decode(payload, device=self.device)
 
 
 class DeltaBoundaryEncoder:
@@ -160,9 +172,9 @@ class DeltaBoundaryDecoder:
     inline = False
     stateful = True  # decodes must not run ahead of the stage's checkpoint (see streams.Inbox.hold)
 
-    def __init__(self, name: str, cfg: DeltaConfig) -> None:
+    def __init__(self, name: str, cfg: DeltaConfig, device: torch.device | None = None) -> None:
         self.name = name
-        self.codec = DeltaDecoder(cfg)
+        self.codec = DeltaDecoder(cfg, device=device or torch.device("cpu"))
 
     def decode(self, msg: TensorMessage, payload: bytearray) -> torch.Tensor:
         acts, ids = self.codec.decode(payload)
@@ -221,33 +233,42 @@ class BoundaryCodecs:
                 codec.close()
 
 
-def _delta_config(cfg: CompressionConfig) -> DeltaConfig:
+def _delta_config(cfg: CompressionConfig, device: torch.device) -> DeltaConfig:
     d = DeltaConfig(
         quant=cfg.quant(cfg.forward_bits), seed_codec=cfg.seed_codec, warmup_visits=cfg.warmup_visits
     )
+    d.buffers.device = str(device)
+    d.buffers.device_budget_mb = cfg.buffer_device_mb
     d.buffers.ram_budget_mb = cfg.buffer_ram_mb
     d.validate()
     return d
 
 
-def _side(cfg: CompressionConfig, direction: str, sending: bool) -> Any:
+def _side(cfg: CompressionConfig, direction: str, sending: bool, device: torch.device) -> Any:
     """The encoder (``sending``) or decoder of one direction (``forward`` / ``backward``)."""
     kind = getattr(cfg, direction)
     name = cfg.forward_name if direction == "forward" else cfg.backward_name
     if kind == "acsgd":
-        return (DeltaBoundaryEncoder if sending else DeltaBoundaryDecoder)(name, _delta_config(cfg))
+        if sending:
+            return DeltaBoundaryEncoder(name, _delta_config(cfg, device))
+        return DeltaBoundaryDecoder(name, _delta_config(cfg, device), device)
     if kind == "quant":
         bits = cfg.forward_bits if direction == "forward" else cfg.backward_bits
-        return (QuantEncoder if sending else QuantDecoder)(name, cfg.quant(bits))
+        if sending:
+            return QuantEncoder(name, cfg.quant(bits))
+        return QuantDecoder(name, cfg.quant(bits), device)
     return RawEncoder() if sending else RawDecoder()
 
 
-def build_codecs(cfg: CompressionConfig, *, first: bool, last: bool) -> BoundaryCodecs:
-    """Codecs of a stage: the first stage receives no activations, the last sends none."""
+def build_codecs(
+    cfg: CompressionConfig, *, first: bool, last: bool, device: torch.device | str = "cpu"
+) -> BoundaryCodecs:
+    """Codecs of a stage on ``device``: the first stage receives no activations, the last sends none."""
     cfg.validate()
+    dev = torch.device(device)
     out = BoundaryCodecs()
     if not last:
-        out.send_act, out.recv_grad = _side(cfg, "forward", True), _side(cfg, "backward", False)
+        out.send_act, out.recv_grad = _side(cfg, "forward", True, dev), _side(cfg, "backward", False, dev)
     if not first:
-        out.recv_act, out.send_grad = _side(cfg, "forward", False), _side(cfg, "backward", True)
+        out.recv_act, out.send_grad = _side(cfg, "forward", False, dev), _side(cfg, "backward", True, dev)
     return out

@@ -3,34 +3,47 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from peerd.data.config import DataConfig
 from peerd.errors import ConfigError
 from peerd.models.gpt import PRESETS, GPTConfig
-from peerd.models.registry import GPTFamily, ModelFamily
+from peerd.models.registry import GPTFamily, ModelFamily, build_family, with_weights
 from peerd.pipeline.codec import CompressionConfig
 from peerd.pipeline.optim import OptimizerConfig, with_shorthands
 from peerd.pipeline.partition import validate_layers_per_stage
+from peerd.pipeline.precision import FP16_PIPELINE
 from peerd.pipeline.schedule import available_schedules
 from peerd.pipeline.streams import StreamConfig
 
+Precision = Literal["fp32", "bf16", "fp16"]
+PRECISIONS: tuple[str, ...] = ("fp32", "bf16", "fp16")
+_DEVICE = re.compile(r"^(auto|cpu|mps|cuda(:\d+)?)$")
 _JOB_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._-")
 
 
 @dataclass(frozen=True)
 class ModelBuild:
-    """What the stage workers build: a built-in GPT preset, its overrides and the init seed."""
+    """What the stage workers build: a built-in GPT preset (with overrides) or a Hugging Face config,
+    the init seed, and optionally the checkpoint every layer starts from instead."""
 
     preset: str = "tiny"
-    """A ``peerd.models.gpt.PRESETS`` name."""
+    """A ``peerd.models.gpt.PRESETS`` name (ignored when ``hf`` is set)."""
     overrides: dict[str, Any] = field(default_factory=dict)
     """GPTConfig fields replacing the preset's (e.g. ``{n_layer: 4, d_model: 128}``)."""
+    hf: dict[str, Any] | None = None
+    """A Hugging Face config mapping (``model_type: gpt2 | llama`` + its fields) instead of a preset."""
     seed: int = 0
     """Initialisation seed (every stage builds its own layers from it)."""
+    init_checkpoint: str | None = None
+    """Weights every layer loads instead of the seed's init: a ``peerd fetch`` model file, a
+    safetensors file or a ``save_pretrained`` directory; read from this path on every peer."""
 
     def gpt(self) -> GPTConfig:
+        if self.hf is not None:
+            raise ConfigError("model.hf", "a Hugging Face model has no GPTConfig; use family()")
         unknown = sorted(set(self.overrides) - {f.name for f in dataclasses.fields(GPTConfig)})
         if unknown:
             raise ConfigError(f"model.overrides.{unknown[0]}", "not a GPTConfig field")
@@ -38,9 +51,20 @@ class ModelBuild:
             raise ConfigError("model.preset", f"unknown preset {self.preset!r} (known: {', '.join(PRESETS)})")
         return GPTConfig.preset(self.preset, **self.overrides)
 
-    def family(self) -> ModelFamily:
-        """The model a stage worker builds its layers from (``peerd.models.registry``)."""
+    def base(self) -> ModelFamily:
+        """The model's shape and seeded init, without opening ``init_checkpoint``."""
+        if self.hf is not None:
+            if self.overrides:
+                raise ConfigError("model.overrides", "only applies to a built-in preset, not to 'hf'")
+            return build_family(str(self.hf.get("model_type")), self.hf, self.seed)
         return GPTFamily(self.gpt(), self.seed)
+
+    def family(self) -> ModelFamily:
+        """The model a stage worker builds its layers from (``peerd.models.registry``); with
+        ``init_checkpoint``, each layer loads its slice of it (ConfigError naming the field when the
+        file is missing here, unreadable or of another model)."""
+        base = self.base()
+        return base if self.init_checkpoint is None else with_weights(base, self.init_checkpoint)
 
 
 @dataclass(frozen=True)
@@ -79,9 +103,20 @@ class TrainConfig:
     """Save every this many steps (0: only on clean shutdown)."""
     keep_checkpoints: int = 2
     """Checkpoints kept per stage replica (older ones are deleted after a save)."""
+    retain_checkpoints_s: float = 0.0
+    """Older checkpoints are deleted only once they are this many seconds old (churn recovery
+    rolls the other stages back to the step of a dead stage's newest checkpoint copy)."""
     rollback: bool = False
     """Keep a host copy of the state from before the last update, so a worker can serve the step
     before its current one too (churn recovery: survivors one update apart resume together)."""
+    device: str = "auto"
+    """Where the stage computes and keeps its module, optimizer state, AC-SGD codecs and buffers
+    and data batches: ``auto`` (the first CUDA device, else MPS, else the CPU), ``cpu``,
+    ``cuda``, ``cuda:N`` or ``mps``. Each peer sets its own (the daemon's ``--device``)."""
+    precision: Precision = "fp32"
+    """Compute precision: ``fp32``, or autocast to ``bf16`` / ``fp16`` (``fp16`` with a dynamic loss
+    scale, one stage and one replica only). Master weights, optimizer state, gradients and
+    everything on the wire (activations and their gradients as float32) stay fp32."""
 
     def __post_init__(self) -> None:
         # one source of truth: the shorthands only ever live in ``optimizer``
@@ -93,15 +128,15 @@ class TrainConfig:
     def validate(self) -> None:
         if not self.job or len(self.job) > 64 or not set(self.job) <= _JOB_CHARS:
             raise ConfigError("job", f"{self.job!r}: 1-64 characters from letters, digits and '._-'")
-        gpt = self.model.gpt()
-        validate_layers_per_stage(gpt.num_layers, self.layers_per_stage)
-        if gpt.tie_weights and len(self.layers_per_stage) > 1:
+        model = self.model.base()
+        validate_layers_per_stage(model.num_layers, self.layers_per_stage)
+        if model.tied and len(self.layers_per_stage) > 1:
             raise ConfigError(
-                "model", "tied embedding/head weights span stages; set overrides.tie_weights: false"
+                "model", "tied embedding/head weights span stages; untie them (tie_weights / tie_word_embeddings)"
             )
-        if self.data.seq_len > gpt.max_seq_len:
+        if self.data.seq_len > model.max_seq_len:
             raise ConfigError(
-                "data.seq_len", f"{self.data.seq_len} exceeds the model's max_seq_len {gpt.max_seq_len}"
+                "data.seq_len", f"{self.data.seq_len} exceeds the model's max_seq_len {model.max_seq_len}"
             )
         for name in ("global_batch", "micro_batch_size", "steps"):
             if getattr(self, name) < 1:
@@ -110,8 +145,16 @@ class TrainConfig:
             raise ConfigError(
                 "schedule", f"unknown {self.schedule!r} (known: {', '.join(available_schedules())})"
             )
+        if not _DEVICE.match(self.device):
+            raise ConfigError("device", f"{self.device!r}: expected auto, cpu, cuda, cuda:N or mps")
+        if self.precision not in PRECISIONS:
+            raise ConfigError("precision", f"{self.precision!r}: expected one of {', '.join(PRECISIONS)}")
+        if self.precision == "fp16" and self.num_stages > 1:
+            raise ConfigError("precision", FP16_PIPELINE)
         if self.checkpoint_every < 0 or self.keep_checkpoints < 1:
             raise ConfigError("checkpoint_every", "must be >= 0, and keep_checkpoints >= 1")
+        if not self.retain_checkpoints_s >= 0:
+            raise ConfigError("retain_checkpoints_s", f"must be >= 0, got {self.retain_checkpoints_s}")
         if not self.averaging_timeout_s > 0:
             raise ConfigError("averaging_timeout_s", f"must be > 0, got {self.averaging_timeout_s}")
         self.optimizer.validate()

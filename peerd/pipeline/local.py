@@ -8,7 +8,9 @@ per-stage gradients are combined by a ``GradientReducer`` (mean by default; grad
 with error feedback plugs in here). The optimizer, LR schedule and clipping come from
 ``peerd.pipeline.optim`` (clipping here is torch's own ``clip_grad_norm_`` over the whole model,
 what the workers' cross-stage norm must reproduce). With identity hooks and fp32 it reproduces
-unstaged full-batch training up to float summation order.
+unstaged full-batch training up to float summation order. ``precision`` (``bf16`` / ``fp16``)
+runs forward passes under the same autocast as the workers (``peerd.pipeline.precision``) and
+casts what crosses a boundary to float32, as the wire does.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import torch
 
 from peerd.data.dataset import WindowDataset
 from peerd.data.sampler import EpochSampler, micro_batches
+from peerd.errors import ConfigError
 from peerd.models.gpt import lm_loss
 from peerd.pipeline.optim import (
     OptimizerConfig,
@@ -30,6 +33,7 @@ from peerd.pipeline.optim import (
     with_shorthands,
 )
 from peerd.pipeline.partition import StageModule, model_layers, partition
+from peerd.pipeline.precision import FP16_PIPELINE, StagePrecision
 from peerd.pipeline.schedule import Op, Schedule, get_schedule, simulate
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (logits (B,T,V), targets (B,T)) -> mean
@@ -96,12 +100,14 @@ class LocalPipeline:
         schedule: Schedule | str = "1f1b",
         hook: BoundaryHook | None = None,
         loss_fn: LossFn | None = None,
+        precision: StagePrecision | None = None,
     ) -> None:
         assert stages and stages[0].is_first and stages[-1].is_last, "stages must cover the model in order"
         self.stages = list(stages)
         self.schedule = get_schedule(schedule) if isinstance(schedule, str) else schedule
         self.hook: BoundaryHook = hook or IdentityHook()
         self.loss_fn = loss_fn or lm_loss
+        self.precision = precision or StagePrecision("fp32")
 
     def forward_backward(self, micro: Sequence[MicroBatch], weight_total: int | None = None) -> PassStats:
         """Forward and backward every micro-batch; gradients accumulate into ``.grad``.
@@ -125,22 +131,25 @@ class LocalPipeline:
                 stage_in[key] = act_box.pop(key).detach().requires_grad_(True)
             elif action.op is Op.FORWARD:
                 x = mb.inputs if s == 0 else stage_in[key]
-                y = self.stages[s](x)
+                with self.precision.autocast():
+                    y = self.stages[s](x)
+                    if s == S - 1:
+                        loss = self.loss_fn(y, mb.targets)
                 if s == S - 1:
-                    loss = self.loss_fn(y, mb.targets)
                     stats.loss_sum += loss.item() * mb.targets.numel() / total
-                    y = loss * (mb.targets.numel() / total)
+                    y = loss.float() * (mb.targets.numel() / total)
                 stage_out[key] = y
                 live = sum(1 for (t, _) in stage_out if t == s)
                 stats.peak_live[s] = max(stats.peak_live[s], live)
             elif action.op is Op.SEND_ACT:
-                act_box[(s + 1, i)] = self.hook.activations(s, mb.ids, stage_out[key].detach())
+                # float32, as on the wire, whatever autocast computed in
+                act_box[(s + 1, i)] = self.hook.activations(s, mb.ids, stage_out[key].detach().float())
             elif action.op is Op.RECV_GRAD:
                 out_grad[key] = grad_box.pop(key)
             elif action.op is Op.BACKWARD:
                 y = stage_out.pop(key)
                 if s == S - 1:
-                    y.backward()
+                    self.precision.scale(y).backward()
                 else:
                     y.backward(out_grad.pop(key))
             elif action.op is Op.SEND_GRAD:
@@ -178,6 +187,7 @@ class LocalRunConfig:
     data_seed: int = 0
     start_step: int = 0
     total_steps: int | None = None  # the LR schedule's horizon; None: start_step + steps
+    precision: str = "fp32"  # fp32, bf16 or fp16 autocast (peerd.pipeline.precision)
 
     def __post_init__(self) -> None:
         if self.lr is not None or self.weight_decay is not None:
@@ -231,8 +241,11 @@ def train_pipelined(
     """
     layers = model_layers(model)
     split = cfg.layers_per_stage or [len(layers)]
+    if cfg.precision == "fp16" and (len(split) > 1 or cfg.replicas > 1):
+        raise ConfigError("precision", FP16_PIPELINE)
     stages = partition(model, split)
-    pipe = LocalPipeline(stages, cfg.schedule, hook)
+    precision = StagePrecision(cfg.precision, next(model.parameters()).device)
+    pipe = LocalPipeline(stages, cfg.schedule, hook, precision=precision)
     params = stage_parameters(stages)
     reducer = reducer or MeanReducer()
     flat = [p for ps in params for p in ps]
@@ -252,7 +265,7 @@ def train_pipelined(
             for k, (p, g) in enumerate(zip(ps, reduced, strict=True)):
                 # Untouched by every replica: leave it gradient-less, as plain training would.
                 p.grad = g if any(grads[s][k][1] for grads in per_replica) else None
-        _step(flat, cfg.optimizer, optimizer, scheduler)
+        _step(flat, cfg.optimizer, optimizer, scheduler, precision)
         losses.append(loss)
     return losses
 
@@ -284,10 +297,13 @@ def _step(
     cfg: OptimizerConfig,
     optimizer: torch.optim.Optimizer,
     scheduler: torch.optim.lr_scheduler.LambdaLR,
+    precision: StagePrecision | None = None,
 ) -> None:
+    precision = precision or StagePrecision("fp32")
+    precision.unscale_(optimizer)  # fp16: clip the true gradients
     if cfg.grad_clip is not None:
         torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
-    optimizer.step()
+    precision.step(optimizer)
     scheduler.step()
 
 

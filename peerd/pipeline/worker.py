@@ -24,6 +24,17 @@ With ``TrainConfig.rollback`` the worker keeps a host copy of the state from jus
 last update, so it can serve both ``self.step - 1`` and ``self.step`` (``available_steps``,
 ``state_at``): survivors that stopped one update apart can all resume from the older step.
 ``load_state`` accepts a state from any replica of the same stage (elastic D_DP).
+
+Devices: the stage module, its optimizer state, the boundary codecs with their AC-SGD buffers
+and the data batches live on ``TrainConfig.device`` (resolved here: ``auto`` is the first CUDA
+device, else MPS, else the CPU). All device work runs in the compute thread, never on the event
+loop: received tensors move to the device there, and what leaves the device (payloads, the
+gradients handed to the averaging group, states for checkpoints and peers) is copied out there
+into host memory (pinned, non-blocking on CUDA: ``peerd.compress.device``). On a device, the
+stream receiver decodes every message off the event loop (a decode may wait on the device).
+States load back onto this worker's device whatever device saved them.
+Out of memory (CUDA's, or the host's ``MemoryError``) in a step ends it with ``StageOutOfMemory``,
+whose message carries what was asked for and what was free.
 """
 
 from __future__ import annotations
@@ -32,6 +43,8 @@ import asyncio
 import concurrent.futures
 import contextlib
 import copy
+import dataclasses
+import re
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -39,10 +52,11 @@ from typing import Any, Protocol
 
 import torch
 
+from peerd.compress.device import host_copy, to_host
 from peerd.data.config import build_dataset
 from peerd.data.dataset import WindowDataset
 from peerd.data.sampler import EpochSampler, micro_batches
-from peerd.errors import ConfigError, PeerdError
+from peerd.errors import ConfigError, ErrorCode, PeerdError
 from peerd.loading import to_mapping
 from peerd.log import get_logger
 from peerd.pipeline import checkpoint
@@ -69,6 +83,7 @@ from peerd.pipeline.optim import (
     squared_norm,
 )
 from peerd.pipeline.partition import build_stage
+from peerd.pipeline.precision import FP16_PIPELINE, StagePrecision
 from peerd.pipeline.schedule import Op, get_schedule
 from peerd.pipeline.sender import StreamSender
 from peerd.pipeline.streams import (
@@ -78,9 +93,42 @@ from peerd.pipeline.streams import (
     StreamStats,
     stage_protocol,
 )
+from peerd.swarm.profiling import memory_info, resolve_device
 from peerd.swarm.transport import Transport
 
 logger = get_logger(__name__)
+
+
+class StageOutOfMemory(PeerdError):
+    """A step ran out of device (or host) memory: this allocation does not fit this peer."""
+
+    code = ErrorCode.INFEASIBLE
+
+
+def _gib(n: int | None) -> str:
+    return "unknown" if n is None else f"{n / 2**30:.2f} GiB"
+
+
+def _is_oom(exc: BaseException) -> bool:
+    if isinstance(exc, torch.OutOfMemoryError | MemoryError):
+        return True
+    return isinstance(exc, RuntimeError) and "out of memory" in str(exc).lower()
+
+
+def out_of_memory(exc: BaseException, device: torch.device, stage: int, step: int) -> StageOutOfMemory:
+    """The typed error for an out-of-memory ``exc``, with what was requested and what is free."""
+    asked = re.search(r"[Tt]ried to allocate ([\d.]+ [KMGT]?i?B)", str(exc))
+    if device.type == "cuda":
+        torch.cuda.empty_cache()  # give back what the failed step cached, before measuring
+    try:
+        total, free = memory_info(device)
+    except Exception:  # a broken device must not hide the out-of-memory itself
+        total, free = 0, None
+    requested = asked.group(1) if asked else "unknown"
+    return StageOutOfMemory(
+        f"out of memory on {device} in stage {stage} step {step}: requested {requested}, "
+        f"free {_gib(free)} of {_gib(total)} ({type(exc).__name__})"
+    )
 
 
 class Reducer(Protocol):
@@ -135,8 +183,10 @@ class StageWorker:
         reducer: Reducer | None = None,
         dataset: WindowDataset | None = None,
         on_report: Callable[[StepReport], None] | None = None,
+        epoch: int = 0,
     ) -> None:
         cfg.validate()
+        self.epoch = epoch  # the allocation's: streams of a superseded one are refused (STALE)
         self.cfg = cfg
         self.stage, self.replica, self.replicas = stage, replica, replicas
         self.num_stages = cfg.num_stages
@@ -152,17 +202,22 @@ class StageWorker:
         self.transport = transport
         self.reducer = reducer
         self.on_report = on_report
+        self.device = resolve_device(cfg.device)  # ConfigError naming device if it is not here
+        if cfg.precision == "fp16" and replicas > 1:
+            raise ConfigError("precision", FP16_PIPELINE)
+        self.precision = StagePrecision(cfg.precision, self.device)
         self.model = cfg.model.family()  # the registry's model: layers, loss and hidden width
         self.dataset = dataset if dataset is not None else build_dataset(cfg.data)
         self.seq_len = self.dataset.seq_len
         self.module = build_stage(self.model.build_layer, self.model.num_layers, cfg.layers_per_stage, stage)
+        self.module.to(self.device)  # built on the host from the seed (identical everywhere), then moved
         self.params = [p for p in self.module.parameters() if p.requires_grad]
         self.optimizer = build_optimizer(self.params, cfg.optimizer)
         self.scheduler = build_scheduler(self.optimizer, cfg.optimizer, cfg.steps)
         self.clip = cfg.optimizer.grad_clip
         self.sampler = EpochSampler(len(self.dataset), cfg.global_batch, cfg.data_seed, replicas)
         self.schedule = get_schedule(cfg.schedule)
-        self.codecs = build_codecs(cfg.compression, first=self.first, last=self.last)
+        self.codecs = build_codecs(cfg.compression, first=self.first, last=self.last, device=self.device)
         self.step = 0  # the next step to run; written only by _apply (compute thread) and load_state
         self._snapshot: Snapshot | None = None  # rollback: the state at self.step - 1
         self._closed = False
@@ -196,8 +251,12 @@ class StageWorker:
             expectations=expectations,
             decoders=decoders,
             inbox=self.inbox,
+            epoch=epoch,
             stats=self.stats,
-            config=cfg.streams,
+            # on a device a decode may wait for it (e.g. a finiteness check): never on the event loop
+            config=cfg.streams
+            if self.device.type == "cpu"
+            else dataclasses.replace(cfg.streams, inline_decode_bytes=0),
         )
         self.to_next = self._sender(downstream, stage + 1)
         self.to_prev = self._sender(upstream, stage - 1)
@@ -214,6 +273,7 @@ class StageWorker:
             config=self.cfg.streams,
             stats=self.stats,
             on_failure=self.inbox.fail,
+            epoch=self.epoch,
         )
 
     def _expectation(self, kind: str) -> Callable[[int], Expectation]:
@@ -307,6 +367,13 @@ class StageWorker:
         except PeerdError as exc:
             await self._abort(step, exc)
             raise
+        except (RuntimeError, MemoryError) as exc:
+            if not _is_oom(exc):
+                await self._abort(step, PeerdError(f"{type(exc).__name__}: {exc}"))
+                raise
+            oom = await self._compute(out_of_memory, exc, self.device, self.stage, step)
+            await self._abort(step, oom)
+            raise oom from exc
         except Exception as exc:  # a bug here must still stop the neighbours, not leave them waiting
             await self._abort(step, PeerdError(f"{type(exc).__name__}: {exc}"))
             raise
@@ -329,12 +396,15 @@ class StageWorker:
             mb, op = action.mb, action.op
             ids = chunks[mb]
             if op is Op.RECV_ACT:
-                x = await self.inbox.get(KIND_ACT, step, mb, timeout)
-                inputs[mb] = x.requires_grad_(True)
+                inputs[mb] = await self.inbox.get(
+                    KIND_ACT, step, mb, timeout
+                )  # moved to the device by FORWARD
             elif op is Op.FORWARD:
-                y, loss, payload = await self._compute(
+                x, y, loss, payload = await self._compute(
                     self._forward, ids, inputs.get(mb), len(ids) / examples
                 )
+                if x is not None:
+                    inputs[mb] = x  # the input leaf on the device: SEND_GRAD sends its gradient
                 outputs[mb] = y
                 loss_sum += loss
                 encoded[(Op.SEND_ACT, mb)] = payload
@@ -386,27 +456,38 @@ class StageWorker:
     # more than a small micro-batch's encode.
 
     def _forward(
-        self, ids: list[int], x: torch.Tensor | None, weight: float
-    ) -> tuple[torch.Tensor, float, Any]:
-        """(output, 0, encoded output) or, on the last stage, (weighted loss, its value, None). Compute thread."""
+        self, ids: list[int], received: torch.Tensor | None, weight: float
+    ) -> tuple[torch.Tensor | None, torch.Tensor, float, Any]:
+        """(input leaf, output, 0, encoded output) or, on the last stage, (input leaf, weighted loss,
+        its value, None); the leaf is None on the first stage. Compute thread."""
+        leaf = None
         if self.first:
-            x = self.dataset.inputs(ids)  # (b, T) token ids
-        assert x is not None
-        y = self.module(x)
+            x = self.dataset.inputs(ids).to(self.device, non_blocking=True)  # (b, T) token ids
+        else:
+            assert received is not None
+            # a fresh leaf on the device (a CPU stage keeps the decoded tensor itself)
+            x = leaf = received.to(self.device, non_blocking=True).requires_grad_(True)
+        with self.precision.autocast():
+            y = self.module(x)
+            if self.last:
+                targets = self.dataset.targets(ids).to(self.device, non_blocking=True)
+                loss = self.model.loss(y, targets)
         if not self.last:
             assert self.codecs.send_act is not None
-            return y, 0.0, self.codecs.send_act.encode(tuple(ids), y.detach())  # y: (b, T, C)
-        loss = self.model.loss(y, self.dataset.targets(ids))
-        return loss * weight, loss.item() * weight, None  # this micro-batch's share of the replica's mean
+            sent = y.detach().float()  # (b, T, C): the wire carries float32 whatever autocast computed in
+            return leaf, y, 0.0, self.codecs.send_act.encode(tuple(ids), sent)
+        # this micro-batch's share of the replica's mean
+        return leaf, loss.float() * weight, loss.item() * weight, None
 
     def _backward(
         self, ids: list[int], y: torch.Tensor, grad: torch.Tensor | None, x: torch.Tensor | None
     ) -> Any:
         """Backward through the stage; the encoded gradient of its input ``x`` (None on the first stage)."""
         if self.last:
-            y.backward()
+            self.precision.scale(y).backward()
         else:
-            y.backward(grad)
+            assert grad is not None
+            y.backward(grad.to(self.device, dtype=y.dtype, non_blocking=True))
         if self.first:
             return None
         assert x is not None and x.grad is not None and self.codecs.send_grad is not None
@@ -432,8 +513,8 @@ class StageWorker:
         )
 
     async def _average_and_step(self, step: int) -> None:
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
-        if self.reducer is not None:
+        grads = await self._compute(self._local_grads)
+        if self.reducer is not None:  # the averaging group works on host tensors
             grads = await self.reducer.allreduce(step, grads)
         scale = 1.0
         if self.clip is not None:
@@ -481,6 +562,14 @@ class StageWorker:
         await sender.send(msg, payload)
         await sender.flush()  # accepted before this stage may finish (close does not wait for acks)
 
+    def _local_grads(self) -> list[torch.Tensor]:
+        """This replica's (unscaled) gradients: on the device, or host copies when a reducer averages them. Compute thread."""
+        self.precision.unscale_(self.optimizer)  # fp16: before the norm and the update
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
+        if self.reducer is None or self.device.type == "cpu":
+            return grads
+        return [to_host(g) for g in grads]
+
     def _apply(self, step: int, grads: list[torch.Tensor], scale: float = 1.0) -> None:
         """Compute thread: the whole update of ``step``, so a cancelled await never splits it.
 
@@ -496,8 +585,9 @@ class StageWorker:
                 copy.deepcopy(self.scheduler.state_dict()),
             )
         for p, g in zip(self.params, grads, strict=True):
+            g = g.to(self.device, non_blocking=True)  # averaged on the host: back onto the device
             p.grad = g if scale == 1.0 else g.mul_(scale)  # clip_grad_norm_'s scaling, across stages
-        self.optimizer.step()
+        self.precision.step(self.optimizer)  # fp16: skipped when the gradients overflowed
         self.scheduler.step()  # the lr of step + 1
         self.step = step + 1
 
@@ -525,16 +615,22 @@ class StageWorker:
         return checkpoint.tasklet_dir(self.cfg.checkpoint_dir, self.cfg.job, self.stage, self.replica)
 
     def state_dict(self) -> dict[str, Any]:
-        """The live state at ``self.step`` (checkpoint format); call between steps or after ``quiesce``."""
+        """The live state at ``self.step`` (checkpoint format, host tensors); between steps or after ``quiesce``.
+
+        On the CPU the tensors are the live ones (no copy); on a device, host copies.
+        """
         state_of = getattr(self.reducer, "state_dict", None)
-        return self._state(
+        state = self._state(
             self.step,
-            self.module.state_dict(),
-            self.optimizer.state_dict(),
+            host_copy(self.module.state_dict()),
+            host_copy(self.optimizer.state_dict()),
             self.scheduler.state_dict(),
             codecs=self.codecs.state_dict(),  # AC-SGD buffers of both boundary sides
-            averaging=state_of() if state_of is not None else None,
+            averaging=host_copy(state_of()) if state_of is not None else None,
         )
+        if self.precision.scaler is not None:
+            state["scaler"] = self.precision.state_dict()  # fp16's loss scale and its growth tracker
+        return state
 
     def _state(
         self,
@@ -605,10 +701,12 @@ class StageWorker:
         taken only from this very tasklet's own state (another replica's belong to its shard).
         """
         self._check_state(state)
-        self.module.load_state_dict(state["module"])
-        # optimizer.load_state_dict keeps the given tensors when dtype and device match: copy,
-        # so two workers (or a worker and its snapshot) never share moment buffers
+        self.module.load_state_dict(state["module"])  # copies host tensors onto this worker's device
+        # optimizer.load_state_dict moves the moments onto the parameters' device and keeps the
+        # given tensors when dtype and device match: copy, so two workers (or a worker and its
+        # snapshot) never share moment buffers
         self.optimizer.load_state_dict(copy.deepcopy(state["optimizer"]))
+        self.precision.load_state_dict(state.get("scaler"))
         step = int(state["step"])
         if state.get("scheduler") is not None:
             self.scheduler.load_state_dict(copy.deepcopy(state["scheduler"]))  # it pops keys
@@ -666,7 +764,9 @@ class StageWorker:
         the same step bit for bit (``run`` holds the receiver's decoding of the next step).
         """
         await self._compute(
-            lambda: checkpoint.save(self._dir(), self.state_dict(), self.cfg.keep_checkpoints)
+            lambda: checkpoint.save(
+                self._dir(), self.state_dict(), self.cfg.keep_checkpoints, self.cfg.retain_checkpoints_s
+            )
         )
 
     def restore(self, step: int | None = None) -> int:
