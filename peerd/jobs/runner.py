@@ -80,7 +80,11 @@ logger = get_logger(__name__)
 
 PROGRESS_TTL_S = 24 * 3600.0
 READY_POLL_S = 0.5
-REPLICATE_POLL_S = 3.0  # how often a replica peer looks for a newer checkpoint of its stages
+REPLICATE_POLL_S = 2.0  # how often a replica peer looks for a newer checkpoint of its stages
+RETAIN_CHECKPOINTS_S = 60.0
+"""A stage keeps every checkpoint this young. When a whole stage dies, the job resumes from the
+newest copy of its checkpoint, which lags behind its own (a poll, a progress record, a
+transfer): the other stages must still hold their checkpoint of that step to roll back to it."""
 _FORWARD = {"acsgd": "acsgd", "direct": "quant", "none": "none"}
 
 
@@ -161,6 +165,7 @@ def train_config(
         averaging_timeout_s=180.0,
         checkpoint_dir=str(checkpoint_root) if checkpoint_root is not None else None,
         checkpoint_every=spec.checkpoint_interval,
+        retain_checkpoints_s=RETAIN_CHECKPOINTS_S,
         rollback=True,  # a re-plan may resume one step back: keep the state before each update
     )
 

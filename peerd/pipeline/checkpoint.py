@@ -3,7 +3,9 @@
 One directory per (job, stage, replica) holds ``step-NNNNNNNN.pt`` files, ``N`` being the next
 step to run. A save writes a temporary file in the same directory, fsyncs it, renames it over
 the final name and fsyncs the directory, so a crash leaves either the old or the new file,
-never a torn one; then all but the newest ``keep`` files are deleted. Resuming a pipeline
+never a torn one; then all but the newest ``keep`` files are deleted, except those younger
+than ``retain_s`` seconds (a churn-tolerant job keeps them: when a whole stage dies, the
+others must roll back to the step of its newest checkpoint copy, which lags behind). Resuming a pipeline
 needs one step that every stage replica has saved: ``common_step``. The optional ``codecs``
 entry holds the stage's AC-SGD buffers (``BoundaryCodecs.state_dict``) in the same file, so
 they are saved and restored atomically with the weights they belong to.
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import re
+import time
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -55,8 +58,11 @@ def common_step(root: str | Path, job: str, tasklets: Iterable[tuple[int, int]])
     return max(common) if common else None
 
 
-def save(directory: str | Path, state: dict[str, Any], keep: int = 2) -> Path:
-    """Write ``state`` (which must hold ``REQUIRED`` keys) atomically as its step's file; prune old files."""
+def save(directory: str | Path, state: dict[str, Any], keep: int = 2, retain_s: float = 0.0) -> Path:
+    """Write ``state`` (which must hold ``REQUIRED`` keys) atomically as its step's file; prune old files.
+
+    Files beyond the newest ``keep`` are deleted once they are older than ``retain_s`` seconds.
+    """
     missing = [k for k in REQUIRED if k not in state]
     assert not missing, f"checkpoint state lacks {missing}"
     directory = Path(directory)
@@ -67,9 +73,12 @@ def save(directory: str | Path, state: dict[str, Any], keep: int = 2) -> Path:
     final = replace_file(
         checkpoint_file(directory, int(state["step"])), lambda fh: torch.save(state, fh), suffix=".pt"
     )
+    now = time.time()
     for old in saved_steps(directory)[:-keep]:
+        path = checkpoint_file(directory, old)
         with contextlib.suppress(OSError):
-            checkpoint_file(directory, old).unlink()
+            if retain_s <= 0 or now - path.stat().st_mtime >= retain_s:
+                path.unlink()
     logger.debug("checkpoint %s written", final)
     return final
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -37,6 +38,22 @@ def test_save_load_round_trip_and_keep_the_newest(tmp_path: Path):
     assert newest["step"] == 6 and torch.equal(newest["module"]["w"], torch.full((3,), 6.0))
     assert checkpoint.load(d, 4)["data"]["batch"] == 4
     assert not [p for p in d.iterdir() if p.name.startswith(".tmp-")]  # no temporary files left
+
+
+def test_checkpoints_younger_than_retain_s_outlive_keep(tmp_path: Path):
+    d = checkpoint.tasklet_dir(tmp_path, "j", 0, 0)
+    for step in (2, 4):
+        checkpoint.save(d, state(step), keep=1)
+    old = checkpoint.checkpoint_file(d, 2)
+    assert not old.exists()  # retain_s 0: only the newest ``keep``
+    for step in (6, 8, 10):
+        checkpoint.save(d, state(step), keep=1, retain_s=60.0)
+    assert checkpoint.saved_steps(d) == [4, 6, 8, 10]  # all written less than a minute ago
+    aged = time.time() - 120
+    for step in (4, 6):
+        os.utime(checkpoint.checkpoint_file(d, step), (aged, aged))
+    checkpoint.save(d, state(12), keep=1, retain_s=60.0)
+    assert checkpoint.saved_steps(d) == [8, 10, 12]  # the two-minute-old ones go
 
 
 def test_a_failed_write_leaves_the_previous_checkpoint_and_no_debris(tmp_path: Path, monkeypatch):
