@@ -1,8 +1,11 @@
 """GroupAllReduce: one member's async shell around ``core.MemberMath`` — streams, step states, timeouts, errors.
 
-Each member serves ``peerd/avg/1/<key>`` to the other members only (anyone else gets
-NOT_ALLOWED from the transport) and keeps one outbound stream per other member, reused
-across steps. Per step and per other member ``j``: send ``avg.part`` (my contribution to
+Each member serves ``peerd/avg/1/<key>`` to the other members only (the remote's libp2p
+peer id is checked against the group; anyone else gets NOT_ALLOWED from the transport) and
+keeps one outbound stream per other member, reused across steps. Every stream opens with
+``avg.hello`` naming the group and the allocation epoch: a member still averaging for a
+superseded allocation is refused (STALE) before any gradient bytes are read. Refusals are
+counted by reason in ``AveragingStats.refused``. Per step and per other member ``j``: send ``avg.part`` (my contribution to
 share ``j``), receive ``avg.share`` (the average of share ``j``) on the same stream. Inbound
 contributions to my share are collected in a per-step state until all ``D`` are in, then
 reduced once and the same bytes answer every member.
@@ -31,7 +34,16 @@ from hivemind.p2p import PeerID
 
 from peerd.averaging.codec import Compressor, decode_share, parse_compressor
 from peerd.averaging.core import MemberMath
-from peerd.averaging.messages import KIND_PART, KIND_SHARE, AvgMessage, Expect, check, parse
+from peerd.averaging.messages import (
+    KIND_PART,
+    KIND_SHARE,
+    AvgMessage,
+    Expect,
+    check,
+    hello,
+    parse,
+    parse_hello,
+)
 from peerd.averaging.partition import flatten, group_digest, layout_of, share_bounds, unflatten
 from peerd.averaging.steps import StepBook, StepState
 from peerd.compress.gradient import Encoded
@@ -62,7 +74,10 @@ class AveragingStats:
     values_averaged: int = 0
     """fp32 elements averaged over all completed steps (x 4 = raw gradient bytes)."""
     rejected: dict[str, int] = field(default_factory=dict)
-    """Frames refused, by ErrorCode name."""
+    """Frames and streams refused, by ErrorCode name."""
+    refused: dict[str, int] = field(default_factory=dict)
+    """Streams refused at their opening, by reason: ``stranger`` (not a member in this epoch),
+    ``stale_epoch``, ``future_epoch``, ``bad_hello`` (another group, or no hello first)."""
     last_step_s: float = 0.0
 
 
@@ -85,6 +100,7 @@ class GroupAllReduce:
         key: str = "default",
         compressor: Compressor = None,
         timeout: float = 30.0,
+        epoch: int = 0,
     ) -> None:
         members = list(group)
         self_id = self_id if self_id is not None else transport.peer_id
@@ -96,7 +112,10 @@ class GroupAllReduce:
             raise ConfigError("key", f"{key!r}: 1-128 characters from [A-Za-z0-9._:/-]")
         if not timeout > 0:
             raise ConfigError("timeout", f"must be > 0, got {timeout}")
+        if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
+            raise ConfigError("epoch", f"must be an int >= 0, got {epoch!r}")
         self.transport = transport
+        self.epoch = epoch
         self.members = members
         self.rank = members.index(self_id)
         self.size = len(members)
@@ -140,7 +159,14 @@ class GroupAllReduce:
         await self.close()
 
     def _is_member(self, peer_id: PeerID) -> bool:
-        return peer_id in self._ranks and self._ranks[peer_id] != self.rank
+        """The Transport's gate: only the other members of this epoch's group may open the stream."""
+        if peer_id in self._ranks and self._ranks[peer_id] != self.rank:
+            return True
+        self._refuse("stranger", ErrorCode.NOT_ALLOWED)
+        logger.info(
+            "refused an averaging stream from %s: not in group %s of epoch %d", peer_id, self.key, self.epoch
+        )
+        return False
 
     def state_dict(self) -> dict[str, Any]:
         """Error-feedback residuals and the last completed step (for stage checkpoints)."""
@@ -253,6 +279,11 @@ class GroupAllReduce:
                 if loop.time() + _CONNECT_PAUSE_S >= deadline:
                     raise
                 await asyncio.sleep(_CONNECT_PAUSE_S)
+        try:
+            await conn.send(hello(self.digest, self.epoch).header(), timeout=self.timeout)
+        except PeerdError:
+            await conn.close(timeout=0.1)
+            raise
         self._conns[j] = conn
         return conn
 
@@ -295,6 +326,7 @@ class GroupAllReduce:
     async def _handle(self, conn: Connection) -> None:
         """Serve one member's stream: contributions in, averaged shares out, errors as error frames."""
         src = self._ranks[conn.peer_id]
+        admitted = False  # until the stream's avg.hello named this group and epoch
         while True:
             sent, received = conn.bytes_sent, conn.bytes_received
             try:
@@ -306,10 +338,17 @@ class GroupAllReduce:
             except ProtocolError as exc:  # stream out of sync: the transport reports and closes it
                 self._count(exc.code)
                 raise
+            if not admitted:
+                self._admit(conn, header)  # raises: the transport sends its code and closes the stream
+                admitted = True
+                continue
             try:
                 msg = parse(header, KIND_PART)
                 check(msg, Expect(self.digest, src=src, share=self.rank))
                 self._steps.check_window(msg.step)
+                held = self._steps.states.get(msg.step)
+                if held is not None and held.total is not None:  # before decoding: sizes must agree
+                    check(msg, Expect(self.digest, total=held.total, layout=held.layout))
                 start, end = share_bounds(msg.total, self.size)[self.rank]
                 part = await _off_loop(end - start, decode_share, payload, end - start)
                 del payload
@@ -330,8 +369,23 @@ class GroupAllReduce:
                 self.stats.bytes_sent += conn.bytes_sent - sent
                 self.stats.bytes_received += conn.bytes_received - received
 
+    def _admit(self, conn: Connection, header: dict[str, Any]) -> None:
+        try:
+            parse_hello(header, self.digest, self.epoch)
+        except ProtocolError as exc:
+            reason = {ErrorCode.STALE: "stale_epoch", ErrorCode.FROM_FUTURE: "future_epoch"}.get(
+                exc.code, "bad_hello"
+            )
+            self._refuse(reason, exc.code)
+            logger.info("refused an averaging stream from %s: %s", conn.peer_id, exc)
+            raise
+
     def _count(self, code: ErrorCode) -> None:
         self.stats.rejected[code.name] = self.stats.rejected.get(code.name, 0) + 1
+
+    def _refuse(self, reason: str, code: ErrorCode) -> None:
+        self.stats.refused[reason] = self.stats.refused.get(reason, 0) + 1
+        self._count(code)
 
 
 async def _first_error(tasks: list[asyncio.Task]) -> None:

@@ -5,6 +5,10 @@ Two kinds ride on the transport's frames, both with a compressed-tensor frame as
 - ``avg.part``  — member ``src`` sends its contribution to share ``share`` (reduce-scatter);
 - ``avg.share`` — the reducer of ``share`` answers with the averaged share (all-gather).
 
+A third, ``avg.hello``, opens every stream (no payload): it names the group and the
+allocation epoch the sender averages in, so a member of a superseded allocation is refused
+(STALE; FROM_FUTURE for a newer one) before any gradient bytes are read.
+
 The header is declared once (``AvgMessage``) and read by ``peerd.wire``: unknown fields
 are ignored (tolerant within a version); wrong types or missing fields are MALFORMED.
 ``Expect`` holds what the receiver knows; ``check`` compares.
@@ -25,6 +29,7 @@ from peerd.wire.types import Count, Name
 VERSION = 1
 KIND_PART = "avg.part"
 KIND_SHARE = "avg.share"
+KIND_HELLO = "avg.hello"
 KINDS = (KIND_PART, KIND_SHARE)
 
 
@@ -46,6 +51,51 @@ class AvgMessage(WireStruct):
 
     def header(self) -> dict[str, Any]:
         return to_builtin(self)
+
+
+class AvgHello(WireStruct):
+    """The first frame of every averaging stream, from the member that opened it."""
+
+    kind: str
+    group: Name
+    """The sender's group digest (as in AvgMessage)."""
+    epoch: Count
+    """The allocation epoch the sender averages in."""
+    version: int = msgspec.field(default=VERSION, name="v")
+
+    def header(self) -> dict[str, Any]:
+        return to_builtin(self)
+
+
+def hello(group: str, epoch: int) -> AvgHello:
+    return AvgHello(KIND_HELLO, group, epoch)
+
+
+_HELLO = Schema(AvgHello, f"{KIND_HELLO} header", DEFAULT_LIMITS.max_header, version=VERSION, kind=KIND_HELLO)
+
+
+def parse_hello(header: dict[str, Any], group: str, epoch: int) -> AvgHello:
+    """The stream's opening hello, checked: NOT_ALLOWED for another group, STALE/FROM_FUTURE for another epoch."""
+    if header.get("kind") != KIND_HELLO:
+        raise ProtocolError(
+            f"an averaging stream must open with {KIND_HELLO}, got {header.get('kind')!r}",
+            code=ErrorCode.NOT_ALLOWED,
+        )
+    msg = _HELLO.check(header)
+    if msg.group != group:
+        raise ProtocolError(
+            f"sender averages in group {msg.group}, this member in {group}", code=ErrorCode.NOT_ALLOWED
+        )
+    if msg.epoch < epoch:
+        raise ProtocolError(
+            f"averaging stream of epoch {msg.epoch}: this member runs epoch {epoch}", code=ErrorCode.STALE
+        )
+    if msg.epoch > epoch:
+        raise ProtocolError(
+            f"averaging stream of epoch {msg.epoch}: this member still runs epoch {epoch}",
+            code=ErrorCode.FROM_FUTURE,
+        )
+    return msg
 
 
 def _share_rules(msg: AvgMessage) -> None:

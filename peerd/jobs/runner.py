@@ -54,7 +54,6 @@ from peerd.jobs.recovery import (
 from peerd.jobs.spec import JobSpec, OptimizerSpec
 from peerd.jobs.store import RecordStore
 from peerd.log import get_logger
-from peerd.models.costs import layer_costs
 from peerd.pipeline import checkpoint
 from peerd.pipeline.codec import CompressionConfig
 from peerd.pipeline.config import ModelBuild, TrainConfig
@@ -69,7 +68,7 @@ from peerd.pipeline.statesync import (
     unpack_state,
 )
 from peerd.pipeline.streams import StreamConfig
-from peerd.pipeline.worker import StageWorker, StepReport
+from peerd.pipeline.worker import StageOutOfMemory, StageWorker, StepReport
 from peerd.sched.allocation import Allocation
 from peerd.sched.consensus.actions import Commit
 from peerd.sched.consensus.messages import HeldState, RosterEntry
@@ -98,22 +97,18 @@ def tasklet_of(allocation: Allocation, peer: str) -> tuple[int, int] | None:
 
 def state_bound(spec: JobSpec) -> int:
     """Most bytes one stage's state may take on the wire: the whole model's fp32 weights and two moments, plus headroom."""
-    gpt = spec.model.gpt_config()
-    params = sum(c.params for c in layer_costs(gpt, spec.data.seq_len))
+    params = sum(c.params for c in spec.model.family().layer_costs(spec.data.seq_len))
     return int(4 * 4 * params) + (16 << 20)
 
 
 def unsupported(spec: JobSpec) -> tuple[list[ConfigError], list[str]]:
     """(errors, warnings) for running ``spec`` with the pipeline worker as it is today.
 
-    Errors: what the runner cannot do at all (a fine-tune from ``init_checkpoint``). The optimizer
-    section runs as written (``peerd.pipeline.optim``), so nothing in it is ignored or warned about.
+    Nothing today: every model family runs, ``finetune`` loads ``init_checkpoint`` on each stage
+    (``peerd.models.registry.with_weights``) and the optimizer section runs as written
+    (``peerd.pipeline.optim``), so nothing in the spec is ignored or warned about.
     """
-    errors = []
-    if spec.kind == "finetune":
-        errors.append(
-            ConfigError("kind", "finetune jobs cannot run yet: the runner does not load init_checkpoint")
-        )
+    errors: list[ConfigError] = []
     return errors, []
 
 
@@ -133,13 +128,18 @@ def optimizer_config(opt: OptimizerSpec) -> OptimizerConfig:
 
 
 def train_config(
-    job_id: str, spec: JobSpec, allocation: Allocation, checkpoint_root: Path | None
+    job_id: str,
+    spec: JobSpec,
+    allocation: Allocation,
+    checkpoint_root: Path | None,
+    device: str = "auto",
 ) -> TrainConfig:
-    """The pipeline configuration every tasklet of ``allocation`` runs with (identical on every peer)."""
-    gpt = spec.model.gpt_config()
+    """The pipeline configuration every tasklet of ``allocation`` runs with (identical on every peer
+    but for ``device``, this daemon's ``--device``)."""
+    num_layers = spec.model.family().num_layers
     layers = list(allocation.layers) if allocation.layers is not None else None
-    if layers is None or sum(layers) != gpt.num_layers:
-        layers = balanced_layers_per_stage(gpt.num_layers, allocation.d_pp)
+    if layers is None or sum(layers) != num_layers:
+        layers = balanced_layers_per_stage(num_layers, allocation.d_pp)
     comp = spec.compression
     compression = CompressionConfig(
         forward=_FORWARD[comp.forward],  # type: ignore[arg-type]
@@ -149,10 +149,17 @@ def train_config(
         gradients="quant" if comp.gradient_bits else "none",
         gradient_bits=comp.gradient_bits or 8,
     )
-    overrides = dict(spec.model.overrides)
+    hf = spec.model.hf if isinstance(spec.model.hf, dict) else None  # a path is inlined at submit
+    model = ModelBuild(
+        preset=spec.model.preset or "tiny",
+        overrides=dict(spec.model.overrides),
+        hf=hf,
+        seed=spec.model.seed,
+        init_checkpoint=spec.init_checkpoint,  # opened by each tasklet's worker (its own disk)
+    )
     return TrainConfig(
         job=job_id,
-        model=ModelBuild(preset=spec.model.preset or "tiny", overrides=overrides, seed=spec.model.seed),
+        model=model,
         data=spec.data,
         layers_per_stage=layers,
         global_batch=spec.global_batch,
@@ -167,6 +174,8 @@ def train_config(
         checkpoint_every=spec.checkpoint_interval,
         retain_checkpoints_s=RETAIN_CHECKPOINTS_S,
         rollback=True,  # a re-plan may resume one step back: keep the state before each update
+        device=device,
+        precision=spec.precision,
     )
 
 
@@ -196,6 +205,7 @@ class TaskletRunner:
         statesync: StateSyncConfig | None = None,
         replicas: CheckpointReplicas | None = None,
         checkpoint_replicas: int = CHECKPOINT_REPLICAS,
+        device: str = "auto",
     ) -> None:
         self.job, self.spec, self.store = job, spec, store
         self.transport, self.peer_ref, self.interval = transport, peer_ref, interval
@@ -204,6 +214,7 @@ class TaskletRunner:
         self.statesync = statesync or StateSyncConfig()
         self.replicas = replicas
         self.checkpoint_replicas = checkpoint_replicas
+        self.device = device  # where this peer's tasklets compute (the daemon's --device)
         self.commit: Commit | None = None
         self.stage: int | None = None  # this peer's tasklet in ``commit`` (None: a spare)
         self.replica: int | None = None
@@ -226,7 +237,7 @@ class TaskletRunner:
         self._replicator: asyncio.Task | None = None
         self._lock = asyncio.Lock()
         self._dirty = asyncio.Event()
-        self._boundary_raw = spec.model.gpt_config().d_model * 4  # fp32 bytes per token at a boundary
+        self._boundary_raw = spec.model.family().hidden * 4  # fp32 bytes per token at a boundary
         self._avg_raw_per_step = 0
         self._wire_before: dict[str, int] = {}  # bytes sent by the workers of earlier commits
         self._expires = 0.0
@@ -327,7 +338,9 @@ class TaskletRunner:
             first = self.commit is None
             self.commit = commit
             where = tasklet_of(commit.allocation, self.me)
-            self.cfg = train_config(self.job.job_id, self.spec, commit.allocation, self.checkpoint_root)
+            self.cfg = train_config(
+                self.job.job_id, self.spec, commit.allocation, self.checkpoint_root, device=self.device
+            )
             if where is None:
                 self.stage = self.replica = None
                 logger.info("job %s: this peer is a spare in epoch %d", self.job.job_id, commit.epoch)
@@ -343,6 +356,11 @@ class TaskletRunner:
             try:
                 worker = await asyncio.get_running_loop().run_in_executor(None, self._build_worker)
                 source = await self._load(worker, spans[self.stage], resume, roster or [])
+            except ConfigError as exc:  # the job cannot run here (e.g. init_checkpoint unreadable): say which field
+                self.state, self.reason = TaskState.FAILED, str(exc)[:200]
+                logger.warning("job %s: tasklet s%sr%s cannot start: %s", self.job.job_id, self.stage, self.replica, exc)
+                self._dirty.set()
+                return
             except PeerdError as exc:
                 self._recovering(f"could not take the state of stage {self.stage} at step {resume}: {exc}")
                 self.suspects = tuple(
@@ -406,7 +424,7 @@ class TaskletRunner:
             )
         except asyncio.CancelledError:
             raise
-        except ConfigError as exc:
+        except (ConfigError, StageOutOfMemory) as exc:  # this peer cannot run it: the reason says why
             self.state, self.reason = TaskState.FAILED, str(exc)[:200]
             logger.warning(
                 "job %s: tasklet s%sr%s failed: %s", self.job.job_id, self.stage, self.replica, exc
@@ -598,6 +616,7 @@ class TaskletRunner:
             key=f"{self.job.job_id}/s{self.stage}",
             compressor=self.cfg.compression.gradient_compressor,
             timeout=self.cfg.averaging_timeout_s,
+            epoch=self.commit.epoch,
         )
 
     def _neighbour(self, stage: int) -> Any:
@@ -654,6 +673,7 @@ class TaskletRunner:
             downstream=self._neighbour(self.stage + 1),
             reducer=reducer,
             on_report=self._on_report,
+            epoch=self.commit.epoch,
         )
         self._avg_raw_per_step = 0
         if reducer is not None:

@@ -9,7 +9,9 @@ wire bytes (peerd.compress's format) or, for codec ``none``, the raw little-endi
 A message travels as one or more transport frames (*parts*), each carrying the full header
 plus ``part``/``parts``/``off`` so the receiver can check the metadata before the bulk arrives
 and never needs to buffer more than one message. Control frames (``pp.ack``/``pp.nack``/
-``pp.abort``) flow the other way on the same stream. Everything here is pure: the async
+``pp.abort``) flow the other way on the same stream. Every stream opens with ``pp.hello``,
+which binds it to the sender's allocation epoch: a receiver takes frames only from the
+committed neighbours of its own epoch (``check_epoch``). Everything here is pure: the async
 shells are in ``peerd.pipeline.streams``.
 """
 
@@ -38,12 +40,13 @@ KIND_NORM_TOTAL = "pp.norm.total"  # the replica's total sum of squares, travels
 KIND_ACK = "pp.ack"
 KIND_NACK = "pp.nack"
 KIND_ABORT = "pp.abort"
+KIND_HELLO = "pp.hello"  # first frame of every stream, sender -> receiver: the allocation epoch
 DATA_KINDS = (KIND_ACT, KIND_GRAD, KIND_NORM_PART, KIND_NORM_TOTAL)
 FORWARD_KINDS = (KIND_ACT, KIND_NORM_TOTAL)  # sent by the upstream neighbour
 BACKWARD_KINDS = (KIND_GRAD, KIND_NORM_PART)  # sent by the downstream neighbour
 NORM_SHAPE = (1,)
 NORM_DTYPE = "float64"
-CONTROL_KINDS = (KIND_ACK, KIND_NACK, KIND_ABORT)
+CONTROL_KINDS = (KIND_ACK, KIND_NACK, KIND_ABORT, KIND_HELLO)
 
 DTYPES = {
     "float32": torch.float32,
@@ -140,6 +143,13 @@ class Abort(_Control, tag=KIND_ABORT):
     message: _Text = ""
 
 
+class Hello(_Control, tag=KIND_HELLO):
+    epoch: Count  # the allocation epoch the sender runs; the protocol name already binds job and stage
+
+
+Control = Ack | Nack | Abort | Hello
+
+
 def _message_rules(msg: TensorMessage) -> None:
     if msg.dtype not in DTYPES:
         raise _bad(
@@ -156,7 +166,7 @@ _DATA = {
 }
 _CONTROL: dict[str, Schema[Any]] = {
     k: Schema(cls, f"{k} frame", _HEADER_BYTES, version=VERSION, kind=k)
-    for k, cls in zip(CONTROL_KINDS, (Ack, Nack, Abort), strict=True)
+    for k, cls in zip(CONTROL_KINDS, (Ack, Nack, Abort, Hello), strict=True)
 }
 
 
@@ -168,9 +178,9 @@ def part_header(msg: TensorMessage, index: int = 0, count: int = 1, offset: int 
     return to_builtin(msg) | to_builtin(_Span(index, count, offset))
 
 
-def control_header(ctl: Ack | Nack | Abort) -> dict[str, Any]:
+def control_header(ctl: Control) -> dict[str, Any]:
     """The transport header of a control frame; a too long error text is cut to MAX_TEXT characters."""
-    if not isinstance(ctl, Ack) and len(ctl.message) > MAX_TEXT:
+    if isinstance(ctl, Nack | Abort) and len(ctl.message) > MAX_TEXT:
         ctl = msgspec.structs.replace(ctl, message=ctl.message[:MAX_TEXT])
     return to_builtin(ctl)
 
@@ -225,12 +235,25 @@ def parse_part(header: Mapping[str, Any]) -> Part:
     return Part(msg, span.index, span.count, span.offset)
 
 
-def parse_control(header: Mapping[str, Any]) -> Ack | Nack | Abort:
-    """Decode an ``pp.ack`` / ``pp.nack`` / ``pp.abort`` frame."""
+def parse_control(header: Mapping[str, Any]) -> Control:
+    """Decode a ``pp.ack`` / ``pp.nack`` / ``pp.abort`` / ``pp.hello`` frame."""
     schema = _CONTROL.get(header.get("kind", ""))
     if schema is None:
         raise _bad(f"not a pipeline control frame: kind {header.get('kind')!r}", ErrorCode.UNKNOWN_KIND)
     return schema.check(header)
+
+
+def check_epoch(declared: int, current: int, what: str = "stream") -> None:
+    """Refuse a sender that speaks for another allocation epoch than this receiver's.
+
+    An older epoch is STALE (that allocation was superseded: its frames could carry steps and
+    AC-SGD deltas this epoch's reset buffers know nothing of); a newer one is FROM_FUTURE (the
+    sender adopted a commit this peer has not yet: it may retry once this peer caught up).
+    """
+    if declared < current:
+        raise _bad(f"{what} of epoch {declared}: this peer runs epoch {current}", ErrorCode.STALE)
+    if declared > current:
+        raise _bad(f"{what} of epoch {declared}: this peer still runs epoch {current}", ErrorCode.FROM_FUTURE)
 
 
 class Assembler:

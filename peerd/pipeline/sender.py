@@ -4,7 +4,10 @@ One persistent connection per neighbour and direction (reopened only when there 
 to send). Messages are numbered; the receiver acks what it accepted and nacks what it
 rejected; on a nack or a broken stream the sender goes back to the first unacknowledged
 message and sends it and everything after it again (go-back-N: the receiver dropped them),
-the same bytes as before, so AC-SGD buffers on both sides see the same sequence. Budgets
+the same bytes as before, so AC-SGD buffers on both sides see the same sequence. Every
+connection opens with ``pp.hello`` naming the sender's allocation epoch; a receiver that
+refuses it as NOT_ALLOWED or STALE ends the sender (this peer is not, or no longer, its
+neighbour: retrying cannot help). Budgets
 (``max_resends`` per message, ``max_reconnects`` in a row) end in a typed error that wakes the
 stage (``on_failure``) instead of a hang. Spec: protocols/pipeline-frames.md.
 """
@@ -25,6 +28,8 @@ from peerd.log import get_logger
 from peerd.pipeline.frames import (
     Abort,
     Ack,
+    Control,
+    Hello,
     Nack,
     TensorMessage,
     control_header,
@@ -61,8 +66,10 @@ class StreamSender:
         config: StreamConfig,
         stats: StreamStats,
         on_failure: Callable[[PeerdError], None] | None = None,
+        epoch: int = 0,
     ) -> None:
         self.transport = transport
+        self.epoch = epoch
         self.peer = peer
         self.protocol = protocol
         self.config = config
@@ -163,6 +170,13 @@ class StreamSender:
 
     async def _connect(self) -> None:
         conn = await self.transport.connect(self.peer, self.protocol, timeout=self.config.connect_timeout_s)
+        before = conn.bytes_sent
+        try:
+            await conn.send(control_header(Hello(self.epoch)), timeout=self.config.stall_timeout_s)
+        except PeerdError:
+            await conn.close(timeout=0.1)
+            raise
+        self.stats.control_bytes += conn.bytes_sent - before
         self._conn = conn
         self._send_from = next(iter(self._unacked), self._seq)  # everything unacked goes again
         self._reader = asyncio.create_task(self._read(conn), name=f"peerd-pp-acks-{self.protocol}")
@@ -246,7 +260,7 @@ class StreamSender:
         except asyncio.CancelledError:
             raise
         except ProtocolError as exc:
-            if exc.code == ErrorCode.NOT_ALLOWED:
+            if exc.code in (ErrorCode.NOT_ALLOWED, ErrorCode.STALE):
                 self._fail(exc)  # we are not (or no longer) this peer's neighbour: retrying cannot help
             elif conn is self._conn:
                 await self._broken(exc)
@@ -254,7 +268,7 @@ class StreamSender:
             if conn is self._conn:
                 await self._broken(exc)
 
-    def _on_control(self, ctl: Ack | Nack | Abort) -> None:
+    def _on_control(self, ctl: Control) -> None:
         if isinstance(ctl, Ack):
             while self._unacked and next(iter(self._unacked)) <= ctl.seq:
                 self._unacked.popitem(last=False)
@@ -277,8 +291,10 @@ class StreamSender:
                 "%s rejected seq %d (%s): %s; resending", self.peer, ctl.seq, ctl.code.name, ctl.message
             )
             self._send_from = min(self._send_from, ctl.seq)
-        else:
+        elif isinstance(ctl, Abort):
             self._fail(ProtocolError(f"neighbour aborted step {ctl.step}: {ctl.message}", code=ctl.code))
+        else:  # a hello travels from sender to receiver only
+            raise ProtocolError(f"{self.peer} sent a hello on a stream it receives", code=ErrorCode.MALFORMED)
         self._changed.set()
 
 

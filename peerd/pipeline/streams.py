@@ -1,8 +1,11 @@
 """Activation/gradient streams between allocated pipeline neighbours: the receiving side and shared parts.
 
 Each stage serves one protocol (``stage_protocol``) that only its allocated upstream and
-downstream peers may open (others get NOT_ALLOWED from the Transport). ``StreamReceiver``
-validates every frame against what the stage expects (``frames.check_message``), decodes
+downstream peers may open: the remote's libp2p peer id is checked against the allocation
+(others get NOT_ALLOWED from the Transport), and the stream's first frame, ``pp.hello``, must
+name this receiver's allocation epoch (an older one is STALE, a newer one FROM_FUTURE), so a
+neighbour still running a superseded allocation cannot feed this one; refusals are counted
+by reason in ``StreamStats.refused``. ``StreamReceiver`` validates every frame against what the stage expects (``frames.check_message``), decodes
 accepted messages strictly in sequence order (AC-SGD buffers must see the same sequence as
 the sender's), puts them into the stage's ``Inbox`` and acks them; a rejected frame gets a
 nack with its ErrorCode and is counted. ``peerd.pipeline.sender`` is the other end. Every
@@ -27,12 +30,15 @@ from peerd.pipeline.frames import (
     BACKWARD_KINDS,
     FORWARD_KINDS,
     KIND_ABORT,
+    KIND_HELLO,
     Abort,
     Ack,
     Assembler,
     Expectation,
+    Hello,
     Nack,
     TensorMessage,
+    check_epoch,
     check_message,
     control_header,
     parse_control,
@@ -113,8 +119,12 @@ class StreamStats:
 
     sent: dict[tuple[int, str], LinkCounters] = field(default_factory=dict)
     received: dict[tuple[int, str], LinkCounters] = field(default_factory=dict)
-    control_bytes: int = 0  # acks/nacks/aborts sent and received
+    control_bytes: int = 0  # acks/nacks/aborts/hellos sent and received
     rejected: collections.Counter[str] = field(default_factory=collections.Counter)
+    """Frames and streams refused, by ErrorCode name."""
+    refused: collections.Counter[str] = field(default_factory=collections.Counter)
+    """Streams refused at their opening, by reason: ``stranger`` (not a neighbour of this epoch),
+    ``stale_epoch``, ``future_epoch``, ``no_hello`` (data before the epoch was named)."""
     resends: int = 0
     reconnects: int = 0
     duplicates: int = 0
@@ -126,6 +136,10 @@ class StreamStats:
 
     def reject(self, code: ErrorCode) -> None:
         self.rejected[code.name] += 1
+
+    def refuse(self, reason: str, code: ErrorCode) -> None:
+        self.refused[reason] += 1
+        self.reject(code)
 
     def wire_bytes(self) -> dict[str, int]:
         """``{"b0.fwd.sent": n, ...}``: wire bytes per boundary, direction and side."""
@@ -140,6 +154,7 @@ class StreamStats:
             "wire_bytes": self.wire_bytes(),
             "control_bytes": self.control_bytes,
             "rejected": dict(self.rejected),
+            "refused": dict(self.refused),
             "resends": self.resends,
             "reconnects": self.reconnects,
             "duplicates": self.duplicates,
@@ -243,7 +258,9 @@ class StreamReceiver:
         inbox: Inbox,
         stats: StreamStats,
         config: StreamConfig,
+        epoch: int = 0,
     ) -> None:
+        self.epoch = epoch  # the allocation epoch whose neighbours are upstream/downstream
         self.upstream = upstream
         self.downstream = downstream
         self.expectations = expectations  # kind -> (current step) -> Expectation
@@ -255,7 +272,12 @@ class StreamReceiver:
         self._decode_locks: dict[str, asyncio.Lock] = {}
 
     def allowed(self, peer: PeerRef) -> bool:
-        return peer is not None and peer in (self.upstream, self.downstream)
+        """The Transport's gate: only this epoch's committed neighbours may open the stream."""
+        if peer is not None and peer in (self.upstream, self.downstream):
+            return True
+        self.stats.refuse("stranger", ErrorCode.NOT_ALLOWED)
+        logger.info("refused a pipeline stream from %s: not a neighbour in epoch %d", peer, self.epoch)
+        return False
 
     def limits(self) -> FrameLimits:
         return FrameLimits(max_payload=self.config.chunk_bytes)
@@ -266,6 +288,7 @@ class StreamReceiver:
     async def handle(self, conn: Connection) -> None:
         """One neighbour's stream: runs until it closes; out-of-sync bytes end it with a typed error."""
         assembler = Assembler()
+        admitted = False  # until the stream's pp.hello named this receiver's epoch
         while True:
             before = conn.bytes_received
             try:
@@ -281,6 +304,11 @@ class StreamReceiver:
                 raise
             wire = conn.bytes_received - before
             kind = header["kind"]
+            if not admitted:
+                self.stats.control_bytes += wire
+                self._admit(conn, header)  # raises: the Transport sends its code and closes the stream
+                admitted = True
+                continue
             if kind == KIND_ABORT:
                 self.stats.control_bytes += wire
                 await self._aborted(conn, header)
@@ -296,6 +324,27 @@ class StreamReceiver:
                     control_header(Nack(seq if _is_seq(seq) else -1, exc.code, exc.message)),
                     timeout=5.0,
                 )
+
+    def _admit(self, conn: Connection, header: dict) -> None:
+        """Check the stream's opening ``pp.hello`` against this receiver's epoch; count and raise if refused."""
+        if header.get("kind") != KIND_HELLO:
+            self.stats.refuse("no_hello", ErrorCode.NOT_ALLOWED)
+            raise ProtocolError(
+                f"a pipeline stream must open with {KIND_HELLO}, got {header.get('kind')!r}",
+                code=ErrorCode.NOT_ALLOWED,
+            )
+        try:
+            hello = parse_control(header)
+            assert isinstance(hello, Hello)
+            check_epoch(hello.epoch, self.epoch, f"stream from {conn.peer_id}")
+        except ProtocolError as exc:
+            reason = {ErrorCode.STALE: "stale_epoch", ErrorCode.FROM_FUTURE: "future_epoch"}.get(exc.code)
+            if reason is None:
+                self.stats.reject(exc.code)
+            else:
+                self.stats.refuse(reason, exc.code)
+            logger.info("refused a pipeline stream from %s: %s", conn.peer_id, exc)
+            raise
 
     async def _aborted(self, conn: Connection, header: dict) -> None:
         try:

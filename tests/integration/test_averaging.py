@@ -16,7 +16,7 @@ from hivemind.p2p import P2P
 from peerd.averaging import GroupAllReduce, MemberMath, simulate
 from peerd.averaging import allreduce as allreduce_module
 from peerd.averaging.codec import build_codec, parse_compressor
-from peerd.averaging.messages import KIND_PART, AvgMessage
+from peerd.averaging.messages import KIND_PART, AvgMessage, hello
 from peerd.averaging.partition import flatten, layout_of
 from peerd.errors import ErrorCode, PeerUnavailable, ProtocolError
 from peerd.swarm.transport import Transport
@@ -167,10 +167,11 @@ def test_single_member_group_is_the_identity(cluster: Cluster):
 
 
 async def _send_raw(transport: Transport, target, protocol: str, frames: list[tuple[dict, bytes]]):
-    """Send frames on one stream; collect the error code (or reply kind) for each."""
+    """Open a stream (its avg.hello names the frames' group, epoch 0), send frames; collect each reply kind or error code."""
     results = []
     conn = await transport.connect(target, protocol, timeout=10)
     try:
+        await conn.send(hello(frames[0][0].get("group", "?"), 0).header())
         for header, payload in frames:
             try:
                 reply, _ = await conn.request(header, payload, timeout=10)

@@ -17,7 +17,15 @@ from peerd.data.config import DataConfig, build_dataset
 from peerd.errors import ErrorCode, ProtocolError
 from peerd.models.gpt import GPT
 from peerd.pipeline.config import ModelBuild, TrainConfig
-from peerd.pipeline.frames import KIND_ACT, KIND_GRAD, TensorMessage, part_header, raw_payload
+from peerd.pipeline.frames import (
+    KIND_ACT,
+    KIND_GRAD,
+    Hello,
+    TensorMessage,
+    control_header,
+    part_header,
+    raw_payload,
+)
 from peerd.pipeline.launch import (
     LocalPeer,
     Placement,
@@ -109,6 +117,7 @@ def test_non_neighbours_are_refused_and_malformed_frames_rejected_typed_and_coun
         async def first_reply(transport: Transport, target: LocalPeer, stage: int, frame) -> object:
             conn = await transport.connect(target.peer_id, stage_protocol(cfg.job, stage))
             try:
+                await conn.send(control_header(Hello(0)))  # a stream opens by naming its epoch
                 await conn.send(*frame)
                 return (await conn.recv(timeout=10))[0]
             except ProtocolError as exc:
@@ -159,12 +168,14 @@ def test_non_neighbours_are_refused_and_malformed_frames_rejected_typed_and_coun
         "truncated": ("pp.nack", ErrorCode.TRUNCATED),
     }
     assert result.stats["s1r0"]["rejected"] == {
+        "NOT_ALLOWED": 1,  # the outsider's stream
         "SHAPE_MISMATCH": 1,
         "WRONG_STEP": 1,
         "UNKNOWN_EXAMPLE": 1,
         "TRUNCATED": 2,
     }
-    assert result.stats["s0r0"]["rejected"] == {"NOT_ALLOWED": 1}
+    assert result.stats["s0r0"]["rejected"] == {"NOT_ALLOWED": 2}  # the outsider, acts from downstream
+    assert result.stats["s1r0"]["refused"] == {"stranger": 1} == result.stats["s0r0"]["refused"]
     # none of it touched training
     assert result.ok, result.errors
     assert rel(result.losses(), reference) < 1e-4
@@ -250,6 +261,7 @@ def test_grad_frames_are_checked_as_strictly(swarm, reference):
         )
         as_b = Transport(b.p2p)
         conn = await as_b.connect(a.peer_id, stage_protocol(cfg.job, 0))
+        await conn.send(control_header(Hello(0)))
         for change in ({"b": 1}, {"dtype": "float16", "nbytes": len(payload) // 2}, {"codec": "q8"}):
             body = payload[: change["nbytes"]] if "nbytes" in change else payload
             await conn.send({**part_header(msg), **change}, body)

@@ -19,6 +19,7 @@ from peerd.pipeline.frames import (
     Ack,
     Assembler,
     Expectation,
+    Hello,
     Nack,
     TensorMessage,
     check_message,
@@ -119,8 +120,10 @@ def test_valid_vector(path: Path):
     first = case["frames"][0]["header"]
     if first["kind"] in CONTROL_KINDS:
         ctl = parse_control(first)
-        assert isinstance(ctl, Ack | Nack | Abort)
-        if not isinstance(ctl, Ack):
+        assert isinstance(ctl, Ack | Nack | Abort | Hello)
+        if isinstance(ctl, Hello):
+            assert ctl.epoch == first["epoch"]
+        elif not isinstance(ctl, Ack):
             assert ctl.code == ErrorCode(first["code"]) and ctl.message == first["message"]
         return
     msg, tensor = _decode(frames, case["expect"])

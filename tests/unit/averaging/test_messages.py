@@ -76,3 +76,20 @@ def test_check_names_the_first_differing_field(expect, code):
 
 def test_check_passes_matching_fields():
     check(PART, Expect(PART.group, src=1, share=0, step=7, total=1000, layout=PART.layout))
+
+
+def test_the_stream_hello_names_group_and_epoch():
+    from peerd.averaging.messages import KIND_HELLO, hello, parse_hello
+
+    assert parse_hello(hello("g" * 16, 4).header(), "g" * 16, 4).epoch == 4
+    cases = {
+        "another group": (hello("h" * 16, 4).header(), ErrorCode.NOT_ALLOWED),
+        "older epoch": (hello("g" * 16, 3).header(), ErrorCode.STALE),
+        "newer epoch": (hello("g" * 16, 5).header(), ErrorCode.FROM_FUTURE),
+        "no hello": ({"kind": "avg.part", "v": 1}, ErrorCode.NOT_ALLOWED),
+        "bad epoch": ({"kind": KIND_HELLO, "v": 1, "group": "g" * 16, "epoch": -2}, ErrorCode.MALFORMED),
+    }
+    for name, (header, code) in cases.items():
+        with pytest.raises(ProtocolError) as info:
+            parse_hello(header, "g" * 16, 4)
+        assert info.value.code == code, name

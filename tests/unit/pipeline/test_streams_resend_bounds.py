@@ -22,7 +22,9 @@ from peerd.pipeline.frames import (
     KIND_ACT,
     KIND_NACK,
     Expectation,
+    Hello,
     TensorMessage,
+    control_header,
     part_header,
     raw_payload,
 )
@@ -57,7 +59,9 @@ async def _pair() -> tuple[StreamReceiver, Connection, asyncio.Task]:
     r2, w2 = await asyncio.open_connection(sock=b)
     server = Connection(UP, "p", r2, w2, channel=None, limits=receiver.limits(), traffic=Traffic())
     client = Connection("me", "p", r1, w1, channel=None, limits=DEFAULT_LIMITS, traffic=Traffic())
-    return receiver, client, asyncio.create_task(receiver.handle(server))
+    task = asyncio.create_task(receiver.handle(server))
+    await client.send(control_header(Hello(0)))  # every stream opens by naming its epoch
+    return receiver, client, task
 
 
 async def _accept_seq0(receiver: StreamReceiver, client: Connection) -> TensorMessage:
