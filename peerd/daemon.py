@@ -185,6 +185,7 @@ class Daemon:
                 profile=lambda: self.profile,
                 links=lambda: list(self.prober.measurements.values()) if self.prober else [],
                 peers=lambda: [e.record for e in self.entries.values()],
+                device=cfg.device,
             )
             self._spawn("jobs", self.jobs.run)
             if cfg.metrics_port:

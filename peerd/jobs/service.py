@@ -88,8 +88,10 @@ class JobService:
         links: Callable[[], list[LinkMeasurement]],
         peers: Callable[[], list[PeerRecord]],
         config: ManagerConfig | None = None,
+        device: str = "auto",
     ) -> None:
         self.store = DhtStore(dht, owner_tag, peer_id, clock)
+        self.device = device  # the daemon's --device: where this peer's tasklets compute
         self.transport, self.region = transport, region
         self.checkpoints = home / "checkpoints"
         # other stages' checkpoints this peer keeps for the swarm (a stage's peers may all vanish)
@@ -119,6 +121,7 @@ class JobService:
             peer_ref=parse_peer_id,
             checkpoint_root=self.checkpoints,
             replicas=self.replicas,
+            device=self.device,
         )
 
     async def run(self) -> None:

@@ -179,6 +179,9 @@ class JobSpec:
     optimizer: OptimizerSpec = field(default_factory=OptimizerSpec)
     parallel: ParallelSpec = field(default_factory=ParallelSpec)
     compression: CompressionSpec = field(default_factory=CompressionSpec)
+    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    """Compute precision of every stage: fp32, or bf16 / fp16 autocast (master weights, optimizer
+    state and the wire stay fp32). fp16 uses a loss scale and needs ``parallel`` d_pp: 1, d_dp: 1."""
     checkpoint_interval: Count = 100
     """Steps between checkpoints (every stage, atomically); the last step always checkpoints."""
     init_checkpoint: str | None = None
@@ -192,6 +195,10 @@ class JobSpec:
     def problems(self) -> list[ConfigError]:
         """The checks between fields and sections (each section checked itself already)."""
         out = self._kind_problems() + self._batch_problems() + self._peer_problems()
+        if self.precision == "fp16" and self.parallel.known() != {"d_pp": 1, "d_dp": 1}:
+            out.append(
+                ConfigError("precision", "fp16 needs parallel d_pp: 1 and d_dp: 1; use bf16 for pipelines")
+            )
         if self.model.preset is not None and not self.model.problems():
             out += self._model_fit(self.model.gpt_config())
         return out
