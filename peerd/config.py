@@ -136,6 +136,14 @@ class DaemonConfig:
             metavar="N",
         ),
     )
+    ban_s: Annotated[float, Range(gt=0, le=3600)] = field(
+        default=30.0,
+        metadata=_meta(
+            doc="Seconds a peer that keeps sending garbage or exceeding its limits on our streams is refused "
+            "at first; each further ban of the same peer doubles it (at most an hour).",
+            metavar="SECONDS",
+        ),
+    )
     startup_timeout: Seconds = field(
         default=30.0,
         metadata=_meta(

@@ -39,6 +39,7 @@ from peerd.jobs.service import METHODS as JOB_METHODS
 from peerd.jobs.service import JobService
 from peerd.log import get_logger
 from peerd.metrics import MetricsServer
+from peerd.swarm.bans import BanPolicy
 from peerd.swarm.identity import Identity, make_record_validators
 from peerd.swarm.links import LinkProber, ProbeConfig, ProbeResponder
 from peerd.swarm.membership import (
@@ -148,7 +149,11 @@ class Daemon:
             self.node = await self._start_node(self.known_peers.load())
             self._started_at = self.node.now()
 
-            self.transport = Transport(self.node.p2p, shaper=self._make_shaper())
+            self.transport = Transport(
+                self.node.p2p,
+                shaper=self._make_shaper(),
+                ban_policy=BanPolicy(ban_s=cfg.ban_s, max_ban_s=3600.0),
+            )
             probe_config = ProbeConfig(peers_per_refresh=max(1, cfg.probe_budget))
             self.responder = ProbeResponder(self.transport, probe_config)
             await self.responder.start()
@@ -501,6 +506,10 @@ class Daemon:
             "paused": self.jobs is not None and self.jobs.manager.paused is not None,
             "pause_reason": self.jobs.manager.paused if self.jobs is not None else None,
             "leaving": self.leaving or (self.jobs is not None and self.jobs.manager.leaving),
+            # peers refused for a while after garbage or exceeded limits: peer id -> seconds left
+            "banned": {str(p): round(s, 1) for p, s in self.transport.banlist.banned().items()}
+            if self.transport is not None
+            else {},
         }
         view["stale"] = stale
         return view

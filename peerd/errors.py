@@ -54,6 +54,7 @@ class PeerdError(Exception):
     """Base of every error peerd raises on purpose; carries a wire error code."""
 
     code: ErrorCode = ErrorCode.INTERNAL
+    from_remote: bool = False  # True: stands for an error frame the remote sent (not our verdict on it)
 
     def __init__(self, message: str, *, code: ErrorCode | None = None) -> None:
         super().__init__(message)

@@ -138,13 +138,17 @@ def error_from_header(header: Mapping[str, Any]) -> PeerdError:
         code = ErrorCode(raw_code) if isinstance(raw_code, int) else None
     except ValueError:
         code = None
+    exc: PeerdError
     if code is None:
-        return ProtocolError(f"remote sent error frame with unknown code {raw_code!r}: {message}")
-    if code in _UNAVAILABLE_CODES:
-        return PeerUnavailable(f"remote: {message}", code=code)
-    if code == ErrorCode.INTERNAL:
-        return PeerdError(f"remote: {message}", code=code)
-    return ProtocolError(f"remote: {message}", code=code)
+        exc = ProtocolError(f"remote sent error frame with unknown code {raw_code!r}: {message}")
+    elif code in _UNAVAILABLE_CODES:
+        exc = PeerUnavailable(f"remote: {message}", code=code)
+    elif code == ErrorCode.INTERNAL:
+        exc = PeerdError(f"remote: {message}", code=code)
+    else:
+        exc = ProtocolError(f"remote: {message}", code=code)
+    exc.from_remote = True
+    return exc
 
 
 # ---------------------------------------------------------------- streams

@@ -48,6 +48,9 @@ class StreamLimits:
 
 
 DEFAULT_STREAM_LIMITS = StreamLimits()
+# A protocol without an allow-list can be opened by any stranger: fewer streams per peer, and a
+# stream that waits on its remote for a minute is over (it would otherwise hold its slot forever).
+OPEN_STREAM_LIMITS = StreamLimits(max_per_peer=8, max_total=128, idle_timeout_s=60.0)
 
 
 class StreamSlots:

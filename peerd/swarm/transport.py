@@ -22,6 +22,7 @@ from hivemind.p2p import P2P, P2PDaemonError, PeerID
 
 from peerd.errors import ConfigError, ErrorCode, PeerdError, PeerUnavailable, ProtocolError
 from peerd.log import get_logger
+from peerd.swarm.bans import GARBAGE_CODES, BanList, BanPolicy, Offence
 from peerd.swarm.framing import (
     DEFAULT_LIMITS,
     ERROR_KIND,
@@ -36,7 +37,7 @@ from peerd.swarm.framing import (
     read_prefix,
     write_frame,
 )
-from peerd.swarm.limits import DEFAULT_STREAM_LIMITS, StreamLimits, StreamSlots
+from peerd.swarm.limits import DEFAULT_STREAM_LIMITS, OPEN_STREAM_LIMITS, StreamLimits, StreamSlots
 from peerd.swarm.retry import PeerBans, RetryPolicy
 from peerd.swarm.shaper import LinkShaper, ShapedChannel
 
@@ -63,6 +64,7 @@ _REFUSAL_CODES = frozenset({ErrorCode.BUSY, ErrorCode.RATE_LIMITED, ErrorCode.BA
 REFUSAL_LINGER_S = (
     0.5  # a refused stream (not allowed, over its limits) lingers less: it carries one error frame
 )
+MAX_TRAFFIC_PEERS = 4096  # per-peer traffic counters kept; peers without open streams are forgotten first
 MAX_LINGERING_REFUSALS = 64  # beyond this many refusals at once, refused streams are closed without a word
 
 Handler = Callable[["Connection"], Awaitable[None]]
@@ -256,6 +258,12 @@ class Connection:
         await self.close()
 
 
+class _SessionExpired(PeerdError):
+    """A served stream outlived its protocol's session timeout (sent to the remote as TIMEOUT)."""
+
+    code = ErrorCode.TIMEOUT
+
+
 def _capped(timeout: float | None, cap: float | None) -> float | None:
     if cap is None:
         return timeout
@@ -287,17 +295,23 @@ class Transport:
         *,
         limits: FrameLimits = DEFAULT_LIMITS,
         streams: StreamLimits = DEFAULT_STREAM_LIMITS,
+        open_streams: StreamLimits = OPEN_STREAM_LIMITS,
         retry: RetryPolicy = RetryPolicy(),
+        ban_policy: BanPolicy = BanPolicy(),
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.p2p = p2p
         self.shaper = shaper
         self.limits = limits
-        self.streams = streams
+        self.streams = streams  # protocols with an allow-list
+        self.open_streams = open_streams  # protocols any peer may open
         self.refusals: dict[ErrorCode, int] = {}  # streams refused before their handler ran, by code
         self._lingering_refusals = 0
         self.retry = retry
-        self.bans = PeerBans(retry, clock)
+        self.bans = PeerBans(retry, clock)  # peers we failed to reach (connect backs off)
+        # peers that misbehaved on streams they opened to us: refused with BANNED for a while;
+        # ``banlist.subscribe(fn)`` tells a listener (the churn detector) of every new ban
+        self.banlist = BanList(ban_policy, clock)
         self.traffic: dict[PeerID, Traffic] = {}
         self._served: dict[str, _Served] = {}
         self._connections: set[Connection] = set()
@@ -319,13 +333,14 @@ class Transport:
         """Run ``handler(conn)`` for every stream a peer opens on ``protocol``; peers failing ``allowed`` are refused.
 
         ``limits`` bound each frame, ``streams`` how many streams a peer (and everyone) may hold
-        open and for how long (default: the transport's). When the handler returns the stream is
+        open and for how long (default: the transport's ``streams``, or its stricter
+        ``open_streams`` for a protocol without ``allowed``, which strangers can open). When the handler returns the stream is
         closed; a PeerdError it raises is sent to the remote as an error frame with its code,
         anything else as INTERNAL.
         """
         if protocol in self._served:
             raise ConfigError("protocol", f"{protocol!r} is already served")
-        stream_limits = streams or self.streams
+        stream_limits = streams or (self.streams if allowed is not None else self.open_streams)
         served = self._served[protocol] = _Served(
             handler, allowed, limits or self.limits, stream_limits, StreamSlots(stream_limits)
         )
@@ -404,12 +419,22 @@ class Transport:
             writer,
             channel=channel,
             limits=limits,
-            traffic=self.traffic.setdefault(peer_id, Traffic()),
+            traffic=self._traffic_of(peer_id),
             on_close=self._connections.discard,
             max_wait=max_wait,
         )
         self._connections.add(conn)
         return conn
+
+    def _traffic_of(self, peer_id: PeerID) -> Traffic:
+        traffic = self.traffic.get(peer_id)
+        if traffic is None:
+            if len(self.traffic) >= MAX_TRAFFIC_PEERS:  # a bounded table: strangers come and go
+                busy = {conn.peer_id for conn in self._connections}
+                for old in [p for p in self.traffic if p not in busy][: len(self.traffic) // 4 + 1]:
+                    del self.traffic[old]
+            traffic = self.traffic[peer_id] = Traffic()
+        return traffic
 
     def slots(self, protocol: str) -> StreamSlots | None:
         """The stream slots of a served protocol (how many streams each peer holds now), or None."""
@@ -441,6 +466,7 @@ class Transport:
             else:
                 raise refusal
         except PeerUnavailable as exc:
+            self._judge(peer_id, protocol, exc)
             if not slot:  # refused before the handler ran: say why, briefly
                 linger = await self._refuse(conn, protocol, exc)
                 lingering_refusal = linger > 0
@@ -450,6 +476,7 @@ class Transport:
             else:  # the remote went away or stalled: nobody left to tell
                 logger.debug("%s stream from %s ended: %s", protocol, peer_id, exc)
         except ProtocolError as exc:
+            self._judge(peer_id, protocol, exc)
             if not slot:
                 linger = await self._refuse(conn, protocol, exc)
                 lingering_refusal = linger > 0
@@ -457,6 +484,7 @@ class Transport:
                 logger.info("%s stream from %s failed: %s", protocol, peer_id, exc)
                 await self._try_send_error(conn, exc.code, exc.message)
         except PeerdError as exc:
+            self._judge(peer_id, protocol, exc)
             logger.info("%s stream from %s failed: %s", protocol, peer_id, exc)
             await self._try_send_error(conn, exc.code, exc.message)
         except asyncio.CancelledError:
@@ -480,8 +508,22 @@ class Transport:
                 if lingering_refusal:
                     self._lingering_refusals -= 1
 
+    def _judge(self, peer_id: PeerID, protocol: str, exc: PeerdError) -> None:
+        """Count an offence when ``exc`` ended ``peer_id``'s stream through the peer's own fault."""
+        if exc.from_remote:  # the remote told us about an error of ours: nothing to hold against it
+            return
+        if exc.code in GARBAGE_CODES:
+            self.banlist.report(peer_id, Offence.GARBAGE, f"{protocol}: {exc.message}")
+        elif exc.code == ErrorCode.RATE_LIMITED or isinstance(exc, _SessionExpired):
+            self.banlist.report(peer_id, Offence.OVER_LIMIT, f"{protocol}: {exc.message}")
+
     def _refusal(self, protocol: str, served: _Served, peer_id: PeerID) -> PeerdError | None:
         """Why a new stream of ``peer_id`` is refused before its handler runs, or None."""
+        banned = self.banlist.remaining(peer_id)
+        if banned > 0:
+            return PeerUnavailable(
+                f"banned for {banned:.1f} s more after garbage or exceeded limits", code=ErrorCode.BANNED
+            )
         if served.allowed is not None and not served.allowed(peer_id):
             return ProtocolError(f"{protocol}: peer not allowed", code=ErrorCode.NOT_ALLOWED)
         return None
@@ -505,7 +547,7 @@ class Transport:
         except TimeoutError:
             if not deadline.expired():
                 raise
-            raise PeerdError(
+            raise _SessionExpired(
                 f"{protocol}: stream open longer than {limit:.3g} s (the session limit)",
                 code=ErrorCode.TIMEOUT,
             ) from None

@@ -17,13 +17,14 @@ import pytest
 from hivemind.p2p import P2P, PeerID
 
 from peerd.errors import ErrorCode, PeerdError, PeerUnavailable
-from peerd.swarm.framing import encode_frame
+from peerd.swarm.framing import encode_frame, read_frame
 from peerd.swarm.links import PROBE_PROTOCOL, LinkProber, ProbeConfig
 from peerd.swarm.records import LinkStatus
 from peerd.swarm.transport import Connection, Transport
 
 pytestmark = pytest.mark.integration
 
+BAN_S = 4.0  # the victim's first ban (the daemon's ban_s); the second lasts twice as long
 QUICK = ProbeConfig(
     pings=2, bulk_seconds=0.2, bulk_bytes=1 << 20, connect_timeout_s=5.0, probe_timeout_s=10.0
 )
@@ -67,7 +68,7 @@ class Attackers:
 
 @pytest.fixture(scope="module")
 def victim(module_local_swarm: Callable[..., Any]) -> Any:
-    swarm = module_local_swarm(1)
+    swarm = module_local_swarm(1, ban_s=BAN_S)
     return swarm.peers[0]
 
 
@@ -227,3 +228,52 @@ def test_one_peer_cannot_hold_every_probe_slot(attackers: Attackers, victim: Any
     assert got["held"] == cfg.max_sessions_per_peer
     assert got["refused"] == [ErrorCode.RATE_LIMITED.name] * (cfg.max_sessions - cfg.max_sessions_per_peer)
     assert got["honest"] == "ok"
+
+
+async def _garbage(attackers: Attackers, transport: Transport) -> str:
+    """One stream of bytes that are not a frame; return the code of the victim's answer."""
+    reader, writer = await attackers.raw(transport)
+    writer.write(b"XX" + bytes(14))  # bad magic
+    await writer.drain()
+    try:
+        header, _, _ = await read_frame(reader, timeout=10)
+        return ErrorCode(header["code"]).name
+    finally:
+        writer.close()
+
+
+def test_a_peer_that_keeps_sending_garbage_is_banned_until_the_ban_expires(attackers: Attackers, victim: Any):
+    async def go() -> dict[str, Any]:
+        bad, honest = await attackers.new(), await attackers.new()
+        bad_id = bad.peer_id.to_base58()
+        answers = [await _garbage(attackers, bad) for _ in range(4)]
+        banned_view = victim.status()["self"]["banned"]
+        while_banned = await LinkProber(bad, QUICK).probe(attackers.victim)
+        others = await LinkProber(honest, QUICK).probe(attackers.victim)
+        waited = time.monotonic()
+        while bad_id in victim.status()["self"]["banned"]:
+            await asyncio.sleep(0.2)
+        waited = time.monotonic() - waited
+        after = await LinkProber(bad, QUICK).probe(attackers.victim)
+        again = [await _garbage(attackers, bad) for _ in range(3)]
+        second_ban = victim.status()["self"]["banned"].get(bad_id)
+        return {
+            "answers": answers,
+            "banned_s": banned_view.get(bad_id),
+            "while_banned": while_banned.status.value,
+            "others": others.status.value,
+            "waited_s": waited,
+            "after": after.status.value,
+            "again": again,
+            "second_ban_s": second_ban,
+        }
+
+    got = attackers.run(go())
+    report("garbage-ban", **{k: (round(v, 1) if isinstance(v, float) else v) for k, v in got.items()})
+    assert got["answers"] == ["MALFORMED"] * 3 + ["BANNED"]  # 3 garbage streams ban (4 points each, 10 ban)
+    assert got["banned_s"] is not None and 0 < got["banned_s"] <= BAN_S
+    assert got["while_banned"] == "busy"  # refused with BANNED: the prober keeps its last numbers
+    assert got["others"] == "ok"  # nobody else is affected
+    assert got["waited_s"] <= BAN_S + 2 and got["after"] == "ok"  # the ban expires by itself
+    assert got["again"] == ["MALFORMED"] * 3
+    assert got["second_ban_s"] is not None and BAN_S < got["second_ban_s"] <= 2 * BAN_S  # it doubled
