@@ -38,3 +38,27 @@ def test_baseline_quantizer_is_the_reference_algorithm():
         y = q.decode(*q.encode(x), (1024, 256))
         err = float((y - x).norm() / x.norm())
         assert abs(err - want) < want * 0.15, (bits, err)
+
+
+def test_bench_reports_the_roofline_and_refuses_a_missing_device(tmp_path):
+    threads = torch.get_num_threads()
+    args = ["--rows", "64", "--cols", "128", "--examples", "4", "--microbatches", "2", "--epochs", "2"]
+    result = CliRunner().invoke(command, [*args, "--bits", "4", "--repeat", "2", "--threads", "1"])
+    torch.set_num_threads(threads)
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.output)
+    assert data["config"]["device"] == "cpu"
+    bandwidth = data["roofline"]["memory_bandwidth_gbps"]
+    assert bandwidth > 0
+    delta, direct = data["bits"]["4"]["delta"], data["bits"]["4"]["direct"]
+    # touched bytes: 6 x 4 + 2 x 4/8 = 25 per element for the 4-bit round trip
+    assert abs(delta["touched_gbps"] - delta["gbps"] * 25 / 4) < 1e-3 * max(1.0, delta["gbps"])
+    fraction = delta["touched_gbps"] / bandwidth  # the bandwidth is printed rounded to 0.01 GB/s
+    assert abs(delta["roofline_fraction"] - fraction) <= 0.02 * fraction + 1e-4
+    assert direct["quantize_pack_roofline_fraction"] > 0  # a toy size sits in cache: may exceed 1
+    assert delta["buffer_device_bytes_per_side"] == 0  # a CPU run keeps its buffers in RAM
+    if not torch.cuda.is_available():
+        refused = CliRunner().invoke(command, [*args, "--device", "cuda"])
+        assert refused.exit_code == 2 and "CUDA is not available" in refused.output
+    refused = CliRunner().invoke(command, [*args, "--device", "tpu"])
+    assert refused.exit_code == 2 and "--device" in refused.output
