@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -277,3 +279,102 @@ def test_a_peer_that_keeps_sending_garbage_is_banned_until_the_ban_expires(attac
     assert got["waited_s"] <= BAN_S + 2 and got["after"] == "ok"  # the ban expires by itself
     assert got["again"] == ["MALFORMED"] * 3
     assert got["second_ban_s"] is not None and BAN_S < got["second_ban_s"] <= 2 * BAN_S  # it doubled
+
+
+def _rss_bytes(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError(f"no VmRSS for pid {pid}")
+
+
+class _RssSampler:
+    """Samples a process's resident memory every 50 ms in a thread (the event loop is busy attacking)."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.peak = _rss_bytes(pid)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.05):
+            self.peak = max(self.peak, _rss_bytes(self.pid))
+
+    def __enter__(self) -> _RssSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+RSS_BOUND = 64 << 20  # the daemon's resident memory may grow at most this much during and after the attack
+
+
+def test_resident_memory_stays_bounded_during_and_after_an_oversized_frame_attack(
+    attackers: Attackers, victim: Any
+):
+    """Frames that declare 1 GiB payloads once took a daemon from 550 MB to 2.6 GB in 3 s (5 GB after 4 bursts).
+
+    Four bursts of 8 streams, one per identity: each sends a 58-byte frame head declaring a 1 GiB
+    payload and then pushes 4 MiB of payload bytes after it, as fast as the victim takes them.
+    """
+    head = encode_frame({"kind": "probe.up", "seq": 0, "last": False, "pad": "x" * 20})[:58]
+    head = head[:8] + (1 << 30).to_bytes(8, "big") + head[16:]  # payload_len: 1 GiB
+    junk = bytes(4 << 20)
+
+    async def one(transport: Transport) -> str:
+        try:
+            reader, writer = await attackers.raw(transport)
+        except Exception as exc:  # a refused stream is an answer too
+            return type(exc).__name__
+        try:
+            writer.write(head)
+            for offset in range(0, len(junk), 256 << 10):
+                writer.write(junk[offset : offset + (256 << 10)])
+                await writer.drain()
+        except (ConnectionError, OSError):
+            pass
+        try:
+            header, _, _ = await read_frame(reader, timeout=10)
+            return ErrorCode(header["code"]).name
+        except PeerdError as exc:
+            return f"closed:{exc.code.name}"
+        finally:
+            writer.close()
+
+    async def go() -> dict[str, Any]:
+        identities = [await attackers.new() for _ in range(8)]
+        await asyncio.sleep(1.0)
+        before = _rss_bytes(victim.pid)
+        answers: dict[str, int] = {}
+        with _RssSampler(victim.pid) as sampler:
+            for _burst in range(4):
+                results = await asyncio.gather(*(one(identity) for identity in identities))
+                for r in results:
+                    answers[r] = answers.get(r, 0) + 1
+            await asyncio.sleep(3.0)  # after: the streams are gone
+            after = _rss_bytes(victim.pid)
+        return {"before": before, "peak": sampler.peak, "after": after, "answers": answers}
+
+    got = attackers.run(go(), timeout=180)
+    mb = 1 << 20
+    report(
+        "oversized-frames-rss",
+        rss_before_mb=round(got["before"] / mb, 1),
+        rss_peak_mb=round(got["peak"] / mb, 1),
+        rss_after_mb=round(got["after"] / mb, 1),
+        bound_mb=RSS_BOUND // mb,
+        declared_gib=4 * 8,
+        answers=got["answers"],
+    )
+    assert got["peak"] - got["before"] <= RSS_BOUND
+    assert got["after"] - got["before"] <= RSS_BOUND
+    # refused on the prefix, before any payload byte (BUSY: all 4 probe slots taken; BANNED: after
+    # 3 garbage streams); never an INTERNAL error or a hang
+    assert got["answers"].get("OVERSIZED", 0) >= 8
+    refusals = {"OVERSIZED", "BANNED", "BUSY", "RATE_LIMITED", "closed:PEER_UNAVAILABLE", "closed:TRUNCATED"}
+    assert set(got["answers"]) <= refusals
+    assert victim.alive and victim.status()["self"]["state"] == "online"
