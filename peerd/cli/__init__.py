@@ -32,6 +32,7 @@ COMMANDS: dict[str, str] = {
     "cancel": "peerd.cli.jobs:cancel",
     "jobs": "peerd.cli.jobs:jobs",
     "fetch": "peerd.cli.jobs:fetch",
+    "generate": "peerd.cli.generate:generate",
 }
 
 

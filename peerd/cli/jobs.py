@@ -147,8 +147,9 @@ def fetch(
 
     Searches the local daemon's HOME/checkpoints and every --from directory, or gathers the
     stages over p2p from the peers that hold them (this daemon need not have run a tasklet of
-    the job); the result loads with ``peerd.jobs.fetch.load_model`` (a ``peerd.models.gpt.GPT``
-    with its weights).
+    the job); the result loads with one call, ``peerd.models.load_checkpoint(path)`` (the model
+    with its weights), samples with ``peerd generate``, and starts a ``finetune`` job as its
+    ``init_checkpoint``.
     """
     from peerd.jobs.fetch import assemble
     from peerd.jobs.spec import parse_job_spec

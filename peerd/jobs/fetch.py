@@ -1,12 +1,15 @@
-"""Assemble a job's per-stage checkpoints into one model file that loads into ``peerd.models.gpt.GPT``.
+"""Assemble a job's per-stage checkpoints into one model file: ``peerd.models.load_checkpoint(path)`` loads it.
 
 Each tasklet checkpoints its own stage (``peerd.pipeline.checkpoint``: one directory per
 stage replica, ``step-NNNNNNNN.pt`` files, the stage's layer range in ``meta.layers``).
 ``assemble`` picks the newest step for which every stage has a checkpoint (any replica: the
 replicas of a stage hold identical weights after averaging), renames each stage's
 ``layers.k.*`` parameters to the full model's ``layers.(start + k).*``, checks the result
-loads into ``GPT(config)`` exactly (no missing or unexpected keys, matching shapes) and
-writes ``model.pt`` (config, weights, job, step) plus ``job.json`` (the spec).
+loads into the job's model (``peerd.models.registry``: the built-in GPT or a Hugging Face
+family) exactly (no missing or unexpected keys, matching shapes) and writes ``model.pt``
+(``peerd.models.checkpoint``: the model's description, weights, job, step) plus ``job.json``
+(the spec). ``model.pt`` is self-contained: it loads without the spec, and a ``finetune``
+job can name it (or its directory) as ``init_checkpoint``.
 
 ``gather`` gets those checkpoints over p2p instead, for a daemon that ran no tasklet of the
 job: each stage's from the peers that ran it in the committed allocation or keep copies of
@@ -28,9 +31,11 @@ import torch
 from peerd.errors import ConfigError, PeerdError, PeerUnavailable
 from peerd.jobs.recovery import CHECKPOINT_REPLICAS, replica_peers
 from peerd.jobs.spec import JobSpec
-from peerd.loading import from_mapping, to_mapping
+from peerd.loading import to_mapping
 from peerd.log import get_logger
-from peerd.models.gpt import GPT, GPTConfig
+from peerd.models.checkpoint import open_checkpoint, save_checkpoint
+from peerd.models.stack import LayerStack
+from peerd.models.weights import MODEL_FILE
 from peerd.pipeline import checkpoint
 from peerd.pipeline.replicas import check_checkpoint
 from peerd.pipeline.statesync import StateProvider, StateSyncConfig, fetch_state
@@ -39,7 +44,6 @@ from peerd.swarm.transport import Transport
 
 logger = get_logger(__name__)
 
-MODEL_FORMAT = 1
 _DIR = re.compile(r"stage(\d+)-replica(\d+)")
 
 
@@ -67,9 +71,7 @@ def _stage_dirs(roots: list[Path], job_id: str) -> dict[int, list[Path]]:
 
 def assemble(job_id: str, spec: JobSpec, roots: list[Path], out_dir: Path) -> Fetched:
     """Write ``out_dir/model.pt`` from the newest step all stages have; ConfigError when some stage is missing."""
-    if spec.model.preset is None:
-        raise ConfigError("model.hf", "fetch assembles built-in GPT presets only")
-    gpt = spec.model.gpt_config()
+    family = spec.model.family()
     dirs = _stage_dirs(roots, job_id)
     if not dirs:
         where = ", ".join(str(r) for r in roots) or "(no directory)"
@@ -98,22 +100,13 @@ def assemble(job_id: str, spec: JobSpec, roots: list[Path], out_dir: Path) -> Fe
             state[f"layers.{start + int(m.group(1))}.{m.group(2)}"] = tensor
         sources.append(str(checkpoint.checkpoint_file(steps_of[s][step], step)))
     starts = [0] + [end for _, end in covered[:-1]]
-    if [start for start, _ in covered] != starts or covered[-1][1] != gpt.num_layers:
+    if [start for start, _ in covered] != starts or covered[-1][1] != family.num_layers:
         raise ConfigError(
-            "checkpoint", f"stage layer ranges {covered} do not tile the model's {gpt.num_layers} layers"
+            "checkpoint", f"stage layer ranges {covered} do not tile the model's {family.num_layers} layers"
         )
-    model = GPT(gpt, seed=spec.model.seed)
+    model = family.build()
     model.load_state_dict(state, strict=True)  # the file must load into the model class as is
-    out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / "model.pt"
-    payload = {
-        "format": MODEL_FORMAT,
-        "job": job_id,
-        "step": step,
-        "config": to_mapping(gpt),
-        "state_dict": model.state_dict(),
-    }
-    torch.save(payload, path)
+    path = save_checkpoint(out_dir / MODEL_FILE, family, model.state_dict(), job=job_id, step=step)
     (out_dir / "job.json").write_text(
         json.dumps({"job_id": job_id, "step": step, "spec": to_mapping(spec)}, indent=2)
     )
@@ -179,15 +172,8 @@ async def gather(
     )
 
 
-def load_model(path: str | Path) -> tuple[GPT, dict[str, Any]]:
-    """Load a ``model.pt`` written by ``assemble``: the GPT with its weights, and the file's metadata."""
-    try:
-        payload = torch.load(Path(path), map_location="cpu", weights_only=True)
-    except Exception as exc:
-        raise ConfigError("model", f"cannot read {path}: {exc}") from None
-    if not isinstance(payload, dict) or payload.get("format") != MODEL_FORMAT:
-        raise ConfigError("model", f"{path} is not a peerd model file (format {MODEL_FORMAT})")
-    cfg = from_mapping(GPTConfig, payload["config"])
-    model = GPT(cfg)
-    model.load_state_dict(payload["state_dict"], strict=True)
-    return model, {k: v for k, v in payload.items() if k != "state_dict"}
+def load_model(path: str | Path) -> tuple[LayerStack, dict[str, Any]]:
+    """A ``model.pt`` written by ``assemble``: the model with its weights, and the file's header
+    (``peerd.models.open_checkpoint``; ``peerd.models.load_checkpoint`` returns the model alone)."""
+    ck = open_checkpoint(path)
+    return ck.model, {**ck.meta, "model": ck.family.describe()}

@@ -19,7 +19,6 @@ import numpy as np
 
 from peerd.errors import ConfigError
 from peerd.jobs.spec import JobSpec
-from peerd.models.costs import layer_costs
 from peerd.sched.allocation import Allocation
 from peerd.sched.consensus.messages import Roster
 from peerd.sched.evolution import Island, SearchConfig
@@ -53,27 +52,24 @@ def _ratio(bits: int | None) -> float:
 
 
 def job_model(spec: JobSpec) -> JobModel:
-    """The scheduler's view of ``spec``; ConfigError for specs the planner cannot size (HF models)."""
-    if spec.model.preset is None:
-        raise ConfigError(
-            "model.hf", "planning Hugging Face models is not supported yet; use a built-in preset"
-        )
-    gpt = spec.model.gpt_config()
-    if gpt.tie_weights and spec.parallel.d_pp not in ("auto", 1):
+    """The scheduler's view of ``spec`` (any model family of ``peerd.models.registry``)."""
+    family = spec.model.family()
+    if family.tied and spec.parallel.d_pp not in ("auto", 1):
+        untie = "model.hf.tie_word_embeddings" if spec.model.hf is not None else "model.overrides.tie_weights"
         raise ConfigError(
             "parallel.d_pp",
             f"the model ties its embedding and head weights, which cannot be split over "
-            f"{spec.parallel.d_pp} stages; set model.overrides.tie_weights: false or d_pp: 1",
+            f"{spec.parallel.d_pp} stages; set {untie}: false or d_pp: 1",
         )
-    costs = layer_costs(gpt, spec.data.seq_len)
+    costs = family.layer_costs(spec.data.seq_len)
     comp = spec.compression
     forward_bits = None if comp.forward == "none" else comp.forward_bits
     model = ModelShape(
-        layers=gpt.num_layers,  # the splittable units: embedding + blocks + head
-        hidden=gpt.d_model,
+        layers=family.num_layers,  # the splittable units: embedding + blocks + head
+        hidden=family.hidden,
         seq=spec.data.seq_len,
         layer_params=[float(max(c.params, 1)) for c in costs],
-        name=spec.model.preset,
+        name=spec.model.preset or family.name,
     )
     training = TrainingSpec(
         global_batch=spec.global_batch,
@@ -86,7 +82,7 @@ def job_model(spec: JobSpec) -> JobModel:
         activation_bytes=4,  # fp32 on the wire before compression
         gradient_bytes=4,
     )
-    return JobModel(spec.planning.objective, model, training, single_stage=gpt.tie_weights)
+    return JobModel(spec.planning.objective, model, training, single_stage=family.tied)
 
 
 def job_shapes(scenario: Scenario, jm: JobModel) -> list[Shape]:

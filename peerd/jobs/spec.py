@@ -11,6 +11,7 @@ Example specs: ``configs/jobs/``.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -20,6 +21,8 @@ from peerd.data.config import DataConfig
 from peerd.errors import ConfigError
 from peerd.loading import ConfigProblems, Range, collect, from_mapping, load_mapping, prefixed
 from peerd.models.gpt import PRESETS, GPTConfig
+from peerd.models.hf import CONFIG_METADATA
+from peerd.models.registry import GPTFamily, ModelFamily, hf_family
 from peerd.sched.consensus.config import ConsensusTiming
 
 Auto = Literal["auto"]
@@ -34,8 +37,12 @@ class ModelChoice:
     """A built-in GPT size (``peerd.models.gpt.PRESETS``: tiny, tiny-4, mini, gpt2, ...)."""
     overrides: dict[str, int | float | bool | None] = field(default_factory=dict)
     """``GPTConfig`` fields replacing the preset's (e.g. ``n_layer: 12``); presets only."""
-    hf: str | None = None
-    """A Hugging Face causal-LM ``config.json`` or model directory (needs ``transformers``)."""
+    hf: str | dict[str, Any] | None = None
+    """A Hugging Face causal LM (needs ``transformers``): a config mapping (``model_type: gpt2`` or
+    ``llama`` plus that config's fields, e.g. ``n_layer``, ``n_embd``), or the path of a
+    ``config.json`` or ``save_pretrained`` directory, which ``load_job_spec`` (``peerd submit``)
+    reads into the mapping, so the published job carries the config itself. The embedding and
+    LM head must be untied (``tie_word_embeddings: false``) unless the job runs one stage."""
     seed: Annotated[int, Range(ge=0)] = 0
     """Initial-weight seed: every peer builds identical layers from it."""
 
@@ -47,7 +54,20 @@ class ModelChoice:
                 )
             ]
         if self.hf is not None:
-            out = [] if _exists(self.hf) else [ConfigError("hf", f"no such file or directory: {self.hf}")]
+            out = []
+            if isinstance(self.hf, str):
+                out.append(
+                    ConfigError(
+                        "hf",
+                        f"{self.hf!r} is a path, which means nothing on another peer: a published job "
+                        "carries its config inline (load_job_spec / peerd submit read the file into it)",
+                    )
+                )
+            else:
+                try:
+                    self.family()
+                except ConfigError as exc:
+                    out += [ConfigError(e.field.removeprefix("model."), e.detail) for e in exc.errors]
             if self.overrides:
                 out.append(ConfigError("overrides", "only applies to a built-in preset, not to 'hf'"))
             return out
@@ -64,6 +84,13 @@ class ModelChoice:
         """The preset with ``overrides`` applied, type-checked and validated like any config."""
         assert self.preset is not None
         return from_mapping(GPTConfig, {**PRESETS[self.preset], **self.overrides})
+
+    def family(self) -> ModelFamily:
+        """The model (``peerd.models.registry``): its layers, shape and costs, from the seed's init."""
+        if self.hf is not None:
+            assert isinstance(self.hf, dict), "an hf path is inlined by load_job_spec"
+            return hf_family(self.hf, self.seed)
+        return GPTFamily(self.gpt_config(), self.seed)
 
 
 @dataclass(frozen=True)
@@ -144,6 +171,12 @@ class PlanningSpec:
     """Clock disagreement between peers that planning tolerates (hivemind assumes ~3 s). Every
     protocol window lasts 10/3 of it (at least 1 s), so the default gives 10 s windows; peers
     sharing one machine's clock (``peerd demo``, tests) can use 0.5-1."""
+    placement: Literal["search", "random"] = "search"
+    """``search``: the evolutionary search picks the allocation; ``random``: the Megatron-like
+    baseline (``peerd.sched.placement``), ranks in a seeded random order that every peer derives
+    from the job id, ``placement_seed`` and the epoch. ``random`` needs fixed parallel d_pp and d_dp."""
+    placement_seed: Annotated[int, Range(ge=0)] = 0
+    """Seed of the ``random`` placement (change it to draw another order)."""
 
     def timing(self) -> ConsensusTiming:
         window = max(1.0, round(self.max_skew_s * 10 / 3, 3))
@@ -185,7 +218,11 @@ class JobSpec:
     checkpoint_interval: Count = 100
     """Steps between checkpoints (every stage, atomically); the last step always checkpoints."""
     init_checkpoint: str | None = None
-    """``finetune`` only: a peerd checkpoint or a Hugging Face model directory to start from."""
+    """``finetune`` only: the weights every stage starts from instead of the seed's init: a
+    ``peerd fetch`` output (``model.pt`` or its directory) of the same model, or Hugging Face
+    weights of the ``model.hf`` model (a ``.safetensors`` file or a ``save_pretrained``
+    directory). There is no file transfer for it: it must be readable at this same path on
+    every peer that gets a tasklet, and a tasklet that cannot read it fails naming this field."""
     min_peers: Count = 1
     """Planning waits for at least this many peers."""
     max_peers: Annotated[int | None, Range(ge=1)] = None
@@ -199,8 +236,10 @@ class JobSpec:
             out.append(
                 ConfigError("precision", "fp16 needs parallel d_pp: 1 and d_dp: 1; use bf16 for pipelines")
             )
-        if self.model.preset is not None and not self.model.problems():
-            out += self._model_fit(self.model.gpt_config())
+        if self.planning.placement == "random" and len(self.parallel.known()) < 2:
+            out.append(ConfigError("planning.placement", "random needs fixed parallel d_pp and d_dp, not auto"))
+        if not self.model.problems():
+            out += self._model_fit(self.model.family())
         return out
 
     def _kind_problems(self) -> list[ConfigError]:
@@ -253,26 +292,26 @@ class JobSpec:
             ]
         return []
 
-    def _model_fit(self, gpt: GPTConfig) -> list[ConfigError]:
+    def _model_fit(self, model: ModelFamily) -> list[ConfigError]:
         out = []
         d_pp = self.parallel.known().get("d_pp")
-        if d_pp is not None and d_pp > gpt.num_layers:
+        if d_pp is not None and d_pp > model.num_layers:
             out.append(
                 ConfigError(
-                    "parallel.d_pp", f"the model has {gpt.num_layers} layers to split, got {d_pp} stages"
+                    "parallel.d_pp", f"the model has {model.num_layers} layers to split, got {d_pp} stages"
                 )
             )
-        if self.data.seq_len > gpt.max_seq_len:
+        if self.data.seq_len > model.max_seq_len:
             out.append(
                 ConfigError(
                     "data.seq_len",
-                    f"exceeds the model's max_seq_len {gpt.max_seq_len}, got {self.data.seq_len}",
+                    f"exceeds the model's max_seq_len {model.max_seq_len}, got {self.data.seq_len}",
                 )
             )
-        if gpt.vocab_size < 256:
+        if model.vocab_size < 256:
             out.append(
                 ConfigError(
-                    "model", f"byte-level data needs vocab_size >= 256, the model has {gpt.vocab_size}"
+                    "model", f"byte-level data needs vocab_size >= 256, the model has {model.vocab_size}"
                 )
             )
         return out
@@ -286,8 +325,30 @@ class JobSpecError(ConfigProblems):
 
 
 def load_job_spec(path: str | Path) -> JobSpec:
-    """Read and validate a job spec file (YAML or JSON)."""
-    return parse_job_spec(load_mapping(path), source=str(path))
+    """Read and validate a job spec file (YAML or JSON); a ``model.hf`` path is read into its mapping."""
+    return parse_job_spec(inline_hf_config(load_mapping(path), source=str(path)), source=str(path))
+
+
+def inline_hf_config(data: Any, source: str = "") -> Any:
+    """``data`` with a ``model.hf`` path (a ``config.json`` or a directory holding one) replaced by the
+    config mapping it holds, so the spec means the same on every peer."""
+    if not isinstance(data, dict) or not isinstance(data.get("model"), dict):
+        return data
+    path = data["model"].get("hf")
+    if not isinstance(path, str):
+        return data
+    file = Path(path)
+    if file.is_dir():
+        file = file / "config.json"
+    try:
+        config = json.loads(file.read_text())
+    except (OSError, ValueError) as exc:
+        why = "no such file or directory" if isinstance(exc, FileNotFoundError) else str(exc)
+        raise JobSpecError([ConfigError("model.hf", f"{path}: {why}")], source) from None
+    if not isinstance(config, dict):
+        raise JobSpecError([ConfigError("model.hf", f"{file}: not a config mapping")], source)
+    config = {k: v for k, v in config.items() if k not in CONFIG_METADATA}
+    return {**data, "model": {**data["model"], "hf": config}}
 
 
 def parse_job_spec(data: Any, source: str = "") -> JobSpec:
@@ -297,10 +358,3 @@ def parse_job_spec(data: Any, source: str = "") -> JobSpec:
         raise JobSpecError(errors, source)
     assert spec is not None
     return spec
-
-
-def _exists(path: str) -> bool:
-    try:
-        return Path(path).exists()
-    except (OSError, ValueError):  # a name too long, or holding a NUL byte
-        return False

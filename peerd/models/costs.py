@@ -74,7 +74,41 @@ def layer_costs(cfg: GPTConfig, seq_len: int | None = None) -> list[LayerCost]:
 
 def stage_costs(cfg: GPTConfig, layers_per_stage: list[int], seq_len: int | None = None) -> list[LayerCost]:
     """Sum ``layer_costs`` over consecutive stages; ``out_elems_per_token`` is the stage's last layer's."""
-    costs = layer_costs(cfg, seq_len)
+    return sum_stages(layer_costs(cfg, seq_len), layers_per_stage)
+
+
+@dataclass(frozen=True)
+class LlamaShape:
+    """The sizes of a Llama-family model that its costs depend on (RMSNorm, gated MLP, grouped KV heads)."""
+
+    n_layer: int
+    hidden: int
+    intermediate: int
+    heads: int
+    kv_heads: int
+    vocab_size: int
+    tie_weights: bool = False
+
+
+def llama_layer_costs(shape: LlamaShape, seq_len: int) -> list[LayerCost]:
+    """``layer_costs`` for a Llama: embedding, ``n_layer`` decoder layers, final norm + LM head."""
+    T, C, ff, V = seq_len, shape.hidden, shape.intermediate, shape.vocab_size
+    kv = C // shape.heads * shape.kv_heads  # width of K and V each
+    attn = 2 * C * C + 2 * C * kv  # q, o; k, v
+    mlp = 3 * C * ff  # gate, up, down
+    block_params = attn + mlp + 2 * C  # + the two RMSNorm weights
+    block_flops = 2.0 * (attn + mlp) + 4.0 * T * C
+    # saved per token: norm in (x2), q, k, v (+ rotated q, k), attention out, o in, gate, up, act, product
+    block_saved = 6 * C + 4 * kv + 4 * ff
+    head_params = C + (0 if shape.tie_weights else C * V)
+    costs = [LayerCost(V * C, 0.0, C, 0)]
+    costs += [LayerCost(block_params, block_flops, C, block_saved)] * shape.n_layer
+    costs.append(LayerCost(head_params, 2.0 * C * V, V, C + V))
+    return costs
+
+
+def sum_stages(costs: list[LayerCost], layers_per_stage: list[int]) -> list[LayerCost]:
+    """``costs`` summed over consecutive stages (see ``stage_costs``)."""
     if sum(layers_per_stage) != len(costs) or min(layers_per_stage, default=0) < 1:
         raise ConfigError("layers_per_stage", f"{layers_per_stage} does not cover {len(costs)} layers")
     out: list[LayerCost] = []

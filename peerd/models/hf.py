@@ -169,3 +169,120 @@ def build_hf_model(model_type: str, seed: int = 0, **config: Any) -> nn.Module:
         torch.manual_seed(seed)
         model = tf.AutoModelForCausalLM.from_config(hf_config)
     return model
+
+
+# ---------------------------------------------------------------- one layer at a time
+#
+# A stage worker builds only its own layers: the same adapter classes as ``HFStagedLM`` around
+# freshly built HF submodules (``GPT2Block``, ``LlamaDecoderLayer``, ...), so a layer's state-dict
+# keys are the same either way and map onto the HF model's names by a fixed prefix per layer.
+
+# Keys of a ``save_pretrained`` config.json that describe the file, not the model.
+CONFIG_METADATA = frozenset(
+    {"architectures", "transformers_version", "_name_or_path", "torch_dtype", "dtype"}
+)
+_RUNTIME_KEYS = frozenset({"attn_implementation"})
+
+
+def hf_config(fields: dict[str, Any]) -> Any:
+    """The HF config of a spec's ``model.hf`` mapping (``model_type`` + config fields).
+
+    Every key must be a field of the model type's config (or one of its aliases): a typo would
+    otherwise be stored and ignored by HF. Attention defaults to ``sdpa``.
+    """
+    fields = {k: v for k, v in fields.items() if k not in CONFIG_METADATA}
+    model_type = fields.pop("model_type", None)
+    if model_type not in SUPPORTED:
+        raise ConfigError("model.hf.model_type", f"must be one of {', '.join(SUPPORTED)}, got {model_type!r}")
+    tf = _transformers()
+    cls = tf.AutoConfig.for_model(model_type).__class__
+    known = set(cls().to_dict()) | set(getattr(cls, "attribute_map", {})) | _RUNTIME_KEYS
+    for key in sorted(fields):
+        if key not in known:
+            raise ConfigError(f"model.hf.{key}", f"not a field of {cls.__name__}")
+    fields.setdefault("attn_implementation", "sdpa")
+    try:
+        config = tf.AutoConfig.for_model(model_type, **fields)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError("model.hf", str(exc)) from None
+    heads = config.num_attention_heads
+    if config.hidden_size % heads:
+        raise ConfigError("model.hf", f"hidden size {config.hidden_size} is not a multiple of {heads} heads")
+    kv = getattr(config, "num_key_value_heads", heads) or heads
+    if heads % kv:
+        raise ConfigError("model.hf.num_key_value_heads", f"{kv} does not divide {heads} attention heads")
+    for name in ("num_hidden_layers", "hidden_size", "vocab_size", "max_position_embeddings"):
+        if getattr(config, name) < 1:
+            raise ConfigError(f"model.hf.{name}", f"must be >= 1, got {getattr(config, name)}")
+    return config
+
+
+def hf_num_layers(config: Any) -> int:
+    """Splittable layers of the model: embedding + blocks + head."""
+    return int(config.num_hidden_layers) + 2
+
+
+def build_hf_layer(config: Any, index: int) -> nn.Module:
+    """Layer ``index`` of the model alone (0 = embedding, last = final norm + LM head), uninitialised."""
+    n = hf_num_layers(config)
+    if not 0 <= index < n:
+        raise ConfigError("layer", f"index {index} outside 0..{n - 1}")
+    C, V = config.hidden_size, config.vocab_size
+    if config.model_type == "gpt2":
+        from transformers.models.gpt2.modeling_gpt2 import GPT2Block
+
+        if index == 0:
+            return GPT2Embedding(
+                nn.Embedding(V, C), nn.Embedding(config.n_positions, C), nn.Dropout(config.embd_pdrop)
+            )
+        if index == n - 1:
+            return NormHead(nn.LayerNorm(C, eps=config.layer_norm_epsilon), nn.Linear(C, V, bias=False))
+        return GPT2BlockAdapter(GPT2Block(config, layer_idx=index - 1))
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMSNorm, LlamaRotaryEmbedding
+
+    if index == 0:
+        return LlamaEmbedding(nn.Embedding(V, C, config.pad_token_id))
+    if index == n - 1:
+        return NormHead(LlamaRMSNorm(C, eps=config.rms_norm_eps), nn.Linear(C, V, bias=False))
+    return LlamaBlockAdapter(LlamaDecoderLayer(config, index - 1), LlamaRotaryEmbedding(config))
+
+
+def hf_prefixes(config: Any, index: int) -> list[tuple[str, str]]:
+    """(layer key prefix, HF model key prefix) pairs of layer ``index``: how its weights are named in HF files."""
+    n = hf_num_layers(config)
+    if config.model_type == "gpt2":
+        if index == 0:
+            return [("wte.", "transformer.wte."), ("wpe.", "transformer.wpe.")]
+        if index == n - 1:
+            return [("norm.", "transformer.ln_f."), ("lm_head.", "lm_head.")]
+        return [("block.", f"transformer.h.{index - 1}.")]
+    if index == 0:
+        return [("embed_tokens.", "model.embed_tokens.")]
+    if index == n - 1:
+        return [("norm.", "model.norm."), ("lm_head.", "lm_head.")]
+    return [("layer.", f"model.layers.{index - 1}.")]
+
+
+def tied_source(config: Any) -> str:
+    """The HF key a tied checkpoint stores the LM head under (it saves only the embedding)."""
+    return "transformer.wte.weight" if config.model_type == "gpt2" else "model.embed_tokens.weight"
+
+
+def init_hf_layer(layer: nn.Module, config: Any, generator: torch.Generator) -> None:
+    """HF's initialisation, drawn from ``generator``: N(0, initializer_range) weights, zero biases,
+    unit norms, and GPT-2's residual projections (``c_proj``) scaled by 1/sqrt(2 * n_layer)."""
+    std = config.initializer_range
+    resid_std = std / (2 * config.num_hidden_layers) ** 0.5
+    with torch.no_grad():
+        for mod_name, module in layer.named_modules():
+            is_norm = isinstance(module, nn.LayerNorm) or type(module).__name__.endswith("RMSNorm")
+            for name, p in module.named_parameters(recurse=False):
+                if is_norm and name == "weight":
+                    p.fill_(1.0)
+                elif name == "bias" or is_norm:
+                    p.zero_()
+                else:
+                    scaled = config.model_type == "gpt2" and mod_name.endswith("c_proj")
+                    p.normal_(0.0, resid_std if scaled else std, generator=generator)
+            if isinstance(module, nn.Embedding) and module.padding_idx is not None:
+                module.weight[module.padding_idx].zero_()  # HF keeps the padding row at zero

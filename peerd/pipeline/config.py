@@ -10,7 +10,7 @@ from typing import Any, Literal
 from peerd.data.config import DataConfig
 from peerd.errors import ConfigError
 from peerd.models.gpt import PRESETS, GPTConfig
-from peerd.models.registry import GPTFamily, ModelFamily, build_family, with_weights
+from peerd.models.registry import GPTFamily, ModelFamily, hf_family, with_weights
 from peerd.pipeline.codec import CompressionConfig
 from peerd.pipeline.optim import OptimizerConfig, with_shorthands
 from peerd.pipeline.partition import validate_layers_per_stage
@@ -56,7 +56,7 @@ class ModelBuild:
         if self.hf is not None:
             if self.overrides:
                 raise ConfigError("model.overrides", "only applies to a built-in preset, not to 'hf'")
-            return build_family(str(self.hf.get("model_type")), self.hf, self.seed)
+            return hf_family(self.hf, self.seed)
         return GPTFamily(self.gpt(), self.seed)
 
     def family(self) -> ModelFamily:

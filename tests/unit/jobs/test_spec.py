@@ -122,7 +122,7 @@ def test_cross_field_problems_are_all_reported_together() -> None:
         ({"model": {"preset": "tiny", "hf": "x"}}, "model.preset", "exactly one"),
         ({"model": {}}, "model.preset", "exactly one"),
         ({"model": {"preset": "huge"}}, "model.preset", "known: tiny"),
-        ({"model": {"hf": "/no/such/config.json"}}, "model.hf", "no such file"),
+        ({"model": {"hf": "/no/such/config.json"}}, "model.hf", "means nothing on another peer"),
         ({"model": {"preset": "tiny", "overrides": {"n_layer": 2.5}}}, "model.overrides.n_layer", "integer"),
         ({"model": {"preset": "tiny", "overrides": {"vocab_size": 100}}}, "model", "vocab_size >= 256"),
         ({"steps": 0}, "steps", ">= 1"),
