@@ -17,6 +17,18 @@ from the same records, is:
   restarts the pipeline from the common step.
 
 Either one makes every peer re-plan; the consensus makes them agree on the repair.
+
+A pipeline can also **stall** with every heartbeat alive (a peer whose compute hangs, a
+stream that stays open but carries nothing): ``StallWatch`` learns the job's typical step time
+from the records and calls the job stuck when its slowest tasklet has not finished a step for
+``stall_factor`` typical steps (never less than ``stall_floor_s``): adaptive, so a slow job on
+slow links is not re-planned for being slow, and a fast one does not wait minutes.
+
+A job running **short-handed** (fewer replicas than its target width: it shrank when peers
+died) re-plans to grow back once newcomers are in sight (``short_handed``): peers not in the
+allocation that have been online for ``grow_settle_s`` (their links are measured by then),
+enough of them, with the allocation's live spares, for one more replica. A newcomer that
+would not widen the job waits as a spare: it joins at the next re-plan.
 """
 
 from __future__ import annotations
@@ -45,7 +57,21 @@ class HealthConfig:
     """A tasklet whose step broke (recovering, naming suspects) this long while nobody is gone makes
     the job re-plan anyway; one still loading its state (no suspects) gets ``start_grace_s``."""
 
+    stall_floor_s: float = 60.0
+    """A job whose slowest tasklet finished no step for this long (or ``stall_factor`` typical steps,
+    whichever is longer) while every heartbeat is alive is stuck."""
+    stall_factor: float = 20.0
+    """The stall threshold in typical step times (an EWMA of the steps the records show)."""
+    grow_settle_s: float = 20.0
+    """A newcomer counts towards growing a short-handed job once it has been online this long."""
+
     def __post_init__(self) -> None:
+        if self.stall_floor_s <= 2 * self.heartbeat_s:
+            raise ConfigError("health.stall_floor_s", f"must exceed 2 heartbeats ({2 * self.heartbeat_s} s)")
+        if self.stall_factor < 2:
+            raise ConfigError("health.stall_factor", "must be >= 2 (typical step times)")
+        if self.grow_settle_s < 0:
+            raise ConfigError("health.grow_settle_s", "must be >= 0")
         if self.heartbeat_s <= 0:
             raise ConfigError("health.heartbeat_s", "must be > 0")
         for name in ("suspect_grace_s", "silent_grace_s", "stuck_grace_s"):
@@ -125,3 +151,76 @@ def assess(
             if report.state == TaskState.RECOVERING and since is not None and now - since > grace:
                 stuck[peer] = report.reason
     return Verdict(gone, stuck)
+
+
+class StallWatch:
+    """The slowest running tasklet's step over time, for one committed epoch: typical step time, stalls.
+
+    Feed it each reading of the records (``observe``); it keeps the smallest step among the
+    epoch's running tasklets, when that last advanced, and an EWMA of seconds per step.
+    """
+
+    SMOOTHING = 0.2
+
+    def __init__(self, epoch: int) -> None:
+        self.epoch = epoch
+        self.step: int | None = None
+        self.since = 0.0  # when ``step`` was first seen
+        self.step_time_s: float | None = None
+
+    def observe(self, progress: Mapping[str, Progress], now: float) -> None:
+        steps = [r.step for r in progress.values() if r.epoch == self.epoch and r.state == TaskState.RUNNING]
+        if not steps:
+            self.step = None  # recovering, done or not started: no clock runs
+            return
+        low = min(steps)
+        if self.step is None or low < self.step:
+            self.step, self.since = low, now
+        elif low > self.step:
+            per_step = (now - self.since) / (low - self.step)
+            a = self.SMOOTHING
+            self.step_time_s = (
+                per_step if self.step_time_s is None else (1 - a) * self.step_time_s + a * per_step
+            )
+            self.step, self.since = low, now
+
+    def threshold_s(self, config: HealthConfig) -> float:
+        typical = self.step_time_s or 0.0
+        return max(config.stall_floor_s, config.stall_factor * typical)
+
+    def stalled(self, now: float, config: HealthConfig) -> str | None:
+        """Why the job counts as stuck (in words), or None."""
+        if self.step is None:
+            return None
+        waited = now - self.since
+        if waited <= self.threshold_s(config):
+            return None
+        typical = f"{self.step_time_s:.2f} s" if self.step_time_s is not None else "unknown"
+        return f"no tasklet got past step {self.step} for {waited:.0f} s (a step takes {typical})"
+
+
+def short_handed(
+    allocation: Allocation,
+    target_width: int | None,
+    online_since: Mapping[str, float],
+    now: float,
+    *,
+    config: HealthConfig,
+) -> str | None:
+    """Why ``allocation`` should re-plan to grow (a cause in words), or None.
+
+    ``target_width``: the replicas the job asks for (None: no stated target); ``online_since``:
+    the eligible online peers (spares and newcomers alike) and when this reader first saw each.
+    Only settled newcomers trigger it, so a re-plan that left them spares does not repeat.
+    """
+    if target_width is None or allocation.d_dp >= target_width:
+        return None
+    members = {*allocation.devices, *allocation.spares}
+    settled = [p for p, t in online_since.items() if p not in members and now - t >= config.grow_settle_s]
+    spares = [p for p in allocation.spares if p in online_since]
+    if not settled or len(settled) + len(spares) < allocation.d_pp:
+        return None
+    return (
+        f"running {allocation.d_dp} of {target_width} replicas and {len(settled)} new peer(s) "
+        f"(with {len(spares)} spare(s)) can add one"
+    )

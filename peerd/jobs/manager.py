@@ -28,7 +28,7 @@ from typing import Any
 
 from peerd.errors import ConfigError, ErrorCode, PeerdError, ProtocolError
 from peerd.jobs import catalog
-from peerd.jobs.health import HealthConfig, assess
+from peerd.jobs.health import HealthConfig, StallWatch, assess, short_handed
 from peerd.jobs.planner import JobPlanner, LocalInfo, PlannerConfig
 from peerd.jobs.records import (
     NONCE_BYTES,
@@ -41,6 +41,7 @@ from peerd.jobs.records import (
     encode_job,
     new_job_record,
 )
+from peerd.jobs.recovery import target_width
 from peerd.jobs.runner import TaskletRunner, tasklet_of, unsupported
 from peerd.jobs.scoring import job_model
 from peerd.jobs.spec import JobSpec, parse_job_spec
@@ -54,6 +55,7 @@ from peerd.jobs.views import (
     start_warnings,
 )
 from peerd.log import get_logger
+from peerd.sched.allocation import Allocation
 from peerd.sched.consensus.actions import Commit
 from peerd.sched.consensus.messages import HeldState
 from peerd.swarm.keys import job_key, jobs_key
@@ -113,6 +115,9 @@ class JobManager:
         self.paused: str | None = None  # why this peer handed its tasklets over and applies for none
         self.leaving = False
         self._recovering_since: dict[str, dict[tuple[int, str], float]] = {}  # job -> (epoch, peer) -> t
+        self._online_since: dict[str, float] = {}  # peer -> when this daemon first saw it online
+        self._declined: dict[str, set[str]] = {}  # job -> newcomers a growth re-plan was made for
+        self._stalls: dict[str, StallWatch] = {}  # job -> the committed epoch's step clock
         self._adopting: dict[str, asyncio.Task] = {}
         self._wake = asyncio.Event()
 
@@ -387,9 +392,17 @@ class JobManager:
             recovering_since={peer: t for (_, peer), t in current.items()},
             config=self.config.health,
         )
-        if not verdict.replan:
+        watch = self._stalls.get(job_id)
+        if watch is None or watch.epoch != commit.epoch:
+            watch = self._stalls[job_id] = StallWatch(commit.epoch)
+        watch.observe(entry.progress, now)
+        cause = (
+            verdict.cause()
+            if verdict.replan
+            else watch.stalled(now, self.config.health) or self._growth(entry, commit.allocation, now)
+        )
+        if not cause:
             return
-        cause = verdict.cause()
         held: tuple[HeldState, ...] = ()
         if entry.runner is not None:
             await entry.runner.freeze(cause)
@@ -398,6 +411,28 @@ class JobManager:
         # not yet expired among them) may have ranked this peer out of max_peers
         planner.participate = eligible(job_id, self.me, self.online(), entry.spec.max_peers)
         await planner.replan(cause, held)
+
+    def _growth(self, entry: JobEntry, allocation: Allocation, now: float) -> str | None:
+        """Why a short-handed job should grow back onto the newcomers in sight (``health.short_handed``)."""
+        online = self.online()
+        first = {p: self._online_since.get(p, now) for p in online}
+        self._online_since = first  # forget who went offline: a return counts as new
+        max_peers = entry.spec.max_peers
+        target = target_width(entry.spec.parallel.d_dp, max_peers, allocation.d_pp)
+        job_id = entry.record.job_id
+        declined = self._declined.setdefault(job_id, set())
+        declined &= set(online)  # one that went offline and came back may count again
+        applying = {
+            p: t for p, t in first.items() if p not in declined and eligible(job_id, p, online, max_peers)
+        }
+        cause = short_handed(allocation, target, applying, now, config=self.config.health)
+        if cause:
+            # each newcomer triggers one re-plan: one the consensus leaves out (paused, or of no
+            # use to the search) stays out until it reconnects, instead of re-planning forever
+            members = {*allocation.devices, *allocation.spares}
+            settle = self.config.health.grow_settle_s
+            declined.update(p for p, t in applying.items() if p not in members and now - t >= settle)
+        return cause
 
     # -- volunteer controls ---------------------------------------------------------------------
 

@@ -34,7 +34,7 @@ from peerd.errors import PeerdError, ProtocolError
 from peerd.jobs.catalog import decode_votes, encode_votes
 from peerd.jobs.island import IslandReport, IslandThread
 from peerd.jobs.records import JobRecord
-from peerd.jobs.recovery import patch_allocation
+from peerd.jobs.recovery import patch_allocation, target_width
 from peerd.jobs.scoring import RosterScorer
 from peerd.jobs.spec import JobSpec
 from peerd.jobs.store import RecordStore
@@ -453,7 +453,9 @@ class JobPlanner:
         if running is None:
             return
         previous = running.allocation
-        widths = range(previous.d_dp, 0, -1)
+        # a job that shrank grows back when the roster allows: wider repairs first
+        target = target_width(self.spec.parallel.d_dp, self.spec.max_peers, previous.d_pp) or previous.d_dp
+        widths = range(max(target, previous.d_dp), 0, -1)
         for allocation in patch_allocation(previous, action.roster.entries, widths):
             try:
                 self.scorer(action.roster, allocation)

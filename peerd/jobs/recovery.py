@@ -20,6 +20,14 @@ CHECKPOINT_REPLICAS = 2
 """Peers outside a stage that keep copies of each of its checkpoints (``replica_peers``)."""
 
 
+def target_width(d_dp: int | str, max_peers: int | None, d_pp: int) -> int | None:
+    """The replicas a job asks for at ``d_pp`` stages: a fixed ``d_dp``, else as many as ``max_peers``
+    allows; None when ``auto`` and uncapped. A job that shrank after failures grows back towards it."""
+    if isinstance(d_dp, int):
+        return d_dp
+    return max_peers // d_pp if max_peers else None
+
+
 def stage_layers(layers_per_stage: Sequence[int]) -> list[tuple[int, int]]:
     """[start, end) layer range of each stage for a per-stage layer count."""
     out, start = [], 0

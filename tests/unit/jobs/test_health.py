@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from peerd.errors import ConfigError
-from peerd.jobs.health import HealthConfig, assess
+from peerd.jobs.health import HealthConfig, StallWatch, assess, short_handed
 from peerd.jobs.records import Progress, TaskState
 from peerd.sched.allocation import Allocation
 
@@ -102,3 +102,59 @@ def test_thresholds_are_checked(kw: dict, field: str) -> None:
     with pytest.raises(ConfigError) as err:
         HealthConfig(**kw)
     assert err.value.field == field
+
+
+# -- growing back onto newcomers --------------------------------------------------------------
+
+SHRUNK = Allocation.from_plain([["a"], ["c"]], spares=["s"])  # was 2 x 2: it lost b and d
+
+
+def test_a_short_handed_job_grows_once_enough_newcomers_have_settled():
+    online = {"a": 0.0, "c": 0.0, "s": 0.0, "n": 70.0}
+    cause = short_handed(SHRUNK, 2, online, 100.0, config=CFG)
+    assert cause is not None and "1 of 2 replicas" in cause and "1 new peer(s)" in cause  # n + spare s
+
+
+def test_no_growth_without_a_settled_newcomer_or_without_room_for_a_replica():
+    assert short_handed(SHRUNK, 2, {"a": 0.0, "c": 0.0, "s": 0.0, "n": 90.0}, 100.0, config=CFG) is None  # 10 s
+    assert short_handed(SHRUNK, 2, {"a": 0.0, "c": 0.0, "n": 0.0}, 100.0, config=CFG) is None  # s gone: 1 < d_pp
+    assert short_handed(SHRUNK, 2, {"a": 0.0, "c": 0.0, "s": 0.0}, 100.0, config=CFG) is None  # only the spare
+    full = Allocation.from_plain([["a", "b"], ["c", "d"]])
+    assert short_handed(full, 2, {"n": 0.0, "m": 0.0}, 100.0, config=CFG) is None  # at its width
+    assert short_handed(SHRUNK, None, {"n": 0.0, "m": 0.0}, 100.0, config=CFG) is None  # no stated target
+
+
+# -- stalls, measured in the job's own step times -----------------------------------------------
+
+
+def feed(watch: StallWatch, t: float, steps: dict[str, int], state: TaskState = TaskState.RUNNING) -> None:
+    watch.observe({p: rec(p, t, state=state, step=s) for p, s in steps.items()}, t)
+
+
+def test_the_stall_threshold_follows_the_observed_step_time():
+    cfg = HealthConfig(stall_floor_s=10.0, stall_factor=5.0)
+    watch = StallWatch(epoch=3)
+    for k in range(6):  # the slowest tasklet finishes a step every 4 s
+        feed(watch, 4.0 * k, {"a": k + 1, "b": k, "c": k, "d": k + 2})
+    assert watch.step == 5 and watch.step_time_s == pytest.approx(4.0)
+    assert watch.threshold_s(cfg) == pytest.approx(20.0)  # 5 typical steps, above the floor
+    feed(watch, 39.0, {"a": 6, "b": 5, "c": 5, "d": 7})
+    assert watch.stalled(39.0, cfg) is None  # 19 s without a step: slow, not stalled
+    feed(watch, 41.0, {"a": 6, "b": 5, "c": 5, "d": 7})
+    why = watch.stalled(41.0, cfg)
+    assert why is not None and "step 5 for 21 s" in why and "4.00 s" in why
+
+
+def test_a_fast_job_has_the_floor_and_a_job_not_running_has_no_clock():
+    cfg = HealthConfig(stall_floor_s=10.0, stall_factor=5.0)
+    watch = StallWatch(epoch=3)
+    for k in range(10):
+        feed(watch, 0.1 * k, {"a": k, "c": k})
+    assert watch.threshold_s(cfg) == 10.0
+    feed(watch, 30.0, {"a": 9, "c": 9}, state=TaskState.RECOVERING)  # a re-plan's wait is not a stall
+    assert watch.stalled(30.0, cfg) is None
+    feed(watch, 31.0, {"a": 9, "c": 9})
+    assert watch.stalled(40.0, cfg) is None and watch.stalled(41.5, cfg) is not None  # counted from 31 s
+    other = StallWatch(epoch=4)  # another epoch's records do not count
+    feed(other, 0.0, {"a": 1})
+    assert other.step is None
