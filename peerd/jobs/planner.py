@@ -61,6 +61,8 @@ from peerd.sched.consensus.messages import (
     decode,
     encode,
 )
+from peerd.sched.placement import placement_seed, random_allocation
+from peerd.sched.problem import Shape
 from peerd.swarm.keys import candidates_key, commit_key, roster_key, votes_key
 
 logger = get_logger(__name__)
@@ -354,7 +356,10 @@ class JobPlanner:
             if isinstance(action, Publish):
                 await self._publish(action)
             elif isinstance(action, StartSearch):
-                self._start_island(action)
+                if self.spec.planning.placement == "random":  # the baseline: no search, a seeded order
+                    await self._propose_random(action)
+                else:
+                    self._start_island(action)
                 await self._propose_repairs(action)
             elif isinstance(action, Migrate):
                 if self._island is not None and self._island.report.epoch == action.epoch:
@@ -446,6 +451,13 @@ class JobPlanner:
             len(roster.entries),
             action.seed,
         )
+
+    async def _propose_random(self, action: StartSearch) -> None:
+        """``planning.placement: random``: the one allocation every peer derives from public data."""
+        p, shape = self.spec.planning, self.spec.parallel.known()
+        seed = placement_seed(self.job.job_id, p.placement_seed, action.epoch)
+        allocation = random_allocation(action.roster.peers, Shape(shape["d_pp"], shape["d_dp"]), seed)
+        await self._handle(self.machine.propose(allocation, self.store.now()))
 
     async def _propose_repairs(self, action: StartSearch) -> None:
         """In a re-plan epoch: offer the repairs of the running allocation as candidates (cheapest kept)."""
