@@ -22,6 +22,7 @@ from peerd.errors import ConfigError
 from peerd.loading import Range, from_mapping, load_mapping
 from peerd.swarm.keys import DEFAULT_SWARM, check_swarm_name
 from peerd.swarm.records import PEER_RECORD_MAX_TTL_S
+from peerd.swarm.secret import load_swarm_secret
 
 HOME_ENV = "PEERD_HOME"
 DEFAULT_HOME = Path("~/.peerd")
@@ -136,6 +137,15 @@ class DaemonConfig:
             metavar="N",
         ),
     )
+    swarm_secret_file: Path | None = field(
+        default=None,
+        metadata=_meta(
+            doc="File holding the swarm's shared secret (at least 16 bytes, e.g. `head -c 32 /dev/urandom | "
+            "base64`); members accept records and streams only from peers holding the same secret, so only "
+            "they can join and submit. Unset: the swarm is open to anyone who can reach a member.",
+            metavar="FILE",
+        ),
+    )
     ban_s: Annotated[float, Range(gt=0, le=3600)] = field(
         default=30.0,
         metadata=_meta(
@@ -239,6 +249,11 @@ class DaemonConfig:
                     f"must be below record_ttl ({self.record_ttl}) or the record expires between refreshes",
                 )
             )
+        if self.swarm_secret_file is not None:
+            try:
+                load_swarm_secret(self.swarm_secret_file)
+            except ConfigError as exc:
+                out.append(exc)
         if len(self.region) > 64:
             out.append(ConfigError("region", "at most 64 characters"))
         if self.device != "auto" and not re.match(r"^(cpu|mps|cuda(:\d+)?)$", self.device):
@@ -260,6 +275,9 @@ class DaemonConfig:
             profile_cache=self.profile_cache.expanduser().absolute() if self.profile_cache else None,
             control_socket=_under(home, self.control_socket, "control.sock"),
             scenario=self.scenario.expanduser().absolute() if self.scenario else None,
+            swarm_secret_file=self.swarm_secret_file.expanduser().absolute()
+            if self.swarm_secret_file
+            else None,
             threads=self.threads or available_cores(),
         )
         if len(os.fsencode(str(cfg.control_socket))) > MAX_SOCKET_PATH:

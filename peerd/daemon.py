@@ -39,6 +39,7 @@ from peerd.jobs.service import METHODS as JOB_METHODS
 from peerd.jobs.service import JobService
 from peerd.log import get_logger
 from peerd.metrics import MetricsServer
+from peerd.swarm.access import access_validators
 from peerd.swarm.bans import BanPolicy
 from peerd.swarm.identity import Identity, make_record_validators
 from peerd.swarm.links import LinkProber, ProbeConfig, ProbeResponder
@@ -154,6 +155,8 @@ class Daemon:
                 shaper=self._make_shaper(),
                 ban_policy=BanPolicy(ban_s=cfg.ban_s, max_ban_s=3600.0),
             )
+            if cfg.swarm_secret_file is not None:  # members only: streams from peers with a valid record
+                self.transport.admit = lambda peer: peer.to_base58() in self.entries
             probe_config = ProbeConfig(peers_per_refresh=max(1, cfg.probe_budget))
             self.responder = ProbeResponder(self.transport, probe_config)
             await self.responder.start()
@@ -329,7 +332,9 @@ class Daemon:
         """
         cfg = self.config
         assert self.identity is not None
-        validators = make_record_validators(self.identity, cfg.swarm)
+        validators = make_record_validators(self.identity, cfg.swarm) + access_validators(
+            cfg.swarm_secret_file, cfg.swarm
+        )
         peers = bootstrap_peers(cfg.initial_peers, remembered)
         if remembered:
             logger.info(
@@ -506,6 +511,8 @@ class Daemon:
             "paused": self.jobs is not None and self.jobs.manager.paused is not None,
             "pause_reason": self.jobs.manager.paused if self.jobs is not None else None,
             "leaving": self.leaving or (self.jobs is not None and self.jobs.manager.leaving),
+            # who may join and submit: "open" (anyone who reaches a member) or "secret" (members only)
+            "access": "secret" if self.config.swarm_secret_file is not None else "open",
             # peers refused for a while after garbage or exceeded limits: peer id -> seconds left
             "banned": {str(p): round(s, 1) for p, s in self.transport.banlist.banned().items()}
             if self.transport is not None
@@ -656,7 +663,10 @@ async def swarm_reader(config: DaemonConfig) -> AsyncIterator[Callable[[], Await
         startup_timeout=cfg.startup_timeout,
         client_mode=True,
     )
-    node = await SwarmNode.start(settings, make_record_validators(identity, cfg.swarm))
+    validators = make_record_validators(identity, cfg.swarm) + access_validators(
+        cfg.swarm_secret_file, cfg.swarm
+    )
+    node = await SwarmNode.start(settings, validators)
 
     async def read() -> dict[str, Any]:
         entries = await fetch_peers(node.dht, cfg.swarm, timeout=10.0)

@@ -185,6 +185,10 @@ def render_status(view: dict[str, Any]) -> RenderableType:
         if me.get("leaving"):
             flags += ", LEAVING"
         parts.append(Text(f"this peer: {me['name']}, {me['state'].upper()}{flags} in swarm {me['swarm']!r}"))
+        if me.get("access") == "open":
+            parts.append(Text("access:    open (no swarm secret: anyone who reaches a peer can join and submit)"))
+        elif me.get("access") == "secret":
+            parts.append(Text("access:    members only (swarm secret)"))
         parts.append(Text(f"peer id:   {me['peer_id']}"))
     if view.get("stale"):
         parts.append(Text("the DHT did not answer; showing the last known table", style="yellow"))

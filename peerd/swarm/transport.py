@@ -312,6 +312,8 @@ class Transport:
         # peers that misbehaved on streams they opened to us: refused with BANNED for a while;
         # ``banlist.subscribe(fn)`` tells a listener (the churn detector) of every new ban
         self.banlist = BanList(ban_policy, clock)
+        # swarm access control: when set, only peers it admits may open any stream (NOT_ALLOWED otherwise)
+        self.admit: Allowed | None = None
         self.traffic: dict[PeerID, Traffic] = {}
         self._served: dict[str, _Served] = {}
         self._connections: set[Connection] = set()
@@ -523,6 +525,11 @@ class Transport:
         if banned > 0:
             return PeerUnavailable(
                 f"banned for {banned:.1f} s more after garbage or exceeded limits", code=ErrorCode.BANNED
+            )
+        if self.admit is not None and not self.admit(peer_id):
+            return ProtocolError(
+                f"{protocol}: not a member of this swarm (no record with the swarm secret's proof)",
+                code=ErrorCode.NOT_ALLOWED,
             )
         if served.allowed is not None and not served.allowed(peer_id):
             return ProtocolError(f"{protocol}: peer not allowed", code=ErrorCode.NOT_ALLOWED)

@@ -1,0 +1,97 @@
+"""Optional swarm access control: a shared swarm secret whose MAC every DHT record of a member carries.
+
+Without a secret a swarm is open: any peer that can reach one member can join and submit.
+With one (``swarm_secret_file``), each member's DHT node appends
+``[swarm-mac:<hex HMAC-SHA256>]`` to every value it stores, computed with a key derived
+from the secret and the swarm name over the record's key, subkey, expiration time and
+value (its RSA signature included). Members refuse to store, and ignore when found, any
+record without a valid MAC, so a daemon without the secret cannot publish a peer record
+(join) or a job record (submit) that members see, nor reuse a member's MAC for another
+record; and the transport refuses streams from peers that have no valid record
+(protocols/access.md).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import re
+import struct
+from pathlib import Path
+
+from hivemind.dht.validation import DHTRecord, RecordValidatorBase
+
+from peerd.errors import ConfigError
+from peerd.log import get_logger
+from peerd.swarm.secret import SECRET_MIN_BYTES, load_swarm_secret
+
+logger = get_logger(__name__)
+
+MAC_PREFIX = b"[swarm-mac:"
+_MAC_SUFFIX = re.compile(rb"\[swarm-mac:([0-9a-f]{64})\]\Z")
+_MAC_LEN = len(MAC_PREFIX) + 64 + 1
+
+
+def _mac_key(secret: bytes, swarm: str) -> bytes:
+    # one key per swarm name: the same secret file used by two swarms does not let records cross
+    return hmac.new(secret, b"peerd swarm-secret v1\x00" + swarm.encode(), hashlib.sha256).digest()
+
+
+def _field(data: bytes) -> bytes:
+    return struct.pack(">I", len(data)) + data
+
+
+class SwarmSecretValidator(RecordValidatorBase):
+    """Appends and checks the swarm MAC on every DHT record (outermost: signs last, checks and strips first)."""
+
+    def __init__(self, secret: bytes, swarm: str) -> None:
+        if len(secret) < SECRET_MIN_BYTES:
+            raise ConfigError("swarm_secret_file", f"a swarm secret needs at least {SECRET_MIN_BYTES} bytes")
+        self._key = _mac_key(secret, swarm)
+        self.swarm = swarm
+        self.rejected = 0
+
+    def _mac(self, record: DHTRecord, value: bytes) -> bytes:
+        message = (
+            _field(record.key)
+            + _field(record.subkey)
+            + struct.pack(">d", record.expiration_time)
+            + _field(value)
+        )
+        return hmac.new(self._key, message, hashlib.sha256).hexdigest().encode()
+
+    def sign_value(self, record: DHTRecord) -> bytes:
+        return record.value + MAC_PREFIX + self._mac(record, record.value) + b"]"
+
+    def validate(self, record: DHTRecord) -> bool:
+        match = _MAC_SUFFIX.search(record.value[-_MAC_LEN:])
+        if match is None:
+            self.rejected += 1
+            logger.debug("rejected a DHT record without the swarm MAC")
+            return False
+        inner = record.value[:-_MAC_LEN]
+        if not hmac.compare_digest(match.group(1), self._mac(record, inner)):
+            self.rejected += 1
+            logger.debug("rejected a DHT record with a wrong swarm MAC")
+            return False
+        return True
+
+    def strip_value(self, record: DHTRecord) -> bytes:
+        if _MAC_SUFFIX.search(record.value[-_MAC_LEN:]) is None:
+            return record.value
+        return record.value[:-_MAC_LEN]
+
+    @property
+    def priority(self) -> int:
+        return 20  # above RSASignatureValidator (10): the MAC covers the signed value
+
+    def merge_with(self, other: RecordValidatorBase) -> bool:
+        # a second validator with the same key adds nothing; one with another key must not be merged away
+        return isinstance(other, SwarmSecretValidator) and hmac.compare_digest(other._key, self._key)
+
+
+def access_validators(secret_file: str | Path | None, swarm: str) -> list[RecordValidatorBase]:
+    """The validators a daemon adds for its access setting: none for an open swarm."""
+    if secret_file is None:
+        return []
+    return [SwarmSecretValidator(load_swarm_secret(secret_file), swarm)]

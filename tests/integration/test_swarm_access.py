@@ -1,0 +1,114 @@
+"""Swarm access control on real daemons: with a swarm secret, a daemon without it cannot join or submit.
+
+Two members share a secret file; a stranger (no secret) and a friend (the secret) join through
+them. Members list the friend and never the stranger, refuse the stranger's streams, and see
+the friend's job but not the stranger's. ``peerd status`` says which kind of swarm it is.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hivemind.p2p import P2P, PeerID
+
+from peerd.control import ControlError
+from peerd.errors import ErrorCode, ProtocolError
+from peerd.jobs.records import normalized_spec
+from peerd.jobs.spec import load_job_spec
+from peerd.swarm.links import PROBE_PROTOCOL
+from peerd.swarm.transport import Transport
+
+pytestmark = pytest.mark.integration
+
+SPEC = Path(__file__).resolve().parents[2] / "configs" / "jobs" / "gpt-tiny-demo.yaml"
+
+
+def _peer_ids(view: dict[str, Any]) -> set[str]:
+    return {p["peer_id"] for p in view.get("peers", [])}
+
+
+def _jobs(peer: Any) -> set[str]:
+    return {j["job_id"] for j in peer.control().call("jobs")}
+
+
+def _submit(peer: Any) -> str | None:
+    """Submit the demo job through ``peer``; its id, or None when the daemon itself says it could not publish."""
+    try:
+        return peer.control(timeout=60).call(
+            "submit", spec=normalized_spec(load_job_spec(SPEC)), source=str(SPEC)
+        )["job_id"]
+    except ControlError as exc:
+        assert exc.code == ErrorCode.PEER_UNAVAILABLE, exc
+        return None
+
+
+async def _probe_ping(maddrs: list[str], target: str) -> ErrorCode | None:
+    """A peer of this process (not a member) opens a probe stream to ``target``; the refusal code, if any."""
+    p2p = await P2P.create(initial_peers=maddrs)
+    transport = Transport(p2p)
+    try:
+        conn = await transport.connect(PeerID.from_base58(target), PROBE_PROTOCOL)
+        try:
+            await conn.request({"kind": "probe.ping", "seq": 0}, timeout=10)
+        except ProtocolError as exc:
+            return exc.code
+        finally:
+            await conn.close()
+        return None
+    finally:
+        await transport.close()
+        await p2p.shutdown()
+
+
+@pytest.mark.timeout(420)
+def test_with_a_swarm_secret_only_holders_join_and_submit(
+    local_swarm: Callable[..., Any], tmp_path: Path, wait_until: Callable[..., Any]
+):
+    secret = tmp_path / "swarm.secret"
+    secret.write_text("a7f0c1e5-shared-by-the-members-only\n")
+    swarm = local_swarm(2, swarm_secret_file=str(secret))
+    m0, m1 = swarm.peers
+    ids = {p.name: p.info.peer_id for p in swarm.peers}
+    wait_until(lambda: ids["peer1"] in _peer_ids(m0.status()), 60, "the two members to list each other")
+
+    stranger = swarm.add_peer("stranger", options={"swarm_secret_file": None})
+    friend = swarm.add_peer("friend")
+    ids.update(stranger=stranger.info.peer_id, friend=friend.info.peer_id)
+
+    started = time.monotonic()
+    wait_until(
+        lambda: all(ids["friend"] in _peer_ids(m.status()) for m in (m0, m1)),
+        60,
+        "the members to list the friend (who holds the secret)",
+    )
+    joined_s = time.monotonic() - started
+    time.sleep(3.0)  # two more refreshes of the stranger's record (refresh_interval 1.5 s)
+    views = {m.name: m.status() for m in (m0, m1)}
+    assert all(ids["stranger"] not in _peer_ids(v) for v in views.values()), views
+    assert all(v["self"]["access"] == "secret" for v in views.values())
+    assert stranger.status()["self"]["access"] == "open"
+    assert ids["peer0"] not in _peer_ids(stranger.status())  # it cannot read the members' records either
+
+    # streams: a peer without a record carrying the secret's proof is refused before any frame
+    refused = asyncio.run(_probe_ping(list(m0.info.maddrs), ids["peer0"]))
+    assert refused == ErrorCode.NOT_ALLOWED
+
+    # submit: the friend's job reaches the members, the stranger's never does
+    strangers_job = _submit(stranger)
+    friends_job = _submit(friend)
+    assert friends_job is not None
+    wait_until(
+        lambda: all(friends_job in _jobs(m) for m in (m0, m1)), 60, "the members to see the friend's job"
+    )
+    time.sleep(3.0)
+    assert all(strangers_job not in _jobs(m) for m in (m0, m1)) if strangers_job else True
+    friend.control().call("cancel", job_id=friends_job)
+    print(
+        f"ACCESS friend joined in {joined_s:.1f} s; stranger listed by 0/2 members; stranger's probe "
+        f"stream {refused.name}; stranger's job {'refused at submit' if strangers_job is None else 'seen by 0/2'}"
+    )
