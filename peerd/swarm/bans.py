@@ -27,14 +27,15 @@ class Offence(enum.Enum):
     OVER_LIMIT = "over_limit"  # more streams, bytes or session time than its share
 
 
-# the codes of a handler's error that mean "the remote sent garbage" (protocols/error-codes.md 1xx)
+# the codes of a handler's error that mean "the remote sent garbage" (protocols/error-codes.md 1xx);
+# not TRUNCATED: a stream that ends inside a frame is what a peer killed mid-send looks like, and
+# one kill cuts several streams at once (its restart must not find itself banned)
 GARBAGE_CODES = frozenset(
     {
         ErrorCode.MALFORMED,
         ErrorCode.UNSUPPORTED_VERSION,
         ErrorCode.UNKNOWN_KIND,
         ErrorCode.OVERSIZED,
-        ErrorCode.TRUNCATED,
     }
 )
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from peerd.errors import ConfigError
-from peerd.swarm.bans import BanEvent, BanList, BanPolicy, Offence
+from peerd.errors import ConfigError, ErrorCode
+from peerd.swarm.bans import GARBAGE_CODES, BanEvent, BanList, BanPolicy, Offence
 
 
 class Clock:
@@ -116,3 +116,9 @@ def test_policy_refuses_bad_values_naming_the_field(kwargs, field):
     with pytest.raises(ConfigError) as info:
         BanPolicy(**kwargs)
     assert info.value.field == field
+
+
+def test_a_truncated_frame_is_not_garbage():
+    """A peer killed mid-send truncates all its streams at once; that is churn, not misbehaviour."""
+    assert ErrorCode.TRUNCATED not in GARBAGE_CODES
+    assert {ErrorCode.MALFORMED, ErrorCode.OVERSIZED, ErrorCode.UNKNOWN_KIND} <= GARBAGE_CODES
