@@ -153,7 +153,7 @@ def _act_message(payload: bytes):
 
 
 @CUDA
-def test_acsgd_buffers_fill_device_memory_then_pinned_ram_then_spill_files(tmp_path: Path):
+def test_cuda_acsgd_buffers_fill_device_memory_then_pinned_ram_then_spill_files(tmp_path: Path):
     from peerd.compress import BufferConfig, BufferStore
 
     per_mb = 1 / 16  # one example: 16 x 1024 float32 = 64 KiB
