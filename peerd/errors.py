@@ -41,6 +41,7 @@ class ErrorCode(IntEnum):
     NON_FINITE = 502  # NaN or Inf where finite values are required
     UNSUPPORTED_BITS = 503  # bit width outside the codec's supported set
     DTYPE_MISMATCH = 504  # tensor dtype differs from what was announced
+    OUT_OF_RANGE = 505  # finite values beyond any sane magnitude (an absurd norm from a peer)
     # 6xx: pipeline training
     WRONG_STEP = 600  # frame belongs to another training step or micro-batch
     UNKNOWN_EXAMPLE = 601  # example id not in this step's micro-batch
@@ -93,6 +94,14 @@ class ProtocolError(PeerdError):
     """A message or record from the network that must be rejected."""
 
     code = ErrorCode.MALFORMED
+
+
+class PeerMisbehaved(ProtocolError):
+    """A peer sent what no healthy peer sends (NaN/Inf, absurd norms): ``peer`` names it for suspicion."""
+
+    def __init__(self, message: str, *, peer: str, code: ErrorCode | None = None) -> None:
+        super().__init__(message, code=code)
+        self.peer = peer
 
 
 class PeerUnavailable(PeerdError):

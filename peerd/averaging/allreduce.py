@@ -32,6 +32,7 @@ from typing import Any, TypeVar
 import torch
 from hivemind.p2p import PeerID
 
+from peerd.averaging.aggregate import Aggregator, screen
 from peerd.averaging.codec import Compressor, decode_share, parse_compressor
 from peerd.averaging.core import MemberMath
 from peerd.averaging.messages import (
@@ -47,7 +48,7 @@ from peerd.averaging.messages import (
 from peerd.averaging.partition import flatten, group_digest, layout_of, share_bounds, unflatten
 from peerd.averaging.steps import StepBook, StepState
 from peerd.compress.gradient import Encoded
-from peerd.errors import ConfigError, ErrorCode, PeerdError, PeerUnavailable, ProtocolError
+from peerd.errors import ConfigError, ErrorCode, PeerdError, PeerMisbehaved, PeerUnavailable, ProtocolError
 from peerd.log import get_logger
 from peerd.swarm.transport import Connection, Transport
 
@@ -101,6 +102,8 @@ class GroupAllReduce:
         compressor: Compressor = None,
         timeout: float = 30.0,
         epoch: int = 0,
+        aggregator: Aggregator | str | None = None,
+        max_norm_ratio: float = 1e3,
     ) -> None:
         members = list(group)
         self_id = self_id if self_id is not None else transport.peer_id
@@ -114,6 +117,9 @@ class GroupAllReduce:
             raise ConfigError("timeout", f"must be > 0, got {timeout}")
         if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
             raise ConfigError("epoch", f"must be an int >= 0, got {epoch!r}")
+        if not (isinstance(max_norm_ratio, int | float) and 1 < max_norm_ratio < float("inf")):
+            raise ConfigError("max_norm_ratio", f"must be a finite number > 1, got {max_norm_ratio!r}")
+        self.max_norm_ratio = float(max_norm_ratio)
         self.transport = transport
         self.epoch = epoch
         self.members = members
@@ -124,7 +130,7 @@ class GroupAllReduce:
         self.protocol = PROTOCOL_PREFIX + key
         self.digest = group_digest(key, [m.to_base58() for m in members])
         self.compression = parse_compressor(compressor)
-        self.math = MemberMath(self.rank, self.size, self.compression)
+        self.math = MemberMath(self.rank, self.size, self.compression, aggregator)
         self.stats = AveragingStats()
         self._ranks = {m: r for r, m in enumerate(members)}
         self._steps = StepBook(self.rank)
@@ -309,7 +315,14 @@ class GroupAllReduce:
     async def _reduce(self, state: StepState) -> None:
         try:
             parts = [state.parts[r] for r in range(self.size)]
-            encoded = await _off_loop(parts[0].numel(), self.math.reduce, parts)
+            encoded = await _off_loop(parts[0].numel(), self._screened_reduce, parts)
+        except (
+            PeerMisbehaved
+        ) as exc:  # nobody averages the absurd values: the step fails, the runner suspects
+            logger.warning("averaging %s step %d: refusing %s", self.key, state.step, exc.message)
+            self._count(exc.code)
+            state.abort(exc)
+            return
         except PeerdError as exc:
             state.abort(exc)
             return
@@ -320,6 +333,10 @@ class GroupAllReduce:
         state.parts.clear()
         if not state.result.done():
             state.result.set_result(encoded)
+
+    def _screened_reduce(self, parts: list[torch.Tensor]) -> Encoded:
+        screen(parts, self.rank, self.max_norm_ratio, [str(m) for m in self.members])
+        return self.math.reduce(parts)
 
     # ------------------------------------------------------------------ serving
 
@@ -360,7 +377,10 @@ class GroupAllReduce:
                 )
                 await conn.send(reply.header(), encoded.payload, timeout=self.timeout)
             except PeerdError as exc:
-                if exc.code not in (ErrorCode.PEER_UNAVAILABLE, ErrorCode.TIMEOUT):
+                # the step's own failures (a member gone, a contribution refused) are counted where they happen
+                if exc.code not in (ErrorCode.PEER_UNAVAILABLE, ErrorCode.TIMEOUT) and not isinstance(
+                    exc, PeerMisbehaved
+                ):
                     self._count(exc.code)
                 if conn.closed:
                     return

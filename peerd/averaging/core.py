@@ -20,6 +20,7 @@ from collections.abc import Sequence
 
 import torch
 
+from peerd.averaging.aggregate import Aggregator, parse_aggregator
 from peerd.averaging.codec import GradientCompression, build_codec, decode_share, finite
 from peerd.averaging.partition import share_bounds
 from peerd.compress.gradient import Encoded, ErrorFeedbackCompressor
@@ -29,10 +30,17 @@ from peerd.errors import CodecError, ErrorCode
 class MemberMath:
     """Rank ``rank``'s side of the averaging arithmetic, with its two error-feedback stores."""
 
-    def __init__(self, rank: int, members: int, compression: GradientCompression | None) -> None:
+    def __init__(
+        self,
+        rank: int,
+        members: int,
+        compression: GradientCompression | None,
+        aggregator: Aggregator | str | None = None,
+    ) -> None:
         assert 0 <= rank < members
         self.rank = rank
         self.members = members
+        self.aggregator = parse_aggregator(aggregator)  # the robust-aggregation hook (default: the mean)
         # one codec each: codecs reuse scratch buffers, and the two sides may run in different threads.
         # Residuals are staged: they count only once the whole group step succeeded (a retry
         # resends the same bytes); share sizes change with the group, so a reshaped key starts over.
@@ -52,12 +60,9 @@ class MemberMath:
         return flat_N[start:end], frames
 
     def reduce(self, parts: Sequence[torch.Tensor]) -> Encoded:
-        """Mean of the ``D`` contributions to this member's share (rank order), encoded for the all-gather."""
+        """The aggregate (by default the mean) of the ``D`` contributions to this member's share, encoded for the all-gather."""
         assert len(parts) == self.members
-        acc = parts[0].float().clone() if len(parts) == 1 else torch.add(parts[0], parts[1])
-        for part in parts[2:]:
-            acc.add_(part)
-        acc.div_(self.members)
+        acc = self.aggregator.aggregate(parts)
         return self.reducer.encode("reduce", acc, stage=True)  # both codecs refuse NaN/Inf (NON_FINITE)
 
     def commit(self) -> None:

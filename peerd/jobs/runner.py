@@ -431,7 +431,9 @@ class TaskletRunner:
             )
         except PeerdError as exc:
             self._recovering(str(exc))
-            self.suspects = tuple(sorted(self._partners()))[:MAX_SUSPECTS]
+            partners = self._partners()
+            culprit = getattr(exc, "peer", None)  # PeerMisbehaved: a partner sent NaN/absurd values
+            self.suspects = (culprit,) if culprit in partners else tuple(sorted(partners))[:MAX_SUSPECTS]
             logger.warning(
                 "job %s: tasklet s%sr%s stopped at step %d, waiting for a re-plan: %s",
                 self.job.job_id,

@@ -24,12 +24,22 @@ from typing import Any, Protocol, TypeGuard
 
 import torch
 
-from peerd.errors import CodecError, ConfigError, ErrorCode, PeerdError, PeerUnavailable, ProtocolError
+from peerd.errors import (
+    CodecError,
+    ConfigError,
+    ErrorCode,
+    PeerdError,
+    PeerMisbehaved,
+    PeerUnavailable,
+    ProtocolError,
+)
 from peerd.log import get_logger
 from peerd.pipeline.frames import (
     BACKWARD_KINDS,
     FORWARD_KINDS,
     KIND_ABORT,
+    KIND_ACT,
+    KIND_GRAD,
     KIND_HELLO,
     Abort,
     Ack,
@@ -44,6 +54,7 @@ from peerd.pipeline.frames import (
     parse_control,
     parse_part,
 )
+from peerd.pipeline.sanity import NumericGuard, SanityConfig
 from peerd.swarm.framing import FrameLimits, StreamClosed
 from peerd.swarm.transport import Connection, Transport
 
@@ -92,8 +103,11 @@ class StreamConfig:
     inline_decode_bytes: int = 256 * 1024
     """Messages up to this size are decoded on the event loop: a thread hop costs more than the
     decode when the loop is busy (GIL hand-over), measured at tens of ms on 2 busy cores."""
+    sanity: SanityConfig = field(default_factory=SanityConfig)
+    """Bounds on received activation and gradient values (``peerd.pipeline.sanity``)."""
 
     def validate(self) -> None:
+        self.sanity.validate()
         if self.chunk_bytes < 1024:
             raise ConfigError("chunk_bytes", f"must be >= 1024, got {self.chunk_bytes}")
         for name in ("connect_timeout_s", "recv_timeout_s", "stall_timeout_s", "ack_timeout_s"):
@@ -270,6 +284,7 @@ class StreamReceiver:
         self.config = config
         self._next_seq: dict[tuple[PeerRef, str], int] = {}
         self._decode_locks: dict[str, asyncio.Lock] = {}
+        self.guard = NumericGuard(config.sanity)
 
     def allowed(self, peer: PeerRef) -> bool:
         """The Transport's gate: only this epoch's committed neighbours may open the stream."""
@@ -398,20 +413,41 @@ class StreamReceiver:
         decoder = self.decoders[msg.kind]
         if getattr(decoder, "stateful", False):
             await self.inbox.decodable(msg.step)
-        if decoder.inline or msg.nbytes <= self.config.inline_decode_bytes:
+        peer = str(conn.peer_id)
+        try:
+            if decoder.inline or msg.nbytes <= self.config.inline_decode_bytes:
+                tensor = self._decode(decoder, msg, buf, peer)
+            else:
+                lock = self._decode_locks.setdefault(msg.kind, asyncio.Lock())
+                async with lock:  # decoders keep per-example state: one message at a time, in order
+                    tensor = await asyncio.to_thread(self._decode, decoder, msg, buf, peer)
+        except PeerMisbehaved as exc:  # the same bytes again cannot help: fail the step, suspect the peer
+            logger.warning(
+                "refusing %s: failing step %d and suspecting %s", exc.message, self.inbox.step, peer
+            )
+            self.inbox.fail(exc)
+            raise
+        self.inbox.put(msg.key, tensor)
+        self._next_seq[stream_key] = msg.seq + 1
+        await self._ack(conn, msg.seq)
+
+    def _decode(self, decoder: MessageDecoder, msg: TensorMessage, buf: bytearray, peer: str) -> torch.Tensor:
+        """Decode, then check shape and numeric sanity (after decompression, before the stage sees it)."""
+        what = f"{msg.kind} of step {msg.step} micro-batch {msg.mb}"
+        try:
             tensor = decoder.decode(msg, buf)
-        else:
-            lock = self._decode_locks.setdefault(msg.kind, asyncio.Lock())
-            async with lock:  # decoders keep per-example state: one message at a time, in order
-                tensor = await asyncio.to_thread(decoder.decode, msg, buf)
+        except PeerdError as exc:
+            if exc.code != ErrorCode.NON_FINITE:
+                raise
+            raise PeerMisbehaved(f"{what} from {peer} holds NaN or Inf", peer=peer, code=exc.code) from exc
         if tuple(tensor.shape) != msg.shape:
             raise ProtocolError(
                 f"payload decodes to shape {list(tensor.shape)}, header says {list(msg.shape)}",
                 code=ErrorCode.SHAPE_MISMATCH,
             )
-        self.inbox.put(msg.key, tensor)
-        self._next_seq[stream_key] = msg.seq + 1
-        await self._ack(conn, msg.seq)
+        if msg.kind in (KIND_ACT, KIND_GRAD):  # norm frames are float64 sums: the decoder checked them finite
+            self.guard.check(msg.kind, tensor, peer=peer, what=what)
+        return tensor
 
     async def _ack(self, conn: Connection, seq: int) -> None:
         before = conn.bytes_sent

@@ -1,9 +1,11 @@
-"""Authenticated epochs on real p2pd daemons: pipeline and averaging streams take only this epoch's neighbours.
+"""Hostile peers on pipeline and averaging streams, on real p2pd daemons: authenticated epochs, numeric sanity.
 
-The remote's libp2p peer id is checked against the allocation (a stranger is refused
+Epochs: the remote's libp2p peer id is checked against the allocation (a stranger is refused
 NOT_ALLOWED before any frame is read) and the stream's opening hello must name this peer's
 epoch (a neighbour still running a superseded allocation is refused STALE, one ahead of it
 FROM_FUTURE). Every refusal is counted by reason; the current neighbour's traffic goes on.
+Numbers: a member whose gradient contribution is absurdly large fails the step on the
+others with ``PeerMisbehaved`` naming it (what the runner suspects), instead of being averaged in.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from hivemind.p2p import P2P
 
 from peerd.averaging import GroupAllReduce
 from peerd.averaging.messages import hello
-from peerd.errors import ErrorCode, PeerdError
+from peerd.errors import ErrorCode, PeerdError, PeerMisbehaved
 from peerd.pipeline.codec import RawDecoder
 from peerd.pipeline.frames import (
     KIND_ACT,
@@ -213,6 +215,38 @@ def test_averaging_streams_take_only_the_current_epochs_members(peers: Peers):
         )
     assert stats.refused == {"stale_epoch": 1, "stranger": 1}
     assert stats.rejected == {"STALE": 1, "NOT_ALLOWED": 1}
+
+
+def test_an_absurd_gradient_contribution_fails_the_step_naming_its_member(peers: Peers):
+    a, b, _ = peers.transports
+    members = [a.peer_id, b.peer_id]
+    g_a = [torch.randn(300, generator=torch.Generator().manual_seed(1))]
+    g_b = [torch.randn(300, generator=torch.Generator().manual_seed(2)) * 1e5]  # 1e5x a's norm
+
+    async def go():
+        groups = [GroupAllReduce(t, members, key="absurd/s0", timeout=10) for t in (a, b)]
+        for grp in groups:
+            await grp.start()
+        try:
+            results = await asyncio.gather(
+                groups[0].allreduce(0, g_a), groups[1].allreduce(0, g_b), return_exceptions=True
+            )
+            # the next step, with sane gradients on both, goes through
+            again = await asyncio.gather(groups[0].allreduce(1, g_a), groups[1].allreduce(1, g_a))
+        finally:
+            for grp in groups:
+                await grp.close()
+        return results, again, groups[0].stats
+
+    (on_a, on_b), again, stats = peers.run(go())
+    assert (
+        isinstance(on_a, PeerMisbehaved)
+        and on_a.peer == str(b.peer_id)
+        and on_a.code == ErrorCode.OUT_OF_RANGE
+    )
+    assert isinstance(on_b, PeerdError) and on_b.code == ErrorCode.OUT_OF_RANGE  # a told b why
+    assert stats.rejected == {"OUT_OF_RANGE": 1} and stats.failed == 1
+    assert torch.equal(again[0][0], g_a[0]) and torch.equal(again[1][0], g_a[0])
 
 
 def test_the_pipeline_hello_is_a_control_frame_with_the_epoch():
