@@ -96,7 +96,7 @@ def spec_summary(spec: JobSpec) -> dict[str, Any]:
     return {
         "name": spec.name,
         "kind": spec.kind,
-        "model": spec.model.preset or spec.model.hf,
+        "model": spec.model.preset or f"hf {spec.model.family().name}",  # the config itself is in the spec
         "steps": spec.steps,
         "global_batch": spec.global_batch,
         "micro_batch": spec.micro_batch,

@@ -196,25 +196,70 @@ def hf_config(fields: dict[str, Any]) -> Any:
         raise ConfigError("model.hf.model_type", f"must be one of {', '.join(SUPPORTED)}, got {model_type!r}")
     tf = _transformers()
     cls = tf.AutoConfig.for_model(model_type).__class__
-    known = set(cls().to_dict()) | set(getattr(cls, "attribute_map", {})) | _RUNTIME_KEYS
+    defaults = cls().to_dict()
+    aliases: dict[str, str] = dict(getattr(cls, "attribute_map", {}))
+    known = set(defaults) | set(aliases) | _RUNTIME_KEYS
     for key in sorted(fields):
         if key not in known:
             raise ConfigError(f"model.hf.{key}", f"not a field of {cls.__name__}")
+        want = _kind(defaults.get(aliases.get(key, key)))
+        if want is not None and not _is(fields[key], want):
+            raise ConfigError(f"model.hf.{key}", f"must be {want}, got {fields[key]!r}")
     fields.setdefault("attn_implementation", "sdpa")
     try:
         config = tf.AutoConfig.for_model(model_type, **fields)
     except (TypeError, ValueError) as exc:
         raise ConfigError("model.hf", str(exc)) from None
+
+    def name(attr: str) -> str:  # the key the user wrote for a config attribute
+        return "model.hf." + next((k for k in fields if aliases.get(k, k) == attr), aliases.get(attr, attr))
+
+    sizes = [
+        "num_hidden_layers",
+        "hidden_size",
+        "vocab_size",
+        "max_position_embeddings",
+        "num_attention_heads",
+    ]
+    for attr in sizes:
+        value = getattr(config, attr)
+        if not _is(value, "an integer") or value < 1:
+            raise ConfigError(name(attr), f"must be an integer >= 1, got {value!r}")
     heads = config.num_attention_heads
     if config.hidden_size % heads:
-        raise ConfigError("model.hf", f"hidden size {config.hidden_size} is not a multiple of {heads} heads")
-    kv = getattr(config, "num_key_value_heads", heads) or heads
-    if heads % kv:
-        raise ConfigError("model.hf.num_key_value_heads", f"{kv} does not divide {heads} attention heads")
-    for name in ("num_hidden_layers", "hidden_size", "vocab_size", "max_position_embeddings"):
-        if getattr(config, name) < 1:
-            raise ConfigError(f"model.hf.{name}", f"must be >= 1, got {getattr(config, name)}")
+        raise ConfigError(
+            name("num_attention_heads"),
+            f"hidden size {config.hidden_size} is not a multiple of {heads} heads",
+        )
+    kv = getattr(config, "num_key_value_heads", None) or heads
+    if not _is(kv, "an integer") or kv < 1 or heads % kv:
+        raise ConfigError(
+            "model.hf.num_key_value_heads", f"must divide the {heads} attention heads, got {kv!r}"
+        )
     return config
+
+
+def _kind(default: Any) -> str | None:
+    """What a config field takes, judged by its default (None: anything, e.g. an optional field)."""
+    if isinstance(default, bool):
+        return "true or false"
+    if isinstance(default, int):
+        return "an integer"
+    if isinstance(default, float):
+        return "a number"
+    if isinstance(default, str):
+        return "a string"
+    return None
+
+
+def _is(value: Any, kind: str) -> bool:
+    if kind == "true or false":
+        return isinstance(value, bool)
+    if kind == "an integer":
+        return isinstance(value, int) and not isinstance(value, bool)
+    if kind == "a number":
+        return isinstance(value, int | float) and not isinstance(value, bool)
+    return isinstance(value, str)
 
 
 def hf_num_layers(config: Any) -> int:

@@ -230,6 +230,26 @@ class HFFamily(ModelFamily):
     def external_tied_key(self) -> str:
         return hf.tied_source(self.hf_config)
 
+    def hf_state_dict(self, stack_state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """A ``LayerStack`` state dict (``layers.<i>.*``, e.g. a model file's) under the HF model's names."""
+        out = {}
+        for key, tensor in stack_state.items():
+            _, index, rest = key.split(".", 2)
+            for local, ext in self.external_prefixes(int(index)):
+                if rest.startswith(local):
+                    out[ext + rest[len(local) :]] = tensor
+                    break
+            else:
+                raise ConfigError("checkpoint", f"{key} has no place in a {self.name} model")
+        return out
+
+    def to_hf(self, stack: LayerStack) -> nn.Module:
+        """HF's own model class (``AutoModelForCausalLM``) holding ``stack``'s weights, e.g. to
+        ``save_pretrained`` a fetched job for the HF ecosystem."""
+        model = hf._transformers().AutoModelForCausalLM.from_config(self.hf_config)
+        model.load_state_dict(self.hf_state_dict(stack.state_dict()), strict=not self.tied)
+        return model
+
 
 _EMBEDDING = {"gpt2": "wte", "llama": "embed_tokens"}
 

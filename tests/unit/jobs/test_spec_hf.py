@@ -40,22 +40,25 @@ def _write(tmp: Path, spec: dict) -> Path:
     return path
 
 
-def test_a_config_path_is_inlined_so_the_record_means_the_same_on_every_peer(tmp_path: Path) -> None:
+def test_a_config_path_is_inlined_so_the_record_means_the_same_on_every_peer(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     model = transformers.AutoModelForCausalLM.from_config(
         transformers.AutoConfig.for_model(**{**GPT2, "tie_word_embeddings": False})
     )
     model.save_pretrained(tmp_path / "pretrained")  # config.json with HF's metadata keys
-    for where in (tmp_path / "pretrained", tmp_path / "pretrained" / "config.json"):
-        spec = load_job_spec(_write(tmp_path, {**BASE, "model": {"hf": str(where), "seed": 1}}))
+    for where in ("pretrained", "pretrained/config.json"):  # relative to where peerd submit runs
+        monkeypatch.chdir(tmp_path)
+        spec = load_job_spec(_write(tmp_path, {**BASE, "model": {"hf": where, "seed": 1}}))
         assert isinstance(spec.model.hf, dict) and spec.model.hf["n_layer"] == 2
         assert "transformers_version" not in spec.model.hf
         record = json.loads(json.dumps(normalized_spec(spec)))  # what another peer decodes
         (tmp_path / "elsewhere").mkdir(exist_ok=True)
-        os.chdir(tmp_path / "elsewhere")  # a peer where the path does not exist
+        monkeypatch.chdir(tmp_path / "elsewhere")  # a peer where the path does not exist
         again = parse_job_spec(record, source="job abc")
         assert again.model.family().describe() == spec.model.family().describe()
     with pytest.raises(JobSpecError) as err:
-        load_job_spec(_write(tmp_path, {**BASE, "model": {"hf": str(tmp_path / "nope.json")}}))
+        load_job_spec(_write(tmp_path, {**BASE, "model": {"hf": "nope.json"}}))
     assert [(e.field, "no such file" in e.detail) for e in err.value.errors] == [("model.hf", True)]
 
 
@@ -121,3 +124,9 @@ def test_the_runner_builds_the_hf_model_with_its_finetune_checkpoint(tmp_path: P
     with pytest.raises(ConfigError, match="no such file") as err:
         cfg.model.family()  # what each tasklet's worker does first: the path must exist on its disk
     assert err.value.field == "init_checkpoint"
+
+
+@pytest.mark.parametrize("path", ["configs/jobs/hf-llama-tiny.yaml", "configs/jobs/hf-llama-finetune.yaml"])
+def test_the_shipped_hf_examples_load_and_plan(path: str) -> None:
+    spec = load_job_spec(path)
+    assert spec.model.family().name == "llama" and job_model(spec).model.layers == 6

@@ -15,7 +15,7 @@ from peerd.errors import ConfigError  # noqa: E402
 from peerd.models import load_checkpoint, open_checkpoint, save_checkpoint  # noqa: E402
 from peerd.models.gpt import GPTConfig  # noqa: E402
 from peerd.models.hf import HFStagedLM  # noqa: E402
-from peerd.models.registry import GPTFamily, ModelFamily, build_family, family_from, with_weights  # noqa: E402
+from peerd.models.registry import GPTFamily, HFFamily, ModelFamily, build_family, family_from, with_weights  # noqa: E402
 
 GPT2 = dict(
     model_type="gpt2",
@@ -44,15 +44,8 @@ FAMILIES = [("gpt2", GPT2), ("llama", LLAMA)]
 
 def hf_model_of(family: ModelFamily) -> torch.nn.Module:
     """HF's own model class holding the family's weights (names mapped by the family's prefixes)."""
-    model = transformers.AutoModelForCausalLM.from_config(family.hf_config)  # type: ignore[attr-defined]
-    state = {}
-    for i, layer in enumerate(family.build().layers):
-        for key, tensor in layer.state_dict().items():
-            for local, ext in family.external_prefixes(i) or []:
-                if key.startswith(local):
-                    state[ext + key[len(local) :]] = tensor
-    model.load_state_dict(state, strict=True)
-    return model.eval()
+    assert isinstance(family, HFFamily)
+    return family.to_hf(family.build()).eval()
 
 
 @pytest.mark.parametrize(("name", "config"), FAMILIES)
@@ -96,6 +89,15 @@ def test_hf_configs_are_checked_field_by_field() -> None:
         build_family("llama", {**LLAMA, "num_key_value_heads": 3})
     with pytest.raises(ConfigError, match="unknown model family"):
         build_family("bert", {})
+    # a record from another peer may hold anything: wrong types are named, never a TypeError later
+    for bad, field in [
+        ({"n_layer": "2"}, "n_layer"),
+        ({"n_head": 0}, "n_head"),
+        ({"layer_norm_epsilon": "x"}, "layer_norm_epsilon"),
+    ]:
+        with pytest.raises(ConfigError) as err:
+            build_family("gpt2", {**GPT2, **bad})
+        assert err.value.field == f"model.hf.{field}"
 
 
 def test_a_tied_hf_model_shares_its_table_when_one_stage_builds_both_ends() -> None:
