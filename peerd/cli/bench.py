@@ -17,6 +17,7 @@ BENCHMARKS = (
     "rl-scheduler",
     "statesync",
     "churn",
+    "fuzz",
 )
 
 

@@ -338,9 +338,9 @@ def inline_hf_config(data: Any, source: str = "") -> Any:
     if not isinstance(path, str):
         return data
     file = Path(path)
-    if file.is_dir():
-        file = file / "config.json"
     try:
+        if file.is_dir():  # inside the try: a path the OS refuses (too long, NUL) is the spec's error too
+            file = file / "config.json"
         config = json.loads(file.read_text())
     except (OSError, ValueError) as exc:
         why = "no such file or directory" if isinstance(exc, FileNotFoundError) else str(exc)
