@@ -6,8 +6,10 @@ Runs the same job four ways and prints one JSON object:
   * bf16 autocast on ``--device``,
   * the single-process fp32 reference (``peerd.pipeline.local``) on the CPU,
 and reports the device run's largest relative loss difference to the reference (the exactness
-bar is 1e-4), per-stage median step times on the device and on the CPU and their ratio, and
-whether bf16 trained (its last loss below its first). ``--device cpu`` runs everything on the
+bar is 1e-4), per-stage median step times on the device and on the CPU and their ratio (a
+pipeline step as each stage sees it: its neighbour's work and the streams included), each
+stage's own compute time (forward + backward of one micro-batch, nothing else) on the device
+and on the CPU, and whether bf16 trained (its last loss below its first). ``--device cpu`` runs everything on the
 CPU (what the tests do here); a CUDA device that is not present is an error (exit 2).
 
 Usage: python scripts/gpu_pipeline_check.py [--device cuda] [--steps 12] [--out FILE]
@@ -21,6 +23,7 @@ import dataclasses
 import json
 import statistics
 import sys
+import time
 from typing import Any
 
 import torch
@@ -80,6 +83,36 @@ async def run_all(cfg: TrainConfig, threads: int) -> dict[str, RunResult]:
     finally:
         await procs.close()
     return runs
+
+
+def stage_compute_s(cfg: TrainConfig, device: torch.device, repeat: int = 10) -> dict[str, float]:
+    """Median seconds of forward + backward of one micro-batch through each stage on ``device``."""
+    from peerd.pipeline.partition import partition
+
+    model = GPT(cfg.model.gpt(), seed=cfg.model.seed)
+    stages = [s.to(device) for s in partition(model, cfg.layers_per_stage)]
+    b, t, c = cfg.micro_batch_size, cfg.data.seq_len, cfg.model.gpt().d_model
+    gen = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, 256, (b, t), generator=gen).to(device)
+    hidden = torch.randn(b, t, c, generator=gen).to(device)
+
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    out = {}
+    for i, stage in enumerate(stages):
+        times = []
+        for _ in range(repeat + 2):
+            x = tokens if i == 0 else hidden.clone().requires_grad_(True)
+            sync()
+            start = time.perf_counter()
+            y = stage(x)
+            y.float().square().mean().backward()
+            sync()
+            times.append(time.perf_counter() - start)
+        out[f"stage{i}"] = round(statistics.median(times[2:]), 6)  # two warm-up rounds
+    return out
 
 
 def rel(a: list[float], b: list[float]) -> float:
@@ -147,6 +180,12 @@ def main(argv: list[str] | None = None) -> int:
                 "stage_step_s_device_bf16": stage_times(bf16),
             }
         )
+        c_dev, c_cpu = (
+            stage_compute_s(cfg, torch.device(args.device)),
+            stage_compute_s(cfg, torch.device("cpu")),
+        )
+        out["stage_compute_s_device"], out["stage_compute_s_cpu"] = c_dev, c_cpu
+        out["stage_compute_speedup_device_vs_cpu"] = {k: round(c_cpu[k] / c_dev[k], 2) for k in c_dev}
         out["ok"] = out["device_vs_reference_max_rel"] < 1e-4 and out["bf16_trains"]
     else:
         out["ok"] = False

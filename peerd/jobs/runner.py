@@ -445,7 +445,7 @@ class TaskletRunner:
         except Exception as exc:  # a bug: this tasklet cannot go on, the job must not wait for it forever
             logger.exception("job %s: tasklet s%sr%s crashed", self.job.job_id, self.stage, self.replica)
             self.state, self.reason = TaskState.FAILED, f"{type(exc).__name__}: {exc}"[:200]
-        self._capture(worker)
+        await self._capture(worker)
         await worker.close()
         self._dirty.set()
 
@@ -462,7 +462,7 @@ class TaskletRunner:
                 await task
             if worker is not None:
                 await worker.quiesce()  # the compute thread finished: step and state agree
-                self._capture(worker)
+                await self._capture(worker)
                 await worker.close()
             if self.state not in (TaskState.DONE, TaskState.FAILED):
                 self.state, self.reason = state, reason[:200]
@@ -470,14 +470,12 @@ class TaskletRunner:
         with contextlib.suppress(PeerdError):
             await self._publish()
 
-    def _capture(self, worker: StageWorker) -> None:
+    async def _capture(self, worker: StageWorker) -> None:
         """Keep ``worker``'s states (live step and rollback step) without codec buffers (re-plans reset them)."""
         if worker.step == 0 and self._frozen is not None and self._frozen.stage == worker.stage:
             return  # never ran a step: the state held from before stays the better one
-        states = {}
-        for step in worker.available_steps():
-            state = worker.state_at(step)
-            states[step] = {**state, "codecs": None, "averaging": None}
+        held = await worker.held_states()  # host copies made in the worker's compute thread
+        states = {step: {**state, "codecs": None, "averaging": None} for step, state in held.items()}
         self._frozen = _Frozen(worker.stage, (worker.module.spec.start, worker.module.spec.end), states)
         for kind, n in self._worker_bytes(worker).items():
             self._wire_before[kind] = self._wire_before.get(kind, 0) + n

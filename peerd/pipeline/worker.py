@@ -585,7 +585,9 @@ class StageWorker:
                 copy.deepcopy(self.scheduler.state_dict()),
             )
         for p, g in zip(self.params, grads, strict=True):
-            g = g.to(self.device, non_blocking=True)  # averaged on the host: back onto the device
+            # averaged on the host: back onto the device (a blocking copy: the averaging group may
+            # reuse its host buffers as soon as this returns)
+            g = g.to(self.device)
             p.grad = g if scale == 1.0 else g.mul_(scale)  # clip_grad_norm_'s scaling, across stages
         self.precision.step(self.optimizer)  # fp16: skipped when the gradients overflowed
         self.scheduler.step()  # the lr of step + 1
@@ -691,6 +693,11 @@ class StageWorker:
                 "step", f"state of step {step} is not kept here (have {self.available_steps()})"
             )
         return self._state(step, snap.module, snap.optimizer, snap.scheduler, codecs=None, averaging=None)
+
+    async def held_states(self) -> dict[int, dict[str, Any]]:
+        """``state_at`` of every step in ``available_steps``, built in the compute thread (a device
+        worker's host copies must not wait on the device on the event loop); after ``quiesce``."""
+        return await self._compute(lambda: {step: self.state_at(step) for step in self.available_steps()})
 
     def load_state(self, state: dict[str, Any]) -> int:
         """Take ``state`` (a checkpoint, or ``state_at`` of any replica of this stage); returns the next step.

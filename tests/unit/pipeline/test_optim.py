@@ -128,6 +128,7 @@ def test_one_stage_worker_with_warmup_decay_and_clipping_matches_the_reference()
             micro_batch_size=4,
             steps=8,
             optimizer=opt,
+            device="cpu",  # compared with the CPU reference
         )
         worker = StageWorker(
             cfg, stage=0, replica=0, replicas=1, transport=None, upstream=None, downstream=None

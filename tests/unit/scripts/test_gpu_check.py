@@ -117,3 +117,5 @@ def test_pipeline_check_runs_two_stage_processes_on_the_cpu(tmp_path: Path):
         == set(result["stage_speedup_device_vs_cpu"])
         == {"stage0", "stage1"}
     )
+    assert set(result["stage_compute_s_device"]) == {"stage0", "stage1"}  # each stage's own compute
+    assert all(v > 0 for v in result["stage_compute_speedup_device_vs_cpu"].values())
