@@ -206,6 +206,14 @@ class StageWorker:
         if cfg.precision == "fp16" and replicas > 1:
             raise ConfigError("precision", FP16_PIPELINE)
         self.precision = StagePrecision(cfg.precision, self.device)
+        logger.info(
+            "job %s stage %d replica %d computes on %s in %s",
+            cfg.job,
+            stage,
+            replica,
+            self.device,
+            cfg.precision,
+        )
         self.model = cfg.model.family()  # the registry's model: layers, loss and hidden width
         self.dataset = dataset if dataset is not None else build_dataset(cfg.data)
         self.seq_len = self.dataset.seq_len

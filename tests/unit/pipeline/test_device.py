@@ -291,7 +291,7 @@ def test_other_runtime_errors_are_not_out_of_memory():
 # ---------------------------------------------------------------- the daemon's --device reaches the worker
 
 
-def test_the_daemons_device_reaches_the_runner_and_the_worker(tmp_path: Path):
+def test_the_daemons_device_reaches_the_runner_and_the_worker(tmp_path: Path, caplog):
     """``peerd join --device cpu`` -> DaemonConfig -> JobService -> TaskletRunner -> TrainConfig -> StageWorker."""
     from peerd.config import load_config
     from peerd.jobs.records import new_job_record
@@ -321,8 +321,10 @@ def test_the_daemons_device_reaches_the_runner_and_the_worker(tmp_path: Path):
     assert runner.device == "cpu"
     cfg = train_config(job.job_id, spec, Allocation(stages=(("me",),)), None, device=runner.device)
     assert (cfg.device, cfg.precision) == ("cpu", "bf16")
-    worker = one_stage(dataclasses.replace(cfg, job="j"))
+    with caplog.at_level("INFO", logger="peerd.pipeline.worker"):
+        worker = one_stage(dataclasses.replace(cfg, job="j"))
     assert worker.device == torch.device("cpu") and worker.precision.name == "bf16"
+    assert "job j stage 0 replica 0 computes on cpu in bf16" in caplog.text  # what the daemon's log says
     asyncio.run(worker.close())
 
 
