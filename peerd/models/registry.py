@@ -295,10 +295,10 @@ def hf_family(config: dict[str, Any], seed: int = 0) -> ModelFamily:
 
 def family_from(description: dict[str, Any]) -> ModelFamily:
     """Inverse of ``ModelFamily.describe``."""
-    config = description.get("config")
-    if not isinstance(config, dict):
-        raise ConfigError("model.config", "a model description needs its config mapping")
-    return build_family(str(description.get("family")), config, int(description.get("seed", 0)))
+    config, seed = description.get("config"), description.get("seed", 0)
+    if not isinstance(config, dict) or not isinstance(seed, int):
+        raise ConfigError("model", "a model description needs its config mapping and an integer seed")
+    return build_family(str(description.get("family")), config, seed)
 
 
 # ---------------------------------------------------------------- starting from a checkpoint
@@ -322,12 +322,19 @@ class WithWeights(ModelFamily):
             )
 
     def _check_description(self, description: dict[str, Any]) -> None:
-        theirs = family_from(description)
-        if theirs.name != self.base.name or theirs.config() != self.base.config():
+        # The same family and depth; every tensor's shape is checked as each layer loads. The rest
+        # of the config (dropout, norm epsilon, ...) is the job's: a fine-tune may change it.
+        try:
+            theirs = family_from(description)
+        except ConfigError as exc:
+            raise ConfigError(
+                self.field, f"{self.source.path} describes its model wrongly: {exc.detail}"
+            ) from None
+        if theirs.name != self.base.name or theirs.num_layers != self.base.num_layers:
             raise ConfigError(
                 self.field,
-                f"{self.source.path} holds a {theirs.name} model {theirs.config()}, "
-                f"the job's model is {self.base.name} {self.base.config()}",
+                f"{self.source.path} holds a {theirs.name} model of {theirs.num_layers} layers, "
+                f"the job's model is a {self.base.name} of {self.base.num_layers}",
             )
 
     num_layers = property(lambda self: self.base.num_layers)

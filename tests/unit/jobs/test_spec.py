@@ -53,7 +53,8 @@ def test_examples_load() -> None:
     assert {"gpt-tiny-demo.yaml", "gpt-small.yaml"} <= names
     for path in EXAMPLES:
         spec = load_job_spec(path)
-        assert spec.kind == "pretrain" and spec.steps > 0
+        assert spec.kind in ("pretrain", "finetune") and spec.steps > 0
+        assert (spec.kind == "finetune") == (spec.init_checkpoint is not None)
 
 
 def test_the_demo_spec_fits_six_peers_on_a_laptop() -> None:

@@ -165,8 +165,14 @@ def test_checkpoint_errors_name_the_field(tmp_path) -> None:
         with_weights(gpt, str(tmp_path / "nowhere"))
     assert err.value.field == "init_checkpoint"
     path = save_checkpoint(tmp_path / "m.pt", gpt, gpt.build().state_dict())
-    with pytest.raises(ConfigError, match="holds a gpt model"):
+    with pytest.raises(ConfigError, match="holds a gpt model of 4 layers"):
         with_weights(GPTFamily(GPTConfig(n_layer=3)), str(path))
+    with pytest.raises(ConfigError, match="holds a gpt model"):
+        with_weights(build_family("llama", {**LLAMA, "num_hidden_layers": 2}), str(path))
+    with pytest.raises(ConfigError, match="has shape"):
+        with_weights(GPTFamily(GPTConfig(n_layer=2, d_model=32)), str(path)).build_layer(1)
+    # a fine-tune may change what does not shape the weights (here dropout)
+    with_weights(GPTFamily(GPTConfig(n_layer=2, dropout=0.1)), str(path)).build()
     hf_model_of(build_family("gpt2", GPT2)).save_pretrained(tmp_path / "hf")
     with pytest.raises(ConfigError, match="only load into a Hugging Face model"):
         with_weights(gpt, str(tmp_path / "hf"))
