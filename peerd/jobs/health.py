@@ -199,6 +199,21 @@ class StallWatch:
         return f"no tasklet got past step {self.step} for {waited:.0f} s (a step takes {typical})"
 
 
+def following(allocation: Allocation, me: str, replanning: frozenset[str]) -> str | None:
+    """Why this peer should join a re-plan others began (a cause in words), or None.
+
+    Peers decide to re-plan on their own clocks and views, seconds apart: a spare or a
+    newcomer (nothing of its own runs) follows as soon as one of the job's tasklet peers
+    re-plans, so the epoch that may need it has it in its roster; a tasklet peer follows
+    once half of them do (their tasklets are frozen: the pipeline has stopped anyway).
+    """
+    devices = set(allocation.devices)
+    movers = replanning & devices
+    if not movers or (me in devices and 2 * len(movers) < len(devices)):
+        return None
+    return f"following the re-plan of {len(movers)} of the job's {len(devices)} tasklet peers"
+
+
 def short_handed(
     allocation: Allocation,
     target_width: int | None,

@@ -28,7 +28,7 @@ from typing import Any
 
 from peerd.errors import ConfigError, ErrorCode, PeerdError, ProtocolError
 from peerd.jobs import catalog
-from peerd.jobs.health import HealthConfig, StallWatch, assess, short_handed
+from peerd.jobs.health import HealthConfig, StallWatch, assess, following, short_handed
 from peerd.jobs.planner import JobPlanner, LocalInfo, PlannerConfig
 from peerd.jobs.records import (
     NONCE_BYTES,
@@ -399,7 +399,9 @@ class JobManager:
         cause = (
             verdict.cause()
             if verdict.replan
-            else watch.stalled(now, self.config.health) or self._growth(entry, commit.allocation, now)
+            else watch.stalled(now, self.config.health)
+            or self._growth(entry, commit.allocation, now)
+            or following(commit.allocation, self.me, planner.others_replanning())
         )
         if not cause:
             return

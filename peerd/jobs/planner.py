@@ -34,11 +34,12 @@ from peerd.errors import PeerdError, ProtocolError
 from peerd.jobs.catalog import decode_votes, encode_votes
 from peerd.jobs.island import IslandReport, IslandThread
 from peerd.jobs.records import JobRecord
-from peerd.jobs.recovery import patch_allocation, target_width
+from peerd.jobs.recovery import cheapest_repair, patch_allocation, target_width
 from peerd.jobs.scoring import RosterScorer
 from peerd.jobs.spec import JobSpec
 from peerd.jobs.store import RecordStore
 from peerd.log import get_logger
+from peerd.sched.allocation import Allocation
 from peerd.sched.consensus.actions import (
     Action,
     Commit,
@@ -190,6 +191,10 @@ class JobPlanner:
         logger.warning("job %s: re-planning (epoch %d): %s", self.job.job_id, self.machine.epoch, cause)
         await self._handle(actions)
         return True
+
+    def others_replanning(self) -> frozenset[str]:
+        """Peers that entered a re-plan of the committed allocation this peer has not joined yet."""
+        return self.machine.ahead_peers()
 
     @property
     def replanning(self) -> bool:
@@ -455,32 +460,51 @@ class JobPlanner:
     async def _propose_random(self, action: StartSearch) -> None:
         """``planning.placement: random``: the one allocation every peer derives from public data."""
         p, shape = self.spec.planning, self.spec.parallel.known()
-        seed = placement_seed(self.job.job_id, p.placement_seed, action.epoch)
+        seed = placement_seed(
+            self.job.job_id, p.placement_seed
+        )  # not the epoch: a re-plan on the same roster keeps it
         allocation = random_allocation(action.roster.peers, Shape(shape["d_pp"], shape["d_dp"]), seed)
         await self._handle(self.machine.propose(allocation, self.store.now()))
 
     async def _propose_repairs(self, action: StartSearch) -> None:
-        """In a re-plan epoch: offer the repairs of the running allocation as candidates (cheapest kept)."""
+        """In a re-plan epoch: offer a repair of the running allocation as a candidate.
+
+        With a fixed ``d_dp``, the widest repair that scores (back to that width when the
+        roster allows: it loses the least throughput). With ``auto``, the cheapest one, but
+        a wider one than the running width only if it gains ``replan_margin``: a newcomer
+        that does not speed the job up waits as a spare instead of reshaping it.
+        """
         running = self.machine.replanning
         if running is None:
             return
         previous = running.allocation
-        # a job that shrank grows back when the roster allows: wider repairs first
         target = target_width(self.spec.parallel.d_dp, self.spec.max_peers, previous.d_pp) or previous.d_dp
         widths = range(max(target, previous.d_dp), 0, -1)
+        fixed = isinstance(self.spec.parallel.d_dp, int)
+        scored: list[tuple[float, Allocation]] = []
         for allocation in patch_allocation(previous, action.roster.entries, widths):
             try:
-                self.scorer(action.roster, allocation)
+                scored.append((self.scorer(action.roster, allocation), allocation))
             except PeerdError as exc:
                 logger.debug("job %s: repair %s not scorable: %s", self.job.job_id, allocation.stages, exc)
                 continue
-            logger.info(
-                "job %s epoch %d: proposing the repair %s", self.job.job_id, action.epoch, allocation.stages
-            )
-            await self._handle(self.machine.propose(allocation, self.store.now()))
-            if self._island is not None:
-                self._island.offer(allocation)
-            return  # the widest repair that scores: the one that loses the least throughput
+            if fixed:
+                break  # widest first
+        if not scored:
+            return
+        cost, choice = (
+            scored[0] if fixed else cheapest_repair(scored, previous.d_dp, self.consensus.replan_margin)
+        )
+        logger.info(
+            "job %s epoch %d: proposing the repair %s (%.4g s/step)",
+            self.job.job_id,
+            action.epoch,
+            choice.stages,
+            cost,
+        )
+        await self._handle(self.machine.propose(choice, self.store.now()))
+        if self._island is not None:
+            self._island.offer(choice)
 
     def _stop_island(self, epoch: int | None) -> None:
         island = self._island

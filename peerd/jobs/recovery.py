@@ -116,3 +116,15 @@ def patch_allocation(
         stages = [[col[k] for col in columns] for k in range(previous.d_pp)]
         out.append(Allocation.from_plain(stages, free, previous.layers))
     return out
+
+
+def cheapest_repair(
+    scored: Sequence[tuple[float, Allocation]], width: int, margin: float
+) -> tuple[float, Allocation]:
+    """The cheapest of the (cost, repair) pairs; one wider than the running ``width`` only if it is
+    cheaper than the repair at ``width`` by more than ``margin`` (a fraction): growing costs a re-plan."""
+    cost, choice = min(scored, key=lambda ca: ca[0])
+    same = next(((c, a) for c, a in scored if a.d_dp == width), None)
+    if choice.d_dp > width and same is not None and cost > same[0] * (1 - margin):
+        return same
+    return cost, choice

@@ -114,6 +114,10 @@ class ConsensusMachine:
         """The stage state this peer holds, for the roster entries it publishes from now on."""
         self.held = tuple(sorted(held, key=lambda h: (h.stage, h.layers)))
 
+    def ahead_peers(self) -> frozenset[str]:
+        """Peers whose roster entries of an epoch after the commit wait here: they re-plan already."""
+        return frozenset(m.peer for m in self._ahead if isinstance(m, RosterEntry))
+
     def replan(self, now: float) -> list[Action]:
         """Re-plan a committed job: join the next open epoch (no-op before a commit or while re-planning)."""
         if self.committed is None or self.replanning is not None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from peerd.errors import ConfigError
-from peerd.jobs.health import HealthConfig, StallWatch, assess, short_handed
+from peerd.jobs.health import HealthConfig, StallWatch, assess, following, short_handed
 from peerd.jobs.records import Progress, TaskState
 from peerd.sched.allocation import Allocation
 
@@ -158,3 +158,12 @@ def test_a_fast_job_has_the_floor_and_a_job_not_running_has_no_clock():
     other = StallWatch(epoch=4)  # another epoch's records do not count
     feed(other, 0.0, {"a": 1})
     assert other.step is None
+
+
+def test_spares_follow_one_tasklet_peer_into_a_replan_and_tasklet_peers_follow_half():
+    assert following(ALLOC, "s", frozenset({"a"})) is not None  # a spare (or newcomer): one is enough
+    assert following(ALLOC, "s", frozenset({"x"})) is None  # not one of the job's tasklet peers
+    assert following(ALLOC, "b", frozenset({"a"})) is None  # 1 of 4: b's own checks decide
+    why = following(ALLOC, "b", frozenset({"a", "c"}))
+    assert why is not None and "2 of the job's 4" in why
+    assert following(ALLOC, "b", frozenset()) is None

@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
-from peerd.jobs.recovery import held_state, holders, patch_allocation, resume_step, stage_layers
+from peerd.jobs.recovery import (
+    cheapest_repair,
+    held_state,
+    holders,
+    patch_allocation,
+    resume_step,
+    stage_layers,
+)
 from peerd.sched.allocation import Allocation
 from peerd.sched.consensus.messages import RosterDevice, RosterEntry
 
@@ -63,3 +70,19 @@ def test_patch_fills_holes_with_the_fastest_free_peer_or_narrows() -> None:
     assert set(wide[1].spares) == {"b", "e", "f"}
     few = [entry(p) for p in "abc"]
     assert [a.d_dp for a in patch_allocation(prev, few, [2, 1])] == [1]
+
+
+def test_a_wider_repair_is_chosen_only_for_a_gain_above_the_margin():
+    narrow = Allocation.from_plain([["a"], ["b"]], ["c", "d"])
+    wide = Allocation.from_plain([["a", "c"], ["b", "d"]])
+    assert cheapest_repair([(0.96, wide), (1.0, narrow)], 1, 0.05) == (
+        1.0,
+        narrow,
+    )  # 4 % faster: not worth it
+    assert cheapest_repair([(0.90, wide), (1.0, narrow)], 1, 0.05) == (0.90, wide)
+    assert cheapest_repair([(0.90, wide)], 1, 0.05) == (0.90, wide)  # no repair at the running width
+    shrunk = Allocation.from_plain([["a"], ["b"]])
+    assert cheapest_repair([(1.2, wide), (1.1, shrunk)], 2, 0.05) == (
+        1.1,
+        shrunk,
+    )  # narrower: just the cheapest
