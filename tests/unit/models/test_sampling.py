@@ -71,3 +71,18 @@ def test_peerd_generate_prints_the_prompt_and_its_continuation(tmp_path) -> None
     assert run.stdout == want + "\n" and run.stdout.startswith("To be")
     bad = subprocess.run([*PEERD, "generate", str(tmp_path), "--prompt", "x"], capture_output=True, text=True)
     assert bad.returncode == 2 and "without weights" in bad.stderr
+
+
+def test_an_hf_model_file_samples_only_bytes(tmp_path) -> None:
+    pytest.importorskip("transformers", reason="optional extra: transformers is not installed")
+    from peerd.models import open_checkpoint
+    from peerd.models.registry import build_family
+
+    config = {"model_type": "gpt2", "n_layer": 1, "n_embd": 32, "n_head": 2, "n_positions": 32}  # vocab 50257
+    family = build_family("gpt2", {**config, "tie_word_embeddings": False}, seed=1)
+    path = save_checkpoint(tmp_path / "model.pt", family, family.build().state_dict())
+    ck = open_checkpoint(path)
+    ids = sample(
+        ck.model, encode("ab"), SamplingConfig(max_new_tokens=20, seed=2), context=ck.family.max_seq_len
+    )
+    assert len(ids) == 22 and max(ids) < 256
