@@ -19,9 +19,9 @@ class DataConfig:
     """``builtin``: this Python's stdlib text (no download); ``text``: local files; ``hf``: HF datasets."""
     seq_len: Annotated[int, Range(ge=1)] = 128
     """Tokens per training example (each window holds ``seq_len + 1`` bytes)."""
-    stride: Annotated[int | None, Range(ge=1)] = None
+    stride: Annotated[int | None, Range(ge=1, le=2**31 - 1)] = None
     """Offset between consecutive windows; ``None`` means ``seq_len`` (no overlap)."""
-    max_bytes: Annotated[int, Range(ge=1)] = DEFAULT_MAX_BYTES
+    max_bytes: Annotated[int, Range(ge=1, le=2**62)] = DEFAULT_MAX_BYTES  # read() takes a C ssize_t
     """Cap on corpus size in bytes."""
     paths: list[str] = field(default_factory=list)
     """For ``text``: files or glob patterns, read in this order."""

@@ -27,6 +27,7 @@ from peerd.sched.consensus.config import ConsensusTiming
 
 Auto = Literal["auto"]
 Count = Annotated[int, Range(ge=1)]
+INT32_MAX = 2**31 - 1  # counts must fit the int32 indices and schedules that hold them
 
 
 @dataclass(frozen=True)
@@ -43,7 +44,7 @@ class ModelChoice:
     ``config.json`` or ``save_pretrained`` directory, which ``load_job_spec`` (``peerd submit``)
     reads into the mapping, so the published job carries the config itself. The embedding and
     LM head must be untied (``tie_word_embeddings: false``) unless the job runs one stage."""
-    seed: Annotated[int, Range(ge=0)] = 0
+    seed: Annotated[int, Range(ge=0, lt=2**63)] = 0  # torch.manual_seed takes 64 bits
     """Initial-weight seed: every peer builds identical layers from it."""
 
     def problems(self) -> list[ConfigError]:
@@ -173,9 +174,9 @@ class PlanningSpec:
     sharing one machine's clock (``peerd demo``, tests) can use 0.5-1."""
     placement: Literal["search", "random"] = "search"
     """``search``: the evolutionary search picks the allocation; ``random``: the Megatron-like
-    baseline (``peerd.sched.placement``), ranks in a seeded random order that every peer derives
-    from the job id, ``placement_seed`` and the epoch. ``random`` needs fixed parallel d_pp and d_dp."""
-    placement_seed: Annotated[int, Range(ge=0)] = 0
+    baseline (``peerd.sched.placement``), ranks in a seeded random order of the roster that every
+    peer derives from the job id and ``placement_seed``. ``random`` needs fixed parallel d_pp and d_dp."""
+    placement_seed: Annotated[int, Range(ge=0, lt=2**63)] = 0
     """Seed of the ``random`` placement (change it to draw another order)."""
 
     def timing(self) -> ConsensusTiming:
@@ -231,7 +232,7 @@ class JobSpec:
 
     def problems(self) -> list[ConfigError]:
         """The checks between fields and sections (each section checked itself already)."""
-        out = self._kind_problems() + self._batch_problems() + self._peer_problems()
+        out = self._kind_problems() + self._size_problems() + self._batch_problems() + self._peer_problems()
         if self.precision == "fp16" and self.parallel.known() != {"d_pp": 1, "d_dp": 1}:
             out.append(
                 ConfigError("precision", "fp16 needs parallel d_pp: 1 and d_dp: 1; use bf16 for pipelines")
@@ -256,6 +257,18 @@ class JobSpec:
                 ConfigError("init_checkpoint", "only used by finetune (pretrain starts from fresh weights)")
             ]
         return []
+
+    def _size_problems(self) -> list[ConfigError]:
+        """Numbers no run can use (a peer's record may carry anything): above int32, or a decay >= 10."""
+        out = [
+            ConfigError(name, f"must be <= {INT32_MAX}, got {getattr(self, name)}")
+            for name in ("steps", "global_batch", "micro_batch", "checkpoint_interval", "min_peers")
+            if getattr(self, name) > INT32_MAX
+        ]
+        if self.optimizer.weight_decay >= 10:
+            decay = self.optimizer.weight_decay
+            out.append(ConfigError("optimizer.weight_decay", f"must be < 10, got {decay}"))
+        return out
 
     def _batch_problems(self) -> list[ConfigError]:
         out: list[ConfigError] = []
