@@ -17,6 +17,7 @@ BENCHMARKS = (
     "rl-scheduler",
     "statesync",
     "churn",
+    "wan",
     "grpo",
     "fuzz",
 )
@@ -29,6 +30,7 @@ BENCHMARKS = (
   peerd bench links > links.json        probe accuracy on shaped loopback links, kept to compare
   peerd bench rl-scheduler --quick      RL plans vs verl/StreamRL-like, hybrid vs exact MILP (JSON)
   peerd bench churn                     recovery time and steps lost per failure kind (8 daemons)
+  peerd bench wan --quick               four arms of one job on a shaped world-wide swarm (JSON, PNG)
   peerd bench grpo --task addition      warm-up then GRPO: pass rate vs the start, KL, phase times
 """,
     cls=LazyGroup,

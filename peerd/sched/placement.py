@@ -8,8 +8,9 @@ devices, sorted by id, are shuffled by a seed and rank ``r`` runs tasklet
 Layers are split evenly (``layers=None``), as a launcher without a cost model would.
 
 The shuffle must give the same allocation on every peer (consensus votes on it), so it
-draws from SHA-256 of public data (``placement_seed``: job id, the spec's seed, the epoch)
-and not from numpy or ``random``, whose streams may change between versions.
+draws from SHA-256 of public data (``placement_seed``: the job id and the spec's seed, not
+the epoch, so a re-plan on an unchanged roster keeps the allocation) and not from numpy or
+``random``, whose streams may change between versions.
 """
 
 from __future__ import annotations

@@ -1,0 +1,618 @@
+"""``peerd bench wan``: the same GPT job under four arms on a local swarm shaped like a geo-distributed one.
+
+N ``peerd join`` daemons (8 by default) run on this machine; each shapes its outgoing
+traffic (``peerd.swarm.shaper``) by a scenario of ``configs/scenarios/`` (world-wide by
+default, DT-FM case 4; ``--scenario regional`` = case 3, ``multi-dc`` = case 2), its regions
+mapped onto the peers in blocks (peer ``i`` in region ``i * R // N``). One job per arm is
+submitted, planned by consensus and trained; the daemons' progress records give tokens/s
+and the loss against wall-clock and against tokens:
+
+- ``a-peerd``: the searched allocation, AC-SGD forward (4 bit), 8-bit backward, 8-bit gradients;
+- ``b-peerd-fp32``: the searched allocation, nothing compressed;
+- ``c-random-s<K>``: ``planning.placement: random`` (the Megatron-like default: ranks in a
+  seeded random order, ``peerd.sched.placement``), nothing compressed, one run per seed;
+- ``d-dp-only``: ``d_pp = 1``, the model replicated on every peer, 8-bit gradient averaging.
+
+Arms a-c share one shape (``d_pp = N / 2`` stages x 2 replicas), so they differ only in
+placement and compression.
+
+The regime (why the links are scaled, and by how much)
+------------------------------------------------------
+The papers' numbers are for GPT3-XL (24 layers, hidden 2048, seq 2048) on 64 V100s, D_PP =
+D_DP = 8 (DT-FM's cost-model inputs, ``../shared/data/scenarios/dtfm_cases.json``). Per
+tasklet and step, with ``c_pp`` the activations one tasklet sends over a stage boundary and
+``c_dp`` one stage's gradients::
+
+    bytes_ref   = 2 c_pp + 2 c_dp (D_DP - 1) / D_DP          (forward + backward, ring all-reduce)
+                = 2 x 0.4712 GiB + 2 x 0.65 GB x 7/8 = 2.149 GB
+    compute_ref = 23.64 PFLOP per step / 64 V100 / 125 TFLOPS  = 2.955 s   (DT-FM's nominal peak)
+
+so the real links carry ``bytes_ref / compute_ref`` = 0.727 GB per second of compute. The
+tiny job's ``bytes_tiny`` comes from its model shape by the same formula (fp32 on the wire,
+its own D_PP x D_DP), and ``compute_tiny`` is measured here: one forward + backward of the
+global batch through the whole model on one thread, divided by the N tasklets, times the
+CPU contention ``max(1, N / cores)`` (N daemons share this machine's cores). One factor
+scales every bandwidth of the scenario::
+
+    bandwidth_factor = (bytes_tiny / compute_tiny) / (bytes_ref / compute_ref)
+
+so that ``bytes / (bandwidth x compute)`` -- the communication-to-compute ratio per step
+-- is the paper's on every link; one-way delays scale by ``compute_tiny / compute_ref`` (a
+delay is time, not bytes). Both factors and every input are in the JSON (``regime``).
+
+Per arm the JSON reports the measured seconds per step (steady state: after the first
+``WARMUP_STEPS`` and before the last step, whose end-of-job teardown is not), tokens/s, the
+loss at equal tokens, bytes on the wire and the compression ratio by kind, the re-plans, the
+compute part of a step (``compute_tiny`` x peers / tasklets) and the rest (link and
+waiting), and the cost model's prediction: the committed candidate's cost (the ``peerd``
+objective on the roster's measured profiles and links, what the planner optimised) with
+the ratio measured / predicted. ``--png`` writes loss vs wall-clock and vs tokens for every
+arm (when matplotlib is installed).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from statistics import median
+from typing import Any
+
+import click
+import yaml
+
+from peerd.bench import emit_json
+from peerd.errors import ErrorCode, PeerdError
+from peerd.jobs.spec import parse_job_spec
+from peerd.jobs.views import WIRE_KINDS
+from peerd.localswarm import LocalSwarm, converged
+from peerd.log import get_logger
+from peerd.sched.scenario import load_scenario
+
+logger = get_logger(__name__)
+
+SCENARIOS = {
+    "world-wide": "dtfm-case4.yaml",
+    "regional": "dtfm-case3.yaml",
+    "multi-dc": "dtfm-case2.yaml",
+}
+
+# GPT3-XL on 64 V100s, DT-FM's cost-model inputs (dtfm_cases.json: model_training)
+REF_MODEL = "GPT3-XL (1.3B), 24 layers, hidden 2048, seq 2048; 64 V100, D_PP = D_DP = 8"
+REF_C_PP_BYTES = 0.47124922275543213 * 2**30  # 2048 hidden x 2048 seq x 2 B x 61.04 sequences per tasklet
+REF_C_DP_BYTES = 0.65e9  # 1.3e9 params x 4 B x 3/24 layers
+REF_D_DP = 8
+REF_PFLOP_PER_STEP = 23.64  # 24 layers, 1024 sequences
+REF_DEVICES = 64
+REF_DEVICE_TFLOPS = 125.0  # V100 fp16 tensor-core peak, as the DT-FM scenarios list it
+
+WARMUP_STEPS = 2  # first steps: AC-SGD first visits, buffers and streams being set up
+POLL_S = 0.5
+
+SWARM_OPTIONS = {
+    "record_ttl": 10.0,
+    "refresh_interval": 2.0,
+    "probe_interval": 4.0,
+    "probe_budget": 5,
+    "startup_timeout": 60.0,
+    "shutdown_timeout": 10.0,
+    "device": "cpu",
+}
+
+
+@dataclass(frozen=True)
+class Arm:
+    """One way of running the job."""
+
+    name: str
+    what: str
+    placement: str = "search"
+    seed: int = 0
+    compressed: bool = False
+    dp_only: bool = False
+
+
+def arms(seeds: int) -> list[Arm]:
+    return [
+        Arm("a-peerd", "searched allocation, AC-SGD fwd 4 bit, bwd 8 bit, gradients 8 bit", compressed=True),
+        Arm("b-peerd-fp32", "searched allocation, uncompressed"),
+        *[
+            Arm(f"c-random-s{k}", f"random placement (seed {k}), uncompressed", placement="random", seed=k)
+            for k in range(seeds)
+        ],
+        Arm("d-dp-only", "d_pp = 1 (model on every peer), 8-bit gradient averaging", dp_only=True),
+    ]
+
+
+def base_spec(peers: int, steps: int) -> dict[str, Any]:
+    """The job every arm trains: tiny-4 GPT, a small corpus so examples repeat (AC-SGD engages)."""
+    return {
+        "name": "wan",
+        "kind": "pretrain",
+        "model": {"preset": "tiny-4", "seed": 0},
+        # 256 windows of 64 bytes: 16 per step, so every example is seen again after 16 steps
+        "data": {"source": "builtin", "seq_len": 64, "max_bytes": 16384},
+        "steps": steps,
+        "global_batch": 16,
+        "micro_batch": 2,
+        "optimizer": {"name": "adamw", "lr": 0.003, "warmup_steps": 2, "schedule": "constant"},
+        "parallel": {"d_pp": max(1, peers // 2), "d_dp": 2 if peers >= 2 else 1},
+        "compression": {
+            "forward": "none",
+            "forward_bits": None,
+            "backward_bits": None,
+            "gradient_bits": None,
+        },
+        "checkpoint_interval": steps,
+        "min_peers": peers,
+        "max_peers": peers,
+        "planning": {"time_budget_s": 3, "max_skew_s": 0.5},
+    }
+
+
+def arm_spec(arm: Arm, peers: int, steps: int) -> dict[str, Any]:
+    spec = base_spec(peers, steps)
+    spec["name"] = f"wan-{arm.name}"
+    if arm.compressed:
+        spec["compression"] = {"forward": "acsgd", "forward_bits": 4, "backward_bits": 8, "gradient_bits": 8}
+    if arm.dp_only:
+        spec["parallel"] = {"d_pp": 1, "d_dp": peers}
+        spec["micro_batch"] = spec["global_batch"] // peers
+        spec["compression"] = {**spec["compression"], "gradient_bits": 8}
+    if arm.placement == "random":
+        spec["planning"] = {**spec["planning"], "placement": "random", "placement_seed": arm.seed}
+    parse_job_spec(spec)  # fail here, before any daemon starts, if an arm is not a valid job
+    return spec
+
+
+# -- the regime -----------------------------------------------------------------------------------
+
+
+def comm_bytes_per_tasklet(c_pp: float, c_dp: float, d_dp: int) -> float:
+    """Bytes one tasklet moves per step: activations forward and gradients back, and its ring share."""
+    return 2 * c_pp + 2 * c_dp * (d_dp - 1) / d_dp
+
+
+def tiny_sizes(spec: dict[str, Any]) -> dict[str, float]:
+    """``c_pp`` and ``c_dp`` of the job (fp32 on the wire), from its model shape."""
+    job = parse_job_spec(spec)
+    family = job.model.family()
+    d_pp, d_dp = job.parallel.known()["d_pp"], job.parallel.known()["d_dp"]
+    params = sum(c.params for c in family.layer_costs(job.data.seq_len))
+    c_pp = job.global_batch / d_dp * job.data.seq_len * family.hidden * 4
+    c_dp = params / d_pp * 4
+    return {"params": float(params), "c_pp_bytes": c_pp, "c_dp_bytes": c_dp, "d_pp": d_pp, "d_dp": d_dp}
+
+
+def measure_compute(spec: dict[str, Any], repeats: int = 5) -> float:
+    """Seconds of one forward + backward of the global batch through the whole model, one thread (median)."""
+    import torch
+
+    job = parse_job_spec(spec)
+    family = job.model.family()
+    model = family.build()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # what each daemon gets (LocalSwarm: threads = 1)
+    try:
+        g = torch.Generator().manual_seed(0)
+        tokens = torch.randint(0, family.vocab_size, (job.global_batch, job.data.seq_len + 1), generator=g)
+        times = []
+        for _ in range(repeats + 1):
+            started = time.perf_counter()
+            for mb in tokens.split(job.micro_batch):
+                loss = family.loss(model(mb[:, :-1]), mb[:, 1:])
+                loss.backward()
+            times.append(time.perf_counter() - started)
+        return median(times[1:])  # the first run warms allocator and kernels up
+    finally:
+        torch.set_num_threads(threads)
+
+
+def regime(spec: dict[str, Any], peers: int, compute_full_s: float, cores: int) -> dict[str, Any]:
+    """The bandwidth and delay factors that give the tiny job GPT3-XL's communication-to-compute ratio."""
+    ref_bytes = comm_bytes_per_tasklet(REF_C_PP_BYTES, REF_C_DP_BYTES, REF_D_DP)
+    ref_compute = REF_PFLOP_PER_STEP * 1e15 / REF_DEVICES / (REF_DEVICE_TFLOPS * 1e12)
+    tiny = tiny_sizes(spec)
+    tiny_bytes = comm_bytes_per_tasklet(tiny["c_pp_bytes"], tiny["c_dp_bytes"], int(tiny["d_dp"]))
+    contention = max(1.0, peers / cores)
+    tiny_compute = compute_full_s / peers * contention
+    factor = (tiny_bytes / tiny_compute) / (ref_bytes / ref_compute)
+    return {
+        "reference": {
+            "model": REF_MODEL,
+            "c_pp_bytes": REF_C_PP_BYTES,
+            "c_dp_bytes": REF_C_DP_BYTES,
+            "d_dp": REF_D_DP,
+            "pflop_per_step": REF_PFLOP_PER_STEP,
+            "devices": REF_DEVICES,
+            "device_tflops": REF_DEVICE_TFLOPS,
+            "bytes_per_tasklet_step": ref_bytes,
+            "compute_s_per_tasklet_step": ref_compute,
+            "bytes_per_compute_s": ref_bytes / ref_compute,
+        },
+        "tiny": {
+            **tiny,
+            "bytes_per_tasklet_step": tiny_bytes,
+            "compute_full_batch_one_thread_s": compute_full_s,
+            "cores": cores,
+            "contention": contention,
+            "compute_s_per_tasklet_step": tiny_compute,
+            "bytes_per_compute_s": tiny_bytes / tiny_compute,
+        },
+        "bandwidth_factor": factor,
+        "delay_factor": tiny_compute / ref_compute,
+        "arithmetic": (
+            f"bytes/tasklet/step: ref 2*c_pp + 2*c_dp*7/8 = {ref_bytes / 1e9:.4g} GB, tiny {tiny_bytes / 1e6:.4g} MB; "
+            f"compute/tasklet/step: ref 23.64 PFLOP/64/125 TFLOPS = {ref_compute:.4g} s, tiny "
+            f"{compute_full_s:.4g} s/{peers} x {contention:.3g} = {tiny_compute:.4g} s; "
+            f"bandwidth factor = ({tiny_bytes:.4g}/{tiny_compute:.4g}) / ({ref_bytes:.4g}/{ref_compute:.4g}) "
+            f"= {factor:.4g}"
+        ),
+    }
+
+
+def shaped_scenario(
+    path: Path, names: list[str], bandwidth_factor: float, delay_factor: float
+) -> dict[str, Any]:
+    """A scenario for ``names``: the regions of ``path`` in blocks over the peers, links scaled."""
+    source = load_scenario(path)
+    if source.regions is None:
+        raise PeerdError(
+            f"{path.name} has no region matrices to map onto peers", code=ErrorCode.CONFIG_INVALID
+        )
+    regions = source.regions
+    r, n = len(regions.names), len(names)
+
+    def scale(rows: list[list[float | None]], k: float) -> list[list[float | None]]:
+        return [[None if v is None else float(v) * k for v in row] for row in rows]
+
+    return {
+        "name": f"wan-{source.name}-{n}peers",
+        "description": (
+            f"{source.name} mapped onto {n} local peers (regions in blocks), bandwidths x{bandwidth_factor:.4g}, "
+            f"delays x{delay_factor:.4g} (peerd bench wan)"
+        ),
+        "regions": {
+            "names": list(regions.names),
+            "delay_ms": scale(regions.delay_ms, delay_factor),
+            "bandwidth_mbps": scale(regions.bandwidth_mbps, bandwidth_factor),
+        },
+        "devices": [{"id": name, "region": regions.names[i * r // n]} for i, name in enumerate(names)],
+    }
+
+
+# -- one arm on the swarm -------------------------------------------------------------------------
+
+
+def trained_out(view: dict[str, Any], steps: int) -> bool:
+    """Every tasklet of the committed epoch says it trained all steps (the job may still be ending).
+
+    The loss curve seen may then miss the last steps: a step's loss counts once every replica
+    of the newest epoch reported it, and a replica restored at the final step by a re-plan
+    has none (``loss_points`` in the result says how many there are).
+    """
+    tasklets = (view.get("progress") or {}).get("tasklets") or []
+    return bool(tasklets) and all(t["step"] >= steps for t in tasklets)
+
+
+def run_arm(swarm: LocalSwarm, spec: dict[str, Any], timeout: float) -> dict[str, Any]:
+    """Submit ``spec`` through peer 0 and follow it until it ends or has trained every step.
+
+    A job whose tasklets all trained every step but that does not reach ``done`` (seen when a
+    re-plan restores the final step) is cancelled, so the next arm gets the peers; its
+    measurement is complete and ``ended`` says so.
+    """
+    owner = swarm.peers[0]
+    submitted = time.monotonic()
+    job = owner.control().call("submit", spec=spec)["job_id"]
+    samples: list[tuple[float, int]] = []  # (seconds since submit, step)
+    # a re-plan replaces a tasklet's progress record (and its loss points): keep what was seen
+    curve: dict[int, float] = {}
+    wire: dict[str, int] = {}
+    view: dict[str, Any] = {}
+    deadline = submitted + timeout
+    ended = ""
+    while not ended:
+        with contextlib.suppress(PeerdError):
+            view = owner.control().call("job_status", job_id=job)
+            progress = view.get("progress") or {}
+            step = progress.get("step") or 0
+            for k, loss in progress.get("losses") or []:
+                curve.setdefault(int(k), float(loss))
+            counters = {k: int(n) for k, n in (progress.get("bytes") or {}).items()}
+            if sum(counters.values()) > sum(wire.values()):
+                wire = (
+                    counters  # one poll's counters (consistent); the largest, before any re-plan reset them
+                )
+            if view.get("state") in ("running", "recovering") and (not samples or step > samples[-1][1]):
+                samples.append((time.monotonic() - submitted, step))
+            if view.get("state") in ("done", "failed", "cancelled"):
+                ended = view["state"]
+            elif trained_out(view, spec["steps"]):
+                ended = f"all steps trained, job still {view.get('state')}: cancelled"
+        if ended:
+            break
+        if time.monotonic() > deadline:
+            with contextlib.suppress(PeerdError):
+                owner.control().call("cancel", job_id=job)
+            raise PeerdError(
+                f"job {spec['name']} did not finish within {timeout:.0f} s (state {view.get('state')}, "
+                f"step {(view.get('progress') or {}).get('step')})",
+                code=ErrorCode.TIMEOUT,
+            )
+        time.sleep(POLL_S)
+    wall = time.monotonic() - submitted
+    if ended.endswith("cancelled") and ended != "cancelled":
+        with contextlib.suppress(PeerdError):
+            owner.control().call("cancel", job_id=job)
+        with contextlib.suppress(PeerdError):
+            swarm.wait_until(
+                lambda vs: all(not _holds(v, job) for v in vs.values()),
+                timeout=60,
+                what="the cancelled job to stop",
+            )
+    replans = len(((view.get("planning") or {}).get("replans")) or [])
+    return {
+        "job_id": job,
+        "samples": samples,
+        "view": view,
+        "wall_s": wall,
+        "ended": ended,
+        "replans": replans,
+        "losses": sorted(curve.items()),
+        "bytes": wire,
+    }
+
+
+def _holds(status: dict[str, Any], job: str) -> bool:
+    """Whether a daemon's status view still shows ``job`` as active."""
+    for j in status.get("jobs") or []:
+        if j.get("job_id") == job and j.get("state") not in ("done", "failed", "cancelled"):
+            return True
+    return False
+
+
+def arm_result(
+    arm: Arm, spec: dict[str, Any], run: dict[str, Any], names: dict[str, str], reg: dict[str, Any]
+) -> dict[str, Any]:
+    view, samples = run["view"], run["samples"]
+    progress = view.get("progress") or {}
+    tokens_per_step = spec["global_batch"] * spec["data"]["seq_len"]
+    # steady state: past the warm-up, and before the last step (its end-of-job teardown is not)
+    steady = [(t, s) for t, s in samples if WARMUP_STEPS <= s < spec["steps"]]
+    s_per_step = None
+    if len(steady) >= 2 and steady[-1][1] > steady[0][1]:
+        s_per_step = (steady[-1][0] - steady[0][0]) / (steady[-1][1] - steady[0][1])
+    first_seen: dict[int, float] = {}
+    for t, s in samples:
+        for k in range(max(first_seen, default=0) + 1, s + 1):
+            first_seen[k] = t  # steps passed between two polls get the later time
+    losses = run["losses"]
+    alloc = view.get("allocation") or {}
+    predicted = alloc.get("cost")
+    d_pp = spec["parallel"]["d_pp"]
+    compute = reg["tiny"]["compute_s_per_tasklet_step"] * (
+        len(names) / max(1, d_pp * spec["parallel"]["d_dp"])
+    )
+    out: dict[str, Any] = {
+        "arm": arm.name,
+        "what": arm.what,
+        "state": view.get("state"),
+        "ended": run["ended"],
+        "replans": run["replans"],
+        "reason": view.get("reason"),
+        "shape": {"d_pp": d_pp, "d_dp": spec["parallel"]["d_dp"]},
+        "compression": spec["compression"],
+        "placement": spec["planning"].get("placement", "search"),
+        "pipelines": [[names.get(p, p) for p in pipe] for pipe in alloc.get("pipelines") or []],
+        "job_id": run["job_id"],
+        "commit": {k: alloc.get(k) for k in ("epoch", "stages", "spares", "roster")},
+        "steps": spec["steps"],
+        "wall_s": round(run["wall_s"], 2),
+        "s_per_step": s_per_step,
+        "tokens_per_s": tokens_per_step / s_per_step if s_per_step else None,
+        "tokens_per_s_daemons": progress.get("tokens_per_s"),
+        "compute_s_per_step": compute,
+        "link_and_wait_s_per_step": s_per_step - compute if s_per_step else None,
+        "predicted_s_per_step": predicted,
+        "measured_over_predicted": s_per_step / predicted if s_per_step and predicted else None,
+        "final_loss": losses[-1][1] if losses else None,
+        "loss_points": len(losses),
+        "bytes": run["bytes"],
+        "compression_ratio": wire_ratio(run["bytes"]),
+        "compression_by_kind": {k: wire_ratio(run["bytes"], (k,)) for k in WIRE_KINDS},
+        "loss_vs_tokens": [[s * tokens_per_step, loss] for s, loss in losses],
+        "loss_vs_wall_s": [[round(first_seen[s], 2), loss] for s, loss in losses if s in first_seen],
+    }
+    return out
+
+
+def wire_ratio(counters: dict[str, int], kinds: tuple[str, ...] = WIRE_KINDS) -> float | None:
+    """Raw over wire bytes of ``kinds`` (activations, backward gradients, averaging), as the daemons count them."""
+    wire = sum(counters.get(k, 0) for k in kinds)
+    return sum(counters.get(f"{k}_raw", 0) for k in kinds) / wire if wire else None
+
+
+# -- the whole bench ------------------------------------------------------------------------------
+
+
+def scenario_path(scenario: str) -> Path:
+    if scenario in SCENARIOS:
+        path = Path(__file__).resolve().parents[2] / "configs" / "scenarios" / SCENARIOS[scenario]
+    else:
+        path = Path(scenario)
+    if not path.is_file():
+        raise click.BadParameter(
+            f"{path} is not a file (built in: {', '.join(SCENARIOS)})", param_hint="--scenario"
+        )
+    return path
+
+
+def wan(
+    *,
+    peers: int = 8,
+    scenario: str = "world-wide",
+    seeds: int = 3,
+    steps: int = 20,
+    arm_timeout: float = 300.0,
+    only: tuple[str, ...] = (),
+    png: str | None = None,
+) -> dict[str, Any]:
+    path = scenario_path(scenario)
+    chosen = [a for a in arms(seeds) if not only or any(a.name.startswith(o) for o in only)]
+    specs = {a.name: arm_spec(a, peers, steps) for a in chosen}
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    reference_spec = arm_spec(Arm("b", ""), peers, steps)  # the regime is set by the uncompressed pipeline
+    reg = regime(reference_spec, peers, measure_compute(reference_spec), cores)
+    names = [f"peer{i}" for i in range(peers)]
+    results = []
+    started = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="peerd-wan-") as tmp:
+        root = Path(tmp)
+        shaped = shaped_scenario(path, names, reg["bandwidth_factor"], reg["delay_factor"])
+        (root / "scenario.yaml").write_text(yaml.safe_dump(shaped, sort_keys=False))
+        options = {**SWARM_OPTIONS, "scenario": str(root / "scenario.yaml")}
+        swarm = LocalSwarm(peers, root / "s", options=options, names=names, ready_timeout=180)
+        swarm.start()
+        try:
+            swarm.wait_until(
+                lambda v: converged(v, names), timeout=180, what="every daemon to measure the others"
+            )
+            ids = {p.info.peer_id: p.name for p in swarm.peers if p.info is not None}
+            for arm in chosen:
+                logger.info("arm %s: %s", arm.name, arm.what)
+                try:
+                    run = run_arm(swarm, specs[arm.name], arm_timeout)
+                    results.append(arm_result(arm, specs[arm.name], run, ids, reg))
+                except PeerdError as exc:
+                    results.append({"arm": arm.name, "what": arm.what, "error": str(exc)})
+                logger.info("arm %s: %s", arm.name, _brief(results[-1]))
+        finally:
+            swarm.close()
+    out = {
+        "benchmark": "wan",
+        "peers": peers,
+        "machine": {"cores": cores, "note": f"{peers} daemons share {cores} cores, one compute thread each"},
+        "scenario": {"file": path.name, "mapped": shaped["description"], "regions": shaped["devices"]},
+        "regime": reg,
+        "job": {k: reference_spec[k] for k in ("model", "data", "steps", "global_batch", "micro_batch")},
+        "arms": results,
+        "ratios": ratios(results),
+        "seconds": round(time.monotonic() - started, 1),
+    }
+    if png:
+        out["png"] = write_plot(results, Path(png), f"peerd bench wan: {path.name}, {peers} peers")
+    return out
+
+
+def _brief(r: dict[str, Any]) -> str:
+    if "error" in r:
+        return f"error: {r['error']}"
+    keys = ("ended", "s_per_step", "tokens_per_s", "predicted_s_per_step", "final_loss", "replans")
+    return ", ".join(f"{k}={r.get(k)}" for k in keys)
+
+
+def _rate(results: list[dict[str, Any]], prefix: str) -> float | None:
+    rates = [r["tokens_per_s"] for r in results if r["arm"].startswith(prefix) and r.get("tokens_per_s")]
+    return median(rates) if rates else None
+
+
+def _loss_at(r: dict[str, Any], tokens: float) -> float | None:
+    points = [(t, loss) for t, loss in r.get("loss_vs_tokens") or [] if t <= tokens]
+    return points[-1][1] if points else None
+
+
+def ratios(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """Tokens/s ratios between arms (c: the median over its seeds) and the loss at equal tokens."""
+    a, b, c, d = (_rate(results, p) for p in ("a-", "b-", "c-", "d-"))
+    out: dict[str, Any] = {
+        "a_over_c_tokens_per_s": a / c if a and c else None,
+        "a_over_b_tokens_per_s": a / b if a and b else None,
+        "b_over_c_tokens_per_s": b / c if b and c else None,
+        "a_over_d_tokens_per_s": a / d if a and d else None,
+    }
+    done = [r for r in results if r.get("loss_vs_tokens")]
+    if done:
+        tokens = min(r["loss_vs_tokens"][-1][0] for r in done)
+        out["equal_tokens"] = tokens
+        out["loss_at_equal_tokens"] = {r["arm"]: _loss_at(r, tokens) for r in done}
+        la = out["loss_at_equal_tokens"].get("a-peerd")
+        lc = [v for k, v in out["loss_at_equal_tokens"].items() if k.startswith("c-") and v is not None]
+        if la is not None and lc:
+            out["a_loss_over_c_loss"] = la / median(lc)
+    return out
+
+
+def write_plot(results: list[dict[str, Any]], path: Path, title: str) -> str | None:
+    """Loss vs wall-clock and vs tokens for every arm (None when matplotlib is not installed)."""
+    try:
+        import matplotlib
+    except ImportError:
+        return None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4), dpi=120)
+    for r in results:
+        for ax, key in ((left, "loss_vs_wall_s"), (right, "loss_vs_tokens")):
+            points = r.get(key) or []
+            if points:
+                xs, ys = zip(*points, strict=True)
+                ax.plot(xs, ys, label=r["arm"], linewidth=1.2)
+    left.set_xlabel("seconds since submit")
+    right.set_xlabel("tokens")
+    for ax in (left, right):
+        ax.set_ylabel("training loss (nats/byte)")
+        ax.grid(alpha=0.3)
+    right.legend(fontsize=8)
+    fig.suptitle(title)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    plt.close(fig)
+    return str(path)
+
+
+@click.command("wan")
+@click.option("--peers", default=8, show_default=True, help="Daemons in the local swarm (even, at least 4).")
+@click.option(
+    "--scenario",
+    default="world-wide",
+    show_default=True,
+    help=f"Link scenario: {', '.join(SCENARIOS)} (DT-FM cases 4, 3, 2) or a scenario YAML path.",
+)
+@click.option("--seeds", default=3, show_default=True, help="Random-placement seeds (arm c).")
+@click.option("--steps", default=20, show_default=True, help="Training steps per arm.")
+@click.option("--arm", "only", multiple=True, help="Run only arms whose name starts with this (a, b, c, d).")
+@click.option("--quick", is_flag=True, help="CI smoke: 4 peers, 1 seed, 8 steps (under 5 minutes).")
+@click.option("--out", default=None, type=click.Path(dir_okay=False), help="Also write the JSON here.")
+@click.option("--png", default=None, type=click.Path(dir_okay=False), help="Write the loss plot here.")
+def command(
+    peers: int,
+    scenario: str,
+    seeds: int,
+    steps: int,
+    only: tuple[str, ...],
+    quick: bool,
+    out: str | None,
+    png: str | None,
+) -> None:
+    """Four arms of one GPT job on a shaped local swarm: tokens/s, loss vs time and tokens, predicted vs measured."""
+    if quick:
+        peers, seeds, steps = 4, 1, 8
+    if peers < 4 or peers % 2:
+        raise click.BadParameter("needs an even number of peers, at least 4", param_hint="--peers")
+    if seeds < 1 or steps < WARMUP_STEPS + 2:
+        raise click.BadParameter(f"needs --seeds >= 1 and --steps >= {WARMUP_STEPS + 2}")
+    result = wan(peers=peers, scenario=scenario, seeds=seeds, steps=steps, only=only, png=png)
+    result["command"] = "peerd bench wan " + " ".join(
+        [f"--peers {peers}", f"--scenario {scenario}", f"--seeds {seeds}", f"--steps {steps}"]
+        + [f"--arm {o}" for o in only]
+        + (["--quick"] if quick else [])
+    )
+    emit_json(result, out)
+    if any("error" in r for r in result["arms"]):
+        raise SystemExit(1)  # the JSON says which arm failed and why

@@ -1,0 +1,59 @@
+"""``peerd bench wan`` on real daemons: a 4-peer shaped swarm trains the searched+compressed and the random arm."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from peerd.bench.wan import arm_spec, arms, regime, scenario_path, shaped_scenario, wan
+from peerd.sched.allocation import Allocation
+from peerd.sched.placement import placement_seed, random_allocation
+from peerd.sched.problem import Shape
+
+pytestmark = pytest.mark.integration
+
+
+def test_regime_arithmetic_matches_the_papers_ratio() -> None:
+    spec = arm_spec(arms(1)[1], 8, 10)
+    reg = regime(spec, 8, compute_full_s=0.4, cores=2)
+    ref, tiny = reg["reference"], reg["tiny"]
+    assert ref["bytes_per_tasklet_step"] == pytest.approx(2.149e9, rel=1e-3)
+    assert ref["compute_s_per_tasklet_step"] == pytest.approx(2.955, rel=1e-3)
+    assert tiny["compute_s_per_tasklet_step"] == pytest.approx(0.4 / 8 * 4)
+    # scaled links give the tiny job the reference's bytes per (bandwidth x compute)
+    bw = 1e9 / 8  # any link, bytes/s
+    ref_ratio = ref["bytes_per_tasklet_step"] / bw / ref["compute_s_per_tasklet_step"]
+    tiny_ratio = (
+        tiny["bytes_per_tasklet_step"] / (bw * reg["bandwidth_factor"]) / tiny["compute_s_per_tasklet_step"]
+    )
+    assert tiny_ratio == pytest.approx(ref_ratio, rel=1e-9)
+    shaped = shaped_scenario(scenario_path("world-wide"), [f"peer{i}" for i in range(8)], 0.01, 0.05)
+    assert [d["region"] for d in shaped["devices"]][:3] == ["Oregon", "Virginia", "Ohio"]
+    assert shaped["regions"]["bandwidth_mbps"][0][1] == pytest.approx(7.9)
+    four = shaped_scenario(scenario_path("regional"), [f"p{i}" for i in range(8)], 1.0, 1.0)
+    assert [d["region"] for d in four["devices"]] == ["Virginia"] * 2 + ["Oregon"] * 2 + [
+        "California"
+    ] * 2 + ["Ohio"] * 2
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(480)  # ~2.5 min on an idle 2-core machine; 6.7 min measured at load 23
+def test_quick_wan_bench_trains_the_searched_and_the_random_arm() -> None:
+    result = wan(peers=4, seeds=1, steps=5, only=("a", "c"))
+    assert result["peers"] == 4 and result["regime"]["bandwidth_factor"] > 0
+    by_arm = {r["arm"]: r for r in result["arms"]}
+    assert set(by_arm) == {"a-peerd", "c-random-s0"}, result["arms"]
+    for r in by_arm.values():
+        assert "error" not in r, r
+        assert r["tokens_per_s"] > 0 and r["predicted_s_per_step"] > 0
+        assert math.isfinite(r["measured_over_predicted"])
+        assert len(r["loss_vs_tokens"]) >= 3 and all(math.isfinite(loss) for _, loss in r["loss_vs_tokens"])
+    a, c = by_arm["a-peerd"], by_arm["c-random-s0"]
+    assert a["compression_ratio"] > 1.5  # 4/8-bit activations and 8-bit gradients on the wire
+    assert c["compression_ratio"] == pytest.approx(1.0, abs=0.05)
+    # the random arm trained exactly the seeded order every peer derives from public data
+    commit = c["commit"]
+    expected = random_allocation(commit["roster"], Shape(2, 2), placement_seed(c["job_id"], 0))
+    assert Allocation.from_plain(commit["stages"], commit["spares"]).canonical() == expected.canonical()
+    assert result["ratios"]["a_over_c_tokens_per_s"] > 0
