@@ -20,6 +20,16 @@ from torch import nn
 from peerd.errors import ConfigError
 from peerd.models.stack import LayerStack
 
+# Far above any real model (Llama 3 405B: 126 layers, width 16384, 128256 tokens) and low enough
+# that a hostile spec cannot make a peer allocate per-layer tables or tensors it cannot hold.
+SIZE_LIMITS = {
+    "n_layer": 1024,
+    "n_head": 1024,
+    "d_model": 1 << 16,
+    "vocab_size": 1 << 20,
+    "max_seq_len": 1 << 20,
+}
+
 
 @dataclass(frozen=True)
 class GPTConfig:
@@ -58,8 +68,10 @@ class GPTConfig:
         for name in ("n_layer", "n_head", "d_model", "vocab_size", "max_seq_len"):
             if getattr(self, name) < 1:
                 raise ConfigError(name, f"must be >= 1, got {getattr(self, name)}")
-        if self.d_ff is not None and self.d_ff < 1:
-            raise ConfigError("d_ff", f"must be >= 1, got {self.d_ff}")
+            if getattr(self, name) > SIZE_LIMITS[name]:
+                raise ConfigError(name, f"must be <= {SIZE_LIMITS[name]}, got {getattr(self, name)}")
+        if self.d_ff is not None and not 1 <= self.d_ff <= 4 * SIZE_LIMITS["d_model"]:
+            raise ConfigError("d_ff", f"must be in [1, {4 * SIZE_LIMITS['d_model']}], got {self.d_ff}")
         if self.d_model % self.n_head:
             raise ConfigError("n_head", f"must divide d_model={self.d_model}, got {self.n_head}")
         if not 0.0 <= self.dropout < 1.0:

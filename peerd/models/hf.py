@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from peerd.errors import ConfigError
+from peerd.models.gpt import SIZE_LIMITS
 from peerd.models.stack import LayerStack
 
 SUPPORTED = ("gpt2", "llama")
@@ -214,17 +215,21 @@ def hf_config(fields: dict[str, Any]) -> Any:
     def name(attr: str) -> str:  # the key the user wrote for a config attribute
         return "model.hf." + next((k for k in fields if aliases.get(k, k) == attr), aliases.get(attr, attr))
 
-    sizes = [
-        "num_hidden_layers",
-        "hidden_size",
-        "vocab_size",
-        "max_position_embeddings",
-        "num_attention_heads",
-    ]
-    for attr in sizes:
+    sizes = {  # the GPT's limits (peerd.models.gpt.SIZE_LIMITS) under HF's names
+        "num_hidden_layers": SIZE_LIMITS["n_layer"],
+        "hidden_size": SIZE_LIMITS["d_model"],
+        "vocab_size": SIZE_LIMITS["vocab_size"],
+        "max_position_embeddings": SIZE_LIMITS["max_seq_len"],
+        "num_attention_heads": SIZE_LIMITS["n_head"],
+    }
+    for attr, limit in sizes.items():
         value = getattr(config, attr)
-        if not _is(value, "an integer") or value < 1:
-            raise ConfigError(name(attr), f"must be an integer >= 1, got {value!r}")
+        if not _is(value, "an integer") or not 1 <= value <= limit:
+            raise ConfigError(name(attr), f"must be an integer in [1, {limit}], got {value!r}")
+    ff_attr = "n_inner" if config.model_type == "gpt2" else "intermediate_size"
+    ff, ff_limit = getattr(config, ff_attr, None), 4 * SIZE_LIMITS["d_model"]
+    if ff is not None and (not _is(ff, "an integer") or not 1 <= ff <= ff_limit):
+        raise ConfigError(f"model.hf.{ff_attr}", f"must be an integer in [1, {ff_limit}], got {ff!r}")
     heads = config.num_attention_heads
     if config.hidden_size % heads:
         raise ConfigError(

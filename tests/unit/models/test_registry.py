@@ -98,6 +98,13 @@ def test_hf_configs_are_checked_field_by_field() -> None:
         with pytest.raises(ConfigError) as err:
             build_family("gpt2", {**GPT2, **bad})
         assert err.value.field == f"model.hf.{field}"
+    # sizes no model has, which would make a peer build per-layer tables it cannot hold
+    with pytest.raises(ConfigError, match=r"in \[1, 1024\]"):
+        build_family("llama", {**LLAMA, "num_hidden_layers": 10**9})
+    with pytest.raises(ConfigError, match="intermediate_size"):
+        build_family("llama", {**LLAMA, "intermediate_size": 10**12})
+    with pytest.raises(ConfigError, match="n_layer"):
+        build_family("gpt", {"n_layer": 10**9})
 
 
 def test_a_tied_hf_model_shares_its_table_when_one_stage_builds_both_ends() -> None:
