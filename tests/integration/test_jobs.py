@@ -220,6 +220,9 @@ def test_six_peers_commit_one_allocation_and_train_it_to_the_end(ctx: Ctx, train
     assert len(islands) >= 4
     assert alloc["cost"] <= min(islands) * (1 + 1e-9)
     assert set(alloc["regions"].values()) == {"eu", "us"}
+    for peer in ctx.swarm.peers:  # --device cpu reached every tasklet's worker (issue 11)
+        assert f"job {job} stage " in peer.log_path.read_text(errors="replace")
+        assert " computes on cpu in fp32" in peer.log_path.read_text(errors="replace")
 
     status = peerd("status", "--json", "--home", ctx.home(3))
     assert status.returncode == 0, status.stderr
