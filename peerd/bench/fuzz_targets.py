@@ -447,6 +447,7 @@ def spec_target() -> Target:
         [seed, as_json],
         _yaml_tree,
         _yaml_build,
+        memory_factor=256,
     )
 
 
