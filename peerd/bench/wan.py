@@ -63,6 +63,7 @@ from typing import Any
 
 import click
 import yaml
+from click.core import ParameterSource
 
 from peerd.bench import emit_json
 from peerd.errors import ErrorCode, PeerdError
@@ -587,7 +588,9 @@ def write_plot(results: list[dict[str, Any]], path: Path, title: str) -> str | N
 @click.option("--seeds", default=3, show_default=True, help="Random-placement seeds (arm c).")
 @click.option("--steps", default=20, show_default=True, help="Training steps per arm.")
 @click.option("--arm", "only", multiple=True, help="Run only arms whose name starts with this (a, b, c, d).")
-@click.option("--quick", is_flag=True, help="CI smoke: 4 peers, 1 seed, 8 steps (under 5 minutes).")
+@click.option(
+    "--quick", is_flag=True, help="CI smoke: defaults of 4 peers, 1 seed, 8 steps (under 5 minutes)."
+)
 @click.option("--out", default=None, type=click.Path(dir_okay=False), help="Also write the JSON here.")
 @click.option("--png", default=None, type=click.Path(dir_okay=False), help="Write the loss plot here.")
 def command(
@@ -601,8 +604,16 @@ def command(
     png: str | None,
 ) -> None:
     """Four arms of one GPT job on a shaped local swarm: tokens/s, loss vs time and tokens, predicted vs measured."""
-    if quick:
-        peers, seeds, steps = 4, 1, 8
+    if quick:  # smaller defaults; what the command line gives explicitly still counts
+        ctx = click.get_current_context()
+        given = {
+            n
+            for n in ("peers", "seeds", "steps")
+            if ctx.get_parameter_source(n) is ParameterSource.COMMANDLINE
+        }
+        peers = peers if "peers" in given else 4
+        seeds = seeds if "seeds" in given else 1
+        steps = steps if "steps" in given else 8
     if peers < 4 or peers % 2:
         raise click.BadParameter("needs an even number of peers, at least 4", param_hint="--peers")
     if seeds < 1 or steps < WARMUP_STEPS + 2:

@@ -57,3 +57,24 @@ def test_quick_wan_bench_trains_the_searched_and_the_random_arm() -> None:
     expected = random_allocation(commit["roster"], Shape(2, 2), placement_seed(c["job_id"], 0))
     assert Allocation.from_plain(commit["stages"], commit["spares"]).canonical() == expected.canonical()
     assert result["ratios"]["a_over_c_tokens_per_s"] > 0
+
+
+def test_quick_sets_defaults_that_explicit_options_override(monkeypatch: pytest.MonkeyPatch) -> None:
+    from click.testing import CliRunner
+
+    import peerd.bench.wan as bench
+
+    seen: list[dict] = []
+
+    def fake_wan(**kwargs):  # the CLI's parsing only: the real run is the smoke test above
+        seen.append(kwargs)
+        return {"arms": [], "seconds": 0.0}
+
+    monkeypatch.setattr(bench, "wan", fake_wan)
+    runner = CliRunner()
+    assert runner.invoke(bench.command, ["--quick"]).exit_code == 0
+    assert runner.invoke(bench.command, ["--quick", "--steps", "12", "--peers", "6"]).exit_code == 0
+    assert (seen[0]["peers"], seen[0]["seeds"], seen[0]["steps"]) == (4, 1, 8)
+    assert (seen[1]["peers"], seen[1]["seeds"], seen[1]["steps"]) == (6, 1, 12)
+    bad = runner.invoke(bench.command, ["--peers", "5"])
+    assert bad.exit_code == 2 and "even number of peers" in bad.output
