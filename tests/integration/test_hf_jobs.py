@@ -260,3 +260,24 @@ def test_a_finetune_whose_checkpoint_is_missing_fails_naming_the_field(
     final = _submit(swarm, spec_file)
     assert final["returncode"] == 1 and final["state"] == "failed", final["logs"]
     assert "init_checkpoint" in final["reason"] and "no such file" in final["reason"], final["reason"]
+
+
+@pytest.mark.timeout(600)
+def test_finetune_from_hf_weights_starts_at_the_hf_models_loss(swarm: LocalSwarm, tmp_path: Path) -> None:
+    pretrained = HFFamily(GPT2, seed=9)  # "downloaded" weights: another init than the job's seed
+    hf_model = pretrained.to_hf(pretrained.build())
+    hf_model.save_pretrained(tmp_path / "pretrained")  # config.json + model.safetensors
+    model = {"hf": str(tmp_path / "pretrained"), "seed": 0}  # the same directory gives the config
+    spec_file = _spec(
+        tmp_path,
+        "hf-gpt2-from-hf",
+        model,
+        kind="finetune",
+        init_checkpoint=str(tmp_path / "pretrained"),
+        steps=3,
+    )
+    final = _submit(swarm, spec_file)
+    assert final["returncode"] == 0 and final["state"] == "done", final["logs"]
+    spec = load_job_spec(spec_file)
+    job = _curve(final)
+    assert _close(job, _reference(spec, HFStagedLM(hf_model))) < 1e-4, job
