@@ -6,7 +6,8 @@ step by step within 1e-4, a single-process run of HF's own model class holding t
 initial weights. The GPT-2 job is fetched (``peerd fetch``) and fine-tuned from that file
 (``kind: finetune``): its step-0 loss is the checkpoint's loss on the same batch, its curve the
 single-process continuation of the checkpoint, below where pre-training started. A fine-tune
-whose ``init_checkpoint`` does not exist on the peers fails, naming the field.
+whose ``init_checkpoint`` does not exist on the peers fails, naming the field; one from HF weights
+(a ``save_pretrained`` directory) follows HF's own model trained from them.
 """
 
 from __future__ import annotations
