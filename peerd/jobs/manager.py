@@ -411,8 +411,14 @@ class JobManager:
             held = entry.runner.held()
         # who may apply is decided anew: the peers online when this planner started (dead ones
         # not yet expired among them) may have ranked this peer out of max_peers
-        planner.participate = eligible(job_id, self.me, self.online(), entry.spec.max_peers)
+        planner.participate = self._applies(entry)
         await planner.replan(cause, held)
+
+    def _applies(self, entry: JobEntry) -> bool:
+        """Whether this peer applies for ``entry``'s next roster (max_peers; not after running out of memory)."""
+        if entry.runner is not None and entry.runner.unfit:
+            return False
+        return eligible(entry.record.job_id, self.me, self.online(), entry.spec.max_peers)
 
     def _growth(self, entry: JobEntry, allocation: Allocation, now: float) -> str | None:
         """Why a short-handed job should grow back onto the newcomers in sight (``health.short_handed``)."""
@@ -454,9 +460,7 @@ class JobManager:
         self.paused = None
         for entry in self.jobs.values():
             if entry.planner is not None:
-                entry.planner.participate = eligible(
-                    entry.record.job_id, self.me, self.online(), entry.spec.max_peers
-                )
+                entry.planner.participate = self._applies(entry)
 
     async def _hand_over(self, reason: str) -> None:
         for entry in self.jobs.values():

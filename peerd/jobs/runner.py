@@ -219,6 +219,7 @@ class TaskletRunner:
         self.stage: int | None = None  # this peer's tasklet in ``commit`` (None: a spare)
         self.replica: int | None = None
         self.cfg: TrainConfig | None = None
+        self.unfit: str | None = None  # why this peer must not run a tasklet of this job again
         self.state = TaskState.RUNNING
         self.reason = ""
         self.suspects: tuple[str, ...] = ()
@@ -356,9 +357,13 @@ class TaskletRunner:
             try:
                 worker = await asyncio.get_running_loop().run_in_executor(None, self._build_worker)
                 source = await self._load(worker, spans[self.stage], resume, roster or [])
-            except ConfigError as exc:  # the job cannot run here (e.g. init_checkpoint unreadable): say which field
+            except (
+                ConfigError
+            ) as exc:  # the job cannot run here (e.g. init_checkpoint unreadable): say which field
                 self.state, self.reason = TaskState.FAILED, str(exc)[:200]
-                logger.warning("job %s: tasklet s%sr%s cannot start: %s", self.job.job_id, self.stage, self.replica, exc)
+                logger.warning(
+                    "job %s: tasklet s%sr%s cannot start: %s", self.job.job_id, self.stage, self.replica, exc
+                )
                 self._dirty.set()
                 return
             except PeerdError as exc:
@@ -424,7 +429,15 @@ class TaskletRunner:
             )
         except asyncio.CancelledError:
             raise
-        except (ConfigError, StageOutOfMemory) as exc:  # this peer cannot run it: the reason says why
+        except StageOutOfMemory as exc:
+            # too big for this device as it is now: hand the tasklet over like a leave (its state
+            # at the last finished step stays served) and apply for no re-plan of this job
+            self.state, self.reason = TaskState.LEFT, f"handed over: {exc}"[:200]
+            self.unfit = str(exc)
+            logger.warning(
+                "job %s: tasklet s%sr%s handed over: %s", self.job.job_id, self.stage, self.replica, exc
+            )
+        except ConfigError as exc:  # this peer cannot run it: the reason says why
             self.state, self.reason = TaskState.FAILED, str(exc)[:200]
             logger.warning(
                 "job %s: tasklet s%sr%s failed: %s", self.job.job_id, self.stage, self.replica, exc
