@@ -58,6 +58,7 @@ T = TypeVar("T")
 PROTOCOL_PREFIX = "peerd/avg/1/"
 _KEY = re.compile(r"[A-Za-z0-9._:/-]{1,128}")
 _CONNECT_PAUSE_S = 0.25  # between connect attempts while a member may not serve yet
+FINAL_FLUSH_S = 10.0  # closing the group waits this long for queued bytes to leave (a slow link)
 # Flattening, encoding and decoding up to this many values run on the event loop: a hop to a
 # worker thread waits for the GIL, which on busy shared cores costs ms, more than the work
 # itself (0.1-0.5 ms for 256k float32 values); bigger gradients go to a thread.
@@ -152,7 +153,8 @@ class GroupAllReduce:
         """Abort pending steps, close streams, stop serving."""
         self._closed = True
         self._steps.abort_all(PeerUnavailable(f"rank {self.rank} closed its averaging group"))
-        await self._close_connections()
+        # the last step's chunks may still be queued behind a slow (shaped) link: let them go out
+        await self._close_connections(flush_s=min(self.timeout, FINAL_FLUSH_S))
         if self._serving:
             self._serving = False
             await self.transport.stop_serving(self.protocol)
@@ -300,10 +302,9 @@ class GroupAllReduce:
         await self._close_connections()  # late replies of this attempt must not answer a retry
         logger.info("averaging %s step %d failed on rank %d: %s", self.key, step, self.rank, exc)
 
-    async def _close_connections(self) -> None:
+    async def _close_connections(self, flush_s: float = 1.0) -> None:
         conns, self._conns = list(self._conns.values()), {}
-        for conn in conns:
-            await conn.close(timeout=1.0)
+        await asyncio.gather(*(conn.close(timeout=flush_s) for conn in conns))
 
     # ------------------------------------------------------------------ reduction
 
