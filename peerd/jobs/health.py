@@ -169,7 +169,11 @@ class StallWatch:
         self.step_time_s: float | None = None
 
     def observe(self, progress: Mapping[str, Progress], now: float) -> None:
-        steps = [r.step for r in progress.values() if r.epoch == self.epoch and r.state == TaskState.RUNNING]
+        steps = [
+            r.step
+            for r in progress.values()
+            if r.epoch == self.epoch and r.state == TaskState.RUNNING and r.step < r.steps  # not finishing
+        ]
         if not steps:
             self.step = None  # recovering, done or not started: no clock runs
             return

@@ -155,6 +155,8 @@ def test_a_fast_job_has_the_floor_and_a_job_not_running_has_no_clock():
     assert watch.stalled(30.0, cfg) is None
     feed(watch, 31.0, {"a": 9, "c": 9})
     assert watch.stalled(40.0, cfg) is None and watch.stalled(41.5, cfg) is not None  # counted from 31 s
+    feed(watch, 50.0, {"a": 10, "c": 10})  # steps: 10, all done but not yet marked: finishing, not stalled
+    assert watch.step is None and watch.stalled(200.0, cfg) is None
     other = StallWatch(epoch=4)  # another epoch's records do not count
     feed(other, 0.0, {"a": 1})
     assert other.step is None
