@@ -75,8 +75,9 @@ SCENARIO = "mixed-gpus.yaml"  # the repaired-vs-fresh comparison's cluster (conf
 class SwarmJob:
     """One job on a ``LocalSwarm``, seen through every live daemon's ``job_status``."""
 
-    def __init__(self, swarm: LocalSwarm, job: str) -> None:
+    def __init__(self, swarm: LocalSwarm, job: str, *, min_views: int = MIN_VIEWS) -> None:
         self.swarm, self.job = swarm, job
+        self.min_views = min_views  # daemons whose views must agree that the job trains again
         self.last: dict[str, Any] = {}
 
     def views(self) -> Views:
@@ -150,10 +151,10 @@ class SwarmJob:
         replan = bool(gone & set(alloc.devices))  # a spare's death needs no re-plan: training goes on
 
         def trains_again(vs: Views) -> bool:
-            return len(vs) >= MIN_VIEWS and all(
+            return len(vs) >= self.min_views and all(
                 (v["allocation"]["epoch"] > epoch or not replan)
                 and not gone & set(allocation_of(v).devices)
-                and v["state"] == "running"
+                and v["state"] in ("running", "done")  # a short job may finish between two polls
                 and v["progress"]["step"] > at
                 for v in vs.values()
             )
