@@ -291,7 +291,7 @@ class PerStageClip:
 
 def test_schedule_warmup_and_cross_stage_clipping_match_the_single_process_optimizer(cluster: Cluster):
     """AdamW with warm-up, cosine decay and a clip that is active every step: the 2 x 2 run follows the
-    reference (torch's scheduler and clip_grad_norm_ over the whole model) within 1e-4 per step, and
+    reference (torch's scheduler, one clip over the whole model) within 1e-4 per step, and
     is clearly off both the unclipped curve and the curve of each stage clipping by its own norm."""
     opt = OptimizerConfig(lr=3e-3, warmup_steps=3, schedule="cosine", min_lr_ratio=0.1, grad_clip=0.25)
     cfg = dataclasses.replace(CFG, job="optim", steps=10, optimizer=opt)

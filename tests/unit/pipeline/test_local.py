@@ -18,6 +18,7 @@ from peerd.pipeline.local import (
     train_pipelined,
     train_unstaged,
 )
+from peerd.pipeline.optim import OptimizerConfig
 from peerd.pipeline.partition import partition
 
 CFG = GPTConfig(n_layer=4, n_head=2, d_model=32, max_seq_len=32)
@@ -48,6 +49,19 @@ def test_staged_training_matches_unstaged_over_20_steps(dataset: WindowDataset) 
     assert _rel(staged, ref) < 1e-4
     for p, q in zip(model.parameters(), ref_model.parameters(), strict=True):
         torch.testing.assert_close(p, q, rtol=1e-3, atol=1e-5)
+
+
+def test_clipping_across_stages_follows_torchs_clip_grad_norm(dataset: WindowDataset) -> None:
+    """The reference clips with the workers' float64 cross-stage norm: torch's clip_grad_norm_ on the
+    unstaged model gives the same curve up to float rounding, and the clip is active (not a no-op)."""
+    opt = OptimizerConfig(lr=3e-3, grad_clip=0.3)
+    unstaged = train_unstaged(
+        GPT(CFG, seed=0), dataset, LocalRunConfig(steps=20, global_batch=8, micro_batch_size=8, optimizer=opt)
+    )
+    staged, _ = _run(dataset, layers_per_stage=[2, 1, 3], optimizer=opt, lr=None)
+    assert _rel(staged, unstaged) < 1e-4
+    unclipped, _ = _run(dataset, layers_per_stage=[2, 1, 3])
+    assert max(abs(a - b) for a, b in zip(staged, unclipped, strict=True)) > 1e-2
 
 
 def test_gpipe_equals_1f1b(dataset: WindowDataset) -> None:
