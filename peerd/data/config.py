@@ -7,6 +7,7 @@ from typing import Annotated, Literal
 
 from peerd.data.dataset import WindowDataset
 from peerd.data.sources import DEFAULT_MAX_BYTES, Corpus, builtin_corpus, hf_corpus, text_files_corpus
+from peerd.data.validation import ValidationConfig
 from peerd.errors import ConfigError
 from peerd.loading import Range, check, problems
 
@@ -37,6 +38,8 @@ class DataConfig:
     """For ``hf``: the column holding the text."""
     expect_digest: str | None = None
     """If set, the corpus's SHA-256 must equal it (peers must see the same bytes)."""
+    validation: ValidationConfig | None = None
+    """A held-out split at the end of the corpus and how often its loss is evaluated; null: none."""
 
     def problems(self) -> list[ConfigError]:
         needs = {"text": ("paths", "at least one path"), "hf": ("hf_name", "hf_name")}
@@ -80,5 +83,9 @@ def load_corpus(cfg: DataConfig) -> Corpus:
 
 
 def build_dataset(cfg: DataConfig) -> WindowDataset:
-    """The windowed dataset the job trains on."""
-    return WindowDataset(load_corpus(cfg), cfg.seq_len, cfg.stride)
+    """The windowed dataset the job trains on, with its held-out windows when ``validation`` is set."""
+    corpus = load_corpus(cfg)
+    held_out = 0
+    if cfg.validation is not None:
+        held_out = cfg.validation.held_out(len(WindowDataset(corpus, cfg.seq_len, cfg.stride)))
+    return WindowDataset(corpus, cfg.seq_len, cfg.stride, held_out)

@@ -237,8 +237,11 @@ class JobSpec:
             out.append(
                 ConfigError("precision", "fp16 needs parallel d_pp: 1 and d_dp: 1; use bf16 for pipelines")
             )
+        out += self._validation_problems()
         if self.planning.placement == "random" and len(self.parallel.known()) < 2:
-            out.append(ConfigError("planning.placement", "random needs fixed parallel d_pp and d_dp, not auto"))
+            out.append(
+                ConfigError("planning.placement", "random needs fixed parallel d_pp and d_dp, not auto")
+            )
         if not self.model.problems():
             out += self._model_fit(self.model.family())
         return out
@@ -286,6 +289,22 @@ class JobSpec:
                 )
             )
         return out
+
+    def _validation_problems(self) -> list[ConfigError]:
+        """An evaluation must fit the held-out windows (a ``fraction`` is checked once the corpus is read)."""
+        val = self.data.validation
+        if val is None or val.windows is None or min(val.batches, self.global_batch) < 1:
+            return []
+        need = val.batches * self.global_batch
+        if need > val.windows:
+            return [
+                ConfigError(
+                    "data.validation.batches",
+                    f"{val.batches} x global_batch {self.global_batch} = {need} windows per evaluation, "
+                    f"more than the {val.windows} held out",
+                )
+            ]
+        return []
 
     def _peer_problems(self) -> list[ConfigError]:
         if self.max_peers is not None and self.max_peers < self.min_peers:

@@ -4,7 +4,9 @@ A *message* is one micro-batch's tensor crossing one stage boundary: activations
 (``pp.act``) or the gradient w.r.t. them backward (``pp.grad``); or, once per step when
 gradient clipping is on, one float64 of the replica's gradient norm exchange
 (``peerd.pipeline.optim``): a partial sum of squares backward (``pp.norm.part``) and the
-total forward (``pp.norm.total``), same header, no example ids, shape ``[1]``. Its payload is the codec's
+total forward (``pp.norm.total``), same header, no example ids, shape ``[1]``; or, at the steps a job
+evaluates its validation split, the activations of a held-out micro-batch (``pp.val``: forward
+only, always raw float32, never through AC-SGD's buffers). Its payload is the codec's
 wire bytes (peerd.compress's format) or, for codec ``none``, the raw little-endian tensor.
 A message travels as one or more transport frames (*parts*), each carrying the full header
 plus ``part``/``parts``/``off`` so the receiver can check the metadata before the bulk arrives
@@ -37,12 +39,13 @@ KIND_ACT = "pp.act"
 KIND_GRAD = "pp.grad"
 KIND_NORM_PART = "pp.norm.part"  # sum of squared gradient norms of stages b+1.., travels upstream
 KIND_NORM_TOTAL = "pp.norm.total"  # the replica's total sum of squares, travels downstream
+KIND_VAL = "pp.val"  # activations of a held-out micro-batch (evaluation: forward only, raw fp32)
 KIND_ACK = "pp.ack"
 KIND_NACK = "pp.nack"
 KIND_ABORT = "pp.abort"
 KIND_HELLO = "pp.hello"  # first frame of every stream, sender -> receiver: the allocation epoch
-DATA_KINDS = (KIND_ACT, KIND_GRAD, KIND_NORM_PART, KIND_NORM_TOTAL)
-FORWARD_KINDS = (KIND_ACT, KIND_NORM_TOTAL)  # sent by the upstream neighbour
+DATA_KINDS = (KIND_ACT, KIND_GRAD, KIND_NORM_PART, KIND_NORM_TOTAL, KIND_VAL)
+FORWARD_KINDS = (KIND_ACT, KIND_NORM_TOTAL, KIND_VAL)  # sent by the upstream neighbour
 BACKWARD_KINDS = (KIND_GRAD, KIND_NORM_PART)  # sent by the downstream neighbour
 NORM_SHAPE = (1,)
 NORM_DTYPE = "float64"

@@ -41,6 +41,7 @@ from peerd.pipeline.frames import (
     KIND_ACT,
     KIND_GRAD,
     KIND_HELLO,
+    KIND_VAL,
     Abort,
     Ack,
     Assembler,
@@ -445,7 +446,11 @@ class StreamReceiver:
                 f"payload decodes to shape {list(tensor.shape)}, header says {list(msg.shape)}",
                 code=ErrorCode.SHAPE_MISMATCH,
             )
-        if msg.kind in (KIND_ACT, KIND_GRAD):  # norm frames are float64 sums: the decoder checked them finite
+        if msg.kind in (
+            KIND_ACT,
+            KIND_GRAD,
+            KIND_VAL,
+        ):  # norm frames are float64 sums: the decoder checked them finite
             self.guard.check(msg.kind, tensor, peer=peer, what=what)
         return tensor
 

@@ -33,6 +33,14 @@ gradients handed to the averaging group, states for checkpoints and peers) is co
 into host memory (pinned, non-blocking on CUDA: ``peerd.compress.device``). On a device, the
 stream receiver decodes every message off the event loop (a decode may wait on the device).
 States load back onto this worker's device whatever device saved them.
+
+Validation (``data.validation``): after the update of every step that completes an evaluation
+interval (and after the last step), each tasklet runs its replica's held-out micro-batches
+(``peerd.data.validation``) forward only, in eval mode and without autograd: stage 0 reads the
+inputs by example id, every stage sends its output downstream as a raw float32 ``pp.val``
+message, and the last stage reads the labels and reports the replica's mean held-out loss
+(``StepReport.val_loss``). No gradient, optimizer state, LR schedule or AC-SGD buffer is
+touched, and nothing flows back upstream.
 Out of memory (CUDA's, or the host's ``MemoryError``) in a step ends it with ``StageOutOfMemory``,
 whose message carries what was asked for and what was free.
 """
@@ -56,6 +64,7 @@ from peerd.compress.device import host_copy, to_host
 from peerd.data.config import build_dataset
 from peerd.data.dataset import WindowDataset
 from peerd.data.sampler import EpochSampler, micro_batches
+from peerd.data.validation import validation_micro_batches
 from peerd.errors import ConfigError, ErrorCode, PeerdError
 from peerd.loading import to_mapping
 from peerd.log import get_logger
@@ -67,6 +76,7 @@ from peerd.pipeline.frames import (
     KIND_GRAD,
     KIND_NORM_PART,
     KIND_NORM_TOTAL,
+    KIND_VAL,
     NORM_DTYPE,
     NORM_SHAPE,
     RAW_CODEC,
@@ -161,6 +171,9 @@ class StepReport:
     step_s: float
     tokens_per_s: float  # the whole job's tokens (all replicas) per second of this step
     finished_at: float = 0.0  # wall clock (time.time()) when the step ended here
+    val_loss: float | None = (
+        None  # last stage, evaluation steps: this replica's held-out loss after the update
+    )
     wire_bytes: dict[str, int] = field(default_factory=dict)  # this step, per boundary/direction/side
     rejected: dict[str, int] = field(default_factory=dict)  # cumulative, per error code
     resends: int = 0
@@ -224,6 +237,17 @@ class StageWorker:
         self.scheduler = build_scheduler(self.optimizer, cfg.optimizer, cfg.steps)
         self.clip = cfg.optimizer.grad_clip
         self.sampler = EpochSampler(len(self.dataset), cfg.global_batch, cfg.data_seed, replicas)
+        self.validation = cfg.data.validation
+        self._val_chunks: list[list[int]] = []  # this replica's held-out micro-batches
+        if self.validation is not None:
+            self._val_chunks = validation_micro_batches(
+                self.dataset.held_out_ids(),
+                self.validation,
+                global_batch=cfg.global_batch,
+                micro_batch=cfg.micro_batch_size,
+                replica=replica,
+                replicas=replicas,
+            )
         self.schedule = get_schedule(cfg.schedule)
         self.codecs = build_codecs(cfg.compression, first=self.first, last=self.last, device=self.device)
         self.step = 0  # the next step to run; written only by _apply (compute thread) and load_state
@@ -242,6 +266,9 @@ class StageWorker:
             for k, d in ((KIND_ACT, self.codecs.recv_act), (KIND_GRAD, self.codecs.recv_grad))
             if d is not None
         }
+        if self._val_chunks and not self.first:  # held-out activations from above, raw float32
+            expectations[KIND_VAL] = self._val_expectation
+            decoders[KIND_VAL] = RawDecoder()
         if self.clip is not None:  # the norm exchange: partial sums from below, the total from above
             if not self.last:
                 expectations[KIND_NORM_PART] = lambda step: norm_expectation(
@@ -296,6 +323,32 @@ class StageWorker:
             )
 
         return expect
+
+    def _val_expectation(self, step: int) -> Expectation:
+        row_shape = (self.seq_len, self.model.hidden)
+        return Expectation(
+            self.cfg.job,
+            KIND_VAL,
+            self.stage - 1,
+            RAW_CODEC,
+            "float32",
+            row_shape,
+            (step, step + 1),
+            self._val_ids_of,
+        )
+
+    def evaluates_after(self, step: int) -> bool:
+        """Whether the held-out loss is evaluated once step ``step``'s update is applied."""
+        return (
+            bool(self._val_chunks)
+            and self.validation is not None
+            and self.validation.evaluates_after(step + 1, self.cfg.steps)
+        )
+
+    def _val_ids_of(self, step: int, mb: int) -> list[int] | None:
+        if not self.evaluates_after(step) or not 0 <= mb < len(self._val_chunks):
+            return None
+        return self._val_chunks[mb]
 
     def _micro(self, step: int) -> list[list[int]]:
         chunks = self._ids_cache.get(step)
@@ -436,7 +489,8 @@ class StageWorker:
             if sender is not None:
                 await sender.flush()
         await self._average_and_step(step)  # sets self.step = step + 1
-        elapsed = time.perf_counter() - started
+        elapsed = time.perf_counter() - started  # the training step alone: tokens/s leave evaluation out
+        val_loss = await self._evaluate(step) if self.evaluates_after(step) else None
         after = self.stats.wire_bytes()
         report = StepReport(
             job=self.cfg.job,
@@ -449,6 +503,7 @@ class StageWorker:
             step_s=elapsed,
             tokens_per_s=self.cfg.global_batch * self.seq_len / elapsed,
             finished_at=time.time(),
+            val_loss=val_loss,
             wire_bytes={k: v - before.get(k, 0) for k, v in after.items()},
             rejected=dict(self.stats.rejected),
             resends=self.stats.resends,
@@ -458,6 +513,58 @@ class StageWorker:
         if self.on_report is not None:
             self.on_report(report)
         return report
+
+    async def _evaluate(self, step: int) -> float | None:
+        """The forward-only held-out pass after step ``step``'s update; the replica's mean loss on the last stage."""
+        timeout = self.cfg.streams.recv_timeout_s
+        examples = sum(len(c) for c in self._val_chunks)
+        loss_sum = 0.0
+        for mb, ids in enumerate(self._val_chunks):
+            received = None if self.first else await self.inbox.get(KIND_VAL, step, mb, timeout)
+            loss, payload = await self._compute(self._evaluate_micro, ids, received, len(ids) / examples)
+            if self.to_next is None:
+                loss_sum += loss
+                continue
+            msg = TensorMessage(
+                kind=KIND_VAL,
+                job=self.cfg.job,
+                step=step,
+                mb=mb,
+                boundary=self.stage,
+                ids=tuple(ids),
+                codec=RAW_CODEC,
+                shape=(len(ids), self.seq_len, self.model.hidden),
+                dtype="float32",
+                seq=0,  # the sender numbers it
+                nbytes=memoryview(payload).nbytes,
+            )
+            await self.to_next.send(msg, payload)
+        if self.to_next is not None:
+            await self.to_next.flush()
+            return None
+        return loss_sum
+
+    def _evaluate_micro(
+        self, ids: list[int], received: torch.Tensor | None, weight: float
+    ) -> tuple[float, memoryview | None]:
+        """Compute thread: one held-out micro-batch through the stage in eval mode, no autograd:
+        (its weighted loss, None) on the last stage, else (0, its output as raw float32 bytes)."""
+        training = self.module.training
+        self.module.eval()  # dropout off: the held-out loss is a function of the weights alone
+        try:
+            with torch.no_grad(), self.precision.autocast():
+                if self.first:
+                    x = self.dataset.inputs(ids).to(self.device, non_blocking=True)  # (b, T) token ids
+                else:
+                    assert received is not None
+                    x = received.to(self.device, non_blocking=True)  # (b, T, C)
+                y = self.module(x)
+                if self.last:
+                    targets = self.dataset.targets(ids).to(self.device, non_blocking=True)
+                    return self.model.loss(y, targets).float().item() * weight, None
+            return 0.0, raw_payload(y.float())  # (b, T, C): the wire carries float32
+        finally:
+            self.module.train(training)
 
     # Forward and backward encode what they send in the same trip to the compute thread: every
     # hop between the event loop and that thread waits for the GIL, which on busy cores costs

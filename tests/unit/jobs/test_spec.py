@@ -185,3 +185,20 @@ def test_a_yaml_syntax_error_names_the_file(tmp_path: Path) -> None:
     with pytest.raises(ConfigError) as err:
         load_job_spec(bad)
     assert str(bad) in str(err.value)
+
+
+def test_a_validation_split_is_part_of_the_data_section() -> None:
+    spec = parse_job_spec(spec_with(data__validation={"fraction": 0.05, "interval": 25}))
+    assert spec.data.validation is not None and spec.data.validation.fraction == 0.05
+    assert spec.data.validation.batches == 1
+    assert to_mapping(spec)["data"]["validation"] == {
+        "windows": None,
+        "fraction": 0.05,
+        "interval": 25,
+        "batches": 1,
+    }
+    assert parse_job_spec(spec_with()).data.validation is None  # no split unless asked for
+    # an evaluation must fit the held-out windows: 2 x global_batch 16 > 20
+    found = problems(spec_with(data__validation={"windows": 20, "batches": 2}))
+    assert "more than the 20 held out" in found["data.validation.batches"]
+    assert "exactly one" in problems(spec_with(data__validation={"interval": 5}))["data.validation.windows"]

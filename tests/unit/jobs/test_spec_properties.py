@@ -30,7 +30,7 @@ SPEC = """\
 name: props
 kind: pretrain
 model: {preset: tiny, seed: 0}
-data: {source: builtin, seq_len: 64, max_bytes: 1048576}
+data: {source: builtin, seq_len: 64, max_bytes: 1048576, validation: {windows: 64, interval: 20, batches: 2}}
 steps: 120
 global_batch: 16
 micro_batch: 4
