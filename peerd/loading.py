@@ -121,10 +121,49 @@ class Range:
         return f"{lo_op} {lo:g}" if lo is not None else f"{hi_op} {hi:g}"
 
 
+# A config file is KiBs (the largest shipped scenario, dtfm-case1, is 27 KB); a 1,024-device
+# scenario with full matrices stays below this.
+MAX_FILE_BYTES = 64 << 20
+# Values a YAML file's aliases may expand to, beyond the file's own size (issue 15): 344 bytes of
+# nested anchors (``a1: &a1 [*a0, *a0, ...]``) expand to 10^6 values, which took 6 s of CPU to
+# validate; one more level, 60 s and gigabytes.
+MIN_VALUES_ALLOWED = 1 << 16
+
+
+def expanded_size(data: Any, limit: int) -> int:
+    """Values in ``data`` with every shared (aliased) part counted each time it occurs, up to ``limit + 1``.
+
+    Linear in the distinct nodes (each node's size is computed once, without recursion: YAML nests
+    up to libyaml's 1,000 levels); a structure that contains itself counts as ``limit + 1``.
+    """
+    sizes: dict[int, int] = {}
+    on_path: set[int] = set()
+    stack: list[tuple[Any, bool]] = [(data, False)]
+    while stack:
+        node, children_done = stack.pop()
+        if not isinstance(node, dict | list) or id(node) in sizes:
+            continue
+        children = list(node.values()) if isinstance(node, dict) else node
+        if children_done:
+            on_path.discard(id(node))
+            total = 1 + sum(sizes.get(id(c), 1) for c in children)
+            sizes[id(node)] = min(total, limit + 1)
+            continue
+        if id(node) in on_path:  # reached again below itself
+            return limit + 1
+        on_path.add(id(node))
+        stack.append((node, True))
+        stack += [(c, False) for c in children if isinstance(c, dict | list) and id(c) not in sizes]
+    return sizes.get(id(data), 1)
+
+
 def load_mapping(path: str | Path) -> dict[str, Any]:
-    """Read a YAML or JSON file whose top level is a mapping."""
+    """Read a YAML or JSON file whose top level is a mapping, of at most ``MAX_FILE_BYTES``, whose
+    aliases expand it to no more values than its size in bytes (or ``MIN_VALUES_ALLOWED``)."""
     path = Path(path)
     try:
+        if (size := path.stat().st_size) > MAX_FILE_BYTES:
+            raise ConfigError(str(path), f"{size} bytes: larger than a config file may be ({MAX_FILE_BYTES})")
         text = path.read_text(encoding="utf-8")
     except OSError as exc:
         raise ConfigError(str(path), f"cannot read file: {exc.strerror or exc}") from None
@@ -139,6 +178,12 @@ def load_mapping(path: str | Path) -> dict[str, Any]:
         raise ConfigError(str(path), f"not valid {kind}: {type(exc).__name__}: {exc}"[:500]) from None
     if not isinstance(data, dict):
         raise ConfigError(str(path), f"top level must be a mapping, got {type(data).__name__}")
+    allowed = max(len(text), MIN_VALUES_ALLOWED)
+    if kind == "YAML" and expanded_size(data, allowed) > allowed:
+        raise ConfigError(
+            str(path),
+            f"its aliases expand it to over {allowed} values, or it contains itself",
+        )
     return data
 
 

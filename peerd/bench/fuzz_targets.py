@@ -95,6 +95,9 @@ class Target:
     memory_factor: int = 64
     """Peak heap allowed per input byte: binary decoders hold a copy or two; a YAML file becomes one
     Python object per token (~100 B for 2-4 B of text), so text files get 256."""
+    aliases: bool = False
+    """The format can share one value between places (YAML anchors): wrong-typed values include
+    an alias bomb."""
 
 
 def _unpack(raw: bytes) -> Any:
@@ -448,6 +451,7 @@ def spec_target() -> Target:
         _yaml_tree,
         _yaml_build,
         memory_factor=256,
+        aliases=True,
     )
 
 
@@ -471,6 +475,7 @@ def scenario_target() -> Target:
         _yaml_tree,
         _yaml_build,
         memory_factor=256,
+        aliases=True,
     )
 
 

@@ -37,6 +37,12 @@ MAX_SUSPECTS = 16  # partners one progress record may name as suspected
 NONCE_BYTES = 16
 JOB_ID_BYTES = 16  # 32 hex characters
 
+# Lists and maps inside a record's spec. A spec's longest lists (data.paths) and maps (model.hf)
+# hold tens of entries; 8 KiB could carry 4096 one-byte items, each of which, wrongly typed, cost
+# the spec parser a Python error object (138 ms and 2.9 MB for one 5 KB record, issue 15's fuzzing).
+MAX_SPEC_ITEMS = 256
+MAX_SPEC_KEYS = 128
+
 Reason = Annotated[str, Meta(max_length=MAX_REASON_CHARS)]
 # A job spec is sections of scalars, lists of scalars and one level of maps (model.overrides):
 # deeper values are no job spec, and bounding the depth here keeps hashing and parsing shallow.
@@ -204,6 +210,18 @@ def _bad(what: str, path: str, why: str, code: ErrorCode = ErrorCode.MALFORMED) 
     return ProtocolError(f"{what}: {path}: {why}", code=code)
 
 
+def _count_items(tree: dict[str, Any], path: str = "spec") -> None:
+    """OVERSIZED naming the first list longer than ``MAX_SPEC_ITEMS`` or map larger than ``MAX_SPEC_KEYS``."""
+    if len(tree) > MAX_SPEC_KEYS:
+        raise _bad("job record", path, f"{len(tree)} keys (at most {MAX_SPEC_KEYS})", ErrorCode.OVERSIZED)
+    for key, value in tree.items():
+        if isinstance(value, list) and len(value) > MAX_SPEC_ITEMS:
+            why = f"{len(value)} items (at most {MAX_SPEC_ITEMS})"
+            raise _bad("job record", f"{path}.{key}", why, ErrorCode.OVERSIZED)
+        if isinstance(value, dict):
+            _count_items(value, f"{path}.{key}")  # the schema's Spec type bounds the depth to 3
+
+
 def _check_spec(spec: dict[str, Any]) -> JobSpec:
     """The spec inside a record through the job-spec parser; every failure is a ``ProtocolError``.
 
@@ -227,6 +245,7 @@ def _job_rules(rec: JobRecord) -> None:
         rec.timing.validate()
     except ConfigError as exc:  # names the window: timing.vote_s
         raise _bad("job record", f"planning.{exc.field}", exc.detail) from None
+    _count_items(rec.spec)  # before the parser, whose cost grows with every wrongly typed item
     _check_spec(rec.spec)
     expected = job_id_of(rec.owner, rec.spec, rec.nonce, rec.planning)
     if expected != rec.job_id:

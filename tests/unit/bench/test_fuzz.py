@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import random
 
+import pytest
 from click.testing import CliRunner
 
 from peerd.bench.fuzz import MUTATIONS, command, fuzz_target, mutate, run
 from peerd.bench.fuzz_targets import Target, all_targets
-from peerd.errors import ErrorCode, ProtocolError
+from peerd.errors import ConfigError, ErrorCode, ProtocolError
 
 
 def test_every_decoder_takes_its_own_seeds():
@@ -67,3 +68,14 @@ def test_the_cli_prints_json_and_exits_0_when_clean():
     out = CliRunner().invoke(command, ["--inputs", "20", "--only", "job.votes", "--seed", "3"])
     assert out.exit_code == 0, out.output
     assert '"untyped_failures": 0' in out.output
+
+
+def test_yaml_targets_get_alias_bombs_and_refuse_them_as_typed_errors():
+    target = next(t for t in all_targets() if t.name == "job.spec")
+    rng = random.Random(5)
+    bombs = [data for kind, data in (mutate(rng, target) for _ in range(3000)) if b"*id" in data]
+    assert bombs and all(len(b) < 64 * 1024 for b in bombs)
+    for data in bombs:
+        with pytest.raises(ConfigError) as info:
+            target.decode(data)
+        assert "aliases expand" in str(info.value)

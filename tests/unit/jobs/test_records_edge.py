@@ -135,6 +135,36 @@ def test_a_crash_of_the_spec_parser_is_the_bytes_fault(monkeypatch: pytest.Monke
     assert err.value.code == ErrorCode.MALFORMED and "spec" in str(err.value)
 
 
+@pytest.mark.parametrize(
+    "path",
+    [("data", "paths"), ("data", "hf_data_files"), ("checkpoint_interval",), ("model", "overrides")],
+    ids=lambda p: ".".join(p),
+)
+def test_long_lists_and_maps_in_a_spec_are_refused_before_the_spec_parser(
+    monkeypatch: pytest.MonkeyPatch, path: tuple[str, ...]
+) -> None:
+    """4096 wrongly typed items fit in 8 KiB and cost the parser an error object each (issue 15's
+    fuzzing: 138 ms, 2.9 MB for one record): the record's schema counts them first."""
+    rec = record()
+    many: Any = (
+        {f"k{i}": 0 for i in range(records.MAX_SPEC_KEYS + 1)} if path[-1] == "overrides" else [0] * 4096
+    )
+    raw = signed_bytes(rec, with_value(rec.spec, path, many))
+    assert len(raw) <= records.MAX_JOB_BYTES
+    monkeypatch.setattr(records, "parse_job_spec", pytest.fail)  # never reached
+    with pytest.raises(ProtocolError) as err:
+        decode_job(raw)
+    assert err.value.code == ErrorCode.OVERSIZED and f"spec.{'.'.join(path)}" in str(err.value)
+
+
+def test_a_list_within_the_bound_still_reaches_the_spec_parser() -> None:
+    rec = record()
+    raw = signed_bytes(rec, with_value(rec.spec, ("data", "paths"), [0] * records.MAX_SPEC_ITEMS))
+    with pytest.raises(ProtocolError) as err:
+        decode_job(raw)
+    assert err.value.code == ErrorCode.CONFIG_INVALID and "spec.data.paths[0]" in str(err.value)
+
+
 # -- the consumers: catalog and manager reading the records from the store -------------------------
 
 
