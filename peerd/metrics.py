@@ -1,7 +1,7 @@
 """Prometheus metrics of a daemon's status view, served by ``prometheus_client`` on a loopback HTTP port.
 
 The numbers are the ones ``peerd status --json`` shows: peers online, link RTT and bandwidth,
-and per job its state, step, loss, tokens per second and bytes on the wire by kind (with the
+and per job its state, step, loss, held-out loss, tokens per second and bytes on the wire by kind (with the
 uncompressed equivalent; the job numbers come from ``peerd.jobs.views``). ``StatusCollector``
 reads the live view at every scrape, nothing is kept between scrapes. prometheus_client's
 server answers in its own thread while the view belongs to the daemon's event loop, so
@@ -88,6 +88,13 @@ class StatusCollector(Collector):
         step = gauge("peerd_job_step", "Optimizer steps every tasklet of the job has completed.")
         steps = gauge("peerd_job_steps", "Optimizer steps the job runs in total.")
         loss = gauge("peerd_job_loss", "Training loss of the job's latest step.")
+        val_loss = gauge(
+            "peerd_job_val_loss",
+            "Loss on the job's held-out windows (data.validation) at its latest evaluation.",
+        )
+        val_step = gauge(
+            "peerd_job_val_step", "Steps the job had completed at its latest held-out evaluation."
+        )
         tps = gauge("peerd_job_tokens_per_second", "Training throughput of the job (tokens/s).")
         wire = CounterMetricFamily(
             "peerd_job_wire_bytes", "Bytes the job's tasklets sent, by kind.", labels=["job", "kind"]
@@ -116,6 +123,10 @@ class StatusCollector(Collector):
             _add(step, progress.get("step"), jid)  # None (unknown: no tasklet record left) is no sample
             _add(steps, progress.get("steps"), jid)
             _add(loss, progress.get("loss"), jid)
+            held_out = progress.get("val_losses") or []
+            if held_out:
+                _add(val_step, held_out[-1][0], jid)
+                _add(val_loss, held_out[-1][1], jid)
             _add(tps, progress.get("tokens_per_s"), jid)
             for kind, n in sorted((progress.get("bytes") or {}).items()):
                 _add(raw if kind.endswith("_raw") else wire, n, jid, kind.removesuffix("_raw"))
@@ -137,6 +148,8 @@ class StatusCollector(Collector):
             step,
             steps,
             loss,
+            val_loss,
+            val_step,
             tps,
             wire,
             raw,

@@ -186,7 +186,9 @@ def render_status(view: dict[str, Any]) -> RenderableType:
             flags += ", LEAVING"
         parts.append(Text(f"this peer: {me['name']}, {me['state'].upper()}{flags} in swarm {me['swarm']!r}"))
         if me.get("access") == "open":
-            parts.append(Text("access:    open (no swarm secret: anyone who reaches a peer can join and submit)"))
+            parts.append(
+                Text("access:    open (no swarm secret: anyone who reaches a peer can join and submit)")
+            )
         elif me.get("access") == "secret":
             parts.append(Text("access:    members only (swarm secret)"))
         parts.append(Text(f"peer id:   {me['peer_id']}"))
@@ -269,6 +271,12 @@ def job_panel(view: dict[str, Any], names: dict[str, str]) -> RenderableType:
     losses = [v for _, v in p.get("losses") or []]
     if losses:
         lines.append(f"loss {losses[0]:.3f} {sparkline(losses)} {losses[-1]:.3f}")
+    held_out = p.get("val_losses") or []
+    if held_out:
+        values = [v for _, v in held_out]
+        lines.append(
+            f"held-out loss {values[0]:.3f} {sparkline(values)} {values[-1]:.3f} (after step {held_out[-1][0]})"
+        )
     if p.get("tokens_per_s"):
         lines.append(f"throughput {p['tokens_per_s']:,.0f} tokens/s")
     wire = [(k, n) for k, n in sorted((p.get("bytes") or {}).items()) if not k.endswith("_raw") and n]
@@ -294,7 +302,10 @@ def job_line(view: dict[str, Any]) -> str:
         line += f", this island's best {best[-1]:.4g} s/step" if best else ""
     else:
         p = view.get("progress") or {}
-        line = f"{view['state']} step {_steps(p)} loss {_loss(p.get('loss'))} {_rate(p.get('tokens_per_s'))} tok/s"
+        line = f"{view['state']} step {_steps(p)} loss {_loss(p.get('loss'))}"
+        if p.get("val_loss") is not None:
+            line += f" held-out {_loss(p['val_loss'])}"
+        line += f" {_rate(p.get('tokens_per_s'))} tok/s"
     return line + (f" ({view['reason']})" if view.get("reason") else "")
 
 

@@ -32,6 +32,7 @@ MAX_INDEX_BYTES = 4 * 1024
 MAX_PROGRESS_BYTES = 8 * 1024
 MAX_INDEX_IDS = 64  # job ids one owner lists; older ones drop out of the index first
 MAX_LOSS_POINTS = 128  # loss history a progress record carries (downsampled beyond it)
+MAX_VAL_POINTS = 64  # held-out loss history a progress record carries (downsampled beyond it)
 MAX_REASON_CHARS = 256
 MAX_SUSPECTS = 16  # partners one progress record may name as suspected
 NONCE_BYTES = 16
@@ -158,6 +159,9 @@ class Progress(FrozenWireStruct, frozen=True, tag_field="kind", tag="progress"):
     # partners this tasklet saw fail (stream or averaging errors); absent on the wire when empty
     suspects: Annotated[tuple[PeerId, ...], Meta(max_length=MAX_SUSPECTS)] = ()
     replicas: Count = 0  # the epoch's data-parallel width (0: not said); absent on the wire when 0
+    # last stage, jobs with a validation split: (steps completed, this replica's held-out loss),
+    # steps strictly ascending; absent on the wire when empty (and ignored by readers before it)
+    val_losses: Annotated[tuple[tuple[Count, AnyReal], ...], Meta(max_length=MAX_VAL_POINTS)] = ()
     version: int = msgspec.field(default=PROTOCOL_VERSION, name="v")
 
 
@@ -262,9 +266,10 @@ def _index_rules(index: JobIndex) -> None:
 
 
 def _progress_rules(p: Progress) -> None:
-    steps = [s for s, _ in p.losses]
-    if steps != sorted(set(steps)):
-        raise _bad("progress record", "losses", "steps must be strictly ascending")
+    for name, points in (("losses", p.losses), ("val_losses", p.val_losses)):
+        steps = [s for s, _ in points]
+        if steps != sorted(set(steps)):
+            raise _bad("progress record", name, "steps must be strictly ascending")
     if p.step > p.steps:
         raise _bad("progress record", "step", f"{p.step} exceeds steps {p.steps}")
 
@@ -289,7 +294,7 @@ PROGRESS = Schema(
     version=PROTOCOL_VERSION,
     kind="progress",
     rules=_progress_rules,
-    omit_when_empty=frozenset({"reason", "losses", "suspects", "replicas"}),
+    omit_when_empty=frozenset({"reason", "losses", "suspects", "replicas", "val_losses"}),
 )
 
 # ---------------------------------------------------------------- codec

@@ -42,7 +42,15 @@ from typing import Any
 from peerd.averaging import GroupAllReduce
 from peerd.errors import ConfigError, ErrorCode, PeerdError, PeerUnavailable
 from peerd.jobs.catalog import read_progress
-from peerd.jobs.records import MAX_SUSPECTS, JobRecord, Progress, TaskState, downsample, encode_progress
+from peerd.jobs.records import (
+    MAX_SUSPECTS,
+    MAX_VAL_POINTS,
+    JobRecord,
+    Progress,
+    TaskState,
+    downsample,
+    encode_progress,
+)
 from peerd.jobs.recovery import (
     CHECKPOINT_REPLICAS,
     held_state,
@@ -225,6 +233,7 @@ class TaskletRunner:
         self.suspects: tuple[str, ...] = ()
         self.step = 0
         self.losses: list[tuple[int, float]] = []
+        self.val_losses: list[tuple[int, float]] = []  # (steps completed, held-out loss)
         self.tokens_per_s = 0.0
         self.wire: dict[str, int] = {}
         self.started_at = store.now()
@@ -347,13 +356,14 @@ class TaskletRunner:
                 logger.info("job %s: this peer is a spare in epoch %d", self.job.job_id, commit.epoch)
                 return
             if (self.stage, self.replica) != where:
-                self.losses = []  # another tasklet's data shard: its losses are another replica's
+                self.losses, self.val_losses = [], []  # another replica's shard: its losses are not ours
             self.stage, self.replica = where
             spans = stage_layers(self.cfg.layers_per_stage)
             resume = resume_step(roster or [], spans)
             self.state, self.reason, self.suspects = TaskState.RECOVERING, "loading state", ()
             self.step = resume
             self.losses = [(s, loss) for s, loss in self.losses if s < resume]
+            self.val_losses = [(k, loss) for k, loss in self.val_losses if k <= resume]
             try:
                 worker = await asyncio.get_running_loop().run_in_executor(None, self._build_worker)
                 source = await self._load(worker, spans[self.stage], resume, roster or [])
@@ -411,14 +421,17 @@ class TaskletRunner:
             worker.step,
         )
         try:
-            await worker.start()  # serve the stage protocol ...
-            if self._group is not None:
-                await self._group.start()  # ... and the replica group's
-            self.state, self.reason = TaskState.RUNNING, ""
-            await self._publish()  # "this tasklet serves" for this epoch (the ready handshake)
-            await self._wait_ready()
-            await worker.connect()
-            await worker.run()
+            if worker.step < worker.cfg.steps:
+                await worker.start()  # serve the stage protocol ...
+                if self._group is not None:
+                    await self._group.start()  # ... and the replica group's
+                self.state, self.reason = TaskState.RUNNING, ""
+                await self._publish()  # "this tasklet serves" for this epoch (the ready handshake)
+                await self._wait_ready()
+                await worker.connect()
+            # else: a re-plan as the job finished resumed at its last step; nothing to train, so
+            # no partner to wait for (one that finished first has closed its streams already)
+            await worker.run()  # at the last step: only the final checkpoint
             self.state = TaskState.DONE
             logger.info(
                 "job %s: tasklet s%sr%s finished %d steps",
@@ -702,6 +715,8 @@ class TaskletRunner:
         self.tokens_per_s = report.tokens_per_s
         if report.loss is not None:
             self.losses.append((report.step, report.loss))
+        if report.val_loss is not None:
+            self.val_losses.append((report.step + 1, report.val_loss))
         worker = self.worker
         if worker is not None:
             self.wire = self._bytes(worker, report)
@@ -749,6 +764,7 @@ class TaskletRunner:
             reason=self.reason,
             suspects=tuple(sorted(self.suspects)) if self.state == TaskState.RECOVERING else (),
             replicas=self.commit.allocation.d_dp,
+            val_losses=downsample(self.val_losses, MAX_VAL_POINTS),
         )
 
     async def _publish(self) -> bool:

@@ -317,8 +317,13 @@ def recovery_reason(entry: JobEntry, online: Collection[str] | None = None) -> s
     return cause
 
 
-def loss_curve(records: Iterable[Progress], *, last_stage: int) -> list[tuple[int, float]]:
+def loss_curve(
+    records: Iterable[Progress], *, last_stage: int, held_out: bool = False
+) -> list[tuple[int, float]]:
     """The job's loss per step: the mean over the last stage's replicas, from records of every epoch.
+
+    ``held_out``: the held-out loss curve instead (``val_losses``: per steps completed; the
+    replicas evaluate equal shards of one held-out set, so their mean is that set's loss).
 
     After a re-plan a step's loss may sit in the record of a peer that is gone (the steps
     before its death) or of its successor (the steps after): per (step, replica) the record
@@ -331,7 +336,7 @@ def loss_curve(records: Iterable[Progress], *, last_stage: int) -> list[tuple[in
         if p.stage != last_stage:
             continue
         width[p.epoch] = max(width.get(p.epoch, 0), p.replicas, p.replica + 1)
-        for s, loss in p.losses:
+        for s, loss in p.val_losses if held_out else p.losses:
             seen = best.get((s, p.replica))
             if seen is None or p.epoch > seen[0]:
                 best[(s, p.replica)] = (p.epoch, loss)
@@ -349,7 +354,15 @@ def loss_curve(records: Iterable[Progress], *, last_stage: int) -> list[tuple[in
 def progress_summary(progress: dict[str, Progress], epoch: int | None, steps: int) -> dict[str, Any]:
     """The job's progress from its tasklets' records (only those of the committed ``epoch``)."""
     tasklets = [p for p in progress.values() if epoch is None or p.epoch == epoch]
-    out: dict[str, Any] = {"steps": steps, "step": 0, "loss": None, "losses": [], "tokens_per_s": None}
+    out: dict[str, Any] = {
+        "steps": steps,
+        "step": 0,
+        "loss": None,
+        "losses": [],
+        "val_loss": None,
+        "val_losses": [],
+        "tokens_per_s": None,
+    }
     if not tasklets:
         out.update(bytes={}, tasklets=[])
         return out
@@ -357,6 +370,9 @@ def progress_summary(progress: dict[str, Progress], epoch: int | None, steps: in
     curve = loss_curve(progress.values(), last_stage=max(p.stage for p in tasklets))
     out["losses"] = [[s, round(v, 6)] for s, v in curve]
     out["loss"] = curve[-1][1] if curve else None
+    held_out = loss_curve(progress.values(), last_stage=max(p.stage for p in tasklets), held_out=True)
+    out["val_losses"] = [[k, round(v, 6)] for k, v in held_out]
+    out["val_loss"] = held_out[-1][1] if held_out else None
     rates = [p.tokens_per_s for p in tasklets if p.tokens_per_s > 0]
     out["tokens_per_s"] = median(rates) if rates else None
     totals: dict[str, int] = {}

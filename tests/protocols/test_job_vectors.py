@@ -226,6 +226,12 @@ def _write_vectors() -> None:  # pragma: no cover - run by hand
     record("progress-last-stage", "a running last-stage tasklet with its loss history", encode_progress(last))
     record("progress-first-stage-done", "a finished first-stage tasklet (no loss)", encode_progress(first))
     record("progress-failed", "a failed tasklet with its reason", encode_progress(failed))
+    validated = msgspec.structs.replace(last, val_losses=((20, 3.5), (40, 3.25)))
+    record(
+        "progress-validation",
+        "a last-stage tasklet of a job with a validation split: its held-out losses after 20 and 40 steps",
+        encode_progress(validated),
+    )
 
     def invalid(
         name: str, description: str, kind: str, wire_map: dict, error: str, field: str | None = None
@@ -299,6 +305,15 @@ def _write_vectors() -> None:  # pragma: no cover - run by hand
         {**pb, "losses": [[39, 3.1], [19, 4.0]]},
         "MALFORMED",
         "losses",
+    )
+    pv = msgpack.unpackb(encode_progress(validated), raw=False)
+    invalid(
+        "progress-val-losses-unsorted",
+        "held-out loss history out of order",
+        "progress",
+        {**pv, "val_losses": [[40, 3.25], [20, 3.5]]},
+        "MALFORMED",
+        "val_losses",
     )
     invalid(
         "progress-nan-loss",

@@ -33,6 +33,7 @@ VIEW = {
                 "step": 7,
                 "steps": 120,
                 "loss": 3.25,
+                "val_losses": [[5, 3.5], [7, 3.375]],
                 "tokens_per_s": 1000.5,
                 "bytes": {"activations": 10, "activations_raw": 80},
             },
@@ -71,6 +72,8 @@ EXPECTED = {
     ("peerd_job_step", (("job", IDLE),)): 0,
     ("peerd_job_steps", (("job", JOB),)): 120,
     ("peerd_job_loss", (("job", JOB),)): 3.25,  # the idle job has no loss yet: no sample
+    ("peerd_job_val_loss", (("job", JOB),)): 3.375,  # the latest held-out evaluation
+    ("peerd_job_val_step", (("job", JOB),)): 7,
     ("peerd_job_tokens_per_second", (("job", JOB),)): 1000.5,
     ("peerd_job_wire_bytes_total", (("job", JOB), ("kind", "activations"))): 10,
     ("peerd_job_raw_bytes_total", (("job", JOB), ("kind", "activations"))): 80,

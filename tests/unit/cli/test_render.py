@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from peerd.cli.plot import write_loss_plot
-from peerd.cli.render import console, follow_job, job_line, render_status
+from peerd.cli.render import console, follow_job, job_line, job_panel, render_status
 
 DEVICE = "NVIDIA GeForce RTX 4090 Laptop GPU (cuda:0, driver 550.54.14)"
 
@@ -92,6 +92,15 @@ def test_loss_plot(tmp_path: Path) -> None:
 @pytest.mark.parametrize("state", ["failed", "cancelled"])
 def test_follow_job_returns_on_any_final_state(state: str, capsys) -> None:
     assert follow_job(lambda: _job(state), console())["state"] == state
+
+
+def test_the_held_out_loss_shows_in_the_line_and_the_panel(capsys) -> None:
+    view = _job("running", 2, 4.25, 1200.0)
+    assert job_line(view) == "running step 2/3 loss 4.2500 1,200 tok/s"
+    view["progress"].update(val_loss=4.5, val_losses=[[1, 5.0], [2, 4.5]])
+    assert job_line(view) == "running step 2/3 loss 4.2500 held-out 4.5000 1,200 tok/s"
+    console().print(job_panel(view, {}))
+    assert "held-out loss 5.000" in capsys.readouterr().out
 
 
 def test_a_waiting_or_failed_job_shows_its_reason(capsys) -> None:

@@ -27,6 +27,7 @@ def tasklet(peer: str, state: TaskState, epoch: int = 1, **kw: Any) -> Any:
         "step": 0,
         "tokens_per_s": 0.0,
         "losses": (),
+        "val_losses": (),
         "bytes": {},
         "reason": "",
         "suspects": (),
@@ -77,10 +78,23 @@ def test_progress_summary_folds_the_tasklets() -> None:
         "step": 0,
         "loss": None,
         "losses": [],
+        "val_loss": None,
+        "val_losses": [],
         "tokens_per_s": None,
         "bytes": {},
         "tasklets": [],
     }
+
+
+def test_the_held_out_curve_is_the_mean_over_the_last_stages_replicas() -> None:
+    progress = {
+        "QmA": tasklet("QmA", TaskState.RUNNING, step=6),
+        "QmC": tasklet("QmC", TaskState.RUNNING, stage=1, step=6, val_losses=((3, 2.0), (6, 1.5))),
+        "QmD": tasklet("QmD", TaskState.RUNNING, stage=1, replica=1, step=6, val_losses=((3, 3.0),)),
+    }
+    out = progress_summary(progress, 1, steps=10)
+    assert out["val_losses"] == [[3, 2.5]] and out["val_loss"] == 2.5  # step 6: one replica only so far
+    assert out["losses"] == [] and out["loss"] is None
 
 
 JOBS = ["3f9a1c2e" + "0" * 24, "3f9a7d00" + "1" * 24, "77aa5500" + "2" * 24]

@@ -1,0 +1,187 @@
+"""A job with a validation split on four real daemons on loopback (2 stages x 2 replicas), through ``peerd``.
+
+The job's held-out loss, as ``peerd submit --wait --json`` reports it from the progress records
+(the mean of the last stage's replicas after steps 4 and 8), equals the held-out loss of the same
+model trained in one process and evaluated there on the same held-out windows, within 1e-4;
+``peerd status --json`` and ``/metrics`` show the latest evaluation. A split that leaves no
+evaluation batch fails the job, naming ``data.validation.batches``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import socket
+import subprocess
+import sys
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import yaml
+from prometheus_client.parser import text_string_to_metric_families
+
+from peerd.data.config import build_dataset
+from peerd.jobs.runner import train_config
+from peerd.jobs.spec import JobSpec, load_job_spec
+from peerd.localswarm import LocalSwarm, converged
+from peerd.models.gpt import lm_loss
+from peerd.pipeline.local import LocalRunConfig, optimizer_and_scheduler, train_unstaged
+from peerd.sched.allocation import Allocation
+
+pytestmark = pytest.mark.integration
+
+PEERD = [sys.executable, "-c", "from peerd.cli import main; main()"]
+SWARM_OPTIONS = {
+    "record_ttl": 10.0,
+    "refresh_interval": 2.0,
+    "probe_interval": 4.0,
+    "probe_budget": 5,
+    "startup_timeout": 30.0,
+    "shutdown_timeout": 10.0,
+    "device": "cpu",
+}
+STEPS = 8
+EVALUATED = [4, 8]
+
+
+def peerd(*args: str, timeout: float = 60.0) -> subprocess.CompletedProcess:
+    return subprocess.run([*PEERD, *args], capture_output=True, text=True, timeout=timeout)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def swarm(tmp_path_factory: pytest.TempPathFactory, profile_cache: Path) -> Iterator[LocalSwarm]:
+    root = tmp_path_factory.mktemp("valjobs")
+    options = {**SWARM_OPTIONS, "profile_cache": str(profile_cache)}
+    peer_options = [{"metrics_port": _free_port()}, {}, {}, {}]
+    s = LocalSwarm(4, root / "s", options=options, peer_options=peer_options, ready_timeout=120)
+    try:
+        s.start()
+        names = [p.name for p in s.peers]
+        s.wait_until(lambda v: converged(v, names), timeout=90, what="all four daemons to measure each other")
+        yield s
+    finally:
+        s.close()
+
+
+def _spec(tmp: Path, name: str, validation: dict[str, Any]) -> Path:
+    spec = {
+        "name": name,
+        "kind": "pretrain",
+        "model": {"preset": "tiny", "seed": 3},
+        "data": {"source": "builtin", "seq_len": 32, "max_bytes": 128 * 1024, "validation": validation},
+        "steps": STEPS,
+        "global_batch": 8,
+        "micro_batch": 2,
+        "optimizer": {
+            "name": "adamw",
+            "lr": 0.003,
+            "warmup_steps": 2,
+            "schedule": "cosine",
+            "grad_clip": 1.0,
+        },
+        "parallel": {"d_pp": 2, "d_dp": 2},
+        # raw activations, gradients and averaging: the pipeline is then exact
+        "compression": {
+            "forward": "none",
+            "forward_bits": None,
+            "backward_bits": None,
+            "gradient_bits": None,
+        },
+        "checkpoint_interval": STEPS,
+        "min_peers": 4,
+        "max_peers": 4,
+        "planning": {"time_budget_s": 2, "max_skew_s": 1.0},
+    }
+    path = tmp / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    return path
+
+
+def _submit(swarm: LocalSwarm, spec_file: Path) -> dict[str, Any]:
+    """``peerd submit --wait --json``: the job's final view (every daemon trains it)."""
+    result = peerd(
+        "submit", str(spec_file), "--home", str(swarm.peers[0].home), "--wait", "--json", timeout=600
+    )
+    logs = "\n".join(f"--- {p.name}\n{p.log_tail(15)}" for p in swarm.peers)
+    assert result.stdout.strip(), f"{result.stderr[-3000:]}\n{logs}"
+    final = json.loads(result.stdout)
+    final["returncode"], final["logs"] = result.returncode, logs
+    return final
+
+
+def _reference(spec: JobSpec) -> list[tuple[int, float]]:
+    """The job trained in one process (full batches, same optimizer, schedule and clipping), evaluated
+    on the first global batch of held-out windows after each evaluated step."""
+    assert spec.data.validation is not None
+    model = spec.model.family().build()
+    dataset = build_dataset(spec.data)
+    held = list(dataset.held_out_ids())[: spec.data.validation.batches * spec.global_batch]
+    x, y = dataset.batch(held)
+    optimizer_cfg = train_config(
+        "reference", spec, Allocation(stages=(("a", "b"), ("c", "d"))), None
+    ).optimizer
+    local = LocalRunConfig(
+        steps=STEPS,
+        global_batch=spec.global_batch,
+        micro_batch_size=spec.global_batch,
+        replicas=2,
+        optimizer=optimizer_cfg,
+        total_steps=STEPS,
+    )
+    optimizer, scheduler = optimizer_and_scheduler(list(model.parameters()), local, None, None)
+    points, done = [], 0
+    for k in EVALUATED:
+        train_unstaged(
+            model, dataset, dataclasses.replace(local, start_step=done, steps=k - done), optimizer, scheduler
+        )
+        model.eval()
+        with torch.no_grad():
+            points.append((k, lm_loss(model(x), y).item()))
+        model.train()
+        done = k
+    return points
+
+
+def test_a_jobs_held_out_loss_equals_the_one_process_evaluation(swarm: LocalSwarm, tmp_path: Path) -> None:
+    spec_file = _spec(tmp_path, "val", {"windows": 64, "interval": 4, "batches": 1})
+    final = _submit(swarm, spec_file)
+    assert final["returncode"] == 0 and final["state"] == "done", final["logs"]
+    got = [(k, v) for k, v in final["progress"]["val_losses"]]
+    reference = _reference(load_job_spec(spec_file))
+    assert [k for k, _ in got] == EVALUATED, got
+    assert max(abs(a - b) for (_, a), (_, b) in zip(got, reference, strict=True)) < 1e-4, (got, reference)
+    assert final["progress"]["val_loss"] == pytest.approx(got[-1][1], abs=1e-6)  # the curve is rounded
+    # peerd status --json and /metrics show the latest evaluation too
+    status = json.loads(peerd("status", "--json", "--home", str(swarm.peers[1].home)).stdout)
+    view = next(j for j in status["jobs"] if j["job_id"] == final["job_id"])
+    assert view["progress"]["val_losses"] == final["progress"]["val_losses"]
+    port = swarm.peers[0].options["metrics_port"]
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    samples = {
+        (s.name, s.labels.get("job")): s.value
+        for f in text_string_to_metric_families(text)
+        for s in f.samples
+    }
+    assert samples[("peerd_job_val_loss", final["job_id"])] == pytest.approx(got[-1][1], abs=1e-6)
+    assert samples[("peerd_job_val_step", final["job_id"])] == 8
+
+
+def test_a_split_too_small_for_an_evaluation_fails_the_job_naming_the_field(
+    swarm: LocalSwarm, tmp_path: Path
+) -> None:
+    # 1 % of the corpus's ~4000 windows is ~40, fewer than the 6 x 8 an evaluation needs: only
+    # the tasklets, which read the corpus, can tell
+    spec_file = _spec(tmp_path, "tiny-split", {"fraction": 0.01, "interval": 4, "batches": 6})
+    final = _submit(swarm, spec_file)
+    assert final["state"] == "failed" and final["returncode"] != 0, final["logs"]
+    assert "data.validation.batches" in final["reason"], final["reason"]
