@@ -7,6 +7,14 @@ measured in neither is estimated through the best two-hop relay (``Scenario``'s
 ``estimate_missing``), and a pair with no relay either gets a pessimistic default, so a
 sparse link matrix never makes a roster unplannable. Scenarios and objectives are cached
 by roster digest: re-scoring a candidate costs one evaluation.
+
+Memory: a roster entry's device memory is what its peer measured free when it applied
+(``peerd.jobs.service.roster_profile``: the live free memory of its profile, else the total).
+Under the ``peerd`` objective an allocation that gives some stage more layers than its
+smallest member's memory holds (weights, optimizer state and in-flight activations) is no
+candidate at all: scoring refuses it, so no peer proposes, votes for or commits it, and a job
+whose roster cannot hold it keeps planning until peers with the memory join. (The ``dtfm``
+objective, the DT-FM yardstick, models no memory.)
 """
 
 from __future__ import annotations
@@ -21,6 +29,7 @@ from peerd.errors import ConfigError
 from peerd.jobs.spec import JobSpec
 from peerd.sched.allocation import Allocation
 from peerd.sched.consensus.messages import Roster
+from peerd.sched.cost_peerd import INFEASIBLE
 from peerd.sched.evolution import Island, SearchConfig
 from peerd.sched.layout import score_allocation
 from peerd.sched.objective import Objective
@@ -168,6 +177,12 @@ class RosterScorer:
         total = float(score_allocation(obj, allocation).total)
         if not math.isfinite(total):
             raise ConfigError("allocation", "scored as infinite")
+        if total >= INFEASIBLE:  # cost_peerd: INFEASIBLE x (1 + layers no stage's memory could take)
+            short = round(total / INFEASIBLE - 1)
+            raise ConfigError(
+                "allocation",
+                f"does not fit the peers' free memory: {short} layer(s) fit on no stage of {allocation.stages}",
+            )
         return total
 
     def island(

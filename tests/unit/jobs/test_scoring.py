@@ -136,3 +136,63 @@ def test_an_island_that_cannot_search_reports_why_without_a_traceback(caplog) ->
     assert not thread.running, "the island thread did not end on its error"
     assert "uses every device" in thread.report.error and "[CONFIG_INVALID]" not in thread.report.error
     assert caplog.records and all(r.exc_info is None for r in caplog.records)
+
+
+# ---------------------------------------------------------------- memory: what the peers measured free
+
+
+def _with_memory(r: Roster, peer: str, memory: int) -> Roster:
+    entries = [
+        RosterEntry(
+            e.job,
+            e.epoch,
+            e.peer,
+            e.issued_at,
+            RosterDevice(e.profile.tflops, memory, e.profile.region),
+            e.links,
+        )
+        if e.peer == peer
+        else e
+        for e in r.entries
+    ]
+    return Roster.of(r.epoch, entries)
+
+
+def test_a_roster_entry_carries_the_free_memory_the_peer_measured() -> None:
+    from peerd.jobs.service import roster_profile
+    from peerd.swarm.records import DeviceKind, DeviceProfile
+
+    profile = DeviceProfile(
+        name="gpu",
+        kind=DeviceKind.CUDA,
+        memory_total_bytes=80 << 30,
+        memory_free_bytes=3 << 30,
+        measured_at=1.0,
+    )
+    assert roster_profile(profile, "eu").memory_bytes == 3 << 30  # free, not total
+    # a record from a platform that cannot tell free memory (the field is optional): the total
+    unknown = DeviceProfile(name="cpu", kind=DeviceKind.CPU, memory_total_bytes=8 << 30, measured_at=1.0)
+    assert roster_profile(unknown, "eu").memory_bytes == 8 << 30
+
+
+def test_a_peer_whose_free_memory_cannot_hold_a_stage_is_never_allocated_one() -> None:
+    s = spec(2, 2)
+    r = roster(5)
+    full = RosterScorer(s)
+    best = search(full, r)
+    starved = next(p for p in best.devices)  # a fast peer the search wanted, now nearly out of memory
+    r2 = _with_memory(r, starved, 64 << 10)  # 64 KiB free: not even one tiny layer with its Adam state
+    scorer = RosterScorer(s)
+    for seed in (1, 2, 3):
+        alloc = search(scorer, r2, seed)
+        assert starved not in alloc.devices and starved in alloc.spares
+        assert scorer(r2, alloc) > 0
+    # the allocation that still holds it is no candidate: scoring refuses it, naming the memory
+    with pytest.raises(ConfigError, match="free memory"):
+        scorer(r2, best)
+    # with only four peers, one of them starved, no 2 x 2 allocation fits: none is scorable
+    four = _with_memory(roster(4), PEERS[2], 64 << 10)
+    island = scorer.island(scorer.scenario(four), 1, time_budget=2.0)
+    island.step(3)
+    with pytest.raises(ConfigError, match="free memory"):
+        scorer(four, island.best(1)[0])
