@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import os
 from dataclasses import dataclass, field
 from typing import Annotated, Literal
 
@@ -25,7 +27,9 @@ class DataConfig:
     max_bytes: Annotated[int, Range(ge=1, le=2**62)] = DEFAULT_MAX_BYTES  # read() takes a C ssize_t
     """Cap on corpus size in bytes."""
     paths: list[str] = field(default_factory=list)
-    """For ``text``: files or glob patterns, read in this order."""
+    """For ``text``: files, directories (every file below, sorted) or glob patterns, read in this
+    order. Every peer reads them at these paths; ``peerd submit`` makes them absolute and pins
+    ``expect_digest`` to the submitter's copy (``pin_local_source``)."""
     hf_name: str | None = None
     """For ``hf``: dataset id or builder (``text``, ``json``...)."""
     hf_config: str | None = None
@@ -80,6 +84,22 @@ def load_corpus(cfg: DataConfig) -> Corpus:
             f"corpus {corpus.name} has digest {corpus.digest}, expected {cfg.expect_digest}",
         )
     return corpus
+
+
+def pin_local_source(cfg: DataConfig) -> DataConfig:
+    """What ``peerd submit`` publishes for a ``text`` source: absolute paths and the digest of the bytes here.
+
+    There is no file transfer: every peer with a tasklet reads the files at the same absolute
+    path (as with ``init_checkpoint``), and with the submitter's digest pinned one whose copy
+    differs fails naming ``data.expect_digest`` instead of training on other bytes. Relative
+    paths are relative to the submitter's working directory (as ``model.hf`` paths). Reading
+    the corpus here also reports a missing, empty or unreadable path before anything is
+    published (ConfigError naming ``data.paths[i]``). Other sources are returned unchanged.
+    """
+    if cfg.source != "text":
+        return cfg
+    pinned = dataclasses.replace(cfg, paths=[os.path.abspath(p) for p in cfg.paths])
+    return dataclasses.replace(pinned, expect_digest=load_corpus(pinned).digest)
 
 
 def build_dataset(cfg: DataConfig) -> WindowDataset:

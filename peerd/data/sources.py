@@ -13,6 +13,15 @@ Selection, in this order, until ``max_bytes`` is reached (the last file is cut):
 
 Files are joined with one ``\\n``. The result depends on the Python version (different stdlibs),
 hence the digest: two peers on different Pythons see different digests and must not share a job.
+
+Local text (``source: text``): ``paths`` lists files, directories and glob patterns, read in the
+given order. A glob expands to its matches in sorted order; a directory to every regular file
+below it, in sorted order of the path relative to it (POSIX separators), skipping hidden names
+(starting with ``.``) at any depth. The bytes are the tokens (no decoding), files joined with
+one ``\\n``, so example ``i`` is the same window wherever the same files are read. Every peer
+reads its own copy at the same path (there is no file transfer; ``peerd submit`` pins the
+digest of the submitter's copy, so a peer whose copy differs fails instead of training on
+other bytes: ``peerd.data.config.pin_local_source``).
 """
 
 from __future__ import annotations
@@ -114,22 +123,56 @@ def builtin_corpus(max_bytes: int = DEFAULT_MAX_BYTES) -> Corpus:
     )
 
 
+def directory_files(root: Path) -> list[Path]:
+    """Every regular file below ``root``, sorted by relative POSIX path, hidden names skipped."""
+    found: list[tuple[str, Path]] = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = [d for d in dirnames if not d.startswith(".")]
+        for fname in filenames:
+            path = Path(dirpath) / fname
+            if not fname.startswith(".") and path.is_file():
+                found.append((path.relative_to(root).as_posix(), path))
+    return [path for _, path in sorted(found)]
+
+
+def _files_of(i: int, entry: str) -> list[Path]:
+    """The files one ``data.paths`` entry names, in corpus order (see the module docstring)."""
+    where = f"data.paths[{i}]"
+    matches = [Path(m) for m in sorted(glob.glob(entry))] if glob.has_magic(entry) else [Path(entry)]
+    if not matches:
+        raise ConfigError(where, f"no file matches {entry!r}")
+    files: list[Path] = []
+    for match in matches:
+        try:
+            is_dir = match.is_dir()
+        except OSError as exc:  # a name the OS refuses (too long): the spec's error, not a crash
+            raise ConfigError(where, f"cannot read {match}: {exc.strerror or exc}") from None
+        if not is_dir:
+            files.append(match)
+            continue
+        inside = directory_files(match)
+        if not inside:
+            raise ConfigError(where, f"directory {match} holds no files")
+        files += inside
+    return files
+
+
 def text_files_corpus(paths: list[str], max_bytes: int = DEFAULT_MAX_BYTES) -> Corpus:
-    """Local text files (or glob patterns, each expanded in sorted order), read as bytes in the given order."""
+    """Local text files, directories and glob patterns, read as bytes in the given order (module docstring)."""
     _check_cap(max_bytes)
     if not paths:
-        raise ConfigError("data.paths", "at least one file or glob pattern is required")
+        raise ConfigError("data.paths", "at least one file, directory or glob pattern is required")
     chunks: list[bytes] = []
     total = 0
-    for i, pattern in enumerate(paths):
-        matches = sorted(glob.glob(pattern)) if glob.has_magic(pattern) else [pattern]
-        if not matches:
-            raise ConfigError(f"data.paths[{i}]", f"no file matches {pattern!r}")
-        for match in matches:
+    for i, entry in enumerate(paths):
+        for match in _files_of(i, entry):
             try:
                 data = Path(match).read_bytes()
             except OSError as exc:
-                raise ConfigError(f"data.paths[{i}]", f"cannot read {match}: {exc.strerror or exc}") from None
+                why = (
+                    "no such file or directory" if isinstance(exc, FileNotFoundError) else exc.strerror or exc
+                )
+                raise ConfigError(f"data.paths[{i}]", f"cannot read {match}: {why}") from None
             chunks.append(data)
             total += len(data) + len(_SEPARATOR)
             if total >= max_bytes:

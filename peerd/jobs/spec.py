@@ -11,13 +11,14 @@ Example specs: ``configs/jobs/``.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from peerd.compress.packing import SUPPORTED_BITS
-from peerd.data.config import DataConfig
+from peerd.data.config import DataConfig, pin_local_source
 from peerd.errors import ConfigError
 from peerd.loading import ConfigProblems, Range, collect, from_mapping, load_mapping, prefixed
 from peerd.models.gpt import PRESETS, GPTConfig
@@ -357,8 +358,13 @@ class JobSpecError(ConfigProblems):
 
 
 def load_job_spec(path: str | Path) -> JobSpec:
-    """Read and validate a job spec file (YAML or JSON); a ``model.hf`` path is read into its mapping."""
-    return parse_job_spec(inline_hf_config(load_mapping(path), source=str(path)), source=str(path))
+    """Read and validate a job spec file (YAML or JSON); a ``model.hf`` path is read into its mapping,
+    a local text corpus's paths are made absolute and its digest pinned (``pin_local_source``)."""
+    spec = parse_job_spec(inline_hf_config(load_mapping(path), source=str(path)), source=str(path))
+    try:
+        return dataclasses.replace(spec, data=pin_local_source(spec.data))
+    except ConfigError as exc:
+        raise JobSpecError(exc.errors, str(path)) from None
 
 
 def inline_hf_config(data: Any, source: str = "") -> Any:

@@ -91,3 +91,58 @@ def test_hf_source_reads_local_text_offline(tmp_path: Path, monkeypatch: pytest.
     path.write_text("first line\nsecond line\n", encoding="utf-8")
     c = hf_corpus("text", data_files=[str(path)])
     assert c.tokens.tobytes() == b"first line\nsecond line"
+
+
+def test_a_directory_reads_every_file_below_it_sorted_by_relative_path(tmp_path: Path) -> None:
+    root = tmp_path / "corpus"
+    (root / "b" / "deep").mkdir(parents=True)
+    (root / "a").mkdir()
+    (root / "b" / "deep" / "x.txt").write_bytes(b"bx")
+    (root / "b" / "a.txt").write_bytes(b"ba")
+    (root / "a" / "z.txt").write_bytes(b"az")
+    (root / "c.txt").write_bytes(b"c")
+    (root / ".git").mkdir()
+    (root / ".git" / "HEAD").write_bytes(b"hidden")
+    (root / ".notes").write_bytes(b"hidden")
+    c = text_files_corpus([str(root)])
+    assert c.tokens.tobytes() == b"az\nba\nbx\nc"  # a/z.txt, b/a.txt, b/deep/x.txt, c.txt
+    again = text_files_corpus([str(root)])
+    assert again.digest == c.digest  # the same bytes, the same windows and example ids
+    # a file and a directory in the order given
+    (tmp_path / "first.txt").write_bytes(b"1")
+    assert text_files_corpus([str(tmp_path / "first.txt"), str(root)]).tokens.tobytes() == b"1\naz\nba\nbx\nc"
+
+
+def test_missing_empty_and_unreadable_paths_name_the_entry(tmp_path: Path) -> None:
+    (tmp_path / "ok.txt").write_bytes(b"text")
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "empty.txt").write_bytes(b"")
+    cases = {
+        str(tmp_path / "missing"): r"data.paths\[1\].*no such file or directory",
+        str(tmp_path / "empty"): r"data.paths\[1\].*holds no files",
+        str(tmp_path / ("x" * 5000)): r"data.paths\[1\].*cannot read",  # a name the OS refuses
+    }
+    for entry, pattern in cases.items():
+        with pytest.raises(ConfigError, match=pattern):
+            text_files_corpus([str(tmp_path / "ok.txt"), entry])
+    with pytest.raises(ConfigError, match=r"data.paths: the files are empty"):
+        text_files_corpus([str(tmp_path / "empty.txt")])
+
+
+def test_submit_pins_absolute_paths_and_the_digest_of_the_submitters_copy(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from peerd.data.config import pin_local_source
+
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "a.txt").write_bytes(b"hello world, " * 100)
+    monkeypatch.chdir(tmp_path)
+    pinned = pin_local_source(DataConfig(source="text", paths=["docs"], seq_len=16))
+    assert pinned.paths == [str(tmp_path / "docs")]
+    assert pinned.expect_digest == text_files_corpus([str(tmp_path / "docs")]).digest
+    assert len(build_dataset(pinned)) == (1300 - 17) // 16 + 1
+    # a peer whose copy differs fails naming the pin instead of training on other bytes
+    (tmp_path / "docs" / "a.txt").write_bytes(b"other words, " * 100)
+    with pytest.raises(ConfigError, match="expect_digest"):
+        build_dataset(pinned)
+    assert pin_local_source(DataConfig()) == DataConfig()  # the built-in corpus needs no pin

@@ -48,10 +48,17 @@ def problems(data: dict) -> dict[str, str]:
     return {e.field: str(e) for e in err.value.errors}
 
 
-def test_examples_load() -> None:
+def test_examples_load(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     names = {p.name for p in EXAMPLES}
     assert {"gpt-tiny-demo.yaml", "gpt-small.yaml"} <= names
+    # an example's local text corpus is the owner's, not shipped: submit reads it, so give it one
+    monkeypatch.chdir(tmp_path)
     for path in EXAMPLES:
+        data = yaml.safe_load(path.read_text()).get("data") or {}
+        for pattern in data.get("paths") or [] if data.get("source") == "text" else []:
+            sample = tmp_path / pattern.replace("*", "sample")
+            sample.parent.mkdir(parents=True, exist_ok=True)
+            sample.write_bytes(b"an owner's own text. " * 400)
         spec = load_job_spec(path)
         assert spec.kind in ("pretrain", "finetune") and spec.steps > 0
         assert (spec.kind == "finetune") == (spec.init_checkpoint is not None)
@@ -105,9 +112,9 @@ def test_the_invalid_example_lists_every_problem() -> None:
 
 def test_cross_field_problems_are_all_reported_together() -> None:
     found = problems(
-        spec_with(kind="rl", global_batch=20, max_peers=2, optimizer__warmup_steps=100, data__seq_len=512)
+        spec_with(kind="train", global_batch=20, max_peers=2, optimizer__warmup_steps=100, data__seq_len=512)
     )
-    assert "not supported yet" in found["kind"]
+    assert "'pretrain', 'finetune' or 'rl'" in found["kind"]
     assert "micro_batch × d_dp" in found["global_batch"]
     assert "min_peers" in found["max_peers"]
     assert "< steps" in found["optimizer.warmup_steps"]
@@ -117,7 +124,7 @@ def test_cross_field_problems_are_all_reported_together() -> None:
 @pytest.mark.parametrize(
     ("changes", "field", "needle"),
     [
-        ({"kind": "train"}, "kind", "'pretrain' or 'finetune'"),
+        ({"kind": "train"}, "kind", "'pretrain', 'finetune' or 'rl'"),
         ({"kind": "finetune"}, "init_checkpoint", "needs a checkpoint"),
         ({"init_checkpoint": "ckpt/"}, "init_checkpoint", "only used by finetune"),
         ({"model": {"preset": "tiny", "hf": "x"}}, "model.preset", "exactly one"),
@@ -175,7 +182,7 @@ def test_missing_required_fields_and_wrong_top_level() -> None:
 
 def test_from_mapping_users_get_the_first_problem_as_a_config_error() -> None:
     with pytest.raises(ConfigError) as err:
-        from_mapping(JobSpec, spec_with(kind="rl"))
+        from_mapping(JobSpec, spec_with(kind="train"))
     assert err.value.field == "kind"
 
 
@@ -202,3 +209,23 @@ def test_a_validation_split_is_part_of_the_data_section() -> None:
     found = problems(spec_with(data__validation={"windows": 20, "batches": 2}))
     assert "more than the 20 held out" in found["data.validation.batches"]
     assert "exactly one" in problems(spec_with(data__validation={"interval": 5}))["data.validation.windows"]
+
+
+def test_submit_reads_a_local_text_corpus_and_pins_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "corpus").mkdir()
+    (tmp_path / "corpus" / "a.txt").write_bytes(b"some text to train on. " * 50)
+    monkeypatch.chdir(tmp_path)
+    file = tmp_path / "job.yaml"
+    file.write_text(yaml.safe_dump(spec_with(data={"source": "text", "paths": ["corpus"], "seq_len": 16})))
+    spec = load_job_spec(file)
+    assert spec.data.paths == [str(tmp_path / "corpus")] and spec.data.expect_digest is not None
+    missing = tmp_path / "missing.yaml"
+    missing.write_text(
+        yaml.safe_dump(spec_with(data={"source": "text", "paths": ["nowhere"], "seq_len": 16}))
+    )
+    with pytest.raises(JobSpecError) as err:
+        load_job_spec(missing)
+    assert [e.field for e in err.value.errors] == ["data.paths[0]"]
+    assert "no such file or directory" in str(err.value)
