@@ -123,10 +123,16 @@ def system_memory() -> tuple[int, int | None]:
 
 
 def memory_info(dev: torch.device) -> tuple[int, int | None]:
-    """Live (total, free) bytes of the memory the device computes from; free is None if unknown."""
+    """Live (total, free) bytes of the memory the device computes from; free is None if unknown.
+
+    On CUDA, free counts what this process's caching allocator holds without using (a stopped
+    tasklet's blocks, kept for reuse): the driver reports them as taken, yet the next tasklet
+    gets them, and a peer that under-reports its memory to a re-plan loses its own stage.
+    """
     if dev.type == "cuda":
         free, total = torch.cuda.mem_get_info(dev)
-        return int(total), int(free)
+        idle = torch.cuda.memory_reserved(dev) - torch.cuda.memory_allocated(dev)
+        return int(total), int(free + max(0, idle))
     return system_memory()  # CPU, and MPS (unified memory)
 
 
