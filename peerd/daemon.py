@@ -56,6 +56,7 @@ from peerd.swarm.membership import (
 from peerd.swarm.node import NodeSettings, SwarmNode, parse_peer_id
 from peerd.swarm.profiling import with_live_memory
 from peerd.swarm.records import DeviceProfile, PeerRecord, PeerState, fit_peer_record
+from peerd.swarm.rejections import Refusals, by_name
 from peerd.swarm.shaper import LinkShaper
 from peerd.swarm.transport import Transport
 
@@ -130,6 +131,7 @@ class Daemon:
         self.control.register("resume", self._rpc_resume, "Take work again after a pause.")
         self.jobs: JobService | None = None  # submit/cancel/planning/training: peerd.jobs
         self.metrics: MetricsServer | None = None
+        self._dht_rejected: dict[str, int] = {}  # peerd.swarm.rejections, as the DHT process last said
         for method, (_, doc) in JOB_METHODS.items():
             self.control.register(method, self._job_method(method), doc)
 
@@ -197,7 +199,7 @@ class Daemon:
             )
             self._spawn("jobs", self.jobs.run)
             if cfg.metrics_port:
-                self.metrics = MetricsServer(cfg.metrics_port, self._view)
+                self.metrics = MetricsServer(cfg.metrics_port, self._view, refresh=self._refresh_refusals)
                 await self.metrics.start()
         except BaseException:
             await self.stop()
@@ -495,6 +497,7 @@ class Daemon:
             except PeerdError as exc:
                 logger.info("status: serving the cached peers table (%s)", exc)
                 stale = True
+        await self._refresh_refusals()
         view = self._view()
         view["self"] = {
             "peer_id": self.node.peer_id if self.node else None,
@@ -526,7 +529,28 @@ class Daemon:
         now = self.node.now() if self.node else 0.0
         view = peers_view(self.entries.values(), now=now, self_id=self.node.peer_id if self.node else None)
         view["jobs"] = self.jobs.views() if self.jobs is not None else []
+        view["refusals"] = self._refusals().view()
         return view
+
+    def _refusals(self) -> Refusals:
+        """What this daemon refused or rejected from other peers so far (DHT records as last refreshed)."""
+        t = self.transport
+        return Refusals(
+            streams=by_name(t.refusals) if t else {},
+            handlers=by_name(t.rejections) if t else {},
+            dht_records=dict(self._dht_rejected),
+            job_records=dict(self.jobs.manager.rejected.codes) if self.jobs is not None else {},
+            bans=t.banlist.bans_total if t else 0,
+        )
+
+    async def _refresh_refusals(self) -> None:
+        """Fetch the DHT process's record rejections (its validators count them there)."""
+        if self.node is None or not self.node.alive:
+            return
+        try:
+            self._dht_rejected = await self.node.dht_rejections()
+        except PeerdError as exc:
+            logger.info("status: DHT record rejections as last read (%s)", exc)
 
     def _job_method(self, method: str) -> Callable[[dict[str, Any]], Awaitable[Any]]:
         async def call(params: dict[str, Any]) -> Any:

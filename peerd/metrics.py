@@ -12,7 +12,7 @@ exporter/proxy. Any GET path answers with the metrics (prometheus_client's choic
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 from wsgiref.simple_server import WSGIServer
 
@@ -44,6 +44,26 @@ class StatusCollector(Collector):
         view = self.view()
         yield from self._peers(view)
         yield from self._jobs(view.get("jobs", []))
+        yield from self._refusals(view.get("refusals") or {})
+
+    def _refusals(self, refusals: dict[str, Any]) -> Iterator[Metric]:
+        """What this daemon refused from other peers, by layer and code (``peerd.swarm.rejections``)."""
+        family = CounterMetricFamily(
+            "peerd_refusals",
+            "Streams and records this daemon refused or rejected from other peers, by layer and error code.",
+            labels=["layer", "code"],
+        )
+        for layer, counts in sorted(refusals.items()):
+            if isinstance(counts, dict):
+                for code, n in sorted(counts.items()):
+                    _add(family, n, layer, code)
+        yield family
+        if "bans" in refusals:
+            yield CounterMetricFamily(
+                "peerd_bans",
+                "Bans this daemon issued to peers after garbage or exceeded limits.",
+                value=refusals["bans"],
+            )
 
     def _peers(self, view: dict[str, Any]) -> Iterator[Metric]:
         states: dict[str, int] = {}
@@ -166,16 +186,25 @@ class StatusCollector(Collector):
 class MetricsServer:
     """``GET /metrics`` on ``127.0.0.1:port`` with the series of ``view()``; ``start()`` / ``close()``."""
 
-    def __init__(self, port: int, view: Callable[[], dict[str, Any]], host: str = "127.0.0.1") -> None:
+    def __init__(
+        self,
+        port: int,
+        view: Callable[[], dict[str, Any]],
+        host: str = "127.0.0.1",
+        refresh: Callable[[], Awaitable[None]] | None = None,
+    ) -> None:
+        """``refresh``: awaited before each scrape reads ``view()`` (counts another process keeps)."""
         if not 0 < port < 65536:
             raise ConfigError("metrics_port", f"must be a TCP port 1-65535, got {port}")
-        self.host, self.port, self.view = host, port, view
+        self.host, self.port, self.view, self.refresh = host, port, view, refresh
         self._httpd: WSGIServer | None = None
 
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
 
         async def read() -> dict[str, Any]:
+            if self.refresh is not None:
+                await self.refresh()
             return self.view()
 
         def on_loop() -> dict[str, Any]:  # runs in the HTTP server's thread

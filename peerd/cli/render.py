@@ -192,6 +192,8 @@ def render_status(view: dict[str, Any]) -> RenderableType:
         elif me.get("access") == "secret":
             parts.append(Text("access:    members only (swarm secret)"))
         parts.append(Text(f"peer id:   {me['peer_id']}"))
+    if view.get("refusals") is not None:
+        parts.append(Text(f"refused:   {refusals_line(view['refusals'], (me or {}).get('banned') or {})}"))
     if view.get("stale"):
         parts.append(Text("the DHT did not answer; showing the last known table", style="yellow"))
     parts.append(peers_table(view))
@@ -202,6 +204,20 @@ def render_status(view: dict[str, Any]) -> RenderableType:
         names = {peer["peer_id"]: peer["name"] for peer in view.get("peers", [])}
         parts += [jobs_table(jobs), *(job_panel(v, names) for v in jobs if v["state"] != "pending")]
     return Group(*parts)
+
+
+def refusals_line(refusals: dict[str, Any], banned: dict[str, Any]) -> str:
+    """``3 (streams: BANNED 2, NOT_ALLOWED 1; dht records: BAD_SIGNATURE 1); 1 ban, 1 peer banned now``."""
+    layers = [
+        f"{layer.replace('_', ' ')}: {', '.join(f'{code} {n}' for code, n in counts.items())}"
+        for layer, counts in refusals.items()
+        if isinstance(counts, dict) and counts
+    ]
+    line = f"{refusals.get('total', 0)}" + (f" ({'; '.join(layers)})" if layers else "")
+    bans = refusals.get("bans", 0)
+    if bans or banned:
+        line += f"; {bans} ban{'s' * (bans != 1)}, {len(banned)} peer{'s' * (len(banned) != 1)} banned now"
+    return line
 
 
 # -- jobs -----------------------------------------------------------------------------------------

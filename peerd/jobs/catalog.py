@@ -13,7 +13,7 @@ planner committed.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Annotated
 
 from msgspec import Meta
@@ -53,8 +53,11 @@ class Rejections:
     not_owner: int = 0
     malformed: int = 0
     from_future: int = 0
+    codes: dict[str, int] = field(default_factory=dict)
+    """Every rejection by its error code's name (``peerd status``: refusals.job_records)."""
 
     def count(self, exc: ProtocolError) -> None:
+        self.codes[exc.code.name] = self.codes.get(exc.code.name, 0) + 1
         if exc.code in (ErrorCode.NOT_OWNER, ErrorCode.BAD_SIGNATURE):
             self.not_owner += 1
         elif exc.code == ErrorCode.FROM_FUTURE:

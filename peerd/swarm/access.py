@@ -21,8 +21,9 @@ from pathlib import Path
 
 from hivemind.dht.validation import DHTRecord, RecordValidatorBase
 
-from peerd.errors import ConfigError
+from peerd.errors import ConfigError, ErrorCode
 from peerd.log import get_logger
+from peerd.swarm.rejections import count_dht
 from peerd.swarm.secret import SECRET_MIN_BYTES, load_swarm_secret
 
 logger = get_logger(__name__)
@@ -67,11 +68,13 @@ class SwarmSecretValidator(RecordValidatorBase):
         match = _MAC_SUFFIX.search(record.value[-_MAC_LEN:])
         if match is None:
             self.rejected += 1
+            count_dht(ErrorCode.NOT_ALLOWED)
             logger.debug("rejected a DHT record without the swarm MAC")
             return False
         inner = record.value[:-_MAC_LEN]
         if not hmac.compare_digest(match.group(1), self._mac(record, inner)):
             self.rejected += 1
+            count_dht(ErrorCode.NOT_ALLOWED)
             logger.debug("rejected a DHT record with a wrong swarm MAC")
             return False
         return True

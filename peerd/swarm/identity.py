@@ -33,6 +33,7 @@ from peerd.errors import ConfigError, ErrorCode, ProtocolError
 from peerd.log import get_logger
 from peerd.swarm.keys import DEFAULT_SWARM, peers_key
 from peerd.swarm.records import PeerRecord, validate_peer_record
+from peerd.swarm.rejections import count_dht
 
 logger = get_logger(__name__)
 
@@ -209,14 +210,17 @@ class PeerRecordValidator(RecordValidatorBase):
             subkey = MSGPackSerializer.loads(record.subkey)
             value = MSGPackSerializer.loads(record.value)
         except Exception as exc:
+            count_dht(ErrorCode.MALFORMED)
             logger.debug("rejected peer entry in swarm %s: undecodable (%s)", swarm, exc)
             return False
         try:
             check_peer_entry(subkey, value, record.expiration_time, now=get_dht_time())
         except ProtocolError as exc:
+            count_dht(exc.code)
             logger.debug("rejected peer entry in swarm %s: %s", swarm, exc)
             return False
         except Exception:  # a bug here must not take the DHT process down; reject and say so
+            count_dht(ErrorCode.INTERNAL)
             logger.warning("peer record validator failed unexpectedly", exc_info=True)
             return False
         return True
@@ -232,6 +236,16 @@ class PeerRecordValidator(RecordValidatorBase):
         return True
 
 
+class CountingRSAValidator(RSASignatureValidator):
+    """hivemind's signature check, counting the records it rejects (a forged or missing owner signature)."""
+
+    def validate(self, record: DHTRecord) -> bool:
+        if super().validate(record):
+            return True
+        count_dht(ErrorCode.BAD_SIGNATURE)
+        return False
+
+
 def make_record_validators(
     identity: Identity, swarms: str | Iterable[str] = DEFAULT_SWARM
 ) -> list[RecordValidatorBase]:
@@ -242,4 +256,4 @@ def make_record_validators(
     hivemind keeps only the first one it is given.
     """
     swarm_list = [swarms] if isinstance(swarms, str) else list(swarms)
-    return [RSASignatureValidator(identity.private_key), PeerRecordValidator(swarm_list)]
+    return [CountingRSAValidator(identity.private_key), PeerRecordValidator(swarm_list)]

@@ -26,6 +26,7 @@ from hivemind.utils import get_dht_time
 
 from peerd.errors import ConfigError, ErrorCode, PeerdError, PeerUnavailable
 from peerd.log import get_logger
+from peerd.swarm.rejections import dht_rejections
 
 logger = get_logger(__name__)
 
@@ -133,6 +134,19 @@ class SwarmNode:
     def now() -> float:
         """DHT time (seconds); peers assume their clocks agree within a few seconds."""
         return get_dht_time()
+
+    async def dht_rejections(self, timeout: float = 5.0) -> dict[str, int]:
+        """DHT records this node's validators rejected, by error code (counted in the DHT process)."""
+        if not self.alive:
+            raise PeerUnavailable("the DHT process has exited", code=ErrorCode.PEER_UNAVAILABLE)
+        future = self.dht.run_coroutine(dht_rejections, return_future=True)
+        try:
+            return await asyncio.wait_for(asyncio.wrap_future(future), timeout)
+        except TimeoutError:
+            future.cancel()
+            raise PeerUnavailable(
+                f"the DHT process did not answer within {timeout:g} s", code=ErrorCode.TIMEOUT
+            ) from None
 
     async def shutdown(self, timeout: float = 10.0) -> None:
         """Close the P2P replica, then the DHT (which stops p2pd); kills what is left after ``timeout``."""

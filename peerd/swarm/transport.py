@@ -306,6 +306,8 @@ class Transport:
         self.streams = streams  # protocols with an allow-list
         self.open_streams = open_streams  # protocols any peer may open
         self.refusals: dict[ErrorCode, int] = {}  # streams refused before their handler ran, by code
+        # streams a handler ended on the peer's fault (a refused hello, a spent budget, garbage), by code
+        self.rejections: dict[ErrorCode, int] = {}
         self._lingering_refusals = 0
         self.retry = retry
         self.bans = PeerBans(retry, clock)  # peers we failed to reach (connect backs off)
@@ -473,6 +475,7 @@ class Transport:
                 linger = await self._refuse(conn, protocol, exc)
                 lingering_refusal = linger > 0
             elif exc.code in _REFUSAL_CODES:  # the handler refused more work (e.g. a spent byte budget)
+                self._rejected(exc)
                 logger.info("%s stream from %s refused: %s", protocol, peer_id, exc)
                 await self._try_send_error(conn, exc.code, exc.message)
             else:  # the remote went away or stalled: nobody left to tell
@@ -483,6 +486,7 @@ class Transport:
                 linger = await self._refuse(conn, protocol, exc)
                 lingering_refusal = linger > 0
             else:
+                self._rejected(exc)
                 logger.info("%s stream from %s failed: %s", protocol, peer_id, exc)
                 await self._try_send_error(conn, exc.code, exc.message)
         except PeerdError as exc:
@@ -509,6 +513,10 @@ class Transport:
             finally:
                 if lingering_refusal:
                     self._lingering_refusals -= 1
+
+    def _rejected(self, exc: PeerdError) -> None:
+        if not exc.from_remote:  # an error frame the remote sent us is its verdict, not ours
+            self.rejections[exc.code] = self.rejections.get(exc.code, 0) + 1
 
     def _judge(self, peer_id: PeerID, protocol: str, exc: PeerdError) -> None:
         """Count an offence when ``exc`` ended ``peer_id``'s stream through the peer's own fault."""

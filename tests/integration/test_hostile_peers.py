@@ -9,14 +9,17 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 import threading
 import time
+import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 from hivemind.p2p import P2P, PeerID
+from prometheus_client.parser import text_string_to_metric_families
 
 from peerd.errors import ErrorCode, PeerdError, PeerUnavailable
 from peerd.swarm.framing import encode_frame, read_frame
@@ -68,10 +71,40 @@ class Attackers:
             await p2p.shutdown()
 
 
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 @pytest.fixture(scope="module")
 def victim(module_local_swarm: Callable[..., Any]) -> Any:
-    swarm = module_local_swarm(1, ban_s=BAN_S)
+    swarm = module_local_swarm(1, ban_s=BAN_S, metrics_port=_free_port())
     return swarm.peers[0]
+
+
+def refusals(victim: Any) -> dict[str, Any]:
+    """The victim's ``peerd status`` counters of what it refused (peerd.swarm.rejections)."""
+    return victim.status()["refusals"]
+
+
+def scraped_refusals(victim: Any) -> dict[tuple[str, str], float]:
+    """``peerd_refusals_total`` (and ``peerd_bans_total`` as ("bans", "")) from the victim's /metrics."""
+    url = f"http://127.0.0.1:{victim.options['metrics_port']}/metrics"
+    with urllib.request.urlopen(url, timeout=10) as reply:
+        text = reply.read().decode()
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name == "peerd_refusals_total":
+                out[(s.labels["layer"], s.labels["code"])] = s.value
+            elif s.name == "peerd_bans_total":
+                out[("bans", "")] = s.value
+    return out
+
+
+def moved(before: dict[str, Any], after: dict[str, Any], layer: str, code: str) -> int:
+    return after[layer].get(code, 0) - before[layer].get(code, 0)
 
 
 @pytest.fixture
@@ -113,6 +146,7 @@ def test_probe_download_answers_are_bounded_by_the_per_peer_byte_budget(attacker
             "refused": None if refused is None else refused.code.name,
         }
 
+    before = refusals(victim)
     got = attackers.run(go())
     allowed = budget.answer_burst_bytes + budget.answer_rate_Bps * got["elapsed"] + (1 << 20)
     report(
@@ -126,6 +160,7 @@ def test_probe_download_answers_are_bounded_by_the_per_peer_byte_budget(attacker
     )
     assert got["received"] <= allowed
     assert got["refused"] == ErrorCode.RATE_LIMITED.name  # told why, with a code, not silently cut
+    assert moved(before, refusals(victim), "handlers", "RATE_LIMITED") == 1  # and counted
     # the budget refills: after a pause a legitimate probe from the same peer is answered again
     attackers.run(asyncio.sleep(2.0))
     m = attackers.run(LinkProber(attackers.transports[0], QUICK).probe(attackers.victim))
@@ -270,7 +305,10 @@ def test_a_peer_that_keeps_sending_garbage_is_banned_until_the_ban_expires(attac
             "second_ban_s": second_ban,
         }
 
+    before = refusals(victim)
     got = attackers.run(go())
+    after = refusals(victim)
+    scraped = scraped_refusals(victim)
     report("garbage-ban", **{k: (round(v, 1) if isinstance(v, float) else v) for k, v in got.items()})
     assert got["answers"] == ["MALFORMED"] * 3 + ["BANNED"]  # 3 garbage streams ban (4 points each, 10 ban)
     assert got["banned_s"] is not None and 0 < got["banned_s"] <= BAN_S
@@ -279,6 +317,15 @@ def test_a_peer_that_keeps_sending_garbage_is_banned_until_the_ban_expires(attac
     assert got["waited_s"] <= BAN_S + 2 and got["after"] == "ok"  # the ban expires by itself
     assert got["again"] == ["MALFORMED"] * 3
     assert got["second_ban_s"] is not None and BAN_S < got["second_ban_s"] <= 2 * BAN_S  # it doubled
+    # counted in peerd status and /metrics: 6 garbage streams, >= 2 refused while banned, 2 bans
+    assert moved(before, after, "handlers", "MALFORMED") == 6
+    assert moved(before, after, "streams", "BANNED") >= 2
+    assert after["bans"] - before["bans"] == 2
+    assert scraped[("handlers", "MALFORMED")] >= after["handlers"]["MALFORMED"]
+    assert (
+        scraped[("streams", "BANNED")] >= after["streams"]["BANNED"]
+        and scraped[("bans", "")] >= after["bans"]
+    )
 
 
 def _rss_bytes(pid: int) -> int:

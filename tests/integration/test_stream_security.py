@@ -11,6 +11,7 @@ others with ``PeerMisbehaved`` naming it (what the runner suspects), instead of 
 from __future__ import annotations
 
 import asyncio
+from collections import Counter
 from collections.abc import Iterator
 
 import pytest
@@ -155,6 +156,12 @@ def test_pipeline_streams_take_only_the_current_epochs_neighbour(peers: Peers):
         finally:
             await me.stop_serving(protocol)
 
+    def counted_by(t: Transport) -> Counter[str]:
+        return Counter({c.name: n for c, n in t.refusals.items()}) + Counter(
+            {c.name: n for c, n in t.rejections.items()}
+        )
+
+    counted = counted_by(me)
     errors, got = peers.run(go())
     codes = {k: (v.code if v is not None else None) for k, v in errors.items()}
     assert codes == {
@@ -168,6 +175,8 @@ def test_pipeline_streams_take_only_the_current_epochs_neighbour(peers: Peers):
     assert stats.refused == {"stranger": 1, "stale_epoch": 1, "future_epoch": 2, "no_hello": 1}
     assert stats.rejected == {"NOT_ALLOWED": 2, "STALE": 1, "FROM_FUTURE": 2}
     assert stats.snapshot()["refused"] == dict(stats.refused)  # what the worker's reports carry
+    # the daemon-wide counters (peerd status: refusals.streams before the handler, .handlers in it)
+    assert counted_by(me) - counted == stats.rejected
 
 
 def test_averaging_streams_take_only_the_current_epochs_members(peers: Peers):

@@ -57,6 +57,15 @@ VIEW = {
             "progress": {"step": 0, "loss": None},
         },
     ],
+    # peerd.swarm.rejections: what this daemon refused from other peers
+    "refusals": {
+        "streams": {"BANNED": 2},
+        "handlers": {"MALFORMED": 3, "STALE": 1},
+        "dht_records": {"BAD_SIGNATURE": 4},
+        "job_records": {},
+        "bans": 1,
+        "total": 10,
+    },
 }
 LINK = {"src": "QmA", "dst": "QmB", "src_name": 'peer"0', "dst_name": "peer1"}
 # every series the endpoint exports: (name, labels) -> value
@@ -86,8 +95,19 @@ EXPECTED = {
     ("peerd_job_last_recovery_seconds", (("job", JOB),)): 4.5,
     ("peerd_job_info", (("job", LATE), ("name", "old"), ("state", "done"), ("owner", "QmC"))): 1,
     ("peerd_job_steps", (("job", LATE),)): 120,  # and no peerd_job_step sample: unknown is not 0
+    ("peerd_refusals_total", (("layer", "streams"), ("code", "BANNED"))): 2,
+    ("peerd_refusals_total", (("layer", "handlers"), ("code", "MALFORMED"))): 3,
+    ("peerd_refusals_total", (("layer", "handlers"), ("code", "STALE"))): 1,
+    ("peerd_refusals_total", (("layer", "dht_records"), ("code", "BAD_SIGNATURE"))): 4,
+    ("peerd_bans_total", ()): 1,
 }
-COUNTERS = {"peerd_job_wire_bytes", "peerd_job_raw_bytes", "peerd_job_replans"}
+COUNTERS = {
+    "peerd_job_wire_bytes",
+    "peerd_job_raw_bytes",
+    "peerd_job_replans",
+    "peerd_refusals",
+    "peerd_bans",
+}
 
 
 def series(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:

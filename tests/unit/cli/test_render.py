@@ -155,3 +155,24 @@ def test_a_recovering_job_shows_its_re_plans_suspects_and_this_tasklets_recovery
     assert "RECOVERING" in out and "re-plans: 1 (latest in epoch 4: peer QmD stopped answering)" in out
     assert "suspected: QmD" in out
     assert "resumed at step 7 in 3.2 s (state from peer QmB, 1 step(s) redone)" in out
+
+
+def test_status_says_what_this_peer_refused_by_layer_and_code(capsys) -> None:
+    me = {"name": "alpha", "state": "online", "swarm": "default", "peer_id": "Qm" + "a" * 44}
+    refusals = {
+        "streams": {"BANNED": 2},
+        "handlers": {"MALFORMED": 3},
+        "dht_records": {},
+        "job_records": {"NOT_OWNER": 1},
+        "bans": 1,
+        "total": 6,
+    }
+    view = {"peers": [], "self": {**me, "access": "open", "banned": {"QmX": 3.0}}, "refusals": refusals}
+    console().print(render_status(view))
+    out = capsys.readouterr().out
+    line = "refused:   6 (streams: BANNED 2; handlers: MALFORMED 3; job records: NOT_OWNER 1); 1 ban, 1 peer banned now"
+    assert line in out
+    console().print(
+        render_status({"peers": [], "self": me, "refusals": {"streams": {}, "bans": 0, "total": 0}})
+    )
+    assert "refused:   0\n" in capsys.readouterr().out
