@@ -1,7 +1,8 @@
 """Device profile: what the local device is and how fast it multiplies matrices, cached on disk.
 
 TFLOPS come from timing dense square matmuls (2·n³ flops each) per dtype the device
-supports; the measurement is cached in a JSON file under a key made of the hardware
+supports, memory bandwidth from timing a large device-to-device copy (what decoding with a
+KV cache is bound by: the RL cost model's generation term); the measurement is cached in a JSON file under a key made of the hardware
 and software versions (CPU model / GPU name, device string, torch, peerd, CUDA), so a
 restart skips it and an upgrade re-measures. Free memory is always read live.
 """
@@ -37,6 +38,9 @@ _MATMUL_N = {DeviceKind.CPU: 512, DeviceKind.CUDA: 8192, DeviceKind.MPS: 2048}
 # Time budget per dtype; CPU measures fp32 + bf16, so the whole profile stays under ~2 s there.
 _BUDGET_S = {DeviceKind.CPU: 0.6, DeviceKind.CUDA: 0.5, DeviceKind.MPS: 0.5}
 _WINDOWS = 3
+# Copy size per device kind: well past the last-level cache (CPU) or L2 (GPU), so the copy streams memory.
+_COPY_BYTES = {DeviceKind.CPU: 64 << 20, DeviceKind.CUDA: 1 << 30, DeviceKind.MPS: 256 << 20}
+_COPY_BUDGET_S = 0.3
 
 
 def resolve_device(device: str = "auto") -> torch.device:
@@ -212,6 +216,23 @@ def measure_tflops(dev: torch.device, *, budget_s: float | None = None) -> dict[
     return results
 
 
+def measure_memory_bandwidth(dev: torch.device, *, budget_s: float = _COPY_BUDGET_S) -> float:
+    """Median device-memory bandwidth (GB/s) of a large copy: each copy reads and writes its bytes once."""
+    nbytes = _COPY_BYTES[device_kind(dev)]
+    src = torch.ones(nbytes // 4, device=dev, dtype=torch.float32)
+    dst = torch.empty_like(src)
+    dst.copy_(src)  # warm-up: page faults and allocation happen here, not in the timing
+    _synchronize(dev)
+    rates = []
+    deadline = time.perf_counter() + budget_s
+    while len(rates) < _WINDOWS or (time.perf_counter() < deadline and len(rates) < 20):
+        start = time.perf_counter()
+        dst.copy_(src)
+        _synchronize(dev)
+        rates.append(2.0 * nbytes / (time.perf_counter() - start) / 1e9)
+    return statistics.median(rates)
+
+
 def hardware_fingerprint(dev: torch.device) -> dict[str, Any]:
     """Everything that, when it changes, invalidates a cached measurement."""
     return {
@@ -254,16 +275,19 @@ def _load_cache(path: Path) -> dict[str, Any]:
     return data["entries"]
 
 
-def _cached_profile(entry: Any, fingerprint: dict[str, Any]) -> tuple[dict[str, float], float] | None:
-    """(tflops, measured_at) from a cache entry, or None if it is not a well-formed entry for this fingerprint."""
+def _cached_profile(entry: Any, fingerprint: dict[str, Any]) -> tuple[dict[str, float], float, float] | None:
+    """(tflops, memory GB/s, measured_at) from a cache entry, or None if it is not a well-formed entry
+    for this fingerprint (entries written before the bandwidth was measured count as missing)."""
     if not isinstance(entry, dict) or entry.get("fingerprint") != fingerprint:
         return None
-    tflops, measured_at = entry.get("tflops"), entry.get("measured_at")
+    tflops, measured_at, gb_s = entry.get("tflops"), entry.get("measured_at"), entry.get("memory_gb_s")
     if not isinstance(tflops, dict) or not isinstance(measured_at, int | float) or "fp32" not in tflops:
         return None
     if not all(isinstance(k, str) and isinstance(v, int | float) and v > 0 for k, v in tflops.items()):
         return None
-    return {k: float(v) for k, v in tflops.items()}, float(measured_at)
+    if not isinstance(gb_s, int | float) or isinstance(gb_s, bool) or not gb_s > 0:
+        return None
+    return {k: float(v) for k, v in tflops.items()}, float(gb_s), float(measured_at)
 
 
 def _store_cache(path: Path, entries: dict[str, Any]) -> None:
@@ -295,20 +319,27 @@ def profile_device(
     entries = _load_cache(path) if path is not None else {}
     cached = None if refresh else _cached_profile(entries.get(key), fingerprint)
     if cached is not None:
-        tflops, measured_at = cached
+        tflops, gb_s, measured_at = cached
         logger.debug("device profile for %s from cache %s", dev, path)
     else:
         start = time.perf_counter()
         tflops = measure_tflops(dev, budget_s=budget_s)
+        gb_s = measure_memory_bandwidth(dev)
         measured_at = get_dht_time()
         logger.info(
-            "measured %s in %.1f s: %s",
+            "measured %s in %.1f s: %s, memory %.3g GB/s",
             dev,
             time.perf_counter() - start,
             ", ".join(f"{k} {v:.3g} TFLOPS" for k, v in tflops.items()),
+            gb_s,
         )
         if path is not None:
-            entries[key] = {"fingerprint": fingerprint, "tflops": tflops, "measured_at": measured_at}
+            entries[key] = {
+                "fingerprint": fingerprint,
+                "tflops": tflops,
+                "memory_gb_s": gb_s,
+                "measured_at": measured_at,
+            }
             _store_cache(path, entries)
     total, free = memory_info(dev)
     return DeviceProfile(
@@ -318,4 +349,5 @@ def profile_device(
         memory_free_bytes=free,
         tflops=tflops,
         measured_at=measured_at,
+        memory_gb_s=round(gb_s, 3),
     )

@@ -16,7 +16,7 @@ from msgspec import Meta
 
 from peerd.errors import ErrorCode, ProtocolError
 from peerd.wire import Schema, WireStruct, canonical_pack, to_builtin
-from peerd.wire.types import Count, PeerId, Real
+from peerd.wire.types import Count, PeerId, PositiveReal, Real
 
 PROTOCOL_VERSION = 1
 PEER_RECORD_KIND = "peer"
@@ -74,6 +74,7 @@ class DeviceProfile(WireStruct, kw_only=True):
         default_factory=dict
     )
     measured_at: Real  # when the TFLOPS were measured (DHT time, seconds)
+    memory_gb_s: PositiveReal | None = None  # measured device-memory copy bandwidth (GB/s); absent from older peers
 
 
 class LinkMeasurement(WireStruct, kw_only=True):

@@ -42,6 +42,7 @@ class RosterDevice(FrozenWireStruct, frozen=True):
     tflops: Real  # measured dense throughput
     memory_bytes: Count  # usable accelerator memory
     region: str = ""  # free-form label (clustering seed), "" when unknown
+    memory_bandwidth: PositiveReal | None = None  # measured bytes/s of a device-memory copy (RL decode cost)
 
 
 class RosterLink(FrozenWireStruct, frozen=True):

@@ -100,8 +100,10 @@ def test_cache_is_written_and_reused(measured, monkeypatch):
         raise AssertionError("measured although a matching cache entry exists")
 
     monkeypatch.setattr(profiling, "measure_tflops", must_not_measure)
+    monkeypatch.setattr(profiling, "measure_memory_bandwidth", must_not_measure)
     again = profile_device("cpu", cache_path=cache)
     assert again.tflops == first.tflops and again.measured_at == first.measured_at
+    assert again.memory_gb_s == first.memory_gb_s
 
 
 def test_free_memory_is_read_live(measured, monkeypatch):
@@ -144,6 +146,24 @@ def test_corrupt_cache_is_ignored_and_replaced(tmp_path, content):
     prof = profile_device("cpu", cache_path=cache, budget_s=BUDGET)
     assert prof.tflops["fp32"] > 0
     assert json.loads(cache.read_text())["format"] == profiling.CACHE_FORMAT
+
+
+def test_memory_bandwidth_is_measured_and_carried(measured):
+    _, prof = measured
+    # A CPU's DRAM copy bandwidth: more than 0.1 GB/s on anything that runs peerd, below 10 TB/s.
+    assert prof.memory_gb_s is not None and 0.1 < prof.memory_gb_s < 10_000
+
+
+def test_an_entry_from_before_the_bandwidth_is_remeasured(tmp_path):
+    cache = tmp_path / "profiles.json"
+    profile_device("cpu", cache_path=cache, budget_s=BUDGET)
+    data = json.loads(cache.read_text())
+    for entry in data["entries"].values():
+        del entry["memory_gb_s"]
+    cache.write_text(json.dumps(data))
+    again = profile_device("cpu", cache_path=cache, budget_s=BUDGET)
+    assert again.memory_gb_s is not None and again.memory_gb_s > 0
+    assert all("memory_gb_s" in e for e in json.loads(cache.read_text())["entries"].values())
 
 
 def test_tampered_entry_is_remeasured(tmp_path):
