@@ -127,6 +127,13 @@ def test_the_runner_builds_the_hf_model_with_its_finetune_checkpoint(tmp_path: P
 
 
 @pytest.mark.parametrize("path", ["configs/jobs/hf-llama-tiny.yaml", "configs/jobs/hf-llama-finetune.yaml"])
-def test_the_shipped_hf_examples_load_and_plan(path: str) -> None:
-    spec = load_job_spec(path)
+def test_the_shipped_hf_examples_load_and_plan(
+    path: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    spec_file = Path(path).resolve()
+    # the fine-tune's corpus (my-corpus/*.txt) is the owner's: submit reads it, so give it one
+    (tmp_path / "my-corpus").mkdir()
+    (tmp_path / "my-corpus" / "sample.txt").write_bytes(b"an owner's own text. " * 400)
+    monkeypatch.chdir(tmp_path)
+    spec = load_job_spec(spec_file)
     assert spec.model.family().name == "llama" and job_model(spec).model.layers == 6
