@@ -131,6 +131,8 @@ class JobManager:
         """Validate ``params["spec"]`` (a mapping), sign and publish it; returns the job id."""
         spec = parse_job_spec(params.get("spec"), source=str(params.get("source") or "spec"))
         job_model(spec)  # the planner can size it (ConfigError otherwise)
+        if spec.kind == "rl":  # the spec is defined (peerd.rl.spec); its runtime is not wired in yet
+            raise ConfigError("kind", "this daemon cannot run 'rl' jobs yet (see peerd.rl for the GRPO core)")
         errors, warnings = unsupported(spec)
         if errors:
             raise errors[0]

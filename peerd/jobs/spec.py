@@ -24,6 +24,8 @@ from peerd.loading import ConfigProblems, Range, collect, from_mapping, load_map
 from peerd.models.gpt import PRESETS, GPTConfig
 from peerd.models.hf import CONFIG_METADATA
 from peerd.models.registry import GPTFamily, ModelFamily, hf_family
+from peerd.rl.spec import RLSpec
+from peerd.rl.tasks import make_task
 from peerd.sched.consensus.config import ConsensusTiming
 
 Auto = Literal["auto"]
@@ -199,7 +201,9 @@ class JobSpec:
     """One training job, as its owner submits it."""
 
     kind: str
-    """``pretrain`` from fresh weights, or ``finetune`` from ``init_checkpoint`` (``rl`` is reserved)."""
+    """``pretrain`` from fresh weights, ``finetune`` from ``init_checkpoint``, or ``rl``: GRPO
+    post-training on a verifiable task (the ``rl`` section; how it reads the other fields:
+    ``peerd.rl.spec``)."""
     model: ModelChoice
     steps: Count
     """Optimizer steps to run."""
@@ -230,6 +234,12 @@ class JobSpec:
     max_peers: Annotated[int | None, Range(ge=1)] = None
     """At most this many peers take part (null: no limit)."""
     planning: PlanningSpec = field(default_factory=PlanningSpec)
+    rl: RLSpec | None = None
+    """``kind: rl`` only: the task, group size, sampling, loss and warm-up (defaults if left out)."""
+
+    def rl_settings(self) -> RLSpec:
+        """The ``rl`` section with its defaults (an ``rl`` job may leave it out)."""
+        return self.rl if self.rl is not None else RLSpec()
 
     def problems(self) -> list[ConfigError]:
         """The checks between fields and sections (each section checked itself already)."""
@@ -248,12 +258,12 @@ class JobSpec:
         return out
 
     def _kind_problems(self) -> list[ConfigError]:
+        if self.kind not in ("pretrain", "finetune", "rl"):
+            return [ConfigError("kind", f"must be 'pretrain', 'finetune' or 'rl', got {self.kind!r}")]
         if self.kind == "rl":
-            return [
-                ConfigError("kind", "'rl' is reserved and not supported yet; use 'pretrain' or 'finetune'")
-            ]
-        if self.kind not in ("pretrain", "finetune"):
-            return [ConfigError("kind", f"must be 'pretrain' or 'finetune', got {self.kind!r}")]
+            return self._rl_problems()
+        if self.rl is not None:
+            return [ConfigError("rl", f"only used by kind 'rl', not {self.kind!r}")]
         if self.kind == "finetune" and self.init_checkpoint is None:
             return [ConfigError("init_checkpoint", "finetune needs a checkpoint to start from")]
         if self.kind == "pretrain" and self.init_checkpoint is not None:
@@ -261,6 +271,67 @@ class JobSpec:
                 ConfigError("init_checkpoint", "only used by finetune (pretrain starts from fresh weights)")
             ]
         return []
+
+    def _rl_problems(self) -> list[ConfigError]:
+        """What an ``rl`` job's runtime can honour (see ``peerd.rl.spec``); the rest is refused by name."""
+        rl, out = self.rl_settings(), []
+        if self.init_checkpoint is not None:
+            out.append(ConfigError("init_checkpoint", "not supported for kind 'rl' yet (use rl.warmup)"))
+        if self.model.hf is not None:
+            out.append(
+                ConfigError("model.hf", "rl jobs sample with the built-in GPT's KV cache: use model.preset")
+            )
+        if self.precision != "fp32":
+            out.append(ConfigError("precision", f"rl jobs train in fp32, got {self.precision}"))
+        if self.data != DataConfig():
+            out.append(ConfigError("data", "rl jobs take their problems from rl.task: leave data out"))
+        if self.compression != CompressionSpec():
+            out.append(
+                ConfigError("compression", "rl jobs have no pipeline or averaging streams: leave it out")
+            )
+        for dim, value in (("d_pp", self.parallel.d_pp), ("d_dp", self.parallel.d_dp)):
+            if value not in ("auto", 1):
+                out.append(
+                    ConfigError(f"parallel.{dim}", f"rl jobs run one trainer: must be 1 or auto, got {value}")
+                )
+        if self.min_peers < 2:
+            out.append(
+                ConfigError(
+                    "min_peers", f"rl jobs need a trainer and a rollout peer: >= 2, got {self.min_peers}"
+                )
+            )
+        g = rl.group_size
+        if min(g, self.global_batch, self.micro_batch) < 1:
+            pass  # their bounds are reported already
+        elif self.global_batch % g:
+            out.append(
+                ConfigError(
+                    "global_batch",
+                    f"completions per iteration: a multiple of rl.group_size={g}, got {self.global_batch}",
+                )
+            )
+        elif self.micro_batch % g or self.global_batch % self.micro_batch:
+            out.append(
+                ConfigError(
+                    "micro_batch",
+                    f"completions per update: whole groups of rl.group_size={g} dividing "
+                    f"global_batch={self.global_batch}, got {self.micro_batch}",
+                )
+            )
+        if self.model.preset is not None and not self.model.problems():
+            try:
+                need = make_task(rl.task).max_prompt_len + rl.sampling.max_new_tokens
+            except ConfigError:  # the task section's own problems are reported field by field already
+                return out
+            room = self.model.gpt_config().max_seq_len
+            if need > room:
+                out.append(
+                    ConfigError(
+                        "rl.sampling.max_new_tokens",
+                        f"the longest prompt plus the completion ({need} tokens) exceeds max_seq_len {room}",
+                    )
+                )
+        return out
 
     def _size_problems(self) -> list[ConfigError]:
         """Numbers no run can use (a peer's record may carry anything): above int32, or a decay >= 10."""

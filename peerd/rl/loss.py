@@ -33,11 +33,11 @@ class GRPOLossConfig:
 
     clip_low: Annotated[float, Range(gt=0, lt=1)] = 0.2
     """The ratio is clipped below at ``1 - clip_low``."""
-    clip_high: Annotated[float, Range(gt=0)] = 0.2
+    clip_high: Annotated[float, Range(gt=0, le=100)] = 0.2
     """... and above at ``1 + clip_high`` (DAPO raises it to leave low-probability tokens room)."""
-    kl_coef: Annotated[float, Range(ge=0)] = 0.04
+    kl_coef: Annotated[float, Range(ge=0, le=1000)] = 0.04
     """Weight of the k3 KL penalty to the frozen reference; 0 turns it off."""
-    adv_eps: Annotated[float, Range(gt=0)] = 1e-4
+    adv_eps: Annotated[float, Range(gt=0, le=1)] = 1e-4
     """Added to the group's reward std, so a group of equal rewards gets advantage 0, not NaN."""
     aggregation: Aggregation = "token-mean"
     """``token-mean`` or ``seq-mean`` (see the module docstring)."""

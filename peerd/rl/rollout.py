@@ -32,11 +32,11 @@ from peerd.rl.tasks import END_TOKEN, PAD_TOKEN, Problem, Score
 class SamplingConfig:
     """How rollout peers sample."""
 
-    max_new_tokens: Annotated[int, Range(ge=1)] = 8
+    max_new_tokens: Annotated[int, Range(ge=1, le=1 << 16)] = 8
     """Longest completion, end marker included; a row that reaches it unfinished is cut there."""
-    temperature: Annotated[float, Range(ge=0)] = 1.0
+    temperature: Annotated[float, Range(ge=0, le=100)] = 1.0
     """Logits are divided by it; 0 means greedy (argmax), for evaluation."""
-    top_k: Annotated[int, Range(ge=0)] = 0
+    top_k: Annotated[int, Range(ge=0, le=1 << 20)] = 0
     """Sample among the k most likely tokens only; 0 = the whole vocabulary."""
 
 

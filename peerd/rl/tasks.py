@@ -78,9 +78,9 @@ class Score:
 class RewardConfig:
     """Weights of the two reward terms."""
 
-    correct_weight: Annotated[float, Range(ge=0)] = 1.0
+    correct_weight: Annotated[float, Range(ge=0, le=1e6)] = 1.0
     """Reward of an exactly correct, well-formed answer."""
-    format_weight: Annotated[float, Range(ge=0)] = 0.1
+    format_weight: Annotated[float, Range(ge=0, le=1e6)] = 0.1
     """Reward of a well-formed answer (the alphabet, closed by the end marker), correct or not."""
 
     def problems(self) -> list[ConfigError]:

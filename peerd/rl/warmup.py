@@ -29,13 +29,13 @@ log = get_logger(__name__)
 class WarmupConfig:
     """The supervised warm-up before GRPO."""
 
-    steps: Annotated[int, Range(ge=0)] = 300
+    steps: Annotated[int, Range(ge=0, le=2**31 - 1)] = 300
     """Optimizer steps; 0 starts GRPO from the given weights."""
-    batch_size: Annotated[int, Range(ge=1)] = 64
+    batch_size: Annotated[int, Range(ge=1, le=1 << 16)] = 64
     """Problems per step (fresh ones every step)."""
-    lr: Annotated[float, Range(gt=0)] = 3e-3
+    lr: Annotated[float, Range(gt=0, lt=10)] = 3e-3
     """AdamW learning rate (constant)."""
-    seed: int = 0
+    seed: Annotated[int, Range(ge=0, lt=2**63)] = 0  # random.Random takes any int; a record is bounded
     """Seeds the problem stream (independent of the GRPO run's)."""
 
 

@@ -42,7 +42,26 @@ min_peers: 6
 max_peers: 6
 planning: {time_budget_s: 5}
 """
+RL_SPEC = """\
+name: props-rl
+kind: rl
+model: {preset: tiny, seed: 0}
+steps: 50
+global_batch: 32
+micro_batch: 16
+min_peers: 3
+rl:
+  task: {name: addition, min_size: 1, max_size: 2, reward: {correct_weight: 1.0, format_weight: 0.1}}
+  group_size: 8
+  epochs: 2
+  staleness: 1
+  sampling: {max_new_tokens: 6, temperature: 1.0, top_k: 5}
+  loss: {clip_low: 0.2, clip_high: 0.3, kl_coef: 0.05}
+  warmup: {steps: 20, batch_size: 16, lr: 0.003, seed: 3}
+  rollout_timeout_s: 30
+"""
 BASE = to_mapping(parse_job_spec(yaml.safe_load(SPEC)))  # every field written out
+RL_BASE = to_mapping(parse_job_spec(yaml.safe_load(RL_SPEC)))  # the rl section's leaves are tested on it
 BAD: dict[str, Any] = {
     "null": None,
     "zero": 0,
@@ -59,6 +78,13 @@ ZERO_OK = {  # a 0 that means something
     "optimizer.min_lr_ratio",
     "planning.max_skew_s",
     "planning.placement_seed",
+    "rl.staleness",  # synchronous
+    "rl.sampling.top_k",  # no top-k
+    "rl.loss.kl_coef",  # no KL term
+    "rl.task.reward.correct_weight",  # only one of the two weights may be 0
+    "rl.task.reward.format_weight",
+    "rl.warmup.steps",  # no warm-up
+    "rl.warmup.seed",
 }
 HUGE_OK = {"optimizer.grad_clip", "max_peers"}  # a bound so high it is no bound: "unlimited"
 TEXT_FIELDS_OK = {"name"}  # str-typed fields are found from the schema too; "name" is a plain str
@@ -101,7 +127,7 @@ def acceptable(path: str, kind: str) -> bool:
 
 
 def with_value(path: str, value: Any) -> dict[str, Any]:
-    spec = copy.deepcopy(BASE)
+    spec = copy.deepcopy(RL_BASE if path.startswith("rl.") else BASE)
     if path == "model.hf":  # exactly one of preset and hf: test hf on its own
         spec["model"]["preset"] = None
     node = spec

@@ -1,0 +1,92 @@
+"""``kind: rl`` specs: the rl section, and how the rest of the spec is read for an RL job (``peerd.rl.spec``)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+
+from peerd.jobs.spec import JobSpecError, parse_job_spec
+from peerd.rl.spec import RLSpec
+
+RL_JOB = {
+    "kind": "rl",
+    "model": {"preset": "tiny"},
+    "steps": 40,
+    "global_batch": 64,
+    "micro_batch": 32,
+    "min_peers": 3,
+    "optimizer": {"name": "adamw", "lr": 1e-3, "schedule": "constant"},
+    "rl": {
+        "task": {"name": "addition", "min_size": 1, "max_size": 1},
+        "group_size": 8,
+        "staleness": 1,
+        "sampling": {"max_new_tokens": 6, "temperature": 1.0},
+        "warmup": {"steps": 50, "batch_size": 16},
+    },
+}
+
+
+def problems(data: dict) -> dict[str, str]:
+    with pytest.raises(JobSpecError) as err:
+        parse_job_spec(data)
+    return {e.field: e.detail for e in err.value.errors}
+
+
+def test_a_good_rl_spec_parses_with_its_section() -> None:
+    spec = parse_job_spec(RL_JOB)
+    assert spec.kind == "rl"
+    rl = spec.rl_settings()
+    assert rl.group_size == 8 and rl.staleness == 1 and rl.warmup.steps == 50
+    assert rl.task.max_size == 1 and rl.sampling.max_new_tokens == 6
+
+
+def test_the_rl_section_may_be_left_out() -> None:
+    data = copy.deepcopy(RL_JOB)
+    del data["rl"]
+    spec = parse_job_spec(data)
+    assert spec.rl is None and spec.rl_settings() == RLSpec()
+    assert spec.rl_settings().warmup.steps == 0  # no warm-up unless asked for
+
+
+def test_what_an_rl_job_cannot_honour_is_refused_by_name() -> None:
+    data = copy.deepcopy(RL_JOB)
+    data.update(
+        precision="bf16",
+        parallel={"d_pp": 2, "d_dp": 1},
+        min_peers=1,
+        micro_batch=12,
+        data={"seq_len": 32},
+        compression={"forward": "none", "forward_bits": None},
+        init_checkpoint="model.pt",
+        model={"preset": "tiny", "overrides": {"max_seq_len": 8}},
+    )
+    data["rl"]["sampling"]["temperature"] = 0
+    found = problems(data)
+    assert "fp32" in found["precision"]
+    assert "one trainer" in found["parallel.d_pp"] and "parallel.d_dp" not in found
+    assert ">= 2" in found["min_peers"]
+    assert "whole groups" in found["micro_batch"]
+    assert "rl.task" in found["data"]
+    assert "leave it out" in found["compression"]
+    assert "not supported for kind 'rl'" in found["init_checkpoint"]
+    assert "must be > 0" in found["rl.sampling.temperature"]
+    assert "max_seq_len 8" in found["rl.sampling.max_new_tokens"]
+
+
+def test_batch_sizes_are_whole_groups() -> None:
+    found = problems({**RL_JOB, "global_batch": 60, "micro_batch": 60})
+    assert "rl.group_size=8" in found["global_batch"]
+
+
+def test_hf_models_and_unknown_tasks_are_refused() -> None:
+    data = copy.deepcopy(RL_JOB)
+    data["model"] = {"hf": {"model_type": "gpt2", "n_layer": 2, "n_embd": 32, "n_head": 2}}
+    data["rl"]["task"]["name"] = "chess"
+    found = problems(data)
+    assert "built-in GPT" in found["model.hf"]
+    assert "unknown task 'chess'" in found["rl.task.name"]
+
+
+def test_an_rl_section_on_another_kind_is_refused() -> None:
+    assert "only used by kind 'rl'" in problems({**RL_JOB, "kind": "pretrain"})["rl"]
