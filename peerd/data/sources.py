@@ -31,6 +31,7 @@ import glob
 import hashlib
 import os
 import sysconfig
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -123,38 +124,44 @@ def builtin_corpus(max_bytes: int = DEFAULT_MAX_BYTES) -> Corpus:
     )
 
 
-def directory_files(root: Path) -> list[Path]:
-    """Every regular file below ``root``, sorted by relative POSIX path, hidden names skipped."""
-    found: list[tuple[str, Path]] = []
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = [d for d in dirnames if not d.startswith(".")]
-        for fname in filenames:
-            path = Path(dirpath) / fname
-            if not fname.startswith(".") and path.is_file():
-                found.append((path.relative_to(root).as_posix(), path))
-    return [path for _, path in sorted(found)]
+def directory_files(root: Path) -> Iterator[Path]:
+    """Every regular file below ``root`` in sorted order of its relative POSIX path, hidden names
+    skipped, symlinked directories not entered; lazily, so a capped corpus stops early in a big tree."""
+    entries = []
+    with os.scandir(root) as it:
+        for entry in it:
+            if entry.name.startswith("."):
+                continue
+            if entry.is_dir(follow_symlinks=False):
+                entries.append((entry.name + "/", Path(entry.path), True))  # "a/x" sorts as its path does
+            elif entry.is_file():
+                entries.append((entry.name, Path(entry.path), False))
+    for _, path, is_dir in sorted(entries):
+        if is_dir:
+            yield from directory_files(path)
+        else:
+            yield path
 
 
-def _files_of(i: int, entry: str) -> list[Path]:
+def _files_of(i: int, entry: str) -> Iterator[Path]:
     """The files one ``data.paths`` entry names, in corpus order (see the module docstring)."""
     where = f"data.paths[{i}]"
     matches = [Path(m) for m in sorted(glob.glob(entry))] if glob.has_magic(entry) else [Path(entry)]
     if not matches:
         raise ConfigError(where, f"no file matches {entry!r}")
-    files: list[Path] = []
     for match in matches:
         try:
-            is_dir = match.is_dir()
-        except OSError as exc:  # a name the OS refuses (too long): the spec's error, not a crash
+            if not match.is_dir():
+                yield match
+                continue
+            found = False
+            for path in directory_files(match):
+                found = True
+                yield path
+        except OSError as exc:  # an unlistable directory, a name the OS refuses: the spec's error
             raise ConfigError(where, f"cannot read {match}: {exc.strerror or exc}") from None
-        if not is_dir:
-            files.append(match)
-            continue
-        inside = directory_files(match)
-        if not inside:
+        if not found:
             raise ConfigError(where, f"directory {match} holds no files")
-        files += inside
-    return files
 
 
 def text_files_corpus(paths: list[str], max_bytes: int = DEFAULT_MAX_BYTES) -> Corpus:

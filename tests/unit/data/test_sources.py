@@ -106,6 +106,9 @@ def test_a_directory_reads_every_file_below_it_sorted_by_relative_path(tmp_path:
     (root / ".notes").write_bytes(b"hidden")
     c = text_files_corpus([str(root)])
     assert c.tokens.tobytes() == b"az\nba\nbx\nc"  # a/z.txt, b/a.txt, b/deep/x.txt, c.txt
+    (root / "a-b.txt").write_bytes(b"ab")  # "a-b.txt" < "a/z.txt" as relative paths ('-' < '/')
+    assert text_files_corpus([str(root)]).tokens.tobytes() == b"ab\naz\nba\nbx\nc"
+    (root / "a-b.txt").unlink()
     again = text_files_corpus([str(root)])
     assert again.digest == c.digest  # the same bytes, the same windows and example ids
     # a file and a directory in the order given
