@@ -7,8 +7,11 @@ from typing import Any
 
 
 def write_loss_plot(view: dict[str, Any], path: Path) -> Path | None:
-    """Loss vs step of the job (the last stage's replicas, averaged); None when there is no curve yet."""
-    points = (view.get("progress") or {}).get("losses") or []
+    """Loss vs step of the job (the last stage's replicas, averaged), and its held-out loss when the
+    job has a validation split; None when there is no curve yet."""
+    progress = view.get("progress") or {}
+    points = progress.get("losses") or []
+    held_out = progress.get("val_losses") or []
     if not points:
         return None
     import matplotlib
@@ -18,9 +21,12 @@ def write_loss_plot(view: dict[str, Any], path: Path) -> Path | None:
 
     steps, losses = zip(*points, strict=True)
     fig, ax = plt.subplots(figsize=(6, 3.5), dpi=120)
-    ax.plot(steps, losses, marker=".", linewidth=1.2)
+    ax.plot(steps, losses, marker=".", linewidth=1.2, label="training")
+    if held_out:  # evaluated after that many steps: the parameters the training loss of that step sees
+        ax.plot(*zip(*held_out, strict=True), marker="o", linewidth=1.2, label="held-out")
+        ax.legend()
     ax.set_xlabel("step")
-    ax.set_ylabel("training loss (nats/byte)")
+    ax.set_ylabel("loss (nats/byte)")
     name = view.get("name") or view["job_id"][:8]
     alloc = view.get("allocation") or {}
     shape = f"{len(alloc['stages'])}x{len(alloc['stages'][0])} pipeline" if alloc.get("stages") else ""

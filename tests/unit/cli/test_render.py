@@ -87,6 +87,9 @@ def test_loss_plot(tmp_path: Path) -> None:
     path = write_loss_plot(view, tmp_path / "plot" / "loss.png")
     assert path is not None and path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert write_loss_plot({**view, "progress": {}}, tmp_path / "none.png") is None
+    held_out = {**view, "progress": {**view["progress"], "val_losses": [[1, 5.0], [2, 4.5]]}}
+    path = write_loss_plot(held_out, tmp_path / "held-out.png")
+    assert path is not None and path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 @pytest.mark.parametrize("state", ["failed", "cancelled"])
