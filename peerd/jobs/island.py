@@ -13,15 +13,33 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 from peerd.errors import PeerdError
 from peerd.log import get_logger
 from peerd.sched.allocation import Allocation
-from peerd.sched.evolution import Island
 
 logger = get_logger(__name__)
 
 IDLE_WAIT_S = 0.2
+
+
+class SearchIsland(Protocol):
+    """What the thread drives: ``peerd.sched.evolution.Island`` (pretraining) or an RL role island."""
+
+    generation: int
+
+    @property
+    def obj(self) -> Any:
+        """Has ``evaluations``: how many candidates were scored."""
+
+    def step(self, generations: int = 1, deadline: float | None = None) -> bool: ...
+
+    def best(self, k: int = 1) -> list[Allocation]: ...
+
+    def best_cost(self) -> float: ...
+
+    def accept(self, migrants: list[Allocation]) -> int: ...
 
 
 @dataclass
@@ -47,7 +65,7 @@ class IslandThread:
 
     def __init__(
         self,
-        build: Callable[[], Island],
+        build: Callable[[], SearchIsland],
         *,
         epoch: int,
         seed: int,
@@ -120,7 +138,7 @@ class IslandThread:
         finally:
             self.report.seconds = round(time.monotonic() - started, 3)
 
-    def _publish(self, island: Island) -> None:
+    def _publish(self, island: SearchIsland) -> None:
         best = island.best(1)
         if not best:
             return

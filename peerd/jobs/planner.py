@@ -35,7 +35,7 @@ from peerd.jobs.catalog import decode_votes, encode_votes
 from peerd.jobs.island import IslandReport, IslandThread
 from peerd.jobs.records import JobRecord
 from peerd.jobs.recovery import cheapest_repair, patch_allocation, target_width
-from peerd.jobs.scoring import RosterScorer
+from peerd.jobs.scoring_rl import scorer_for
 from peerd.jobs.spec import JobSpec
 from peerd.jobs.store import RecordStore
 from peerd.log import get_logger
@@ -113,7 +113,7 @@ class JobPlanner:
         self.participate = participate
         self.config = config or PlannerConfig()
         self.on_commit = on_commit
-        self.scorer = RosterScorer(spec)
+        self.scorer = scorer_for(spec)
         self.consensus = ConsensusConfig(job.epoch0_start, job.timing, min_peers=spec.min_peers)
         profile, links = local()
         self.machine = ConsensusMachine(job.job_id, store.me, self.consensus, self.scorer, profile, links)

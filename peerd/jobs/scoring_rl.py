@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from peerd.errors import ConfigError
-from peerd.jobs.scoring import CACHE_ROSTERS, job_model, roster_scenario
+from peerd.jobs.scoring import CACHE_ROSTERS, RosterScorer, job_model, roster_scenario
 from peerd.jobs.spec import JobSpec
 from peerd.rl.tasks import make_task
 from peerd.sched.allocation import Allocation
@@ -212,6 +212,11 @@ def with_bandwidths(roster: Roster, jm: Any) -> Scenario:
         bandwidth[e.peer] = e.profile.memory_bandwidth / 1e9
     devices = [dataclasses.replace(d, memory_bandwidth_gb_s=bandwidth[d.id]) for d in base.devices]
     return dataclasses.replace(base, devices=devices)
+
+
+def scorer_for(spec: JobSpec) -> RosterScorer | RLRosterScorer:
+    """The cost model every peer of ``spec``'s job scores candidates with: by the job's kind."""
+    return RLRosterScorer(spec) if spec.kind == "rl" else RosterScorer(spec)
 
 
 class _Counter:

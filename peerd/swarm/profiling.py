@@ -223,7 +223,7 @@ def measure_memory_bandwidth(dev: torch.device, *, budget_s: float = _COPY_BUDGE
     dst = torch.empty_like(src)
     dst.copy_(src)  # warm-up: page faults and allocation happen here, not in the timing
     _synchronize(dev)
-    rates = []
+    rates: list[float] = []
     deadline = time.perf_counter() + budget_s
     while len(rates) < _WINDOWS or (time.perf_counter() < deadline and len(rates) < 20):
         start = time.perf_counter()
