@@ -9,8 +9,10 @@ vanishes mid-transfer leaves its bytes in place: the next holder that describes 
 and hash continues from there, any other starts over. A holder that sends something wrong
 (bad reply, wrong hash) loses what it sent. Both sides bound what a hostile peer can cost:
 the client caps the size the caller accepts, every chunk and every request's time, and the
-whole fetch; the server caps sessions per peer and in total and packs one blob per
-(stage, step) once, shared while sessions use it. Spec: protocols/statesync.md.
+whole fetch; the server caps sessions per peer and in total, paces the bytes it serves by
+per-peer and shared token buckets (a peer asking for the same state over and over gets it at
+the refill rate, then RATE_LIMITED), and packs one blob per (stage, step) once, shared while
+sessions use it. Spec: protocols/statesync.md.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import collections
 import contextlib
 import hashlib
 import io
+import math
 import time
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -32,6 +35,7 @@ from msgspec import Meta
 from peerd.errors import ConfigError, ErrorCode, PeerdError, PeerUnavailable, ProtocolError
 from peerd.log import get_logger
 from peerd.swarm.framing import FrameLimits, Header, StreamClosed
+from peerd.swarm.limits import BudgetConfig, ByteBudget
 from peerd.swarm.transport import Connection, Transport
 from peerd.wire import Schema, WireStruct, to_builtin
 from peerd.wire.types import Count, Hash32
@@ -188,14 +192,44 @@ class StateSyncConfig:
     """A holder ends a session that sends no request for this long (it stops pinning the blob)."""
     window: int = 4
     """Chunk requests a client keeps in flight on one stream (the holder answers them in order)."""
+    # A stage's state is MBs to GBs (GPT3-XL in 4 stages with Adam: ~4 GB): one peer gets a whole
+    # state at once, then the refill rate; the shared bucket bounds many identities together.
+    serve_burst_bytes: float = float(1 << 30)
+    """Holder: bytes one peer may get at once after a quiet while."""
+    serve_rate_Bps: float = float(16 << 20)
+    """Holder: bytes per second one peer's budget refills (128 Mbit/s)."""
+    serve_total_burst_bytes: float = float(2 << 30)
+    """Holder: bytes all peers together may get at once."""
+    serve_total_rate_Bps: float = float(64 << 20)
+    """Holder: bytes per second of the budget all peers share (512 Mbit/s)."""
+    max_pace_s: float = 10.0
+    """Holder: a chunk waits at most this long for its budget; longer is RATE_LIMITED."""
 
     def __post_init__(self) -> None:
         for name in ("chunk_bytes", "max_sessions", "max_sessions_per_peer", "window"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"statesync.{name}", f"must be >= 1, got {getattr(self, name)}")
-        for name in ("connect_timeout_s", "request_timeout_s", "deadline_s", "session_idle_s"):
+        for name in ("connect_timeout_s", "request_timeout_s", "deadline_s", "session_idle_s", "max_pace_s"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"statesync.{name}", f"must be > 0 s, got {getattr(self, name)}")
+        for name in (
+            "serve_burst_bytes",
+            "serve_rate_Bps",
+            "serve_total_burst_bytes",
+            "serve_total_rate_Bps",
+        ):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value > 0):
+                raise ConfigError(f"statesync.{name}", f"must be a finite number > 0, got {value!r}")
+
+    @property
+    def serve_budget(self) -> BudgetConfig:
+        return BudgetConfig(
+            rate_Bps=self.serve_rate_Bps,
+            burst_bytes=self.serve_burst_bytes,
+            total_rate_Bps=self.serve_total_rate_Bps,
+            total_burst_bytes=self.serve_total_burst_bytes,
+        )
 
 
 # ---------------------------------------------------------------- the holder
@@ -223,6 +257,7 @@ class StateServer:
         provider: StateProvider,
         *,
         config: StateSyncConfig = StateSyncConfig(),
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.transport = transport
         self.job = job
@@ -232,6 +267,8 @@ class StateServer:
         self.packs = 0  # provider calls (the cache shares one per (stage, step) between sessions)
         self.refused_busy = 0
         self.bytes_served = 0
+        self.budget = ByteBudget(config.serve_budget, clock)  # .refused: chunks refused RATE_LIMITED
+        self.paced_s = 0.0  # time chunks waited for their budget
         self._entries: dict[tuple[int, int], _Entry] = {}
         self._sessions: dict[PeerRef, int] = {}
         self._serving = False
@@ -335,10 +372,30 @@ class StateServer:
                 f"chunk [{msg.offset}, {msg.offset + msg.length}) lies beyond the {len(blob.data)}-byte blob",
                 code=ErrorCode.MALFORMED,
             )
+        await self._pace(conn.peer_id, msg.length)
         data = Data(stage=msg.stage, step=msg.step, offset=msg.offset, length=msg.length)
         view = memoryview(blob.data)[msg.offset : msg.offset + msg.length]
         await conn.send(header(data), view, timeout=self.config.request_timeout_s)
         self.bytes_served += msg.length
+
+    async def _pace(self, peer: PeerRef, nbytes: int) -> None:
+        """Wait until ``peer``'s budget covers ``nbytes``; RATE_LIMITED if that is over ``max_pace_s``.
+
+        The bytes are charged before the wait, so the other sessions of the peer (and of everyone,
+        for the shared bucket) queue behind them instead of all waking up at once.
+        """
+        wait = self.budget.wait_s(peer, nbytes)
+        if wait > self.config.max_pace_s:
+            self.budget.refused += 1
+            raise PeerUnavailable(
+                f"state byte budget spent ({self.config.serve_burst_bytes:.0f} B at once, "
+                f"{self.config.serve_rate_Bps:.0f} B/s per peer); retry in {wait:.1f} s",
+                code=ErrorCode.RATE_LIMITED,
+            )
+        self.budget.charge(peer, nbytes)
+        if wait > 0:
+            self.paced_s += wait
+            await asyncio.sleep(wait)
 
     async def _acquire(self, key: tuple[int, int]) -> _Blob:
         entry = self._entries.get(key)

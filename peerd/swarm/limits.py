@@ -191,6 +191,11 @@ class ByteBudget:
             )
         return min(want, left)
 
+    def wait_s(self, peer: Hashable, nbytes: int) -> float:
+        """Seconds until ``peer`` may be sent ``nbytes`` (0: now), by its own and the shared bucket."""
+        now = self._clock()
+        return max(self._bucket(peer, now).seconds_until(nbytes, now), self.total.seconds_until(nbytes, now))
+
     def charge(self, peer: Hashable, nbytes: int) -> None:
         """Count ``nbytes`` sent to ``peer`` (may leave the bucket in debt: later grants wait it off)."""
         now = self._clock()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import threading
+import time
 import tracemalloc
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -393,6 +394,81 @@ def test_too_many_sessions_get_a_typed_busy_refusal(swarm: Swarm, async_wait_unt
     assert per_peer.code == ErrorCode.BUSY and "sessions of this peer" in str(per_peer)
     assert total.code == ErrorCode.BUSY and "2 sessions (at most 2)" in str(total)
     assert refused == 2 and blob == BLOB
+
+
+def _budget(rate_Bps: float, max_pace_s: float) -> StateSyncConfig:
+    """One whole state at once per peer, then ``rate_Bps``; the shared bucket out of the way."""
+    return StateSyncConfig(
+        chunk_bytes=CHUNK,
+        request_timeout_s=10,
+        deadline_s=60,
+        serve_burst_bytes=len(BLOB) + CHUNK,
+        serve_rate_Bps=rate_Bps,
+        serve_total_burst_bytes=float(1 << 30),
+        serve_total_rate_Bps=float(1 << 30),
+        max_pace_s=max_pace_s,
+    )
+
+
+def test_a_peer_asking_for_the_state_again_and_again_gets_it_at_its_budgets_rate(swarm: Swarm):
+    """Without a byte budget one peer could make a holder send its state for as long as it liked."""
+    config = _budget(rate_Bps=2 << 20, max_pace_s=5.0)
+
+    async def fetch(transport: Transport) -> bytes:
+        return await fetch_state(
+            transport, [swarm.a.peer_id], JOB, STAGE, STEP, max_bytes=8 << 20, config=config
+        )
+
+    async def go():
+        server = StateServer(swarm.a, JOB, holding(BLOB), config=config)
+        await server.start()
+        try:
+            started = time.monotonic()
+            blobs = [await fetch(swarm.c) for _ in range(3)]  # the first from the burst, then paced
+            elapsed = time.monotonic() - started
+            served, paced = server.bytes_served, server.paced_s
+            other = await fetch(swarm.b)  # another peer has a budget of its own
+            return blobs, elapsed, served, paced, other, server.paced_s - paced, server.budget.refused
+        finally:
+            await server.close()
+
+    blobs, elapsed, served, paced, other, other_paced, refused = swarm.run(go(), timeout=120)
+    assert blobs == [BLOB] * 3 and other == BLOB and refused == 0  # paced, never refused
+    assert served == 3 * len(BLOB)
+    assert served <= config.serve_burst_bytes + config.serve_rate_Bps * elapsed + CHUNK
+    assert paced > 0 and other_paced == 0
+
+
+def test_a_peer_whose_budget_would_wait_too_long_is_refused_rate_limited(swarm: Swarm):
+    config = _budget(rate_Bps=256 << 10, max_pace_s=0.05)  # a chunk refills in 0.25 s: too long
+
+    async def go():
+        server = StateServer(swarm.a, JOB, holding(BLOB), config=config)
+        await server.start()
+        before = swarm.a.rejections.get(ErrorCode.RATE_LIMITED, 0)
+        started = time.monotonic()
+        try:
+            first = await fetch_state(
+                swarm.d, [swarm.a.peer_id], JOB, STAGE, STEP, max_bytes=8 << 20, config=config
+            )
+            try:
+                await fetch_state(
+                    swarm.d, [swarm.a.peer_id], JOB, STAGE, STEP, max_bytes=8 << 20, config=config
+                )
+            except StateFetchError as exc:
+                [(_, cause)] = exc.failures
+            else:
+                raise AssertionError("a second whole state was served beyond the budget")
+            counted = swarm.a.rejections.get(ErrorCode.RATE_LIMITED, 0) - before
+            elapsed = time.monotonic() - started
+            return first, cause, server.bytes_served, elapsed, server.budget.refused, counted
+        finally:
+            await server.close()
+
+    first, cause, served, elapsed, refused, counted = swarm.run(go(), timeout=60)
+    assert first == BLOB and cause.code == ErrorCode.RATE_LIMITED and "state byte budget spent" in str(cause)
+    assert served <= config.serve_burst_bytes + config.serve_rate_Bps * elapsed + CHUNK
+    assert refused == 1 and counted == 1  # counted where peerd status reads it (refusals.handlers)
 
 
 # ---------------------------------------------------------------- checkpoint replicas

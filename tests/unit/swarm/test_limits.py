@@ -128,3 +128,16 @@ def test_refusal_codes_from_the_remote_come_out_as_peer_unavailable(code):
 
     exc = error_from_header(error_header(code, "later"))
     assert isinstance(exc, PeerUnavailable) and exc.code == code
+
+
+def test_wait_s_is_the_time_until_both_buckets_cover_the_bytes_and_queues_charged_debt():
+    clock = Clock()
+    b = budget(clock, total_rate_Bps=50.0, total_burst_bytes=5000.0)
+    assert b.wait_s("a", 1000) == 0.0
+    b.charge("a", 1000)  # the burst spent
+    assert b.wait_s("a", 100) == pytest.approx(1.0)  # 100 B at 100 B/s
+    b.charge("a", 100)  # charged before its wait: in debt
+    assert b.wait_s("a", 100) == pytest.approx(2.0)  # queued behind the first
+    assert b.wait_s("b", 100) == 0.0  # another peer: its own bucket, the shared one still has 3900 B
+    b.charge("b", 3900)
+    assert b.wait_s("c", 100) == pytest.approx(2.0)  # a fresh peer waits on the shared bucket (50 B/s)
