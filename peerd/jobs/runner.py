@@ -724,15 +724,17 @@ class TaskletRunner:
 
     def _worker_bytes(self, worker: StageWorker) -> dict[str, int]:
         sent = {"activations": 0, "gradients": 0}
-        for (_, direction), counters in worker.stats.sent.items():
-            sent["activations" if direction == "fwd" else "gradients"] += counters.wire_bytes
+        names = {"fwd": "activations", "bwd": "gradients", "val": "validation"}  # held-out: outside the ratio
+        for (_, traffic), counters in worker.stats.sent.items():
+            sent[names[traffic]] = sent.get(names[traffic], 0) + counters.wire_bytes
         stats = getattr(worker.reducer, "stats", None)
         sent["averaging"] = int(getattr(stats, "bytes_sent", 0))
         return sent
 
     def _bytes(self, worker: StageWorker, report: StepReport) -> dict[str, int]:
         assert self.commit is not None and self.stage is not None
-        out = {k: v + self._wire_before.get(k, 0) for k, v in self._worker_bytes(worker).items()}
+        now = self._worker_bytes(worker)
+        out = {k: now.get(k, 0) + self._wire_before.get(k, 0) for k in {*now, *self._wire_before}}
         steps = self.step
         tokens = report.tokens * steps  # this replica's tokens so far (same every step)
         d_pp = self.commit.allocation.d_pp

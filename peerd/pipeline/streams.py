@@ -81,6 +81,13 @@ def direction(kind: str) -> str:
     return "fwd" if kind in FORWARD_KINDS else "bwd"
 
 
+def traffic(kind: str) -> str:
+    """What a kind's bytes count as: ``fwd`` / ``bwd`` by direction, but ``val`` for held-out
+    activations (they travel forward on the same stream; apart, they leave compression ratios
+    and per-step training traffic alone)."""
+    return "val" if kind == KIND_VAL else direction(kind)
+
+
 @dataclass(frozen=True)
 class StreamConfig:
     """Sizes, deadlines and retry budgets of the pipeline streams."""
@@ -147,7 +154,7 @@ class StreamStats:
 
     def link(self, side: str, boundary: int, kind: str) -> LinkCounters:
         table = self.sent if side == "sent" else self.received
-        return table.setdefault((boundary, direction(kind)), LinkCounters())
+        return table.setdefault((boundary, traffic(kind)), LinkCounters())
 
     def reject(self, code: ErrorCode) -> None:
         self.rejected[code.name] += 1
@@ -157,7 +164,7 @@ class StreamStats:
         self.reject(code)
 
     def wire_bytes(self) -> dict[str, int]:
-        """``{"b0.fwd.sent": n, ...}``: wire bytes per boundary, direction and side."""
+        """``{"b0.fwd.sent": n, ...}``: wire bytes per boundary, traffic (``fwd``, ``bwd``, ``val``) and side."""
         out = {}
         for side, table in (("sent", self.sent), ("received", self.received)):
             for (b, d), c in sorted(table.items()):

@@ -138,6 +138,12 @@ def test_held_out_loss_of_two_stages_by_two_replicas_equals_one_process(cluster:
     # held-out activations crossed boundary 0, raw and accepted: nothing was rejected or resent
     for name, stats in result.stats.items():
         assert not stats["rejected"] and stats["resends"] == 0, name
+    # held-out activations are counted apart from training traffic: 3 evaluations x 8 windows
+    # x (32 x 64) fp32 per replica, plus frame headers
+    for name in ("s0r0", "s0r1"):
+        wire = result.stats[name]["wire_bytes"]
+        assert 3 * 8 * 32 * 64 * 4 < wire["b0.val.sent"] < 3 * 8 * 32 * 64 * 4 + 12 * 1024, wire
+        assert wire["b0.fwd.sent"] > 0
     # only the last stage reports a held-out loss
     assert {r.stage for r in result.reports if r.val_loss is not None} == {1}
 

@@ -161,6 +161,9 @@ def test_a_jobs_held_out_loss_equals_the_one_process_evaluation(swarm: LocalSwar
     assert [k for k, _ in got] == EVALUATED, got
     assert max(abs(a - b) for (_, a), (_, b) in zip(got, reference, strict=True)) < 1e-4, (got, reference)
     assert final["progress"]["val_loss"] == pytest.approx(got[-1][1], abs=1e-6)  # the curve is rounded
+    # held-out activations are their own byte kind, outside the compression ratio (1.0 uncompressed)
+    assert final["progress"]["bytes"]["validation"] > 0
+    assert final["progress"]["compression_ratio"] == pytest.approx(1.0, abs=0.02)
     # peerd status --json and /metrics show the latest evaluation too
     status = json.loads(peerd("status", "--json", "--home", str(swarm.peers[1].home)).stdout)
     view = next(j for j in status["jobs"] if j["job_id"] == final["job_id"])
