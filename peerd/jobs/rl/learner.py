@@ -1,0 +1,133 @@
+"""The trainer's arithmetic, pure: warm-up, frozen reference, and one GRPO iteration's updates with the spec's optimizer.
+
+Both the trainer peer (``peerd.jobs.rl.trainer``) and the single-process reference
+(``peerd.jobs.rl.reference``) train through ``Learner``, so a swarm run and the reference
+differ only in how the rollouts got to it. One iteration: the groups (scored by the trainer's
+own verifier) are laid out in shard order, the reference scores their tokens once, then
+``epochs`` passes of updates, each update on ``micro_batch / group_size`` whole groups
+(the first pass on-policy where the rollouts are fresh; later ones held by the clip). The
+optimizer and its LR schedule are ``peerd.pipeline.optim``'s, over every update of the job.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from peerd.jobs.rl.shards import RLPlan
+from peerd.jobs.runner import optimizer_config
+from peerd.models.gpt import GPT
+from peerd.pipeline.optim import build_optimizer, build_scheduler
+from peerd.rl.loss import group_advantages, grpo_loss
+from peerd.rl.rollout import RolloutGroup, pack, token_logprobs
+from peerd.rl.warmup import WarmupResult, supervised_warmup
+
+
+@dataclass(frozen=True)
+class TrainFigures:
+    """What one iteration's updates measured."""
+
+    loss: float
+    """GRPO loss of the first pass, weighted by each update's share of the groups."""
+    kl: float
+    """Mean k3 KL to the reference over the first pass (before any update of this iteration)."""
+    clip_fraction: float
+    """Share of completion tokens clipped, averaged over every update."""
+    updates: int
+    reference_s: float = 0.0
+    """Seconds the reference's log-probs took."""
+    train_s: float = 0.0
+    """Seconds the updates took."""
+
+
+def frozen(model: GPT) -> GPT:
+    ref = copy.deepcopy(model).eval()
+    for p in ref.parameters():
+        p.requires_grad_(False)
+    return ref
+
+
+class Learner:
+    """The policy, its frozen reference and optimizer; ``version`` counts the iterations trained."""
+
+    def __init__(self, plan: RLPlan) -> None:
+        model = plan.spec.model.family().build()
+        assert isinstance(model, GPT), "rl jobs run the built-in GPT (JobSpec checks model.hf)"
+        self.plan = plan
+        self.policy: GPT = model
+        self.reference: GPT = frozen(model)
+        self.optimizer = build_optimizer(self.policy.parameters(), optimizer_config(plan.spec.optimizer))
+        self.scheduler = build_scheduler(
+            self.optimizer, optimizer_config(plan.spec.optimizer), plan.total_updates
+        )
+        self.grad_clip = plan.spec.optimizer.grad_clip
+        self.version = 0
+
+    def warm_up(self) -> WarmupResult:
+        """The spec's supervised warm-up (deterministic: its own seed); the reference is the policy after it."""
+        result = supervised_warmup(self.policy, self.plan.task, self.plan.rl.warmup)
+        self.reference = frozen(self.policy)
+        return result
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        """A copy of the policy's weights (what rollout peers load)."""
+        return {k: v.detach().clone() for k, v in self.policy.state_dict().items()}
+
+    def train(self, groups: list[RolloutGroup]) -> TrainFigures:
+        """One iteration's updates on scored ``groups``; the version goes up by one."""
+        figures = TrainFigures(0.0, 0.0, 0.0, 0)
+        if groups:
+            figures = self._updates(groups, self.plan.rl.sampling.temperature)
+        self.version += 1
+        return figures
+
+    def _updates(self, groups: list[RolloutGroup], temperature: float) -> TrainFigures:
+        plan, rl = self.plan, self.plan.rl
+        G = plan.group_size
+        started = time.perf_counter()
+        batch = pack(groups)
+        with torch.no_grad():
+            ref_BT = token_logprobs(self.reference, batch.tokens_BT, temperature)
+        scored = time.perf_counter()
+        adv_B = group_advantages(torch.tensor([g.rewards for g in groups]), rl.loss.adv_eps).reshape(-1)
+        per = plan.groups_per_update
+        parts = [range(a, min(a + per, len(groups))) for a in range(0, len(groups), per)]
+        kl = loss = clip = 0.0
+        self.policy.train()
+        for k, part in enumerate(parts * rl.epochs):
+            rows = slice(part.start * G, part.stop * G)
+            logp_BT = token_logprobs(self.policy, batch.tokens_BT[rows], temperature)
+            out = grpo_loss(
+                logp_BT, batch.old_logp_BT[rows], ref_BT[rows], adv_B[rows], batch.mask_BT[rows], rl.loss
+            )
+            self.optimizer.zero_grad(set_to_none=True)
+            out.loss.backward()
+            if self.grad_clip is not None:
+                torch.nn.utils.clip_grad_norm_(self.policy.parameters(), self.grad_clip)
+            self.optimizer.step()
+            self.scheduler.step()
+            if k < len(parts):
+                share = len(part) / len(groups)
+                kl, loss = kl + share * out.kl, loss + share * out.loss.item()
+            clip += out.clip_fraction / (len(parts) * rl.epochs)
+        return TrainFigures(
+            loss=loss,
+            kl=kl,
+            clip_fraction=clip,
+            updates=len(parts) * rl.epochs,
+            reference_s=scored - started,
+            train_s=time.perf_counter() - scored,
+        )
+
+    def state(self) -> dict[str, Any]:
+        """What a checkpoint holds beside the weights: optimizer, schedule, reference, version."""
+        return {
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "reference": self.reference.state_dict(),
+            "version": self.version,
+        }

@@ -1,0 +1,229 @@
+"""A rollout peer of an ``rl`` job: fetch the weights it needs, sample its shard of each iteration, push it.
+
+For ``u = 0, 1, ...``: ask the trainer (``rl.poll``) until it holds a version ``>= u - staleness``
+(sync mode: exactly ``u``); skip to the trainer's iteration when the trainer has moved past
+``u`` (a shard for a trained iteration would only be dropped); fetch the newest version over
+state sync when it is newer than the weights held; sample the shard (``sample_shard``, in a
+worker thread: the event loop keeps serving); push it as ``rl.rollouts``; stop when the trainer
+says it is done. Every remote wait is bounded: a trainer that stays unreachable for
+``trainer_timeout_s`` ends the loop with ``PeerUnavailable``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Hashable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from peerd.errors import ErrorCode, PeerUnavailable, ProtocolError
+from peerd.jobs.rl.messages import (
+    KIND_ACK,
+    KIND_STATUS,
+    Ack,
+    Poll,
+    Rollouts,
+    Status,
+    header,
+    parse,
+    rl_protocol,
+    to_wire,
+    weights_job,
+)
+from peerd.jobs.rl.shards import RLPlan, sample_shard, shard_ranges
+from peerd.jobs.rl.trainer import WEIGHTS_STAGE
+from peerd.log import get_logger
+from peerd.models.gpt import GPT
+from peerd.pipeline.statesync import StateSyncConfig, fetch_state, unpack_state
+from peerd.swarm.framing import FrameLimits
+from peerd.swarm.transport import Connection, Transport
+
+log = get_logger(__name__)
+
+
+@dataclass(frozen=True)
+class RolloutConfig:
+    """Deadlines of a rollout peer."""
+
+    request_timeout_s: float = 60.0
+    """Longest wait for one answer of the trainer (a poll is held up to the trainer's poll_hold_s)."""
+    trainer_timeout_s: float = 120.0
+    """Longest the trainer may stay unreachable before the loop gives up."""
+    statesync: StateSyncConfig = field(default_factory=StateSyncConfig)
+
+
+@dataclass
+class RolloutStats:
+    """What a rollout peer did."""
+
+    shards: int = 0
+    accepted: int = 0
+    refused: int = 0
+    """Shards the trainer answered "not accepted" (late, stale, duplicate)."""
+    completions: int = 0
+    weight_fetches: int = 0
+    weight_bytes: int = 0
+    generate_s: float = 0.0
+    versions: list[int] | None = None
+    """The policy version each pushed shard was sampled with, in order."""
+
+
+class RolloutPeer:
+    """Samples shard ``rank`` (this peer's rank among the job's sorted rollout peers) of every iteration."""
+
+    def __init__(
+        self,
+        transport: Transport,
+        plan: RLPlan,
+        trainer: Hashable,
+        rank: int,
+        peers: int,
+        *,
+        config: RolloutConfig = RolloutConfig(),
+    ) -> None:
+        self.transport, self.plan, self.trainer, self.config = transport, plan, trainer, config
+        self.shard = rank
+        self.indices = shard_ranges(plan.prompts, peers)[rank]
+        self.model: GPT | None = None
+        self.held = -1
+        self.stats = RolloutStats(versions=[])
+        self._conn: Connection | None = None
+        numel = sum(p.numel() for p in plan.spec.model.family().build().parameters())
+        self._max_blob = numel * 4 * 2 + (
+            1 << 20
+        )  # fp32 weights (tied ones saved twice) and torch.save's framing
+
+    async def run(self) -> RolloutStats:
+        """Until the trainer is done."""
+        plan, k = self.plan, self.plan.rl.staleness
+        u = 0
+        try:
+            while True:
+                # past the last iteration only "done" is left to hear of: no version satisfies the want
+                status = await self._poll(max(0, u - k) if u < plan.iterations else plan.iterations + 1)
+                if status.done:
+                    return self.stats
+                u = max(u, status.version)  # the trainer is past u: those shards would be dropped
+                if u >= plan.iterations:
+                    continue  # nothing left to sample: wait for done
+                if status.version > self.held:
+                    await self._fetch(status.version)
+                if not self.indices:
+                    u += 1
+                    continue
+                ack = await self._push(u)
+                if ack.done:
+                    return self.stats
+                u += 1
+        finally:
+            if self._conn is not None:
+                await self._conn.close(timeout=1.0)
+
+    # ------------------------------------------------------------ weights
+
+    async def _fetch(self, version: int) -> None:
+        blob = await fetch_state(
+            self.transport,
+            [self.trainer],
+            weights_job(self.plan.job_id),
+            WEIGHTS_STAGE,
+            version,
+            max_bytes=self._max_blob,
+            config=self.config.statesync,
+        )
+        model = await asyncio.to_thread(self._load, blob, version)
+        self.model, self.held = model, version
+        self.stats.weight_fetches += 1
+        self.stats.weight_bytes += len(blob)
+
+    def _load(self, blob: bytes, version: int) -> GPT:
+        state = unpack_state(blob)
+        if state.get("version") != version or not isinstance(state.get("module"), dict):
+            raise ProtocolError(
+                f"weights blob of version {state.get('version')!r}, asked for {version}",
+                code=ErrorCode.WRONG_STEP,
+            )
+        model = self.model if self.model is not None else self.plan.spec.model.family().build()
+        assert isinstance(model, GPT)
+        try:
+            model.load_state_dict(state["module"], strict=True)
+        except (RuntimeError, KeyError) as exc:
+            raise ProtocolError(
+                f"weights of version {version} do not fit the job's model: {exc}",
+                code=ErrorCode.SHAPE_MISMATCH,
+            ) from None
+        for p in model.parameters():
+            p.requires_grad_(False)
+            if not torch.isfinite(p).all():
+                raise ProtocolError(
+                    f"weights of version {version} hold NaN or Inf", code=ErrorCode.NON_FINITE
+                )
+        return model
+
+    # ------------------------------------------------------------ rollouts
+
+    async def _push(self, u: int) -> Ack:
+        assert self.model is not None
+        model, version = self.model, self.held
+        started = time.perf_counter()
+        groups = await asyncio.to_thread(sample_shard, model, self.plan, u, self.shard, self.indices, version)
+        self.stats.generate_s += time.perf_counter() - started
+        msg = Rollouts(
+            iteration=u,
+            shard=self.shard,
+            version=version,
+            groups=to_wire(
+                [(i, g.completions, g.logprobs) for i, g in zip(self.indices, groups, strict=True)]
+            ),
+        )
+        ack: Ack = await self._request(header(msg), KIND_ACK)
+        self.stats.shards += 1
+        self.stats.completions += sum(g.size for g in groups)
+        assert self.stats.versions is not None
+        self.stats.versions.append(version)
+        if ack.accepted:
+            self.stats.accepted += 1
+        else:
+            self.stats.refused += 1
+            log.info(
+                "rl job %s: shard %d of iteration %d not taken: %s",
+                self.plan.job_id,
+                self.shard,
+                u,
+                ack.reason,
+            )
+        return ack
+
+    async def _poll(self, want: int) -> Status:
+        status: Status = await self._request(header(Poll(want=want)), KIND_STATUS)
+        return status
+
+    async def _request(self, head: dict[str, Any], reply_kind: str) -> Any:
+        """One request and its answer, reconnecting while the trainer is unreachable (bounded)."""
+        deadline = time.monotonic() + self.config.trainer_timeout_s
+        while True:
+            try:
+                conn = await self._connection()
+                raw, _ = await conn.request(head, timeout=self.config.request_timeout_s)
+                return parse(raw, (reply_kind,))
+            except PeerUnavailable as exc:
+                if self._conn is not None:
+                    await self._conn.close(timeout=1.0)
+                self._conn = None
+                if time.monotonic() >= deadline:
+                    raise PeerUnavailable(
+                        f"rl trainer {self.trainer} unreachable: {exc.message}", code=exc.code
+                    ) from None
+                log.info("rl job %s: trainer %s: %s; retrying", self.plan.job_id, self.trainer, exc)
+                await asyncio.sleep(0.5)
+
+    async def _connection(self) -> Connection:
+        if self._conn is None or self._conn.closed:
+            self._conn = await self.transport.connect(
+                self.trainer, rl_protocol(self.plan.job_id), timeout=10.0
+            )
+            self._conn.limits = FrameLimits(max_header=4096, max_payload=0)
+        return self._conn

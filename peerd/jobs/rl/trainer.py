@@ -1,0 +1,391 @@
+"""The trainer peer of an ``rl`` job: warm-up, weights served by version, rollouts taken in, GRPO iterations.
+
+``RLTrainer`` runs on the Transport of the allocation's one tasklet peer. It serves two
+protocols: ``state_protocol(weights_job(job))`` (``peerd.pipeline.statesync``: stage 0, step =
+policy version, the packed weights of the last ``staleness + 2`` versions) and
+``rl_protocol(job)`` (``peerd.jobs.rl.messages``: shards of rollouts in, acks out, and long
+polls for the latest version), open to the job's rollout peers only.
+
+Iteration ``t`` waits for every expected rollout peer's shard at most ``rl.rollout_timeout_s``;
+a shard still missing then is dropped and counted, and its peer is not waited for again until
+it delivers something (a vanished peer costs one timeout and its in-flight rollouts, not one
+per iteration). Shards arrive checked (``check_rollouts``); one of a version older than
+``t - staleness`` or of an iteration already trained is answered "not accepted" and counted.
+The trainer scores every completion with its own verifier, trains version ``t`` into ``t + 1``
+(``Learner``, in a worker thread: the event loop keeps answering), publishes it, checkpoints
+every ``checkpoint_interval`` iterations and at the end in the one-stage checkpoint format
+(``peerd fetch`` assembles it), and hands an ``IterationReport`` to ``on_iteration``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import time
+from collections import Counter
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from peerd.errors import ErrorCode, ProtocolError
+from peerd.jobs.rl.learner import Learner
+from peerd.jobs.rl.messages import (
+    REQUEST_KINDS,
+    Ack,
+    Poll,
+    RolloutBounds,
+    Rollouts,
+    Status,
+    check_rollouts,
+    header,
+    parse,
+    rl_protocol,
+    weights_job,
+)
+from peerd.jobs.rl.report import IterationReport, score, summarize
+from peerd.jobs.rl.shards import RLPlan, shard_ranges
+from peerd.log import get_logger
+from peerd.pipeline import checkpoint
+from peerd.pipeline.statesync import StateServer, StateSyncConfig, pack_state
+from peerd.rl.rollout import RolloutGroup
+from peerd.swarm.framing import FrameLimits, StreamClosed
+from peerd.swarm.transport import Connection, Transport
+
+log = get_logger(__name__)
+
+WEIGHTS_STAGE = 0  # the statesync stage field of policy weights (an rl job has one "stage")
+
+
+@dataclass(frozen=True)
+class TrainerConfig:
+    """Timing of the trainer's service (sizes and the rollout timeout come from the spec)."""
+
+    poll_hold_s: float = 10.0
+    """Longest an ``rl.poll`` is held before the trainer answers with what it has."""
+    idle_s: float = 600.0
+    """A rollout stream that sends nothing for this long is closed."""
+    checkpoint_root: Path | None = None
+    """Where checkpoints go (``checkpoint.tasklet_dir(root, job, 0, 0)``); None: no checkpoints."""
+    statesync: StateSyncConfig = field(default_factory=StateSyncConfig)
+
+
+def weights_blob(version: int, weights: dict[str, Any]) -> bytes:
+    """The packed weights of ``version`` that rollout peers fetch."""
+    return pack_state({"version": version, "module": weights})
+
+
+class RLTrainer:
+    """Trains an ``rl`` job with the rollouts of ``rollout_peers``; ``run`` returns one report per iteration."""
+
+    def __init__(
+        self,
+        transport: Transport,
+        plan: RLPlan,
+        rollout_peers: Sequence[Hashable],
+        *,
+        config: TrainerConfig = TrainerConfig(),
+        on_iteration: Callable[[IterationReport], None] | None = None,
+    ) -> None:
+        if not rollout_peers:
+            raise ValueError("an rl job needs at least one rollout peer")
+        self.transport, self.plan, self.config = transport, plan, config
+        self.on_iteration = on_iteration
+        self.peers = sorted(rollout_peers, key=str)  # shard s belongs to the s-th peer by id
+        self.shards = shard_ranges(plan.prompts, len(self.peers))
+        self.bounds = RolloutBounds(
+            iterations=plan.iterations,
+            shards=self.shards,
+            group_size=plan.group_size,
+            max_new_tokens=plan.max_new_tokens,
+            vocab_size=plan.vocab_size,
+        )
+        self.learner = Learner(plan)
+        self.iteration = 0
+        """The iteration whose shards are awaited (= the latest published version while running)."""
+        self.version = -1
+        """Latest published policy version (-1 until the warm-up is done)."""
+        self.done = False
+        self.reports: list[IterationReport] = []
+        self.refused: Counter[ErrorCode] = Counter()
+        """Rollout frames refused as protocol errors, by code (none of them is trained on)."""
+        self.dropped_stale = self.dropped_late = self.duplicates = 0
+        self.staleness: Counter[int] = Counter()
+        self.missing_shards = 0
+        self._arrived: dict[int, dict[int, Rollouts]] = collections.defaultdict(dict)
+        self._absent: set[int] = set()  # shards whose peer missed a deadline: not waited for
+        self._blobs: collections.OrderedDict[int, bytes] = collections.OrderedDict()
+        self._changed = asyncio.Condition()
+        self._served = False
+        self._weights = StateServer(
+            transport, weights_job(plan.job_id), self._provide, config=config.statesync
+        )
+        self._stale_seen = self._late_seen = self._bytes_seen = 0
+
+    # ------------------------------------------------------------ service
+
+    def _provide(self, stage: int, step: int) -> bytes | None:
+        return self._blobs.get(step) if stage == WEIGHTS_STAGE else None
+
+    @property
+    def weight_sync_bytes(self) -> int:
+        return self._weights.bytes_served
+
+    async def start(self) -> None:
+        """Warm up, publish version 0 and serve weights and rollouts."""
+        warm = await asyncio.to_thread(self.learner.warm_up)
+        if warm.losses:
+            log.info(
+                "rl job %s: warm-up %d steps, loss %.3f -> %.3f",
+                self.plan.job_id,
+                len(warm.losses),
+                warm.losses[0],
+                warm.losses[-1],
+            )
+        await self._publish()
+        await self._weights.start()
+        allowed = {str(p) for p in self.peers}
+        await self.transport.serve(
+            rl_protocol(self.plan.job_id),
+            self._handle,
+            lambda peer: str(peer) in allowed,
+            limits=FrameLimits(max_header=self.bounds.frame_bytes(), max_payload=0),
+        )
+        self._served = True
+
+    async def close(self) -> None:
+        self.done = True
+        async with self._changed:
+            self._changed.notify_all()
+        if self._served:
+            self._served = False
+            await self.transport.stop_serving(rl_protocol(self.plan.job_id))
+        await self._weights.close()
+
+    async def _publish(self) -> None:
+        version = self.learner.version
+        blob = await asyncio.to_thread(weights_blob, version, self.learner.weights())
+        self._blobs[version] = blob
+        while len(self._blobs) > self.plan.rl.staleness + 2:
+            self._blobs.popitem(last=False)
+        async with self._changed:
+            self.version = version
+            self._changed.notify_all()
+
+    async def _handle(self, conn: Connection) -> None:
+        while True:
+            try:
+                raw, _ = await conn.recv(timeout=self.config.idle_s)
+            except StreamClosed:
+                return
+            try:
+                msg = parse(raw, REQUEST_KINDS)
+                if isinstance(msg, Rollouts):
+                    reply: Ack | Status = await self._take(conn.peer_id, msg)
+                else:
+                    reply = await self._status(msg)
+            except ProtocolError as exc:
+                self.refused[exc.code] += 1
+                log.warning("rl job %s: refused a frame of %s: %s", self.plan.job_id, conn.peer_id, exc)
+                raise  # the Transport answers with the code and ends the stream
+            await conn.send(header(reply), timeout=30.0)
+
+    async def _status(self, poll: Poll) -> Status:
+        async with self._changed:
+            try:
+                async with asyncio.timeout(self.config.poll_hold_s):
+                    await self._changed.wait_for(lambda: self.done or self.version >= poll.want)
+            except TimeoutError:
+                pass
+            return Status(version=max(self.version, 0), done=self.done)
+
+    async def _take(self, peer: Hashable, msg: Rollouts) -> Ack:
+        """Check a shard and keep it for its iteration, or say why not; ProtocolError for what no healthy peer sends."""
+        check_rollouts(msg, self.bounds)
+        if str(self.peers[msg.shard]) != str(peer):
+            raise ProtocolError(
+                f"shard {msg.shard} belongs to {self.peers[msg.shard]}", code=ErrorCode.NOT_ALLOWED
+            )
+        if msg.version > self.version:
+            raise ProtocolError(
+                f"rollouts of policy version {msg.version}: the trainer published {self.version}",
+                code=ErrorCode.FROM_FUTURE,
+            )
+        k = self.plan.rl.staleness
+        if msg.iteration > self.iteration + k:
+            raise ProtocolError(
+                f"rollouts for iteration {msg.iteration} while iteration {self.iteration} trains "
+                f"(at most {k} ahead)",
+                code=ErrorCode.WRONG_STEP,
+            )
+        completions = sum(len(g.completions) for g in msg.groups)
+        reason = ""
+        if self.done or msg.iteration < self.iteration:
+            reason, self.dropped_late = (
+                f"iteration {msg.iteration} is trained already",
+                self.dropped_late + completions,
+            )
+        elif msg.iteration - msg.version > k:
+            reason = f"version {msg.version} is more than {k} behind iteration {msg.iteration}"
+            self.dropped_stale += completions
+        elif msg.shard in self._arrived[msg.iteration]:
+            reason, self.duplicates = "duplicate shard", self.duplicates + 1
+        if reason:
+            log.info(
+                "rl job %s: shard %d of iteration %d not taken: %s",
+                self.plan.job_id,
+                msg.shard,
+                msg.iteration,
+                reason,
+            )
+            return self._ack(msg, reason)
+        async with self._changed:
+            self._arrived[msg.iteration][msg.shard] = msg
+            self._absent.discard(msg.shard)
+            self._changed.notify_all()
+        return self._ack(msg, "")
+
+    def _ack(self, msg: Rollouts, reason: str) -> Ack:
+        return Ack(
+            iteration=msg.iteration,
+            shard=msg.shard,
+            version=max(self.version, 0),
+            accepted=not reason,
+            reason=reason,
+            done=self.done,
+        )
+
+    # ------------------------------------------------------------ the loop
+
+    def _expected(self) -> set[int]:
+        return {s for s, r in enumerate(self.shards) if r and s not in self._absent}
+
+    async def _collect(self, t: int) -> dict[int, Rollouts]:
+        """Shards of iteration ``t``, waiting for the expected ones at most ``rollout_timeout_s``."""
+        arrived = self._arrived[t]
+        try:
+            async with self._changed, asyncio.timeout(self.plan.rl.rollout_timeout_s):
+                await self._changed.wait_for(lambda: self._expected() <= set(arrived))
+        except TimeoutError:
+            missing = sorted(self._expected() - set(arrived))
+            self.missing_shards += len(missing)
+            self._absent.update(missing)
+            log.warning(
+                "rl job %s: iteration %d: no shard %s within %g s, dropped",
+                self.plan.job_id,
+                t,
+                missing,
+                self.plan.rl.rollout_timeout_s,
+            )
+        return dict(sorted(self._arrived.pop(t, {}).items()))
+
+    def _groups(self, t: int, shards: dict[int, Rollouts]) -> list[RolloutGroup]:
+        out = []
+        for msg in shards.values():
+            lag = t - msg.version
+            assert 0 <= lag <= self.plan.rl.staleness, "checked on arrival"
+            for g in msg.groups:
+                out.append(
+                    RolloutGroup(self.plan.problem(t, g.problem), g.completions, g.logprobs, msg.version)
+                )
+                self.staleness[lag] += len(g.completions)
+        return out
+
+    async def run(self) -> list[IterationReport]:
+        """Every iteration of the job (after ``start``); ``done`` is announced at the end."""
+        plan = self.plan
+        interval = plan.spec.checkpoint_interval
+        for t in range(self.iteration, plan.iterations):
+            began = time.perf_counter()
+            missing_before = self.missing_shards
+            shards = await self._collect(t)
+            self.iteration = t + 1  # shards of t arriving from now on are late
+            waited = time.perf_counter()
+            groups = self._groups(t, shards)
+            lags: Counter[int] = Counter()
+            for m in shards.values():
+                lags[t - m.version] += sum(len(g.completions) for g in m.groups)
+            await asyncio.to_thread(score, plan.task, groups)
+            scored = time.perf_counter()
+            figures = await asyncio.to_thread(self.learner.train, groups)
+            trained = time.perf_counter()
+            await self._publish()
+            published = time.perf_counter()
+            last = t + 1 == plan.iterations
+            if self.config.checkpoint_root is not None and (last or (interval and (t + 1) % interval == 0)):
+                await asyncio.to_thread(self.save_checkpoint)
+            done = time.perf_counter()
+            served = self.weight_sync_bytes
+            report = IterationReport.of(
+                iteration=t,
+                version=self.learner.version,
+                kl=figures.kl,
+                loss=figures.loss,
+                clip_fraction=figures.clip_fraction,
+                rollouts=sum(g.size for g in groups),
+                updates=figures.updates,
+                shards=len(shards),
+                shards_missing=self.missing_shards - missing_before,
+                staleness=dict(sorted(lags.items())),
+                dropped_stale=self.dropped_stale - self._stale_seen,
+                dropped_late=self.dropped_late - self._late_seen,
+                weight_sync_bytes=served - self._bytes_seen,
+                seconds={
+                    "wait": waited - began,
+                    "score": scored - waited,
+                    "reference": figures.reference_s,
+                    "train": trained - scored - figures.reference_s,
+                    "publish": published - trained,
+                    "checkpoint": done - published,
+                },
+                rollouts_per_s=sum(g.size for g in groups) / max(done - began, 1e-9),
+                rewards=summarize(groups),
+            )
+            self._stale_seen, self._late_seen, self._bytes_seen = (
+                self.dropped_stale,
+                self.dropped_late,
+                served,
+            )
+            self.reports.append(report)
+            log.info(
+                "rl job %s: iteration %d: reward %.3f pass %.3f kl %.4f, %d rollouts of %d shards (%d missing)",
+                plan.job_id,
+                t,
+                report.reward_mean,
+                report.pass_rate,
+                report.kl,
+                report.rollouts,
+                report.shards,
+                report.shards_missing,
+            )
+            if self.on_iteration is not None:
+                self.on_iteration(report)
+        async with self._changed:
+            self.done = True
+            self._changed.notify_all()
+        return self.reports
+
+    # ------------------------------------------------------------ checkpoints
+
+    def checkpoint_state(self) -> dict[str, Any]:
+        """The policy in the one-stage checkpoint format (``peerd.jobs.fetch.assemble`` reads it)."""
+        learner = self.learner
+        extra = learner.state()
+        return {
+            "format": checkpoint.FORMAT,
+            "job": self.plan.job_id,
+            "stage": 0,
+            "replica": 0,
+            "step": learner.version,
+            "module": learner.weights(),
+            "optimizer": extra["optimizer"],
+            "scheduler": extra["scheduler"],
+            "reference": extra["reference"],
+            "data": {"kind": "rl", "iteration": learner.version, "seed": self.plan.seed},
+            "meta": {"layers": [0, self.plan.spec.model.family().num_layers], "saved_at": time.time()},
+        }
+
+    def save_checkpoint(self) -> Path:
+        assert self.config.checkpoint_root is not None
+        directory = checkpoint.tasklet_dir(self.config.checkpoint_root, self.plan.job_id, 0, 0)
+        return checkpoint.save(directory, self.checkpoint_state())

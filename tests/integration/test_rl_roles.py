@@ -1,0 +1,329 @@
+"""The rl job's roles over real p2pd daemons on loopback: one trainer, rollout peers, weights and rollouts on the wire."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+from collections.abc import Awaitable, Callable, Iterator
+from typing import Any
+
+import pytest
+import torch
+from hivemind.p2p import P2P
+
+from peerd.errors import ErrorCode, ProtocolError
+from peerd.jobs.fetch import assemble
+from peerd.jobs.rl import RLPlan, RLTrainer, RolloutConfig, RolloutPeer, TrainerConfig, reference_run
+from peerd.jobs.rl.messages import (
+    KIND_ACK,
+    Ack,
+    RolloutGroupWire,
+    Rollouts,
+    header,
+    parse,
+    rl_protocol,
+    to_wire,
+)
+from peerd.jobs.rl.shards import sample_shard, shard_ranges
+from peerd.jobs.spec import parse_job_spec
+from peerd.models import load_checkpoint
+from peerd.pipeline.statesync import StateSyncConfig
+from peerd.rl.tasks import END_TOKEN
+from peerd.swarm.transport import RetryPolicy, Transport
+from peerd.wire import to_builtin
+
+pytestmark = pytest.mark.integration
+
+FAST_SYNC = StateSyncConfig(connect_timeout_s=5, request_timeout_s=10, deadline_s=30)
+TRAINER: list[Any] = []  # the trainer's peer id, for the forging helpers
+
+
+def plan(job: str, *, iterations: int = 4, staleness: int = 0, timeout_s: float = 60.0) -> RLPlan:
+    spec = parse_job_spec(
+        {
+            "kind": "rl",
+            "name": "rl-roles",
+            "model": {"preset": "tiny", "seed": 3},
+            "steps": iterations,
+            "global_batch": 24,  # 6 prompts x 4 completions
+            "micro_batch": 12,  # two updates per iteration
+            "min_peers": 3,
+            "optimizer": {"name": "adamw", "lr": 0.003, "schedule": "constant", "grad_clip": 1.0},
+            "rl": {
+                "task": {"name": "addition", "min_size": 1, "max_size": 1},
+                "group_size": 4,
+                "staleness": staleness,
+                "sampling": {"max_new_tokens": 4, "temperature": 1.0},
+                "warmup": {"steps": 30, "batch_size": 16, "lr": 0.003},
+                "rollout_timeout_s": timeout_s,
+            },
+        }
+    )
+    return RLPlan(job, spec)
+
+
+class Swarm:
+    """p2pd daemons on one event loop, a Transport each: ``trainer``, two rollout peers and a stranger."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.p2ps: list[P2P] = []
+        self.transports: list[Transport] = []
+
+    def run(self, coro: Any, timeout: float = 120.0) -> Any:
+        return self.loop.run_until_complete(asyncio.wait_for(coro, timeout))
+
+    async def peer(self) -> Transport:
+        known = [m for p in self.p2ps for m in await p.get_visible_maddrs()]
+        p2p = await P2P.create(initial_peers=known)
+        self.p2ps.append(p2p)
+        transport = Transport(p2p, retry=RetryPolicy(attempts=2, base_backoff_s=0.05, ban_after_failures=50))
+        self.transports.append(transport)
+        return transport
+
+    async def start(self) -> None:
+        self.trainer, self.r1, self.r2, self.stranger = [await self.peer() for _ in range(4)]
+
+    async def stop(self) -> None:
+        for transport in reversed(self.transports):
+            await transport.close()
+        for p2p in reversed(self.p2ps):
+            await p2p.shutdown()
+
+
+@pytest.fixture(scope="module")
+def swarm() -> Iterator[Swarm]:
+    s = Swarm()
+    try:
+        s.run(s.start())
+        yield s
+    finally:
+        s.run(s.stop(), timeout=30)
+        s.loop.close()
+
+
+def rollout_peers(swarm: Swarm, p: RLPlan, transports: list[Transport]) -> list[RolloutPeer]:
+    ids = sorted((t.peer_id for t in transports), key=str)
+    cfg = RolloutConfig(request_timeout_s=30, trainer_timeout_s=30, statesync=FAST_SYNC)
+    return [
+        RolloutPeer(t, p, swarm.trainer.peer_id, ids.index(t.peer_id), len(ids), config=cfg)
+        for t in transports
+    ]
+
+
+async def train(
+    swarm: Swarm,
+    p: RLPlan,
+    transports: list[Transport],
+    *,
+    also: Callable[[RLTrainer, list[asyncio.Future]], Awaitable[None]] | None = None,
+    tolerate: bool = False,
+    **options: Any,
+) -> tuple[RLTrainer, list]:
+    """Run the job to its end; ``also(trainer, rollout tasks)`` runs beside it; ``tolerate``: rollout peers may fail."""
+    TRAINER[:] = [swarm.trainer.peer_id]
+    trainer = RLTrainer(
+        swarm.trainer,
+        p,
+        [t.peer_id for t in transports],
+        config=TrainerConfig(poll_hold_s=5, statesync=FAST_SYNC, **options),
+    )
+    await trainer.start()
+    try:
+        workers = rollout_peers(swarm, p, transports)
+        tasks = [asyncio.ensure_future(w.run()) for w in workers]
+        side = [asyncio.ensure_future(also(trainer, tasks))] if also is not None else []
+        await trainer.run()
+        await asyncio.gather(*side)
+        stats = await asyncio.gather(*tasks, return_exceptions=tolerate)
+    finally:
+        await trainer.close()
+    return trainer, stats
+
+
+def test_sync_job_equals_the_single_process_reference(swarm: Swarm, tmp_path):
+    p = plan("a1" * 16)
+    trainer, stats = swarm.run(train(swarm, p, [swarm.r1, swarm.r2], checkpoint_root=tmp_path))
+    ref = reference_run(p, shards=2)
+    got = trainer.reports
+    assert [r.iteration for r in got] == [0, 1, 2, 3]
+    for mine, want in zip(got, ref, strict=True):
+        assert mine.rollouts == want.rollouts == 24 and mine.shards == 2 and mine.staleness == {0: 24}
+        assert mine.pass_rate == want.pass_rate and mine.reward_mean == pytest.approx(
+            want.reward_mean, abs=1e-12
+        )
+        assert mine.loss == pytest.approx(want.loss, abs=1e-5)
+        assert mine.kl == pytest.approx(want.kl, abs=1e-5)
+        assert mine.response_len == want.response_len
+    # every shard was sampled by the version of its iteration (sync), weights crossed the wire
+    assert [s.versions for s in stats] == [[0, 1, 2, 3]] * 2
+    assert all(s.weight_fetches == 4 for s in stats)
+    assert sum(r.weight_sync_bytes for r in got) + 0 >= sum(s.weight_bytes for s in stats) > 0
+    assert trainer.refused == {} and trainer.missing_shards == 0
+    # the checkpoint is the one-stage format: peerd fetch assembles it and load_checkpoint loads it
+    fetched = assemble(p.job_id, p.spec, [tmp_path], tmp_path / "out")
+    assert fetched.step == 4 and fetched.stages == 1
+    model = load_checkpoint(fetched.path)
+    for name, tensor in trainer.learner.policy.state_dict().items():
+        assert torch.equal(model.state_dict()[name], tensor), name
+
+
+def test_async_rollouts_stay_within_the_bound_and_stale_ones_are_counted(swarm: Swarm, async_wait_until):
+    p = plan("a2" * 16, iterations=5, staleness=1)
+    acks: list[Ack] = []
+
+    async def forge_stale(trainer: RLTrainer, _: list[asyncio.Future]) -> None:
+        """Shard 0's owner sends a well-formed shard of iteration 3 sampled by version 1: 2 behind."""
+        owner = min([swarm.r1, swarm.r2], key=lambda t: str(t.peer_id))
+        await async_wait_until(lambda: trainer.iteration >= 2, 60, "iteration 2")
+        acks.append(await push(owner, p, iteration=3, shard=0, version=1))
+
+    trainer, stats = swarm.run(train(swarm, p, [swarm.r1, swarm.r2], also=forge_stale))
+    reports = trainer.reports
+    assert len(reports) == 5 and all(r.rollouts == 24 and r.shards == 2 for r in reports)
+    assert all(set(r.staleness) <= {0, 1} and sum(r.staleness.values()) == 24 for r in reports)
+    assert max(max(s.versions) for s in stats) <= 5
+    # the stale shard: answered "not accepted", counted as 12 dropped completions, never trained on
+    assert len(acks) == 1 and not acks[0].accepted and acks[0].reason
+    assert trainer.dropped_stale + trainer.dropped_late == 12
+    assert sum(r.dropped_stale + r.dropped_late for r in reports) == 12
+    assert trainer.refused == {}
+
+
+def test_a_vanished_rollout_peer_costs_one_shard(swarm: Swarm, async_wait_until):
+    p = plan("a3" * 16, iterations=5, timeout_s=2.0)
+    victim: list[Transport] = []
+
+    async def kill(trainer: RLTrainer, tasks: list[asyncio.Future]) -> None:
+        await async_wait_until(lambda: trainer.iteration >= 2, 60, "iteration 2")
+        await victim[0].p2p.shutdown()
+        await victim[0].close()
+        tasks[1].cancel()  # the victim's process is gone with its daemon
+
+    async def go() -> tuple[RLTrainer, list]:
+        victim.append(await swarm.peer())
+        return await train(swarm, p, [swarm.r1, victim[0]], also=kill, tolerate=True)
+
+    trainer, _ = swarm.run(go())
+    reports = trainer.reports
+    assert [r.iteration for r in reports] == [0, 1, 2, 3, 4]
+    assert trainer.missing_shards == 1 and sum(r.shards_missing for r in reports) == 1
+    assert reports[0].rollouts == reports[1].rollouts == 24  # both peers until the kill
+    assert reports[-1].rollouts == 12 and reports[-1].shards == 1  # the survivor's shard only
+    # the shard the victim had in flight was waited for once; its later shards are not waited for
+    # (shards_missing counts only the first) and not sampled by anyone until a re-plan
+    assert [r.shards for r in reports[2:]] == [1, 1, 1]
+
+
+def test_forged_rollout_frames_are_refused_and_never_trained_on(swarm: Swarm):
+    p = plan("a4" * 16, iterations=1)
+
+    async def go() -> tuple[dict[str, ErrorCode], RLTrainer]:
+        TRAINER[:] = [swarm.trainer.peer_id]
+        trainer = RLTrainer(
+            swarm.trainer,
+            p,
+            [swarm.r1.peer_id, swarm.r2.peer_id],
+            config=TrainerConfig(poll_hold_s=5, statesync=FAST_SYNC),
+        )
+        owner = sorted([swarm.r1, swarm.r2], key=lambda t: str(t.peer_id))
+        codes: dict[str, ErrorCode] = {}
+        await trainer.start()
+        try:
+            good = (await frame(p, trainer, 0, 0, 0)).groups
+            for name, forged, sender in [
+                ("bad token id", mutate(good, token=300), owner[0]),
+                ("NaN log-prob", mutate(good, logprob=float("nan")), owner[0]),
+                ("positive log-prob", mutate(good, logprob=0.5), owner[0]),
+                ("too long", mutate(good, extend=9), owner[0]),
+                ("wrong iteration", dict(iteration=3), owner[0]),
+                ("beyond the job", dict(iteration=p.iterations + 7), owner[0]),
+                ("from the future", dict(version=5), owner[0]),
+                ("another's shard", {}, owner[1]),
+                ("a stranger", {}, swarm.stranger),
+            ]:
+                fields = {"groups": forged} if isinstance(forged, list) else forged
+                msg = Rollouts(**{"iteration": 0, "shard": 0, "version": 0, "groups": good, **fields})
+                with pytest.raises(ProtocolError) as info:
+                    await send_raw(sender, p, header_unchecked(msg))
+                codes[name] = info.value.code
+            assert trainer._arrived == {} or all(not v for v in trainer._arrived.values())
+            workers = rollout_peers(swarm, p, [swarm.r1, swarm.r2])
+            tasks = [asyncio.ensure_future(w.run()) for w in workers]
+            await trainer.run()
+            await asyncio.gather(*tasks)
+        finally:
+            await trainer.close()
+        return codes, trainer
+
+    codes, trainer = swarm.run(go())
+    assert codes == {
+        "bad token id": ErrorCode.OUT_OF_RANGE,
+        "NaN log-prob": ErrorCode.NON_FINITE,
+        "positive log-prob": ErrorCode.OUT_OF_RANGE,
+        "too long": ErrorCode.OVERSIZED,
+        "wrong iteration": ErrorCode.WRONG_STEP,
+        "beyond the job": ErrorCode.WRONG_STEP,
+        "from the future": ErrorCode.FROM_FUTURE,
+        "another's shard": ErrorCode.NOT_ALLOWED,
+        "a stranger": ErrorCode.NOT_ALLOWED,
+    }
+    # refused frames were counted by the trainer (the stranger's stream never reached it)
+    assert sum(trainer.refused.values()) == 8
+    # what was trained is exactly the honest peers' rollouts: the reference's iteration
+    (mine,), (want,) = trainer.reports, reference_run(p, shards=2)
+    assert mine.rollouts == 24 and mine.loss == pytest.approx(want.loss, abs=1e-5)
+    assert mine.kl == pytest.approx(want.kl, abs=1e-5) and mine.pass_rate == want.pass_rate
+
+
+# ---------------------------------------------------------------- helpers of the forging tests
+
+
+async def frame(p: RLPlan, trainer: RLTrainer, iteration: int, shard: int, version: int) -> Rollouts:
+    """An honest shard, sampled by the trainer's current policy."""
+    groups = sample_shard(trainer.learner.policy, p, iteration, shard, trainer.shards[shard], version)
+    wire = to_wire(
+        [(i, g.completions, g.logprobs) for i, g in zip(trainer.shards[shard], groups, strict=True)]
+    )
+    return Rollouts(iteration=iteration, shard=shard, version=version, groups=wire)
+
+
+def mutate(groups: list, *, token: int | None = None, logprob: float | None = None, extend: int = 0) -> list:
+    out = copy.deepcopy(groups)
+    first = out[0]
+    if token is not None:
+        first.completions[0][0] = token
+    if logprob is not None:
+        first.logprobs[0][0] = logprob
+    if extend:
+        first.completions[0] = [ord("1")] * extend
+        first.logprobs[0] = [-0.5] * extend
+    return out
+
+
+def header_unchecked(msg: Rollouts) -> dict[str, Any]:
+    """The header a forger writes: no schema checks on the way out."""
+    return to_builtin(msg)
+
+
+async def send_raw(sender: Transport, p: RLPlan, head: dict[str, Any]) -> Ack:
+    conn = await sender.connect(TRAINER[0], rl_protocol(p.job_id), timeout=10)
+    try:
+        raw, _ = await conn.request(head, timeout=30)
+        return parse(raw, (KIND_ACK,))
+    finally:
+        await conn.close(timeout=1.0)
+
+
+async def push(sender: Transport, p: RLPlan, *, iteration: int, shard: int, version: int) -> Ack:
+    """A well-formed shard (its content does not matter: it must be dropped before use)."""
+    groups = [
+        RolloutGroupWire(
+            problem=i,
+            completions=[[ord("1"), END_TOKEN]] * p.group_size,
+            logprobs=[[-1.0, -1.0]] * p.group_size,
+        )
+        for i in shard_ranges(p.prompts, 2)[shard]
+    ]
+    msg = Rollouts(iteration=iteration, shard=shard, version=version, groups=groups)
+    return await send_raw(sender, p, header(msg))
