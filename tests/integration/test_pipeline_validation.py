@@ -5,7 +5,8 @@ held-out losses equals the held-out loss of the same model trained in one proces
 the same windows (within 1e-4), and the training curve is still the reference's. 3 stages x 1
 replica with AC-SGD (fw 4 bit, bw 8 bit): the middle stage forwards the held-out activations, the
 training curve is bit-identical to the same run evaluated only after its last step (no optimizer
-state, schedule or AC-SGD buffer was touched by the evaluations in between), and the final held-out loss equals a one-process evaluation of the
+state, schedule or AC-SGD buffer was touched by the evaluations in between, checkpoints holding
+the receivers' decoding included), and the final held-out loss equals a one-process evaluation of the
 workers' own trained layers.
 """
 
@@ -14,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -148,9 +150,19 @@ def test_held_out_loss_of_two_stages_by_two_replicas_equals_one_process(cluster:
     assert {r.stage for r in result.reports if r.val_loss is not None} == {1}
 
 
-def test_a_middle_stage_forwards_held_out_batches_and_ac_sgd_is_untouched(cluster: Cluster) -> None:
+def test_a_middle_stage_forwards_held_out_batches_and_ac_sgd_is_untouched(
+    cluster: Cluster, tmp_path: Path
+) -> None:
     acsgd = CompressionConfig(forward="acsgd", forward_bits=4, backward_bits=8)
-    cfg = dataclasses.replace(CFG, job="val3", layers_per_stage=[1, 2, 1], compression=acsgd)
+    # checkpoints after every other step: receivers hold AC-SGD decoding of the next step meanwhile
+    cfg = dataclasses.replace(
+        CFG,
+        job="val3",
+        layers_per_stage=[1, 2, 1],
+        compression=acsgd,
+        checkpoint_dir=str(tmp_path),
+        checkpoint_every=2,
+    )
     # the same split, evaluated only after the last step: steps 3 to 6 follow no evaluation
     once = dataclasses.replace(VALIDATION, interval=1000)
     plain = dataclasses.replace(cfg, job="plain3", data=dataclasses.replace(cfg.data, validation=once))
