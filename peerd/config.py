@@ -29,6 +29,7 @@ DEFAULT_HOME = Path("~/.peerd")
 # sockaddr_un.sun_path is 108 bytes on Linux (104 on macOS); keep room for the NUL.
 MAX_SOCKET_PATH = 103
 _MADDR = re.compile(r"^(/[^/\s]+)+$")
+_PEER_ID = re.compile(r"^[1-9A-HJ-NP-Za-km-z]{16,128}$")  # base58, as peerd.wire.types.PeerId
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 
 LogLevel = Literal["DEBUG", "INFO", "WARNING", "ERROR"]
@@ -146,6 +147,16 @@ class DaemonConfig:
             metavar="FILE",
         ),
     )
+    allowed_peers: list[str] = field(
+        default_factory=list,
+        metadata=_meta(
+            doc="Peer id of a swarm member (as `peerd status` prints it; the hash of its public key); repeat "
+            "for each member, this peer's own id included. Members store and accept only records signed by a "
+            "listed peer and take streams only from listed peers, so only they can join, probe and submit. "
+            "Empty: no allowlist.",
+            metavar="PEER_ID",
+        ),
+    )
     ban_s: Annotated[float, Range(gt=0, le=3600)] = field(
         default=30.0,
         metadata=_meta(
@@ -254,6 +265,11 @@ class DaemonConfig:
                 load_swarm_secret(self.swarm_secret_file)
             except ConfigError as exc:
                 out.append(exc)
+        for i, peer in enumerate(self.allowed_peers):
+            if not _PEER_ID.match(peer):
+                out.append(
+                    ConfigError(f"allowed_peers[{i}]", f"{peer[:80]!r} is not a peer id (base58, e.g. Qm...)")
+                )
         if len(self.region) > 64:
             out.append(ConfigError("region", "at most 64 characters"))
         if self.device != "auto" and not re.match(r"^(cpu|mps|cuda(:\d+)?)$", self.device):

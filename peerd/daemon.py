@@ -39,7 +39,7 @@ from peerd.jobs.service import METHODS as JOB_METHODS
 from peerd.jobs.service import JobService
 from peerd.log import get_logger
 from peerd.metrics import MetricsServer
-from peerd.swarm.access import access_validators
+from peerd.swarm.access import access_mode, access_validators
 from peerd.swarm.bans import BanPolicy
 from peerd.swarm.identity import Identity, make_record_validators
 from peerd.swarm.links import LinkProber, ProbeConfig, ProbeResponder
@@ -149,6 +149,11 @@ class Daemon:
             resolve_device(cfg.device)  # a device that does not exist fails before p2pd starts
             _set_threads(cfg.threads)
             self.identity = Identity.load_or_create(cfg.identity)
+            if cfg.allowed_peers and self.identity.peer_id not in cfg.allowed_peers:
+                raise ConfigError(
+                    "allowed_peers",
+                    f"does not list this peer's own id {self.identity.peer_id}: its own records would be refused",
+                )
             self.node = await self._start_node(self.known_peers.load())
             self._started_at = self.node.now()
 
@@ -157,8 +162,8 @@ class Daemon:
                 shaper=self._make_shaper(),
                 ban_policy=BanPolicy(ban_s=cfg.ban_s, max_ban_s=3600.0),
             )
-            if cfg.swarm_secret_file is not None:  # members only: streams from peers with a valid record
-                self.transport.admit = lambda peer: peer.to_base58() in self.entries
+            if cfg.swarm_secret_file is not None or cfg.allowed_peers:  # members only
+                self.transport.admit = self._admits
             probe_config = ProbeConfig(peers_per_refresh=max(1, cfg.probe_budget))
             self.responder = ProbeResponder(self.transport, probe_config)
             await self.responder.start()
@@ -335,7 +340,7 @@ class Daemon:
         cfg = self.config
         assert self.identity is not None
         validators = make_record_validators(self.identity, cfg.swarm) + access_validators(
-            cfg.swarm_secret_file, cfg.swarm
+            cfg.swarm_secret_file, cfg.swarm, cfg.allowed_peers
         )
         peers = bootstrap_peers(cfg.initial_peers, remembered)
         if remembered:
@@ -514,8 +519,9 @@ class Daemon:
             "paused": self.jobs is not None and self.jobs.manager.paused is not None,
             "pause_reason": self.jobs.manager.paused if self.jobs is not None else None,
             "leaving": self.leaving or (self.jobs is not None and self.jobs.manager.leaving),
-            # who may join and submit: "open" (anyone who reaches a member) or "secret" (members only)
-            "access": "secret" if self.config.swarm_secret_file is not None else "open",
+            # who may join and submit: "open" (anyone who reaches a member), or members only by
+            # "secret", "allowlist" or both
+            "access": access_mode(self.config.swarm_secret_file, self.config.allowed_peers),
             # peers refused for a while after garbage or exceeded limits: peer id -> seconds left
             "banned": {str(p): round(s, 1) for p, s in self.transport.banlist.banned().items()}
             if self.transport is not None
@@ -531,6 +537,13 @@ class Daemon:
         view["jobs"] = self.jobs.views() if self.jobs is not None else []
         view["refusals"] = self._refusals().view()
         return view
+
+    def _admits(self, peer: Any) -> bool:
+        """Whether ``peer`` may open streams here: listed (allowlist) and with a validated record (secret)."""
+        peer_id = peer.to_base58()
+        if self.config.allowed_peers and peer_id not in self.config.allowed_peers:
+            return False
+        return self.config.swarm_secret_file is None or peer_id in self.entries
 
     def _refusals(self) -> Refusals:
         """What this daemon refused or rejected from other peers so far (DHT records as last refreshed)."""
@@ -688,7 +701,7 @@ async def swarm_reader(config: DaemonConfig) -> AsyncIterator[Callable[[], Await
         client_mode=True,
     )
     validators = make_record_validators(identity, cfg.swarm) + access_validators(
-        cfg.swarm_secret_file, cfg.swarm
+        cfg.swarm_secret_file, cfg.swarm, cfg.allowed_peers
     )
     node = await SwarmNode.start(settings, validators)
 

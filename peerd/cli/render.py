@@ -189,8 +189,10 @@ def render_status(view: dict[str, Any]) -> RenderableType:
             parts.append(
                 Text("access:    open (no swarm secret: anyone who reaches a peer can join and submit)")
             )
-        elif me.get("access") == "secret":
-            parts.append(Text("access:    members only (swarm secret)"))
+        elif me.get("access"):
+            how = {"secret": "swarm secret", "allowlist": "peer allowlist"}
+            means = " and ".join(how.get(m, m) for m in me["access"].split("+"))
+            parts.append(Text(f"access:    members only ({means})"))
         parts.append(Text(f"peer id:   {me['peer_id']}"))
     if view.get("refusals") is not None:
         parts.append(Text(f"refused:   {refusals_line(view['refusals'], (me or {}).get('banned') or {})}"))

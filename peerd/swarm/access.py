@@ -1,6 +1,9 @@
-"""Optional swarm access control: a shared swarm secret whose MAC every DHT record of a member carries.
+"""Optional swarm access control: a shared swarm secret whose MAC every DHT record of a member carries, or an allowlist of peer ids.
 
-Without a secret a swarm is open: any peer that can reach one member can join and submit.
+Without either a swarm is open: any peer that can reach one member can join and submit.
+With an allowlist (``allowed_peers``), members store and accept only DHT records signed by a
+listed peer's key (the owner tag of the record's subkey, whose signature hivemind's RSA
+validator checks) and their transport refuses streams of any other peer id.
 With one (``swarm_secret_file``), each member's DHT node appends
 ``[swarm-mac:<hex HMAC-SHA256>]`` to every value it stores, computed with a key derived
 from the secret and the swarm name over the record's key, subkey, expiration time and
@@ -17,12 +20,14 @@ import hashlib
 import hmac
 import re
 import struct
+from collections.abc import Iterable
 from pathlib import Path
 
 from hivemind.dht.validation import DHTRecord, RecordValidatorBase
 
-from peerd.errors import ConfigError, ErrorCode
+from peerd.errors import ConfigError, ErrorCode, ProtocolError
 from peerd.log import get_logger
+from peerd.swarm.identity import peer_id_from_owner_tag
 from peerd.swarm.rejections import count_dht
 from peerd.swarm.secret import SECRET_MIN_BYTES, load_swarm_secret
 
@@ -93,8 +98,55 @@ class SwarmSecretValidator(RecordValidatorBase):
         return isinstance(other, SwarmSecretValidator) and hmac.compare_digest(other._key, self._key)
 
 
-def access_validators(secret_file: str | Path | None, swarm: str) -> list[RecordValidatorBase]:
+# hivemind's owner marker, as it appears inside a serialized key or subkey (RSASignatureValidator)
+_OWNER_TAG = re.compile(rb"\[owner:(ssh-rsa [A-Za-z0-9+/=]{100,2000})\]")
+
+
+class PeerAllowlistValidator(RecordValidatorBase):
+    """Accepts only DHT records owned by listed peers: every owner tag in the key or subkey names one,
+    and there is at least one (a record nobody signed is nobody's on the list)."""
+
+    def __init__(self, allowed: Iterable[str]) -> None:
+        self.allowed = frozenset(allowed)
+
+    def owners(self, record: DHTRecord) -> list[str]:
+        """Peer ids of the owner tags in ``record``'s key and subkey (ProtocolError: a tag with no valid key)."""
+        tags = _OWNER_TAG.findall(record.key) + _OWNER_TAG.findall(record.subkey or b"")
+        return [peer_id_from_owner_tag(b"[owner:" + tag + b"]") for tag in tags]
+
+    def validate(self, record: DHTRecord) -> bool:
+        try:
+            owners = self.owners(record)
+        except ProtocolError:
+            owners = []
+        if owners and all(owner in self.allowed for owner in owners):
+            return True
+        count_dht(ErrorCode.NOT_ALLOWED)
+        logger.debug("rejected a DHT record of %s: not on the allowlist", owners or "nobody")
+        return False
+
+    @property
+    def priority(self) -> int:
+        return 15  # between the MAC (20) and RSA (10): the key and subkey are the same at every stage
+
+    def merge_with(self, other: RecordValidatorBase) -> bool:
+        return isinstance(other, PeerAllowlistValidator) and other.allowed == self.allowed
+
+
+def access_validators(
+    secret_file: str | Path | None, swarm: str, allowed_peers: Iterable[str] = ()
+) -> list[RecordValidatorBase]:
     """The validators a daemon adds for its access setting: none for an open swarm."""
-    if secret_file is None:
-        return []
-    return [SwarmSecretValidator(load_swarm_secret(secret_file), swarm)]
+    out: list[RecordValidatorBase] = []
+    if secret_file is not None:
+        out.append(SwarmSecretValidator(load_swarm_secret(secret_file), swarm))
+    allowed = list(allowed_peers)
+    if allowed:
+        out.append(PeerAllowlistValidator(allowed))
+    return out
+
+
+def access_mode(secret_file: str | Path | None, allowed_peers: Iterable[str] = ()) -> str:
+    """``open``, ``secret``, ``allowlist`` or ``secret+allowlist`` (what ``peerd status`` says)."""
+    modes = ["secret"] * (secret_file is not None) + ["allowlist"] * bool(list(allowed_peers))
+    return "+".join(modes) or "open"

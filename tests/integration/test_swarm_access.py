@@ -1,4 +1,4 @@
-"""Swarm access control on real daemons: with a swarm secret, a daemon without it cannot join or submit.
+"""Swarm access control on real daemons: with a swarm secret (or an allowlist of peer ids), a daemon without it (not on it) cannot join, probe or submit.
 
 Two members share a secret file; a stranger (no secret) and a friend (the secret) join through
 them. Members list the friend and never the stranger, refuse the stranger's streams, and see
@@ -20,6 +20,7 @@ from peerd.control import ControlError
 from peerd.errors import ErrorCode, ProtocolError
 from peerd.jobs.records import normalized_spec
 from peerd.jobs.spec import load_job_spec
+from peerd.swarm.identity import Identity
 from peerd.swarm.links import PROBE_PROTOCOL
 from peerd.swarm.transport import Transport
 
@@ -117,3 +118,75 @@ def test_with_a_swarm_secret_only_holders_join_and_submit(
         f"ACCESS friend joined in {joined_s:.1f} s; stranger listed by 0/2 members; stranger's probe "
         f"stream {refused.name}; stranger's job {'refused at submit' if strangers_job is None else 'seen by 0/2'}"
     )
+
+
+@pytest.mark.timeout(420)
+def test_with_an_allowlist_only_listed_peers_join_probe_and_submit(
+    local_swarm: Callable[..., Any], tmp_path: Path, wait_until: Callable[..., Any]
+):
+    """Two listed members (their ids known before they start) and a stranger that joins through them."""
+    keys = {name: tmp_path / f"{name}.key" for name in ("peer0", "friend", "stranger")}
+    ids = {name: Identity.load_or_create(path).peer_id for name, path in keys.items()}
+    listed = [ids["peer0"], ids["friend"]]
+    swarm = local_swarm(1, identity=str(keys["peer0"]), allowed_peers=listed)
+    m0 = swarm.peers[0]
+    friend = swarm.add_peer("friend", options={"identity": str(keys["friend"])})
+    stranger = swarm.add_peer("stranger", options={"identity": str(keys["stranger"]), "allowed_peers": []})
+    assert {m0.info.peer_id, friend.info.peer_id, stranger.info.peer_id} == set(ids.values())
+
+    wait_until(
+        lambda: ids["friend"] in _peer_ids(m0.status()) and ids["peer0"] in _peer_ids(friend.status()),
+        60,
+        "the listed peers to list each other",
+    )
+    wait_until(  # the stranger's own records reach the members, which refuse them (and count it)
+        lambda: m0.status()["refusals"]["dht_records"].get("NOT_ALLOWED", 0) > 0,
+        60,
+        "peer0 to refuse a record of the stranger",
+    )
+    views = {m.name: m.status() for m in (m0, friend)}
+    assert all(ids["stranger"] not in _peer_ids(v) for v in views.values()), views
+    assert all(v["self"]["access"] == "allowlist" for v in views.values())
+    assert stranger.status()["self"]["access"] == "open"
+
+    # streams: a peer id not on the list is refused before any frame, whatever records it has
+    refused = asyncio.run(_probe_ping(list(m0.info.maddrs), ids["peer0"]))
+    assert refused == ErrorCode.NOT_ALLOWED
+    assert m0.status()["refusals"]["streams"].get("NOT_ALLOWED", 0) >= 1
+
+    # submit: the friend's job reaches peer0, the stranger's never does
+    strangers_job = _submit(stranger)
+    friends_job = _submit(friend)
+    for _ in range(5):
+        if friends_job is not None:
+            break
+        time.sleep(3.0)
+        friends_job = _submit(friend)
+    assert friends_job is not None
+    wait_until(lambda: friends_job in _jobs(m0), 60, "peer0 to see the friend's job")
+    time.sleep(3.0)
+    assert strangers_job is None or strangers_job not in _jobs(m0) | _jobs(friend)
+    friend.control().call("cancel", job_id=friends_job)
+    print(
+        f"ALLOWLIST stranger listed by 0/2 members; its probe stream {refused.name}; its job "
+        f"{'refused at submit' if strangers_job is None else 'seen by 0/2'}; "
+        f"peer0 refused {m0.status()['refusals']['dht_records']} DHT records"
+    )
+
+
+def test_an_allowlist_without_the_peers_own_id_is_refused_at_start(
+    tmp_path: Path, peerd_cli: Callable[..., Any]
+):
+    other = Identity.generate().peer_id
+    out = peerd_cli(
+        "join",
+        "--home",
+        str(tmp_path / "home"),
+        "--host-maddrs",
+        "/ip4/127.0.0.1/tcp/0",
+        "--allowed-peers",
+        other,
+        timeout=60,
+    )
+    assert out.returncode == 2, (out.stdout, out.stderr)
+    assert "allowed_peers" in out.stderr and "own id" in out.stderr

@@ -11,6 +11,7 @@ from hivemind.dht.validation import CompositeValidator, DHTRecord
 
 from peerd.config import DaemonConfig
 from peerd.errors import ConfigError
+from peerd.loading import from_mapping
 from peerd.swarm.access import SwarmSecretValidator, access_validators
 from peerd.swarm.identity import Identity
 from peerd.swarm.secret import load_swarm_secret
@@ -98,3 +99,38 @@ def test_status_says_whether_the_swarm_is_open(access, words):
     console = Console(width=200, record=True)
     console.print(render_status({"self": me, "peers": [], "links": []}))
     assert words in console.export_text()
+
+
+def test_the_allowlist_takes_only_records_owned_by_listed_peers():
+    from hivemind.utils import MSGPackSerializer
+
+    from peerd.swarm.access import PeerAllowlistValidator, access_mode
+
+    other = Identity.generate()
+    allow = PeerAllowlistValidator([IDENTITY.peer_id])
+    member = CompositeValidator([RSASignatureValidator(IDENTITY.private_key), allow])
+
+    def owned_by(identity: Identity) -> DHTRecord:
+        subkey = MSGPackSerializer.dumps(identity.owner_tag)
+        return DHTRecord(key=b"\x01" * 20, subkey=subkey, value=b"\x01", expiration_time=1e9)
+
+    listed = dataclasses.replace(owned_by(IDENTITY), value=member.sign_value(owned_by(IDENTITY)))
+    assert member.validate(listed) and allow.validate(listed)
+    assert not allow.validate(owned_by(other))  # a stranger's record, whatever its signature
+    assert not allow.validate(dataclasses.replace(listed, subkey=b"\xc4\x03abc"))  # nobody's record
+    forged_tag = MSGPackSerializer.dumps(b"[owner:ssh-rsa " + b"A" * 200 + b"]")
+    assert not allow.validate(dataclasses.replace(listed, subkey=forged_tag))  # a tag with no valid key
+    assert [type(v) for v in access_validators(None, "s", [IDENTITY.peer_id])] == [PeerAllowlistValidator]
+    assert access_validators(None, "s", []) == []
+    assert [access_mode(None), access_mode(None, ["x"]), access_mode("f"), access_mode("f", ["x"])] == [
+        "open",
+        "allowlist",
+        "secret",
+        "secret+allowlist",
+    ]
+
+
+def test_allowed_peers_must_be_peer_ids():
+    with pytest.raises(ConfigError) as info:
+        from_mapping(DaemonConfig, {"allowed_peers": [IDENTITY.peer_id, "not a peer id"]})
+    assert "allowed_peers[1]" in str(info.value)
