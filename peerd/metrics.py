@@ -44,6 +44,7 @@ class StatusCollector(Collector):
         view = self.view()
         yield from self._peers(view)
         yield from self._jobs(view.get("jobs", []))
+        yield from self._rl_jobs(view.get("jobs", []))
         yield from self._refusals(view.get("refusals") or {})
 
     def _refusals(self, refusals: dict[str, Any]) -> Iterator[Metric]:
@@ -181,6 +182,56 @@ class StatusCollector(Collector):
             suspects,
             recovery,
         )
+
+    def _rl_jobs(self, jobs: list[dict[str, Any]]) -> Iterator[Metric]:
+        """GRPO's figures of ``rl`` jobs (the trainer's progress record, ``progress.rl`` in the view)."""
+        latest = {
+            "reward_mean": ("peerd_job_reward_mean", "Mean reward of the latest iteration's completions."),
+            "pass_rate": (
+                "peerd_job_pass_rate",
+                "Share of the latest iteration's completions that are correct.",
+            ),
+            "kl": ("peerd_job_kl", "Mean k3 KL of the policy to the reference, latest iteration."),
+            "response_len": (
+                "peerd_job_response_tokens",
+                "Mean completion length in tokens, latest iteration.",
+            ),
+            "rollouts_per_s": ("peerd_job_rollouts_per_second", "Completions trained on per second."),
+            "version": ("peerd_job_policy_version", "Policy version the trainer publishes."),
+        }
+        totals = {
+            "weight_sync_bytes": ("peerd_job_weight_sync_bytes", "Policy bytes served to rollout peers."),
+            "shards_missing": (
+                "peerd_job_rollout_shards_missing",
+                "Rollout shards the trainer stopped waiting for.",
+            ),
+        }
+        gauges = {k: GaugeMetricFamily(n, h, labels=["job"]) for k, (n, h) in latest.items()}
+        counters = {k: CounterMetricFamily(n, h, labels=["job"]) for k, (n, h) in totals.items()}
+        dropped = CounterMetricFamily(
+            "peerd_job_rollouts_dropped",
+            "Completions refused: stale (over the bound) or late.",
+            labels=["job", "why"],
+        )
+        staleness = GaugeMetricFamily(
+            "peerd_job_rollout_staleness",
+            "Completions trained on, by their policy-version lag.",
+            labels=["job", "lag"],
+        )
+        for job in jobs:
+            rl = (job.get("progress") or {}).get("rl")
+            if not rl:
+                continue
+            jid = job["job_id"]
+            for key, family in gauges.items():
+                _add(family, rl.get(key), jid)
+            for key, family in counters.items():
+                _add(family, rl.get(key), jid)
+            _add(dropped, rl.get("dropped_stale"), jid, "stale")
+            _add(dropped, rl.get("dropped_late"), jid, "late")
+            for lag, n in rl.get("staleness") or []:
+                _add(staleness, n, jid, str(lag))
+        yield from (*gauges.values(), *counters.values(), dropped, staleness)
 
 
 class MetricsServer:

@@ -295,6 +295,7 @@ def job_panel(view: dict[str, Any], names: dict[str, str]) -> RenderableType:
         lines.append(
             f"held-out loss {values[0]:.3f} {sparkline(values)} {values[-1]:.3f} (after step {held_out[-1][0]})"
         )
+    lines += rl_lines(p.get("rl"))
     if p.get("tokens_per_s"):
         lines.append(f"throughput {p['tokens_per_s']:,.0f} tokens/s")
     wire = [(k, n) for k, n in sorted((p.get("bytes") or {}).items()) if not k.endswith("_raw") and n]
@@ -306,6 +307,33 @@ def job_panel(view: dict[str, Any], names: dict[str, str]) -> RenderableType:
             + (f" ({ratio:.1f}x less than fp32)" if ratio else "")
         )
     return Group(head, *(Text(f"  {line}") for line in lines))
+
+
+def rl_lines(rl: dict[str, Any] | None) -> list[str]:
+    """An rl job's GRPO figures for the job panel (none for other jobs)."""
+    if not rl:
+        return []
+    rewards = rl.get("rewards") or []
+    lines = []
+    if rewards:
+        values, passes = [r for _, r, _ in rewards], [p for _, _, p in rewards]
+        lines.append(
+            f"reward {values[0]:.3f} {sparkline(values)} {values[-1]:.3f}, "
+            f"pass rate {passes[0]:.2f} → {passes[-1]:.2f} (after iteration {rewards[-1][0]})"
+        )
+    lines.append(
+        f"policy v{rl.get('version', 0)}: KL {rl.get('kl', 0.0):.4f}, {rl.get('response_len', 0.0):.1f} "
+        f"tokens/completion, {rl.get('rollouts_per_s', 0.0):,.1f} rollouts/s, weights sent "
+        f"{_human_bytes(rl.get('weight_sync_bytes', 0))}"
+    )
+    lags = " ".join(f"{lag}:{n}" for lag, n in rl.get("staleness") or [])
+    dropped = rl.get("dropped_stale", 0) + rl.get("dropped_late", 0)
+    lines.append(
+        f"staleness {lags or '-'}; dropped {dropped} completion(s) "
+        f"({rl.get('dropped_stale', 0)} stale, {rl.get('dropped_late', 0)} late), "
+        f"{rl.get('shards_missing', 0)} shard(s) missing"
+    )
+    return lines
 
 
 def job_line(view: dict[str, Any]) -> str:
@@ -323,7 +351,12 @@ def job_line(view: dict[str, Any]) -> str:
         line = f"{view['state']} step {_steps(p)} loss {_loss(p.get('loss'))}"
         if p.get("val_loss") is not None:
             line += f" held-out {_loss(p['val_loss'])}"
-        line += f" {_rate(p.get('tokens_per_s'))} tok/s"
+        rl = p.get("rl")
+        if rl:
+            line += f" reward {rl.get('reward_mean', 0.0):.3f} pass {rl.get('pass_rate', 0.0):.2f}"
+            line += f" KL {rl.get('kl', 0.0):.3f} {rl.get('rollouts_per_s', 0.0):,.0f} rollouts/s"
+        else:
+            line += f" {_rate(p.get('tokens_per_s'))} tok/s"
     return line + (f" ({view['reason']})" if view.get("reason") else "")
 
 

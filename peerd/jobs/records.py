@@ -33,6 +33,7 @@ MAX_PROGRESS_BYTES = 8 * 1024
 MAX_INDEX_IDS = 64  # job ids one owner lists; older ones drop out of the index first
 MAX_LOSS_POINTS = 128  # loss history a progress record carries (downsampled beyond it)
 MAX_VAL_POINTS = 64  # held-out loss history a progress record carries (downsampled beyond it)
+MAX_STALENESS_BINS = 65  # version lags an rl trainer reports (0..64: RLSpec.staleness is at most 64)
 MAX_REASON_CHARS = 256
 MAX_SUSPECTS = 16  # partners one progress record may name as suspected
 NONCE_BYTES = 16
@@ -134,6 +135,23 @@ class JobIndex(FrozenWireStruct, frozen=True, tag_field="kind", tag="jobs"):
     version: int = msgspec.field(default=PROTOCOL_VERSION, name="v")
 
 
+class RLFigures(FrozenWireStruct, frozen=True):
+    """An ``rl`` job's trainer: what GRPO did so far (inside its progress record, protocols/jobs.md)."""
+
+    version: Count  # the policy version it publishes
+    # (iterations completed, reward mean, pass rate) per iteration, iterations strictly ascending
+    rewards: Annotated[tuple[tuple[Count, AnyReal, Real], ...], Meta(max_length=MAX_LOSS_POINTS)] = ()
+    kl: AnyReal = 0.0  # mean k3 KL to the reference, latest iteration
+    response_len: Real = 0.0  # mean completion tokens, latest iteration
+    rollouts_per_s: Real = 0.0  # completions trained on per second, latest iteration
+    # (version lag, completions trained on with it) over the whole run, lags strictly ascending
+    staleness: Annotated[tuple[tuple[Count, Count], ...], Meta(max_length=MAX_STALENESS_BINS)] = ()
+    dropped_stale: Count = 0  # completions refused as older than the staleness bound
+    dropped_late: Count = 0  # completions that came after their iteration was trained
+    shards_missing: Count = 0  # rollout shards the trainer stopped waiting for
+    weight_sync_bytes: Count = 0  # policy bytes served to rollout peers
+
+
 class Progress(FrozenWireStruct, frozen=True, tag_field="kind", tag="progress"):
     """One tasklet's training progress (under ``progress_key(job)``, its peer's subkey)."""
 
@@ -162,6 +180,7 @@ class Progress(FrozenWireStruct, frozen=True, tag_field="kind", tag="progress"):
     # last stage, jobs with a validation split: (steps completed, this replica's held-out loss),
     # steps strictly ascending; absent on the wire when empty (and ignored by readers before it)
     val_losses: Annotated[tuple[tuple[Count, AnyReal], ...], Meta(max_length=MAX_VAL_POINTS)] = ()
+    rl: RLFigures | None = None  # an rl job's trainer only; absent otherwise
     version: int = msgspec.field(default=PROTOCOL_VERSION, name="v")
 
 
@@ -272,6 +291,17 @@ def _progress_rules(p: Progress) -> None:
             raise _bad("progress record", name, "steps must be strictly ascending")
     if p.step > p.steps:
         raise _bad("progress record", "step", f"{p.step} exceeds steps {p.steps}")
+    if p.rl is not None:
+        iterations = [i for i, _, _ in p.rl.rewards]
+        if iterations != sorted(set(iterations)):
+            raise _bad("progress record", "rl.rewards", "iterations must be strictly ascending")
+        if any(rate > 1 for _, _, rate in p.rl.rewards):
+            raise _bad("progress record", "rl.rewards", "a pass rate is at most 1")
+        lags = [lag for lag, _ in p.rl.staleness]
+        if lags != sorted(set(lags)) or any(lag >= MAX_STALENESS_BINS for lag in lags):
+            raise _bad(
+                "progress record", "rl.staleness", f"lags strictly ascending, each below {MAX_STALENESS_BINS}"
+            )
 
 
 # protocols/jobs.md: an empty reason or loss list is absent from the record, not written empty.

@@ -137,6 +137,7 @@ def _write_vectors() -> None:  # pragma: no cover - run by hand
         JobIndex,
         JobState,
         Progress,
+        RLFigures,
         TaskState,
         new_job_record,
     )
@@ -232,6 +233,27 @@ def _write_vectors() -> None:  # pragma: no cover - run by hand
         "a last-stage tasklet of a job with a validation split: its held-out losses after 20 and 40 steps",
         encode_progress(validated),
     )
+    trainer = msgspec.structs.replace(
+        last,
+        stage=0,
+        replica=0,
+        rl=RLFigures(
+            version=40,
+            rewards=((1, 0.125, 0.0625), (20, 0.5, 0.40625), (40, 0.75, 0.625)),
+            kl=0.0312,
+            response_len=3.5,
+            rollouts_per_s=212.25,
+            staleness=((0, 2048), (1, 512)),
+            dropped_stale=64,
+            shards_missing=1,
+            weight_sync_bytes=18874368,
+        ),
+    )
+    record(
+        "progress-rl",
+        "an rl job's trainer after 40 iterations: reward and pass-rate curve, KL, staleness histogram, drops",
+        encode_progress(trainer),
+    )
 
     def invalid(
         name: str, description: str, kind: str, wire_map: dict, error: str, field: str | None = None
@@ -314,6 +336,15 @@ def _write_vectors() -> None:  # pragma: no cover - run by hand
         {**pv, "val_losses": [[40, 3.25], [20, 3.5]]},
         "MALFORMED",
         "val_losses",
+    )
+    pr = msgpack.unpackb(encode_progress(trainer), raw=False)
+    invalid(
+        "progress-rl-pass-rate-above-one",
+        "a pass rate of 1.5",
+        "progress",
+        {**pr, "rl": {**pr["rl"], "rewards": [[1, 0.1, 1.5]]}},
+        "MALFORMED",
+        "rl.rewards",
     )
     invalid(
         "progress-nan-loss",

@@ -107,6 +107,9 @@ COUNTERS = {
     "peerd_job_replans",
     "peerd_refusals",
     "peerd_bans",
+    "peerd_job_weight_sync_bytes",
+    "peerd_job_rollout_shards_missing",
+    "peerd_job_rollouts_dropped",
 }
 
 
