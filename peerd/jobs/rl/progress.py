@@ -1,0 +1,65 @@
+"""An rl job's GRPO figures in its trainer's progress record, and back out of it for ``peerd status``.
+
+``figures`` folds the trainer's per-iteration reports into the record's ``RLFigures`` (the
+reward and pass-rate curve downsampled like the loss curve, run totals of drops, staleness and
+weight-sync bytes, the latest KL, length and rate); ``summary`` turns the records a daemon reads
+into the ``progress.rl`` section of a job view (``peerd status --json``, the panel, ``/metrics``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from peerd.jobs.records import MAX_LOSS_POINTS, MAX_STALENESS_BINS, Progress, RLFigures, downsample
+from peerd.jobs.rl.report import IterationReport
+
+
+def figures(reports: Sequence[IterationReport], version: int) -> RLFigures:
+    """The record's figures after ``reports`` (every iteration so far, oldest first)."""
+    curve = [(r.iteration + 1, r.reward_mean, r.pass_rate) for r in reports]
+    points = {i: (reward, rate) for i, reward, rate in curve}
+    kept = downsample([(i, reward) for i, reward, _ in curve], MAX_LOSS_POINTS)
+    lags: dict[int, int] = {}
+    for r in reports:
+        for lag, n in r.staleness.items():
+            lags[lag] = lags.get(lag, 0) + n
+    last = reports[-1] if reports else None
+    return RLFigures(
+        version=version,
+        rewards=tuple((i, points[i][0], points[i][1]) for i, _ in kept),
+        kl=last.kl if last else 0.0,
+        response_len=last.response_len if last else 0.0,
+        rollouts_per_s=last.rollouts_per_s if last else 0.0,
+        staleness=tuple(sorted((lag, n) for lag, n in lags.items() if lag < MAX_STALENESS_BINS)),
+        dropped_stale=sum(r.dropped_stale for r in reports),
+        dropped_late=sum(r.dropped_late for r in reports),
+        shards_missing=sum(r.shards_missing for r in reports),
+        weight_sync_bytes=sum(r.weight_sync_bytes for r in reports),
+    )
+
+
+def summary(records: Iterable[Progress]) -> dict[str, Any] | None:
+    """``progress.rl`` of a job view: the newest trainer record's figures (None for jobs without any)."""
+    found = [p for p in records if p.rl is not None]
+    if not found:
+        return None
+    p = max(found, key=lambda r: (r.epoch, r.step, r.updated_at))
+    rl = p.rl
+    assert rl is not None
+    latest = rl.rewards[-1] if rl.rewards else None
+    return {
+        "version": rl.version,
+        "iteration": p.step,
+        "reward_mean": latest[1] if latest else None,
+        "pass_rate": latest[2] if latest else None,
+        "rewards": [[i, round(r, 6), round(rate, 6)] for i, r, rate in rl.rewards],
+        "kl": rl.kl,
+        "response_len": rl.response_len,
+        "rollouts_per_s": rl.rollouts_per_s,
+        "staleness": [[lag, n] for lag, n in rl.staleness],
+        "dropped_stale": rl.dropped_stale,
+        "dropped_late": rl.dropped_late,
+        "shards_missing": rl.shards_missing,
+        "weight_sync_bytes": rl.weight_sync_bytes,
+    }

@@ -1,0 +1,112 @@
+"""An rl job's figures: trainer reports -> the progress record -> the job view -> status panel, line and /metrics."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from peerd.cli.render import console, job_line, job_panel
+from peerd.jobs.records import Progress, TaskState, decode_progress, encode_progress
+from peerd.jobs.rl.progress import figures, summary
+from peerd.jobs.rl.report import IterationReport
+from peerd.metrics import StatusCollector
+
+PEER = "QmS4b4CzEgSbXSUgnZKvJ99r3yBsz53Psgqi7fQT4nGrNk"
+
+
+def report(i: int, **extra: Any) -> IterationReport:
+    base: dict[str, Any] = dict(
+        iteration=i,
+        version=i + 1,
+        reward_mean=0.1 * i,
+        pass_rate=0.05 * i,
+        format_rate=1.0,
+        kl=0.01 * i,
+        loss=-0.1,
+        clip_fraction=0.0,
+        response_len=3.0 + i,
+        rollouts=64,
+        updates=2,
+        shards=2,
+        staleness={0: 48, 1: 16},
+        dropped_stale=8,
+        weight_sync_bytes=1000,
+        rollouts_per_s=100.0 + i,
+    )
+    base.update(extra)
+    return IterationReport(**base)
+
+
+def trainer_record(reports: list[IterationReport], epoch: int = 0) -> Progress:
+    return Progress(
+        job_id="ab" * 16,
+        peer=PEER,
+        epoch=epoch,
+        stage=0,
+        replica=0,
+        step=len(reports),
+        steps=1000,
+        state=TaskState.RUNNING,
+        tokens_per_s=0.0,
+        updated_at=2.0,
+        started_at=1.0,
+        rl=figures(reports, version=len(reports)),
+    )
+
+
+def test_figures_sum_the_run_and_keep_the_latest() -> None:
+    reports = [report(i) for i in range(3)]
+    reports[1].shards_missing = 1
+    fig = figures(reports, version=3)
+    assert fig.rewards == ((1, 0.0, 0.0), (2, 0.1, 0.05), (3, 0.2, 0.1))
+    assert fig.staleness == ((0, 144), (1, 48))
+    assert (fig.dropped_stale, fig.shards_missing, fig.weight_sync_bytes) == (24, 1, 3000)
+    assert (fig.kl, fig.response_len, fig.rollouts_per_s) == (0.02, 5.0, 102.0)
+
+
+def test_a_long_run_is_downsampled_and_round_trips_the_wire() -> None:
+    rec = trainer_record([report(i, pass_rate=i / 500) for i in range(500)])
+    assert len(rec.rl.rewards) <= 128 and rec.rl.rewards[-1][0] == 500 and rec.rl.rewards[0][0] == 1
+    assert decode_progress(encode_progress(rec)) == rec
+
+
+def test_the_view_takes_the_newest_trainer_record() -> None:
+    old = trainer_record([report(i) for i in range(2)], epoch=0)
+    new = trainer_record([report(i) for i in range(4)], epoch=1)
+    view = summary([old, new])
+    assert view["version"] == 4 and view["iteration"] == 4
+    assert view["reward_mean"] == pytest.approx(0.3) and view["pass_rate"] == pytest.approx(0.15)
+    assert view["staleness"] == [[0, 192], [1, 64]]
+    assert summary([]) is None
+
+
+def test_status_line_panel_and_metrics_show_grpo(capsys) -> None:
+    rl = summary([trainer_record([report(i) for i in range(4)])])
+    job = {
+        "job_id": "ab" * 16,
+        "name": "grpo",
+        "state": "running",
+        "planning": {},
+        "progress": {"step": 4, "steps": 10, "loss": -0.1, "tokens_per_s": None, "losses": [], "rl": rl},
+    }
+    job["progress"]["rl"]["pass_rate"] = 0.15  # exact, for the comparisons below
+    assert job_line(job) == "running step 4/10 loss -0.1000 reward 0.300 pass 0.15 KL 0.030 103 rollouts/s"
+    console().print(job_panel(job, {}))
+    out = capsys.readouterr().out
+    assert "pass rate 0.00 → 0.15" in out and "staleness 0:192 1:64" in out and "32 stale" in out
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(StatusCollector(lambda: {"jobs": [job]}))
+    samples = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for fam in text_string_to_metric_families(generate_latest(registry).decode())
+        for s in fam.samples
+    }
+    jid = ("job", "ab" * 16)
+    assert samples[("peerd_job_pass_rate", (jid,))] == 0.15
+    assert samples[("peerd_job_policy_version", (jid,))] == 4
+    assert samples[("peerd_job_rollout_staleness", (jid, ("lag", "1")))] == 64
+    assert samples[("peerd_job_rollouts_dropped_total", (jid, ("why", "stale")))] == 32
+    assert samples[("peerd_job_weight_sync_bytes_total", (jid,))] == 4000
