@@ -1,0 +1,57 @@
+"""The rl job's pure plan: sizes from the spec, problems and sampling seeds any peer can compute, shards."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from peerd.jobs.rl.shards import RLPlan, shard_of, shard_ranges
+from peerd.jobs.spec import parse_job_spec
+
+
+def plan(**changes) -> RLPlan:
+    spec = {
+        "kind": "rl",
+        "name": "plan",
+        "model": {"preset": "tiny", "seed": 5},
+        "steps": 10,
+        "global_batch": 48,
+        "micro_batch": 16,
+        "min_peers": 3,
+        "rl": {"group_size": 8, "epochs": 2, "task": {"name": "sorting", "min_size": 2, "max_size": 4}},
+    }
+    spec.update(changes)
+    return RLPlan("ab" * 16, parse_job_spec(spec))
+
+
+def test_sizes_are_the_spec_read_as_an_rl_job():
+    p = plan()
+    assert (p.iterations, p.group_size, p.prompts) == (10, 8, 6)
+    assert (p.groups_per_update, p.updates_per_iteration, p.total_updates) == (2, 3, 10 * 2 * 3)
+    assert (p.seed, p.vocab_size, p.max_new_tokens) == (5, 256, 8)
+
+
+@pytest.mark.parametrize(("prompts", "shards"), [(6, 2), (7, 3), (2, 5), (16, 1)])
+def test_shards_tile_the_prompts_contiguously(prompts: int, shards: int):
+    ranges = shard_ranges(prompts, shards)
+    assert len(ranges) == shards
+    assert [i for r in ranges for i in r] == list(range(prompts))
+    assert max(map(len, ranges)) - min(map(len, ranges)) <= 1
+
+
+def test_shard_of_is_the_rank_by_sorted_peer_id():
+    peers = ["Qmc", "Qma", "Qmb"]
+    assert [shard_of(p, peers) for p in peers] == [2, 0, 1]
+
+
+def test_problems_and_generators_depend_on_seed_iteration_and_index_only():
+    a, b, other = plan(), plan(), plan(model={"preset": "tiny", "seed": 6})
+    assert a.problems(3, range(6)) == b.problems(3, range(6))
+    assert a.problem(3, 4) == b.problems(3, range(6))[4]  # any shard computes its own problems alone
+    assert a.problems(3, range(6)) != a.problems(4, range(6))
+    assert a.problems(3, range(6)) != other.problems(3, range(6))
+    draw = [
+        torch.rand(4, generator=p.generator(t, s)) for p, t, s in [(a, 1, 0), (b, 1, 0), (a, 1, 1), (a, 2, 0)]
+    ]
+    assert torch.equal(draw[0], draw[1])
+    assert not torch.equal(draw[0], draw[2]) and not torch.equal(draw[0], draw[3])
