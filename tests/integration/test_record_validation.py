@@ -1,5 +1,10 @@
 """Real hivemind DHTs on loopback: honest peers reject forged, malformed, oversized and future-dated peer records.
 
+The last test does the same against running daemons (``peerd join``): an attacker DHT writes
+forged, replayed, stale and future-dated peer and job records into their swarm with the
+DHT API; none of them reaches a daemon's tables, and every daemon counts them
+(``peerd status``: ``refusals``).
+
 Three DHTs: two honest peers (A, B) with peerd's validators, each with its own identity
 file, and an attacker M whose only validator signs each record with whatever key the
 test assigns to its subkey (or not at all) and accepts everything. M stores every
@@ -13,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Iterator
+from pathlib import Path
 
 import msgspec
 import pytest
@@ -23,8 +29,10 @@ from hivemind.dht.validation import DHTRecord, RecordValidatorBase
 from hivemind.utils import MSGPackSerializer, get_dht_time
 from hivemind.utils.crypto import RSAPrivateKey
 
+from peerd.jobs.records import JobIndex, decode_job, encode_index, encode_job, new_job_record
+from peerd.jobs.spec import load_job_spec
 from peerd.swarm.identity import Identity, check_peer_entry, make_record_validators
-from peerd.swarm.keys import peers_key
+from peerd.swarm.keys import job_key, jobs_key, peers_key
 from peerd.swarm.records import (
     MAX_PEER_RECORD_BYTES,
     DeviceKind,
@@ -47,8 +55,8 @@ TTL = 60.0
 class ScriptedSigner(RecordValidatorBase):
     """The attacker's validator: signs a record with the key assigned to its subkey (None: unsigned); accepts all."""
 
-    def __init__(self, signer_by_subkey: dict[bytes, RSAPrivateKey | None]) -> None:
-        self._signers = signer_by_subkey
+    def __init__(self, signer_by_subkey: dict[bytes, RSAPrivateKey | bytes | None]) -> None:
+        self._signers = signer_by_subkey  # bytes: a captured "[signature:...]" appended as it is (a replay)
 
     def validate(self, record: DHTRecord) -> bool:
         return True
@@ -57,6 +65,8 @@ class ScriptedSigner(RecordValidatorBase):
         key = self._signers.get(MSGPackSerializer.loads(record.subkey))
         if key is None:
             return record.value
+        if isinstance(key, bytes):
+            return record.value + key
         # the exact bytes hivemind's RSASignatureValidator signs: msgpack of (key, subkey, value, expiration)
         signature = key.sign(MSGPackSerializer.dumps(dataclasses.astuple(record)))
         return record.value + RSASignatureValidator.SIGNATURE_FORMAT.replace(b"_value_", signature)
@@ -286,3 +296,127 @@ def test_peers_still_serve_valid_records_after_attacks(swarm: Swarm) -> None:
     assert records[swarm.id_b.owner_tag].name == "b"
     # only honest entries and the attacker's valid control record made it through
     assert set(records) == {swarm.id_a.owner_tag, swarm.id_b.owner_tag, swarm.attackers["control"].owner_tag}
+
+
+# ---------------------------------------------------------------- against running daemons
+
+ROUNDS = 5  # records of each kind the attacker writes
+SPEC = Path(__file__).resolve().parents[2] / "configs" / "jobs" / "gpt-tiny-demo.yaml"
+
+
+def _job(owner: str, swarm_name: str, nonce: int, now: float, **changes) -> bytes:
+    spec = load_job_spec(SPEC)
+    rec = new_job_record(
+        owner,
+        swarm_name,
+        spec,
+        nonce.to_bytes(16, "big"),
+        now=now,
+        epoch0_start=now + 3600,  # never planned while the test runs
+        timing=spec.planning.timing(),
+    )
+    return encode_job(msgspec.structs.replace(rec, **changes))
+
+
+@pytest.mark.timeout(300)
+def test_forged_replayed_stale_and_future_records_never_reach_running_daemons(
+    local_swarm, wait_until
+) -> None:
+    swarm = local_swarm(2)
+    m0, m1 = swarm.peers
+    swarm_name = m0.status()["self"]["swarm"]
+    key = peers_key(swarm_name)
+    wait_until(lambda: m1.info.peer_id in _names(m0), 60, "the daemons to list each other")
+    id0, id1 = (Identity.load_or_create(p.home / "identity.key") for p in (m0, m1))
+    assert (id0.peer_id, id1.peer_id) == (m0.info.peer_id, m1.info.peer_id)
+    stale, future, jobbers = ([Identity.generate() for _ in range(ROUNDS)] for _ in range(3))
+    control, forger = Identity.generate(), Identity.generate()
+    signers: dict[bytes, RSAPrivateKey | bytes | None] = {
+        i.owner_tag: i.private_key for i in (*stale, *future, *jobbers, control)
+    }
+    signers[id1.owner_tag] = forger.private_key  # peer1's subkey, signed by another key
+    before = {p.name: p.status()["refusals"] for p in (m0, m1)}
+    attacker = DHT(
+        initial_peers=list(m0.info.maddrs),
+        start=True,
+        host_maddrs=LOOPBACK,
+        record_validators=[ScriptedSigner(signers)],
+    )
+    try:
+        now = get_dht_time()
+        # the positive control: a valid record of a fresh identity does reach the daemons
+        attacker.store(
+            key,
+            encode_peer_record(make_record(control, name="control", now=now)),
+            now + 60,
+            subkey=control.owner_tag,
+        )
+        wait_until(lambda: control.peer_id in _names(m0), 30, "the attacker's valid record to be listed")
+        # replay: peer0's own signed record as the attacker holds it, re-stored with a later expiration
+        held = wait_until(
+            lambda: attacker.run_coroutine(functools.partial(_stored, key=key)).get(id0.owner_tag),
+            30,
+            "peer0's record to be replicated to the attacker",
+        )
+        value, expiration = held
+        signers[id0.owner_tag] = RSASignatureValidator._SIGNATURE_RE.search(value).group(0)
+        genuine = MSGPackSerializer.loads(RSASignatureValidator._SIGNATURE_RE.sub(b"", value))
+        job_ids = []
+        for i in range(ROUNDS):
+            now = get_dht_time()
+            forged = make_record(id1, name=f"evil{i}", seq=10**6 + i, now=now, state=PeerState.OFFLINE)
+            attacker.store(key, encode_peer_record(forged), now + 60 + i, subkey=id1.owner_tag)
+            attacker.store(key, genuine, expiration + 60 + i, subkey=id0.owner_tag)
+            old = make_record(stale[i], name=f"stale{i}", now=now - 3600)
+            attacker.store(key, encode_peer_record(old), now + 60, subkey=stale[i].owner_tag)
+            ahead = make_record(future[i], name=f"future{i}", now=now + 3600)
+            attacker.store(key, encode_peer_record(ahead), now + 3660, subkey=future[i].owner_tag)
+            # jobs: one claiming to be peer0's, one dated an hour ahead, both listed in the attacker's index
+            j = jobbers[i]
+            not_mine = _job(id0.peer_id, swarm_name, i, now)
+            ahead_job = _job(j.peer_id, swarm_name, i, now, updated_at=now + 3600)
+            ids = [decode_job(not_mine).job_id, decode_job(ahead_job).job_id]
+            for job_id, raw in zip(ids, (not_mine, ahead_job), strict=True):
+                attacker.store(job_key(job_id), raw, now + 60, subkey=j.owner_tag)
+            index = encode_index(JobIndex(j.peer_id, tuple(ids), now))
+            attacker.store(jobs_key(swarm_name), index, now + 60, subkey=j.owner_tag)
+            job_ids += ids
+
+        def moved(peer) -> dict[str, int]:
+            now_, then = peer.status()["refusals"], before[peer.name]
+            return {
+                f"{layer}.{code}": n - then[layer].get(code, 0)
+                for layer in ("dht_records", "job_records")
+                for code, n in now_[layer].items()
+            }
+
+        expected = {
+            "dht_records.BAD_SIGNATURE": 2 * ROUNDS,  # forged and replayed
+            "dht_records.STALE": ROUNDS,
+            "dht_records.FROM_FUTURE": ROUNDS,
+            "job_records.NOT_OWNER": ROUNDS,
+            "job_records.FROM_FUTURE": ROUNDS,
+        }
+        for peer in (m0, m1):
+            wait_until(
+                lambda p=peer: all(moved(p).get(k, 0) >= n for k, n in expected.items()),
+                60,
+                f"{peer.name} to count every kind of record it refused",
+                detail=lambda p=peer: str(moved(p)),
+            )
+        views = {p.name: p.status() for p in (m0, m1)}
+        jobs = {p.name: {j["job_id"] for j in p.control().call("jobs")} for p in (m0, m1)}
+    finally:
+        attacker.shutdown()
+    attackers = {i.peer_id for i in (*stale, *future, *jobbers)}
+    for name, view in views.items():
+        table = {p["peer_id"]: p for p in view["peers"]}
+        assert not attackers & set(table), (name, table.keys())
+        assert table[id1.peer_id]["name"] == "peer1" and table[id1.peer_id]["state"] == "online"
+        assert table[id0.peer_id]["name"] == "peer0"
+        assert not set(job_ids) & jobs[name], name
+    print(f"RECORDS refused per daemon: { {p.name: moved(p) for p in (m0, m1)} }")
+
+
+def _names(peer) -> set[str]:
+    return {p["peer_id"] for p in peer.status()["peers"]}
