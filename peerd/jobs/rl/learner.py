@@ -123,6 +123,14 @@ class Learner:
             train_s=time.perf_counter() - scored,
         )
 
+    def restore(self, state: dict[str, Any]) -> None:
+        """Continue from a checkpoint of this job (``RLTrainer.checkpoint_state``)."""
+        self.policy.load_state_dict(state["module"])
+        self.reference.load_state_dict(state["reference"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.version = int(state["step"])
+
     def state(self) -> dict[str, Any]:
         """What a checkpoint holds beside the weights: optimizer, schedule, reference, version."""
         return {

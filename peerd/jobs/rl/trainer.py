@@ -26,7 +26,7 @@ from collections import Counter
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from peerd.errors import ErrorCode, ProtocolError
 from peerd.jobs.rl.learner import Learner
@@ -54,6 +54,7 @@ from peerd.swarm.transport import Connection, Transport
 
 log = get_logger(__name__)
 
+T = TypeVar("T")
 WEIGHTS_STAGE = 0  # the statesync stage field of policy weights (an rl job has one "stage")
 
 
@@ -68,6 +69,17 @@ class TrainerConfig:
     checkpoint_root: Path | None = None
     """Where checkpoints go (``checkpoint.tasklet_dir(root, job, 0, 0)``); None: no checkpoints."""
     statesync: StateSyncConfig = field(default_factory=StateSyncConfig)
+
+
+async def _in_thread(fn: Callable[..., T], *args: Any) -> T:
+    """``fn(*args)`` in a worker thread; a cancelled caller still waits for it (the policy must not
+    change under whoever runs next)."""
+    work = asyncio.ensure_future(asyncio.to_thread(fn, *args))
+    try:
+        return await asyncio.shield(work)
+    except asyncio.CancelledError:
+        await asyncio.wait([work])
+        raise
 
 
 def weights_blob(version: int, weights: dict[str, Any]) -> bytes:
@@ -86,7 +98,9 @@ class RLTrainer:
         *,
         config: TrainerConfig = TrainerConfig(),
         on_iteration: Callable[[IterationReport], None] | None = None,
+        learner: Learner | None = None,
     ) -> None:
+        """``learner``: continue its policy at its version (a re-plan, a checkpoint) instead of warming up."""
         if not rollout_peers:
             raise ValueError("an rl job needs at least one rollout peer")
         self.transport, self.plan, self.config = transport, plan, config
@@ -100,8 +114,9 @@ class RLTrainer:
             max_new_tokens=plan.max_new_tokens,
             vocab_size=plan.vocab_size,
         )
-        self.learner = Learner(plan)
-        self.iteration = 0
+        self.resumed = learner is not None
+        self.learner = learner if learner is not None else Learner(plan)
+        self.iteration = self.learner.version
         """The iteration whose shards are awaited (= the latest published version while running)."""
         self.version = -1
         """Latest published policy version (-1 until the warm-up is done)."""
@@ -121,6 +136,8 @@ class RLTrainer:
             transport, weights_job(plan.job_id), self._provide, config=config.statesync
         )
         self._stale_seen = self._late_seen = self._bytes_seen = 0
+        self.told: set[str] = set()
+        """Rollout peers that were answered ``done``."""
 
     # ------------------------------------------------------------ service
 
@@ -132,16 +149,17 @@ class RLTrainer:
         return self._weights.bytes_served
 
     async def start(self) -> None:
-        """Warm up, publish version 0 and serve weights and rollouts."""
-        warm = await asyncio.to_thread(self.learner.warm_up)
-        if warm.losses:
-            log.info(
-                "rl job %s: warm-up %d steps, loss %.3f -> %.3f",
-                self.plan.job_id,
-                len(warm.losses),
-                warm.losses[0],
-                warm.losses[-1],
-            )
+        """Warm up (unless resumed), publish the current version and serve weights and rollouts."""
+        if not self.resumed:
+            warm = await _in_thread(self.learner.warm_up)
+            if warm.losses:
+                log.info(
+                    "rl job %s: warm-up %d steps, loss %.3f -> %.3f",
+                    self.plan.job_id,
+                    len(warm.losses),
+                    warm.losses[0],
+                    warm.losses[-1],
+                )
         await self._publish()
         await self._weights.start()
         allowed = {str(p) for p in self.peers}
@@ -154,9 +172,7 @@ class RLTrainer:
         self._served = True
 
     async def close(self) -> None:
-        self.done = True
-        async with self._changed:
-            self._changed.notify_all()
+        """Stop serving (rollout peers then find no trainer; ``done`` is only said after the last iteration)."""
         if self._served:
             self._served = False
             await self.transport.stop_serving(rl_protocol(self.plan.job_id))
@@ -164,7 +180,7 @@ class RLTrainer:
 
     async def _publish(self) -> None:
         version = self.learner.version
-        blob = await asyncio.to_thread(weights_blob, version, self.learner.weights())
+        blob = await _in_thread(lambda: weights_blob(version, self.learner.weights()))
         self._blobs[version] = blob
         while len(self._blobs) > self.plan.rl.staleness + 2:
             self._blobs.popitem(last=False)
@@ -189,6 +205,10 @@ class RLTrainer:
                 log.warning("rl job %s: refused a frame of %s: %s", self.plan.job_id, conn.peer_id, exc)
                 raise  # the Transport answers with the code and ends the stream
             await conn.send(header(reply), timeout=30.0)
+            if reply.done:
+                async with self._changed:
+                    self.told.add(str(conn.peer_id))
+                    self._changed.notify_all()
 
     async def _status(self, poll: Poll) -> Status:
         async with self._changed:
@@ -292,78 +312,103 @@ class RLTrainer:
         return out
 
     async def run(self) -> list[IterationReport]:
-        """Every iteration of the job (after ``start``); ``done`` is announced at the end."""
-        plan = self.plan
-        interval = plan.spec.checkpoint_interval
-        for t in range(self.iteration, plan.iterations):
+        """Every iteration of the job (after ``start``); ``done`` is announced at the end.
+
+        Cancelling it stops it while it waits for shards; an iteration whose shards are in is
+        finished first (trained, published, reported), so the policy, its version and the reports
+        always agree.
+        """
+        for t in range(self.iteration, self.plan.iterations):
             began = time.perf_counter()
             missing_before = self.missing_shards
             shards = await self._collect(t)
             self.iteration = t + 1  # shards of t arriving from now on are late
-            waited = time.perf_counter()
-            groups = self._groups(t, shards)
-            lags: Counter[int] = Counter()
-            for m in shards.values():
-                lags[t - m.version] += sum(len(g.completions) for g in m.groups)
-            await asyncio.to_thread(score, plan.task, groups)
-            scored = time.perf_counter()
-            figures = await asyncio.to_thread(self.learner.train, groups)
-            trained = time.perf_counter()
-            await self._publish()
-            published = time.perf_counter()
-            last = t + 1 == plan.iterations
-            if self.config.checkpoint_root is not None and (last or (interval and (t + 1) % interval == 0)):
-                await asyncio.to_thread(self.save_checkpoint)
-            done = time.perf_counter()
-            served = self.weight_sync_bytes
-            report = IterationReport.of(
-                iteration=t,
-                version=self.learner.version,
-                kl=figures.kl,
-                loss=figures.loss,
-                clip_fraction=figures.clip_fraction,
-                rollouts=sum(g.size for g in groups),
-                updates=figures.updates,
-                shards=len(shards),
-                shards_missing=self.missing_shards - missing_before,
-                staleness=dict(sorted(lags.items())),
-                dropped_stale=self.dropped_stale - self._stale_seen,
-                dropped_late=self.dropped_late - self._late_seen,
-                weight_sync_bytes=served - self._bytes_seen,
-                seconds={
-                    "wait": waited - began,
-                    "score": scored - waited,
-                    "reference": figures.reference_s,
-                    "train": trained - scored - figures.reference_s,
-                    "publish": published - trained,
-                    "checkpoint": done - published,
-                },
-                rollouts_per_s=sum(g.size for g in groups) / max(done - began, 1e-9),
-                rewards=summarize(groups),
-            )
-            self._stale_seen, self._late_seen, self._bytes_seen = (
-                self.dropped_stale,
-                self.dropped_late,
-                served,
-            )
-            self.reports.append(report)
-            log.info(
-                "rl job %s: iteration %d: reward %.3f pass %.3f kl %.4f, %d rollouts of %d shards (%d missing)",
-                plan.job_id,
-                t,
-                report.reward_mean,
-                report.pass_rate,
-                report.kl,
-                report.rollouts,
-                report.shards,
-                report.shards_missing,
-            )
-            if self.on_iteration is not None:
-                self.on_iteration(report)
+            step = asyncio.ensure_future(self._iterate(t, shards, began, missing_before))
+            try:
+                await asyncio.shield(step)
+            except asyncio.CancelledError:
+                await asyncio.wait([step])
+                raise
         async with self._changed:
             self.done = True
             self._changed.notify_all()
         return self.reports
+
+    async def _iterate(self, t: int, shards: dict[int, Rollouts], began: float, missing_before: int) -> None:
+        """Score, train, publish, checkpoint and report iteration ``t`` on its ``shards``."""
+        plan = self.plan
+        interval = plan.spec.checkpoint_interval
+        waited = time.perf_counter()
+        groups = self._groups(t, shards)
+        lags: Counter[int] = Counter()
+        for m in shards.values():
+            lags[t - m.version] += sum(len(g.completions) for g in m.groups)
+        await _in_thread(score, plan.task, groups)
+        scored = time.perf_counter()
+        figures = await _in_thread(self.learner.train, groups)
+        trained = time.perf_counter()
+        await self._publish()
+        published = time.perf_counter()
+        last = t + 1 == plan.iterations
+        if self.config.checkpoint_root is not None and (last or (interval and (t + 1) % interval == 0)):
+            await _in_thread(self.save_checkpoint)
+        done = time.perf_counter()
+        served = self.weight_sync_bytes
+        report = IterationReport.of(
+            iteration=t,
+            version=self.learner.version,
+            kl=figures.kl,
+            loss=figures.loss,
+            clip_fraction=figures.clip_fraction,
+            rollouts=sum(g.size for g in groups),
+            updates=figures.updates,
+            shards=len(shards),
+            shards_missing=self.missing_shards - missing_before,
+            staleness=dict(sorted(lags.items())),
+            dropped_stale=self.dropped_stale - self._stale_seen,
+            dropped_late=self.dropped_late - self._late_seen,
+            weight_sync_bytes=served - self._bytes_seen,
+            seconds={
+                "wait": waited - began,
+                "score": scored - waited,
+                "reference": figures.reference_s,
+                "train": trained - scored - figures.reference_s,
+                "publish": published - trained,
+                "checkpoint": done - published,
+            },
+            rollouts_per_s=sum(g.size for g in groups) / max(done - began, 1e-9),
+            rewards=summarize(groups),
+        )
+        self._stale_seen, self._late_seen, self._bytes_seen = (
+            self.dropped_stale,
+            self.dropped_late,
+            served,
+        )
+        self.reports.append(report)
+        log.info(
+            "rl job %s: iteration %d: reward %.3f pass %.3f kl %.4f, %d rollouts of %d shards (%d missing)",
+            plan.job_id,
+            t,
+            report.reward_mean,
+            report.pass_rate,
+            report.kl,
+            report.rollouts,
+            report.shards,
+            report.shards_missing,
+        )
+        if self.on_iteration is not None:
+            self.on_iteration(report)
+
+    async def farewell(self, timeout_s: float) -> bool:
+        """Keep serving until every rollout peer still expected heard ``done``, at most ``timeout_s``."""
+        try:
+            async with self._changed, asyncio.timeout(timeout_s):
+                await self._changed.wait_for(
+                    lambda: {str(self.peers[s]) for s in self._expected()} <= self.told
+                )
+            return True
+        except TimeoutError:
+            return False
 
     # ------------------------------------------------------------ checkpoints
 

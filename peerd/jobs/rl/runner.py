@@ -1,0 +1,369 @@
+"""This peer's part in one ``rl`` job across commits: the trainer (the allocation's one tasklet) or a rollout peer (a spare).
+
+``RLRunner`` has the interface ``peerd.jobs.manager`` drives a runner through (``start``,
+``adopt``, ``freeze``, ``leave``, ``retire``, ``close``, ``held``, ``progress``, ``running``,
+``unfit``, and ``stage``/``replica``/``state``/``step``/``recoveries`` for the views). On each
+commit the peer in ``allocation.stages[0]`` runs ``RLTrainer`` with ``allocation.spares`` as its
+rollout peers, and every spare runs ``RolloutPeer`` toward it. A trainer that stays the trainer
+keeps its policy across commits (the rollout set may change: shards are re-cut from the next
+iteration); one that starts fresh resumes from its newest checkpoint on disk, or warms up.
+
+The trainer publishes a progress record (stage 0, replica 0, step = iterations done, the GRPO
+loss curve, ``rl`` figures from its reports) every ``interval`` seconds and after each
+iteration; it serves its checkpoints on ``state_protocol(job)`` so ``peerd fetch --p2p`` works;
+rollout peers publish nothing (as spares of a pretraining job). When the last iteration is
+done the trainer keeps serving until every rollout peer heard so (``farewell``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from peerd.errors import ConfigError, PeerdError
+from peerd.jobs.records import JobRecord, Progress, TaskState, downsample, encode_progress
+from peerd.jobs.recovery import held_state
+from peerd.jobs.rl.learner import Learner
+from peerd.jobs.rl.progress import figures
+from peerd.jobs.rl.report import IterationReport
+from peerd.jobs.rl.rollout import RolloutConfig, RolloutPeer
+from peerd.jobs.rl.shards import RLPlan
+from peerd.jobs.rl.trainer import RLTrainer, TrainerConfig
+from peerd.jobs.runner import PROGRESS_TTL_S
+from peerd.jobs.spec import JobSpec
+from peerd.jobs.store import RecordStore
+from peerd.log import get_logger
+from peerd.pipeline import checkpoint
+from peerd.pipeline.statesync import StateServer, StateSyncConfig
+from peerd.sched.consensus.actions import Commit
+from peerd.sched.consensus.messages import HeldState, RosterEntry
+from peerd.swarm.keys import progress_key
+from peerd.swarm.transport import Transport
+
+log = get_logger(__name__)
+
+FAREWELL_S = 30.0  # how long a finished trainer waits for its rollout peers to hear "done"
+
+
+class RLRunner:
+    """This peer's role in one ``rl`` job: ``start``, ``adopt`` each commit, ``freeze`` on a failure, ``close``."""
+
+    def __init__(
+        self,
+        job: JobRecord,
+        spec: JobSpec,
+        *,
+        store: RecordStore,
+        transport: Transport,
+        peer_ref: Callable[[str], Any],
+        checkpoint_root: Path | None,
+        interval: float = 2.0,
+        statesync: StateSyncConfig | None = None,
+        trainer_config: TrainerConfig | None = None,
+        rollout_config: RolloutConfig | None = None,
+        **_: Any,  # TaskletRunner's other options (replicas, device, ...) do not apply
+    ) -> None:
+        self.job, self.spec, self.store = job, spec, store
+        self.transport, self.peer_ref, self.interval = transport, peer_ref, interval
+        self.checkpoint_root = checkpoint_root
+        self.statesync = statesync or StateSyncConfig()
+        self.trainer_config = trainer_config or TrainerConfig(
+            checkpoint_root=checkpoint_root, statesync=self.statesync
+        )
+        self.rollout_config = rollout_config or RolloutConfig(statesync=self.statesync)
+        self.plan = RLPlan(job.job_id, spec)
+        self.commit: Commit | None = None
+        self.role: str | None = None
+        """``trainer``, ``rollout`` or None (not in the current commit)."""
+        self.stage: int | None = None  # 0 for the trainer (the one tasklet), None for a rollout peer
+        self.replica: int | None = None
+        self.unfit: str | None = None  # never set: an rl role has no device fit check yet
+        self.state = TaskState.RUNNING
+        self.reason = ""
+        self.step = 0
+        self.recoveries: list[dict[str, Any]] = []
+        self.started_at = store.now()
+        self.retired = False
+        self.reports: list[IterationReport] = []
+        self.trainer: RLTrainer | None = None
+        self.rollout: RolloutPeer | None = None
+        self._learner: Learner | None = None  # the policy a stopped trainer leaves for the next commit
+        self._task: asyncio.Task | None = None
+        self._publisher: asyncio.Task | None = None
+        self._lock = asyncio.Lock()
+        self._dirty = asyncio.Event()
+        self._expires = 0.0
+        self.server = StateServer(transport, job.job_id, self.provide, config=self.statesync)
+
+    @property
+    def me(self) -> str:
+        return self.store.me
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def start(self) -> None:
+        """Serve the job's checkpoints (``state_protocol(job)``) and publish progress."""
+        await self.server.start()
+        self._publisher = asyncio.create_task(self._publish_loop())
+
+    async def close(self) -> None:
+        """Stop the role, publish the last record, stop serving; never raises."""
+        if not self.retired:
+            async with self._lock:
+                with contextlib.suppress(Exception):
+                    await self._stop("its daemon shut down", TaskState.LEFT)
+        await self._stop_publisher()
+        with contextlib.suppress(Exception):
+            await self.server.close()
+
+    async def retire(self) -> None:
+        """The job ended: stop the role, keep serving the checkpoints held here (idempotent)."""
+        if self.retired:
+            return
+        self.retired = True
+        async with self._lock:
+            if self.running:
+                await self._stop("the job ended", TaskState.DONE)
+        await self._stop_publisher()
+
+    @property
+    def running(self) -> bool:
+        return self._task is not None and not self._task.done()
+
+    # ------------------------------------------------------------------ churn API
+
+    def held(self) -> tuple[HeldState, ...]:
+        """The trainer state this peer can give: the stopped policy's version and the checkpoints on disk."""
+        steps = set(self._checkpoint_steps())
+        if self._learner is not None:
+            steps.add(self._learner.version)
+        layers = (0, self.spec.model.family().num_layers)
+        return (held_state(0, layers, steps),) if steps else ()
+
+    async def freeze(self, reason: str) -> None:
+        """Stop the role where it is (the trainer keeps its policy in memory) and wait for the re-plan."""
+        async with self._lock:
+            if self.running:
+                await self._stop(reason, TaskState.RECOVERING)
+
+    async def leave(self, reason: str) -> None:
+        """Stop the role and publish ``left`` (the others re-plan without this peer); keep serving checkpoints."""
+        async with self._lock:
+            await self._stop(reason, TaskState.LEFT)
+            if self.state not in (TaskState.DONE, TaskState.FAILED):
+                self.state, self.reason = TaskState.LEFT, reason[:200]
+            with contextlib.suppress(PeerdError):
+                await self._publish()
+
+    async def adopt(
+        self, commit: Commit, roster: list[RosterEntry] | None, history: Sequence[tuple[int, float]] = ()
+    ) -> None:
+        """Take this peer's role in ``commit``: the trainer (its one tasklet), a rollout peer (a spare), or none.
+
+        ``roster`` and ``history`` are accepted for the manager's call; the trainer's own memory and
+        checkpoints are the state it resumes from (another peer's trainer state is not fetched yet).
+        """
+        async with self._lock:
+            if self.commit is not None and commit.epoch <= self.commit.epoch:
+                return
+            started = time.monotonic()
+            if self.running:
+                await self._stop(
+                    f"superseded by the allocation of epoch {commit.epoch}", TaskState.RECOVERING
+                )
+            self.commit = commit
+            alloc = commit.allocation
+            trainers = [p for stage in alloc.stages for p in stage]
+            if len(trainers) != 1:
+                self.state, self.reason = TaskState.FAILED, f"an rl job runs one trainer, got {len(trainers)}"
+                self._dirty.set()
+                return
+            trainer, rollout_peers = trainers[0], [p for p in alloc.spares if p != trainers[0]]
+            if self.me == trainer:
+                self.role, self.stage, self.replica = "trainer", 0, 0
+                if not rollout_peers:
+                    self.state, self.reason = TaskState.RECOVERING, "no rollout peer in this allocation"
+                    self._dirty.set()
+                    return
+                source = self._learner_source()
+                self.recoveries.append(
+                    {
+                        "epoch": commit.epoch,
+                        "resume_step": self._learner.version if self._learner is not None else 0,
+                        "source": source,
+                        "seconds": round(time.monotonic() - started, 3),
+                    }
+                )
+                self.trainer = RLTrainer(
+                    self.transport,
+                    self.plan,
+                    [self.peer_ref(p) for p in rollout_peers],
+                    config=self.trainer_config,
+                    on_iteration=self._on_iteration,
+                    learner=self._learner,
+                )
+                self._learner = None
+                self.state, self.reason = TaskState.RUNNING, ""
+                self._task = asyncio.create_task(self._run_trainer(self.trainer))
+            elif self.me in rollout_peers:
+                self.role, self.stage, self.replica = "rollout", None, None
+                ranked = sorted(rollout_peers, key=lambda p: str(self.peer_ref(p)))
+                self.rollout = RolloutPeer(
+                    self.transport,
+                    self.plan,
+                    self.peer_ref(trainer),
+                    ranked.index(self.me),
+                    len(ranked),
+                    config=self.rollout_config,
+                )
+                self.state, self.reason = TaskState.RUNNING, ""
+                self._task = asyncio.create_task(self._run_rollout(self.rollout))
+            else:
+                self.role = self.stage = self.replica = None
+            self._dirty.set()
+
+    # ------------------------------------------------------------------ the roles
+
+    def _learner_source(self) -> str:
+        """Where the trainer's policy comes from: memory, a checkpoint, or the warm-up."""
+        if self._learner is not None:
+            return "memory"
+        steps = self._checkpoint_steps()
+        if not steps:
+            return "init"
+        state = checkpoint.load(self._dir(), steps[-1])
+        learner = Learner(self.plan)
+        learner.restore(state)
+        self._learner = learner
+        return "checkpoint"
+
+    async def _run_trainer(self, trainer: RLTrainer) -> None:
+        try:
+            await trainer.start()
+            self.step = trainer.learner.version
+            self._dirty.set()
+            await trainer.run()
+            self.state = TaskState.DONE
+            self._dirty.set()
+            if not await trainer.farewell(FAREWELL_S):
+                log.info("rl job %s: not every rollout peer heard that the job is done", self.job.job_id)
+        except asyncio.CancelledError:
+            raise
+        except ConfigError as exc:
+            self.state, self.reason = TaskState.FAILED, str(exc)[:200]
+        except PeerdError as exc:
+            self.state, self.reason = TaskState.RECOVERING, str(exc)[:200]
+            log.warning("rl job %s: the trainer stopped: %s", self.job.job_id, exc)
+        except Exception as exc:  # a bug: the job must not wait for this trainer forever
+            log.exception("rl job %s: the trainer crashed", self.job.job_id)
+            self.state, self.reason = TaskState.FAILED, f"{type(exc).__name__}: {exc}"[:200]
+        finally:
+            self._dirty.set()
+
+    async def _run_rollout(self, rollout: RolloutPeer) -> None:
+        try:
+            await rollout.run()
+            self.state = TaskState.DONE
+        except asyncio.CancelledError:
+            raise
+        except PeerdError as exc:  # the trainer is gone: the health check re-plans
+            self.state, self.reason = TaskState.RECOVERING, str(exc)[:200]
+            log.warning("rl job %s: rollouts stopped: %s", self.job.job_id, exc)
+
+    def _on_iteration(self, report: IterationReport) -> None:
+        self.reports.append(report)
+        self.step = report.version
+        self._dirty.set()
+
+    async def _stop(self, reason: str, state: TaskState) -> None:
+        """Cancel the role; a trainer's policy stays in memory for the next commit; lock held."""
+        task, self._task = self._task, None
+        if task is not None and not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+            if self.state not in (TaskState.DONE, TaskState.FAILED):
+                self.state, self.reason = state, reason[:200]
+        if self.trainer is not None:
+            await self.trainer.close()
+            self.step = self.trainer.learner.version
+            if self.state != TaskState.DONE:
+                self._learner = self.trainer.learner
+            self.trainer = None
+        self.rollout = None
+        with contextlib.suppress(PeerdError):
+            await self._publish()
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def _dir(self) -> Path:
+        assert self.checkpoint_root is not None
+        return checkpoint.tasklet_dir(self.checkpoint_root, self.job.job_id, 0, 0)
+
+    def _checkpoint_steps(self) -> list[int]:
+        return checkpoint.saved_steps(self._dir()) if self.checkpoint_root is not None else []
+
+    def provide(self, stage: int, step: int) -> bytes | None:
+        """A checkpoint file's bytes for ``peerd fetch --p2p`` (stage 0 only: the policy is one stage)."""
+        if stage != 0 or step not in self._checkpoint_steps():
+            return None
+        return checkpoint.checkpoint_file(self._dir(), step).read_bytes()
+
+    # ------------------------------------------------------------------ progress
+
+    def progress(self) -> Progress | None:
+        """The trainer's record for the current commit; None for a rollout peer (it runs no tasklet)."""
+        if self.commit is None or self.role != "trainer":
+            return None
+        version = self.trainer.version if self.trainer is not None else self.step
+        losses = [(r.iteration + 1, r.loss) for r in self.reports]
+        return Progress(
+            job_id=self.job.job_id,
+            peer=self.me,
+            epoch=self.commit.epoch,
+            stage=0,
+            replica=0,
+            step=min(self.step, self.spec.steps),
+            steps=self.spec.steps,
+            state=self.state,
+            tokens_per_s=0.0,
+            updated_at=self.store.now(),
+            started_at=self.started_at,
+            loss=None,  # the record's latest loss is >= 0 (a pretraining loss); GRPO's can be negative: see losses
+            losses=downsample(losses),
+            bytes={"weight_sync": sum(r.weight_sync_bytes for r in self.reports)},
+            reason=self.reason,
+            replicas=1,
+            rl=figures(self.reports, max(version, 0)),
+        )
+
+    async def _publish(self) -> bool:
+        record = self.progress()
+        if record is None:
+            return False
+        self._expires = max(self.store.now() + PROGRESS_TTL_S, self._expires + 1e-3)
+        return await self.store.put(progress_key(self.job.job_id), encode_progress(record), self._expires)
+
+    async def _publish_loop(self) -> None:
+        """A record every ``interval`` (the heartbeat), at once after an iteration or a state change."""
+        while True:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._dirty.wait(), timeout=self.interval)
+            self._dirty.clear()
+            try:
+                await self._publish()
+            except PeerdError as exc:
+                log.debug("rl job %s: publishing progress failed: %s", self.job.job_id, exc)
+
+    async def _stop_publisher(self) -> None:
+        task, self._publisher = self._publisher, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        with contextlib.suppress(PeerdError):
+            await self._publish()

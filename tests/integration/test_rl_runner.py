@@ -1,0 +1,134 @@
+"""RLRunner across commits on real p2pd daemons: trainer and rollout roles from the allocation, a re-plan, progress."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+from typing import Any
+
+from peerd.jobs.catalog import read_progress
+from peerd.jobs.records import TaskState, new_job_record
+from peerd.jobs.rl.rollout import RolloutConfig
+from peerd.jobs.rl.runner import RLRunner
+from peerd.jobs.rl.trainer import TrainerConfig
+from peerd.jobs.spec import parse_job_spec
+from peerd.jobs.store import MemoryDHT
+from peerd.pipeline import checkpoint
+from peerd.pipeline.launch import start_peers, stop_peers
+from peerd.pipeline.replicas import check_checkpoint
+from peerd.pipeline.statesync import StateSyncConfig
+from peerd.sched.allocation import Allocation
+from peerd.sched.consensus.actions import Commit
+from peerd.swarm.node import parse_peer_id
+
+ITERATIONS = 6
+SPEC = parse_job_spec(
+    {
+        "kind": "rl",
+        "name": "rl-runner",
+        "model": {"preset": "tiny", "seed": 1},
+        "steps": ITERATIONS,
+        "global_batch": 24,
+        "micro_batch": 24,
+        "min_peers": 2,
+        "checkpoint_interval": 3,
+        "rl": {
+            "task": {"name": "addition", "min_size": 1, "max_size": 1},
+            "group_size": 4,
+            "sampling": {"max_new_tokens": 4},
+            "warmup": {"steps": 10, "batch_size": 8},
+            "rollout_timeout_s": 30,
+        },
+    }
+)
+SYNC = StateSyncConfig(connect_timeout_s=5, request_timeout_s=10, deadline_s=30)
+
+
+def commit(epoch: int, allocation: Allocation) -> Commit:
+    """What the runner reads of a commit: its epoch and allocation."""
+    return Commit(epoch, 0, allocation, "00" * 32, "00" * 32, 1.0, record=None)  # type: ignore[arg-type]
+
+
+async def _scenario(tmp_path: Path, wait: Any) -> None:
+    peers = await start_peers(3)
+    dht = MemoryDHT(time.time)
+    ids = [p.peer_id.to_base58() for p in peers]
+    job = new_job_record(
+        ids[0], "s", SPEC, b"r" * 16, now=time.time(), epoch0_start=0.0, timing=SPEC.planning.timing()
+    )
+    runners = [
+        RLRunner(
+            job,
+            SPEC,
+            store=dht.client(ids[i]),
+            transport=peers[i].transport,
+            peer_ref=parse_peer_id,
+            checkpoint_root=tmp_path / f"p{i}",
+            interval=0.5,
+            trainer_config=TrainerConfig(poll_hold_s=2, checkpoint_root=tmp_path / f"p{i}", statesync=SYNC),
+            rollout_config=RolloutConfig(request_timeout_s=20, trainer_timeout_s=20, statesync=SYNC),
+            device="cpu",
+        )
+        for i in range(3)
+    ]
+    trainer, a, b = runners
+    try:
+        for r in runners:
+            await r.start()
+        first = commit(1, Allocation.from_plain([[ids[0]]], spares=[ids[1], ids[2]]))
+        await asyncio.gather(*(r.adopt(first, None) for r in runners))
+        assert (trainer.role, a.role, b.role) == ("trainer", "rollout", "rollout")
+        assert a.progress() is None and b.progress() is None  # rollout peers publish no record
+        await wait(lambda: trainer.step >= 2, 120, "two iterations of epoch 1")
+
+        # a re-plan: every peer stops where it is, then epoch 2 drops b
+        for r in runners:
+            await r.freeze("a rollout peer is suspected")
+        assert trainer.held()[0].steps[-1] == trainer.step
+        second = commit(2, Allocation.from_plain([[ids[0]]], spares=[ids[1]]))
+        await asyncio.gather(*(r.adopt(second, None) for r in runners))
+        assert b.role is None and not b.running
+        await wait(lambda: trainer.state == TaskState.DONE, 120, "the trainer to finish epoch 2")
+        await wait(lambda: a.state == TaskState.DONE, 30, "the rollout peer to hear that the job is done")
+
+        sources = [r["source"] for r in trainer.recoveries]
+        assert sources == ["init", "memory"]
+        reports = trainer.reports
+        assert [r.iteration for r in reports][-1] == ITERATIONS - 1 and reports[-1].version == ITERATIONS
+        resumed = trainer.recoveries[1]["resume_step"]
+        after = [r for r in reports if r.iteration >= resumed]
+        assert after and all(r.shards == 1 and r.rollouts == 24 for r in after)  # a samples every prompt
+
+        async def published() -> Any:
+            return (await read_progress(dht.client(ids[1]), job.job_id)).get(ids[0])
+
+        record = None
+        for _ in range(40):
+            record = await published()
+            if record is not None and record.state == TaskState.DONE:
+                break
+            await asyncio.sleep(0.25)
+        assert record is not None and (record.epoch, record.state, record.step) == (
+            2,
+            TaskState.DONE,
+            ITERATIONS,
+        )
+        assert record.rl is not None and record.rl.version == ITERATIONS
+        assert [i for i, _, _ in record.rl.rewards][-1] == ITERATIONS
+        assert [s for s, _ in record.losses][-1] == ITERATIONS and record.rl.weight_sync_bytes > 0
+
+        # checkpoints every 3 iterations, in the one-stage format, served for peerd fetch --p2p
+        directory = checkpoint.tasklet_dir(tmp_path / "p0", job.job_id, 0, 0)
+        assert checkpoint.saved_steps(directory)[-1] == ITERATIONS
+        blob = trainer.provide(0, ITERATIONS)
+        assert blob is not None
+        check_checkpoint(blob, job.job_id, 0, ITERATIONS)
+    finally:
+        for r in runners:
+            await r.close()
+        await stop_peers(peers)
+
+
+def test_rl_runner_trains_across_a_replan(tmp_path: Path, async_wait_until: Any) -> None:
+    asyncio.run(_scenario(tmp_path, async_wait_until))
