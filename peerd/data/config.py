@@ -9,7 +9,7 @@ from typing import Annotated, Literal
 
 from peerd.data.dataset import WindowDataset
 from peerd.data.sources import DEFAULT_MAX_BYTES, Corpus, builtin_corpus, hf_corpus, text_files_corpus
-from peerd.data.validation import ValidationConfig
+from peerd.data.validation import ValidationConfig, validation_micro_batches
 from peerd.errors import ConfigError
 from peerd.loading import Range, check, problems
 
@@ -100,6 +100,21 @@ def pin_local_source(cfg: DataConfig) -> DataConfig:
         return cfg
     pinned = dataclasses.replace(cfg, paths=[os.path.abspath(p) for p in cfg.paths])
     return dataclasses.replace(pinned, expect_digest=load_corpus(pinned).digest)
+
+
+def check_split(cfg: DataConfig, global_batch: int) -> None:
+    """At submit: the validation split fits the corpus as read here, else a ConfigError naming the field.
+
+    Each tasklet checks again on its own copy (a ``fraction`` of another Python's built-in
+    corpus is another number of windows); this only spares an owner publishing a job that
+    every tasklet would refuse. ``hf`` sources are not read at submit.
+    """
+    if cfg.validation is None or cfg.source == "hf":
+        return
+    held_out = build_dataset(cfg).held_out_ids()  # ConfigError if no training window is left
+    validation_micro_batches(
+        held_out, cfg.validation, global_batch=global_batch, micro_batch=global_batch, replica=0, replicas=1
+    )
 
 
 def build_dataset(cfg: DataConfig) -> WindowDataset:

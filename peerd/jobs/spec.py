@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from peerd.compress.packing import SUPPORTED_BITS
-from peerd.data.config import DataConfig, pin_local_source
+from peerd.data.config import DataConfig, check_split, pin_local_source
 from peerd.errors import ConfigError
 from peerd.loading import ConfigProblems, Range, collect, from_mapping, load_mapping, prefixed
 from peerd.models.gpt import PRESETS, GPTConfig
@@ -430,12 +430,15 @@ class JobSpecError(ConfigProblems):
 
 def load_job_spec(path: str | Path) -> JobSpec:
     """Read and validate a job spec file (YAML or JSON); a ``model.hf`` path is read into its mapping,
-    a local text corpus's paths are made absolute and its digest pinned (``pin_local_source``)."""
+    a local text corpus's paths are made absolute and its digest pinned (``pin_local_source``), and a
+    validation split is checked against the corpus as read here (``check_split``)."""
     spec = parse_job_spec(inline_hf_config(load_mapping(path), source=str(path)), source=str(path))
     try:
-        return dataclasses.replace(spec, data=pin_local_source(spec.data))
+        data = pin_local_source(spec.data)
+        check_split(data, spec.global_batch)
     except ConfigError as exc:
         raise JobSpecError(exc.errors, str(path)) from None
+    return dataclasses.replace(spec, data=data)
 
 
 def inline_hf_config(data: Any, source: str = "") -> Any:

@@ -4,7 +4,8 @@ The job's held-out loss, as ``peerd submit --wait --json`` reports it from the p
 (the mean of the last stage's replicas after steps 4 and 8), equals the held-out loss of the same
 model trained in one process and evaluated there on the same held-out windows, within 1e-4;
 ``peerd status --json`` and ``/metrics`` show the latest evaluation. A split that leaves no
-evaluation batch fails the job, naming ``data.validation.batches``.
+evaluation batch is refused by ``peerd submit``, naming ``data.validation.batches``; published
+anyway (a client that skips the check), it fails the job on the tasklets, naming the field.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import socket
 import subprocess
 import sys
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,8 +26,9 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from peerd.data.config import build_dataset
+from peerd.jobs.records import normalized_spec
 from peerd.jobs.runner import train_config
-from peerd.jobs.spec import JobSpec, load_job_spec
+from peerd.jobs.spec import JobSpec, load_job_spec, parse_job_spec
 from peerd.localswarm import LocalSwarm, converged
 from peerd.models.gpt import lm_loss
 from peerd.pipeline.local import LocalRunConfig, optimizer_and_scheduler, train_unstaged
@@ -179,12 +181,32 @@ def test_a_jobs_held_out_loss_equals_the_one_process_evaluation(swarm: LocalSwar
     assert samples[("peerd_job_val_step", final["job_id"])] == 8
 
 
-def test_a_split_too_small_for_an_evaluation_fails_the_job_naming_the_field(
-    swarm: LocalSwarm, tmp_path: Path
+def test_a_split_too_small_for_an_evaluation_is_refused_naming_the_field(
+    swarm: LocalSwarm, tmp_path: Path, wait_until: Callable[..., Any]
 ) -> None:
-    # 1 % of the corpus's ~4000 windows is ~40, fewer than the 6 x 8 an evaluation needs: only
-    # the tasklets, which read the corpus, can tell
+    # 1 % of the corpus's ~4000 windows is ~40, fewer than the 6 x 8 an evaluation needs
     spec_file = _spec(tmp_path, "tiny-split", {"fraction": 0.01, "interval": 4, "batches": 6})
-    final = _submit(swarm, spec_file)
-    assert final["state"] == "failed" and final["returncode"] != 0, final["logs"]
+    home = str(swarm.peers[0].home)
+    before = {j["job_id"] for j in swarm.peers[0].control().call("jobs")}
+    # peerd submit reads the corpus and refuses it before publishing anything
+    refused = peerd("submit", str(spec_file), "--home", home)
+    assert refused.returncode == 2 and "data.validation.batches" in refused.stderr, refused.stderr
+    assert {j["job_id"] for j in swarm.peers[0].control().call("jobs")} == before
+    # a client that skips that check: every tasklet refuses it on its own copy, the job fails
+    # naming the field, and the daemons keep running
+    spec = normalized_spec(load_mapping_spec(spec_file))
+    job = swarm.peers[0].control().call("submit", spec=spec, source="control")["job_id"]
+    final = wait_until(lambda: _final(swarm, job), 300, "the job to fail on its tasklets", interval=0.5)
+    assert final["state"] == "failed", final
     assert "data.validation.batches" in final["reason"], final["reason"]
+    assert all(p.process is not None and p.process.poll() is None for p in swarm.peers)
+
+
+def load_mapping_spec(path: Path) -> JobSpec:
+    """The spec as a file holds it, without what ``peerd submit`` adds (reading the corpus)."""
+    return parse_job_spec(yaml.safe_load(path.read_text()))
+
+
+def _final(swarm: LocalSwarm, job: str) -> dict[str, Any] | None:
+    view = swarm.peers[0].control().call("job_status", job_id=job)
+    return view if view["state"] in ("done", "failed", "cancelled") else None

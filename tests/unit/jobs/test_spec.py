@@ -229,3 +229,20 @@ def test_submit_reads_a_local_text_corpus_and_pins_it(
         load_job_spec(missing)
     assert [e.field for e in err.value.errors] == ["data.paths[0]"]
     assert "no such file or directory" in str(err.value)
+
+
+def test_submit_checks_a_validation_split_against_the_corpus_read_here(tmp_path: Path) -> None:
+    def spec_file(validation: dict) -> Path:
+        data = {"source": "builtin", "seq_len": 32, "max_bytes": 64 * 1024, "validation": validation}
+        file = tmp_path / f"job-{len(list(tmp_path.iterdir()))}.yaml"
+        file.write_text(yaml.safe_dump(spec_with(data=data)))
+        return file
+
+    # 64 KiB of 33-byte windows: 1 % holds out 20 windows, one global batch of 16 fits
+    assert load_job_spec(spec_file({"fraction": 0.01, "batches": 1})).data.validation is not None
+    with pytest.raises(JobSpecError) as err:
+        load_job_spec(spec_file({"fraction": 0.01, "batches": 2}))  # 32 windows > 20
+    assert [e.field for e in err.value.errors] == ["data.validation.batches"]
+    with pytest.raises(JobSpecError) as err:
+        load_job_spec(spec_file({"windows": 5000}))  # more than the corpus has
+    assert [e.field for e in err.value.errors] == ["data.validation"]
