@@ -271,7 +271,7 @@ class RLTrainer:
             shard=msg.shard,
             version=max(self.version, 0),
             accepted=not reason,
-            reason=reason,
+            reason=reason[:200],
             done=self.done,
         )
 
