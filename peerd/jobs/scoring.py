@@ -60,6 +60,15 @@ def _ratio(bits: int | None) -> float:
     return 1.0 if bits is None else bits / 32.0
 
 
+def state_bytes_per_param(spec: JobSpec) -> float:
+    """Device bytes a tasklet holds per parameter: fp32 master weights and gradients (whatever the
+    compute precision) plus the optimizer's fp32 state: Adam/AdamW's two moments, SGD's momentum
+    buffer when it has momentum. (Error-feedback residuals and rollback copies live in host memory.)"""
+    opt = spec.optimizer
+    moments = 2 if opt.name in ("adam", "adamw") else int(bool(opt.momentum))
+    return 4.0 * (2 + moments)
+
+
 def job_model(spec: JobSpec) -> JobModel:
     """The scheduler's view of ``spec`` (any model family of ``peerd.models.registry``)."""
     family = spec.model.family()
@@ -90,6 +99,7 @@ def job_model(spec: JobSpec) -> JobModel:
         gradient_ratio=_ratio(comp.gradient_bits),
         activation_bytes=4,  # fp32 on the wire before compression
         gradient_bytes=4,
+        state_bytes_per_param=state_bytes_per_param(spec),
     )
     return JobModel(spec.planning.objective, model, training, single_stage=family.tied)
 

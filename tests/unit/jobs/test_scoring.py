@@ -196,3 +196,12 @@ def test_a_peer_whose_free_memory_cannot_hold_a_stage_is_never_allocated_one() -
     island.step(3)
     with pytest.raises(ConfigError, match="free memory"):
         scorer(four, island.best(1)[0])
+
+
+def test_the_memory_a_stage_needs_follows_the_optimizer() -> None:
+    from peerd.jobs.scoring import state_bytes_per_param
+
+    assert state_bytes_per_param(spec(2, 2)) == 16.0  # adamw: weights, gradients, two moments
+    assert state_bytes_per_param(spec(2, 2, optimizer={"name": "sgd", "momentum": 0.9})) == 12.0
+    assert state_bytes_per_param(spec(2, 2, optimizer={"name": "sgd"})) == 8.0
+    assert job_model(spec(2, 2, optimizer={"name": "sgd"})).training.state_bytes_per_param == 8.0
