@@ -29,6 +29,7 @@ from hivemind.proto import crypto_pb2
 from hivemind.utils import MSGPackSerializer, get_dht_time
 from hivemind.utils.crypto import RSAPrivateKey
 
+from peerd.durable import remove_leftovers, tmp_prefix
 from peerd.errors import ConfigError, ErrorCode, ProtocolError
 from peerd.log import get_logger
 from peerd.swarm.keys import DEFAULT_SWARM, peers_key
@@ -40,6 +41,7 @@ logger = get_logger(__name__)
 RSA_KEY_BITS = 2048  # what p2pd and hivemind generate; verification cost grows with the size
 # hivemind's owner marker; the key inside is OpenSSH "ssh-rsa <base64>" (no ']' can occur in it).
 _OWNER_TAG_RE = re.compile(rb"^\[owner:(ssh-rsa [A-Za-z0-9+/=]{100,2000})\]$")
+LEFTOVER_AGE_S = 60.0  # a temporary key file this old belongs to no live creation (they take ms)
 _SHA2_256_MULTIHASH_PREFIX = bytes([0x12, 0x20])  # multihash code sha2-256, digest length 32
 
 
@@ -73,6 +75,9 @@ class Identity:
     def load_or_create(cls, path: str | Path) -> Identity:
         """Load the identity at ``path``, creating it (mode 0600, atomically) if it does not exist."""
         path = Path(path).expanduser()
+        # a creation killed before its link left its temporary (another creator's may be live: spare
+        # the young ones)
+        remove_leftovers(path, older_than_s=LEFTOVER_AGE_S)
         if not path.exists():
             identity = cls.generate()
             try:
@@ -120,7 +125,7 @@ class Identity:
 def _write_new_file(path: Path, data: bytes) -> bool:
     """Create ``path`` with ``data``, mode 0600, never exposing a partial file; False if it already exists."""
     path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-    tmp = path.with_name(f".{path.name}.{secrets.token_hex(8)}.tmp")
+    tmp = path.with_name(f"{tmp_prefix(path)}{secrets.token_hex(8)}")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     try:
         with os.fdopen(fd, "wb") as f:

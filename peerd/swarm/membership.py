@@ -25,7 +25,7 @@ import msgspec
 from hivemind.dht import DHT
 from hivemind.utils import get_dht_time
 
-from peerd.durable import replace_file
+from peerd.durable import remove_leftovers, replace_file
 from peerd.errors import PeerdError, ProtocolError
 from peerd.log import get_logger
 from peerd.swarm.identity import check_peer_entry
@@ -325,7 +325,12 @@ class KnownPeersStore:
         self._saved_at = -math.inf
 
     def load(self) -> tuple[KnownPeer, ...]:
-        """The remembered peers; an absent file is none, a bad or foreign one is none with a warning."""
+        """The remembered peers; an absent file is none, a bad or foreign one is none with a warning.
+
+        Also deletes the temporaries of a save that was killed (this daemon is the file's only writer).
+        """
+        if removed := remove_leftovers(self.path):
+            logger.info("removed %d temporary file(s) of an interrupted save of %s", removed, self.path)
         self.peers = self._read()
         self._saved = _content(self.peers)
         return self.peers
