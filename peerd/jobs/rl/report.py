@@ -41,6 +41,8 @@ class IterationReport:
     """Shards trained on."""
     shards_missing: int = 0
     """Shards of this iteration that had not arrived when the trainer stopped waiting (dropped)."""
+    shards_covered: int = 0
+    """Shards of absent rollout peers the trainer sampled itself (``TrainerConfig.cover_absent``)."""
     staleness: dict[int, int] = field(default_factory=dict)
     """Version lag (iteration - rollout version) -> completions trained on with it."""
     dropped_stale: int = 0

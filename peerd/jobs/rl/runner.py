@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from peerd.errors import ConfigError, PeerdError
-from peerd.jobs.records import JobRecord, Progress, TaskState, downsample, encode_progress
+from peerd.jobs.records import MAX_SUSPECTS, JobRecord, Progress, TaskState, downsample, encode_progress
 from peerd.jobs.recovery import held_state
 from peerd.jobs.rl.learner import Learner
 from peerd.jobs.rl.progress import figures
@@ -337,6 +337,8 @@ class RLRunner:
             losses=downsample(losses),
             bytes={"weight_sync": sum(r.weight_sync_bytes for r in self.reports)},
             reason=self.reason,
+            # rollout peers that missed their shard's deadline: the trainer covers their shards
+            suspects=tuple(self.trainer.absent_peers[:MAX_SUSPECTS]) if self.trainer is not None else (),
             replicas=1,
             rl=figures(self.reports, max(version, 0)),
         )

@@ -8,8 +8,9 @@ polls for the latest version), open to the job's rollout peers only.
 
 Iteration ``t`` waits for every expected rollout peer's shard at most ``rl.rollout_timeout_s``;
 a shard still missing then is dropped and counted, and its peer is not waited for again until
-it delivers something (a vanished peer costs one timeout and its in-flight rollouts, not one
-per iteration). Shards arrive checked (``check_rollouts``); one of a version older than
+it delivers something; meanwhile the trainer samples that peer's shards itself (same generator,
+current version: what the peer would have sent), so a vanished peer costs one timeout and the
+shard it had in flight, and a re-plan (``absent_peers``) can drop it. Shards arrive checked (``check_rollouts``); one of a version older than
 ``t - staleness`` or of an iteration already trained is answered "not accepted" and counted.
 The trainer scores every completion with its own verifier, trains version ``t`` into ``t + 1``
 (``Learner``, in a worker thread: the event loop keeps answering), publishes it, checkpoints
@@ -41,10 +42,11 @@ from peerd.jobs.rl.messages import (
     header,
     parse,
     rl_protocol,
+    to_wire,
     weights_job,
 )
 from peerd.jobs.rl.report import IterationReport, score, summarize
-from peerd.jobs.rl.shards import RLPlan, shard_ranges
+from peerd.jobs.rl.shards import RLPlan, sample_shard, shard_ranges
 from peerd.log import get_logger
 from peerd.pipeline import checkpoint
 from peerd.pipeline.statesync import StateServer, StateSyncConfig, pack_state
@@ -66,6 +68,10 @@ class TrainerConfig:
     """Longest an ``rl.poll`` is held before the trainer answers with what it has."""
     idle_s: float = 600.0
     """A rollout stream that sends nothing for this long is closed."""
+    cover_absent: bool = True
+    """The trainer samples the shards of rollout peers that missed an earlier iteration's deadline
+    itself, from the next iteration on, until they deliver again (their prompts stay in the batch;
+    a vanished peer costs only the shard it had in flight). False: those prompts are left out."""
     checkpoint_root: Path | None = None
     """Where checkpoints go (``checkpoint.tasklet_dir(root, job, 0, 0)``); None: no checkpoints."""
     statesync: StateSyncConfig = field(default_factory=StateSyncConfig)
@@ -127,6 +133,8 @@ class RLTrainer:
         self.dropped_stale = self.dropped_late = self.duplicates = 0
         self.staleness: Counter[int] = Counter()
         self.missing_shards = 0
+        self.covered_shards = 0
+        """Shards of absent rollout peers that the trainer sampled itself (``TrainerConfig.cover_absent``)."""
         self._arrived: dict[int, dict[int, Rollouts]] = collections.defaultdict(dict)
         self._absent: set[int] = set()  # shards whose peer missed a deadline: not waited for
         self._blobs: collections.OrderedDict[int, bytes] = collections.OrderedDict()
@@ -143,6 +151,11 @@ class RLTrainer:
 
     def _provide(self, stage: int, step: int) -> bytes | None:
         return self._blobs.get(step) if stage == WEIGHTS_STAGE else None
+
+    @property
+    def absent_peers(self) -> list[str]:
+        """Rollout peers that missed a shard deadline and have not delivered since (what a re-plan should drop)."""
+        return sorted(str(self.peers[s]) for s in self._absent)
 
     @property
     def weight_sync_bytes(self) -> int:
@@ -321,9 +334,14 @@ class RLTrainer:
         for t in range(self.iteration, self.plan.iterations):
             began = time.perf_counter()
             missing_before = self.missing_shards
+            absent_before = set(self._absent)
             shards = await self._collect(t)
             self.iteration = t + 1  # shards of t arriving from now on are late
-            step = asyncio.ensure_future(self._iterate(t, shards, began, missing_before))
+            covered_before = self.covered_shards
+            if self.config.cover_absent:
+                shards = await self._cover(t, shards, absent_before)
+            counts = (self.missing_shards - missing_before, self.covered_shards - covered_before)
+            step = asyncio.ensure_future(self._iterate(t, shards, began, counts))
             try:
                 await asyncio.shield(step)
             except asyncio.CancelledError:
@@ -334,7 +352,30 @@ class RLTrainer:
             self._changed.notify_all()
         return self.reports
 
-    async def _iterate(self, t: int, shards: dict[int, Rollouts], began: float, missing_before: int) -> None:
+    async def _cover(self, t: int, shards: dict[int, Rollouts], absent: set[int]) -> dict[int, Rollouts]:
+        """Sample the shards of peers that were absent before iteration ``t`` here, with the policy
+        of version ``t`` and the shard's own generator: exactly what the peer would have sent."""
+        todo = [s for s in sorted(absent) if s not in shards and self.shards[s]]
+        if not todo:
+            return shards
+        version, policy = self.learner.version, self.learner.policy
+
+        def sample() -> list[Rollouts]:
+            out = []
+            for s in todo:
+                indices = self.shards[s]
+                groups = sample_shard(policy, self.plan, t, s, indices, version)
+                wire = to_wire([(i, g.completions, g.logprobs) for i, g in zip(indices, groups, strict=True)])
+                out.append(Rollouts(iteration=t, shard=s, version=version, groups=wire))
+            return out
+
+        made = await _in_thread(sample)
+        self.covered_shards += len(made)
+        return dict(sorted({**shards, **{m.shard: m for m in made}}.items()))
+
+    async def _iterate(
+        self, t: int, shards: dict[int, Rollouts], began: float, counts: tuple[int, int]
+    ) -> None:
         """Score, train, publish, checkpoint and report iteration ``t`` on its ``shards``."""
         plan = self.plan
         interval = plan.spec.checkpoint_interval
@@ -363,7 +404,8 @@ class RLTrainer:
             rollouts=sum(g.size for g in groups),
             updates=figures.updates,
             shards=len(shards),
-            shards_missing=self.missing_shards - missing_before,
+            shards_missing=counts[0],
+            shards_covered=counts[1],
             staleness=dict(sorted(lags.items())),
             dropped_stale=self.dropped_stale - self._stale_seen,
             dropped_late=self.dropped_late - self._late_seen,
