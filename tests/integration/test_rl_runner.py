@@ -7,6 +7,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pytest
+import torch
+
 from peerd.jobs.catalog import read_progress
 from peerd.jobs.records import TaskState, new_job_record
 from peerd.jobs.rl.rollout import RolloutConfig
@@ -132,3 +135,33 @@ async def _scenario(tmp_path: Path, wait: Any) -> None:
 
 def test_rl_runner_trains_across_a_replan(tmp_path: Path, async_wait_until: Any) -> None:
     asyncio.run(_scenario(tmp_path, async_wait_until))
+
+
+async def _absent_device(tmp_path: Path) -> None:
+    peers = await start_peers(2)
+    ids = [p.peer_id.to_base58() for p in peers]
+    job = new_job_record(
+        ids[0], "s", SPEC, b"d" * 16, now=time.time(), epoch0_start=0.0, timing=SPEC.planning.timing()
+    )
+    runner = RLRunner(
+        job,
+        SPEC,
+        store=MemoryDHT(time.time).client(ids[0]),
+        transport=peers[0].transport,
+        peer_ref=parse_peer_id,
+        checkpoint_root=tmp_path,
+        device="cuda:7",
+    )
+    try:
+        await runner.adopt(commit(1, Allocation.from_plain([[ids[0]]], spares=[ids[1]])), None)
+        assert runner.state == TaskState.FAILED and runner.reason.startswith("device:")
+        assert not runner.running
+    finally:
+        await runner.close()
+        await stop_peers(peers)
+
+
+def test_a_device_this_peer_lacks_fails_the_role_naming_the_field(tmp_path: Path) -> None:
+    if torch.cuda.device_count() > 7:
+        pytest.skip("this machine has a cuda:7")
+    asyncio.run(_absent_device(tmp_path))

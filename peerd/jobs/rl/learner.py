@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from peerd.compress.device import host_copy
 from peerd.jobs.rl.shards import RLPlan
 from peerd.jobs.runner import optimizer_config
 from peerd.models.gpt import GPT
@@ -54,9 +55,11 @@ def frozen(model: GPT) -> GPT:
 class Learner:
     """The policy, its frozen reference and optimizer; ``version`` counts the iterations trained."""
 
-    def __init__(self, plan: RLPlan) -> None:
+    def __init__(self, plan: RLPlan, device: torch.device | str = "cpu") -> None:
         model = plan.spec.model.family().build()
         assert isinstance(model, GPT), "rl jobs run the built-in GPT (JobSpec checks model.hf)"
+        self.device = torch.device(device)
+        model.to(self.device)
         self.plan = plan
         self.policy: GPT = model
         self.reference: GPT = frozen(model)
@@ -74,8 +77,8 @@ class Learner:
         return result
 
     def weights(self) -> dict[str, torch.Tensor]:
-        """A copy of the policy's weights (what rollout peers load)."""
-        return {k: v.detach().clone() for k, v in self.policy.state_dict().items()}
+        """A host copy of the policy's weights (what rollout peers load and checkpoints hold)."""
+        return {k: v.detach().to("cpu", copy=True) for k, v in self.policy.state_dict().items()}
 
     def train(self, groups: list[RolloutGroup]) -> TrainFigures:
         """One iteration's updates on scored ``groups``; the version goes up by one."""
@@ -89,11 +92,12 @@ class Learner:
         plan, rl = self.plan, self.plan.rl
         G = plan.group_size
         started = time.perf_counter()
-        batch = pack(groups)
+        batch = pack(groups, self.device)
         with torch.no_grad():
             ref_BT = token_logprobs(self.reference, batch.tokens_BT, temperature)
         scored = time.perf_counter()
-        adv_B = group_advantages(torch.tensor([g.rewards for g in groups]), rl.loss.adv_eps).reshape(-1)
+        rewards_NG = torch.tensor([g.rewards for g in groups])
+        adv_B = group_advantages(rewards_NG, rl.loss.adv_eps).reshape(-1).to(self.device)
         per = plan.groups_per_update
         parts = [range(a, min(a + per, len(groups))) for a in range(0, len(groups), per)]
         kl = loss = clip = 0.0
@@ -133,9 +137,11 @@ class Learner:
 
     def state(self) -> dict[str, Any]:
         """What a checkpoint holds beside the weights: optimizer, schedule, reference, version."""
-        return {
-            "optimizer": self.optimizer.state_dict(),
-            "scheduler": self.scheduler.state_dict(),
-            "reference": self.reference.state_dict(),
-            "version": self.version,
-        }
+        return host_copy(
+            {
+                "optimizer": self.optimizer.state_dict(),
+                "scheduler": self.scheduler.state_dict(),
+                "reference": self.reference.state_dict(),
+                "version": self.version,
+            }
+        )

@@ -9,15 +9,19 @@ moved the same weights and completions through the wire reproduces it bit for bi
 
 from __future__ import annotations
 
+import torch
+
 from peerd.jobs.rl.learner import Learner
 from peerd.jobs.rl.report import IterationReport, score, summarize
 from peerd.jobs.rl.shards import RLPlan, sample_shard, shard_ranges
 from peerd.rl.rollout import RolloutGroup
 
 
-def reference_run(plan: RLPlan, shards: int, iterations: int | None = None) -> list[IterationReport]:
-    """``iterations`` (default: the job's) synchronous iterations with ``shards`` rollout shards."""
-    learner = Learner(plan)
+def reference_run(
+    plan: RLPlan, shards: int, iterations: int | None = None, device: torch.device | str = "cpu"
+) -> list[IterationReport]:
+    """``iterations`` (default: the job's) synchronous iterations with ``shards`` rollout shards on ``device``."""
+    learner = Learner(plan, device)
     learner.warm_up()
     out = []
     for t in range(plan.iterations if iterations is None else iterations):

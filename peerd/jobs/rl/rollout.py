@@ -83,8 +83,10 @@ class RolloutPeer:
         peers: int,
         *,
         config: RolloutConfig = RolloutConfig(),
+        device: torch.device | str = "cpu",
     ) -> None:
         self.transport, self.plan, self.trainer, self.config = transport, plan, trainer, config
+        self.device = torch.device(device)
         self.shard = rank
         self.indices = shard_ranges(plan.prompts, peers)[rank]
         self.model: GPT | None = None
@@ -146,7 +148,9 @@ class RolloutPeer:
                 f"weights blob of version {state.get('version')!r}, asked for {version}",
                 code=ErrorCode.WRONG_STEP,
             )
-        model = self.model if self.model is not None else self.plan.spec.model.family().build()
+        model = (
+            self.model if self.model is not None else self.plan.spec.model.family().build().to(self.device)
+        )
         assert isinstance(model, GPT)
         try:
             model.load_state_dict(state["module"], strict=True)

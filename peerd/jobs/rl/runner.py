@@ -24,6 +24,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from peerd.errors import ConfigError, PeerdError
 from peerd.jobs.records import MAX_SUSPECTS, JobRecord, Progress, TaskState, downsample, encode_progress
 from peerd.jobs.recovery import held_state
@@ -42,6 +44,7 @@ from peerd.pipeline.statesync import StateServer, StateSyncConfig
 from peerd.sched.consensus.actions import Commit
 from peerd.sched.consensus.messages import HeldState, RosterEntry
 from peerd.swarm.keys import progress_key
+from peerd.swarm.profiling import resolve_device
 from peerd.swarm.transport import Transport
 
 log = get_logger(__name__)
@@ -65,7 +68,8 @@ class RLRunner:
         statesync: StateSyncConfig | None = None,
         trainer_config: TrainerConfig | None = None,
         rollout_config: RolloutConfig | None = None,
-        **_: Any,  # TaskletRunner's other options (replicas, device, ...) do not apply
+        device: str = "auto",
+        **_: Any,  # TaskletRunner's other options (replicas, ready_timeout, ...) do not apply
     ) -> None:
         self.job, self.spec, self.store = job, spec, store
         self.transport, self.peer_ref, self.interval = transport, peer_ref, interval
@@ -76,6 +80,7 @@ class RLRunner:
         )
         self.rollout_config = rollout_config or RolloutConfig(statesync=self.statesync)
         self.plan = RLPlan(job.job_id, spec)
+        self.device = device  # where this peer's role computes (the daemon's --device)
         self.commit: Commit | None = None
         self.role: str | None = None
         """``trainer``, ``rollout`` or None (not in the current commit)."""
@@ -183,13 +188,19 @@ class RLRunner:
                 self._dirty.set()
                 return
             trainer, rollout_peers = trainers[0], [p for p in alloc.spares if p != trainers[0]]
+            try:
+                device = resolve_device(self.device)
+            except ConfigError as exc:  # this peer cannot run it: the reason says why
+                self.state, self.reason = TaskState.FAILED, str(exc)[:200]
+                self._dirty.set()
+                return
             if self.me == trainer:
                 self.role, self.stage, self.replica = "trainer", 0, 0
                 if not rollout_peers:
                     self.state, self.reason = TaskState.RECOVERING, "no rollout peer in this allocation"
                     self._dirty.set()
                     return
-                source = self._learner_source()
+                source = self._learner_source(device)
                 self.recoveries.append(
                     {
                         "epoch": commit.epoch,
@@ -205,6 +216,7 @@ class RLRunner:
                     config=self.trainer_config,
                     on_iteration=self._on_iteration,
                     learner=self._learner,
+                    device=device,
                 )
                 self._learner = None
                 self.state, self.reason = TaskState.RUNNING, ""
@@ -219,6 +231,7 @@ class RLRunner:
                     ranked.index(self.me),
                     len(ranked),
                     config=self.rollout_config,
+                    device=device,
                 )
                 self.state, self.reason = TaskState.RUNNING, ""
                 self._task = asyncio.create_task(self._run_rollout(self.rollout))
@@ -228,7 +241,7 @@ class RLRunner:
 
     # ------------------------------------------------------------------ the roles
 
-    def _learner_source(self) -> str:
+    def _learner_source(self, device: torch.device) -> str:
         """Where the trainer's policy comes from: memory, a checkpoint, or the warm-up."""
         if self._learner is not None:
             return "memory"
@@ -236,7 +249,7 @@ class RLRunner:
         if not steps:
             return "init"
         state = checkpoint.load(self._dir(), steps[-1])
-        learner = Learner(self.plan)
+        learner = Learner(self.plan, device)
         learner.restore(state)
         self._learner = learner
         return "checkpoint"

@@ -94,10 +94,11 @@ class RLPlan:
     def problems(self, iteration: int, indices: range) -> list[Problem]:
         return [self.problem(iteration, i) for i in indices]
 
-    def generator(self, iteration: int, shard: int) -> torch.Generator:
-        """The sampling generator of shard ``shard`` of ``iteration``."""
+    def generator(self, iteration: int, shard: int, device: torch.device | str = "cpu") -> torch.Generator:
+        """The sampling generator of shard ``shard`` of ``iteration``, on the device that samples
+        (draws are identical across peers of the same device type, not between cpu and cuda)."""
         seed = int.from_bytes(_digest(self.seed, "sample", iteration, shard)[:8], "big") >> 1
-        return torch.Generator().manual_seed(seed)
+        return torch.Generator(device=device).manual_seed(seed)
 
 
 def shard_ranges(prompts: int, shards: int) -> list[range]:
@@ -121,6 +122,6 @@ def sample_shard(
         plan.problems(iteration, indices),
         plan.group_size,
         plan.rl.sampling,
-        plan.generator(iteration, shard),
+        plan.generator(iteration, shard, next(model.parameters()).device),
         version,
     )

@@ -29,6 +29,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
+import torch
+
 from peerd.errors import ErrorCode, ProtocolError
 from peerd.jobs.rl.learner import Learner
 from peerd.jobs.rl.messages import (
@@ -105,8 +107,10 @@ class RLTrainer:
         config: TrainerConfig = TrainerConfig(),
         on_iteration: Callable[[IterationReport], None] | None = None,
         learner: Learner | None = None,
+        device: torch.device | str = "cpu",
     ) -> None:
-        """``learner``: continue its policy at its version (a re-plan, a checkpoint) instead of warming up."""
+        """``learner``: continue its policy at its version (a re-plan, a checkpoint) instead of warming up;
+        ``device``: where a new learner trains (and covers absent shards)."""
         if not rollout_peers:
             raise ValueError("an rl job needs at least one rollout peer")
         self.transport, self.plan, self.config = transport, plan, config
@@ -121,7 +125,7 @@ class RLTrainer:
             vocab_size=plan.vocab_size,
         )
         self.resumed = learner is not None
-        self.learner = learner if learner is not None else Learner(plan)
+        self.learner = learner if learner is not None else Learner(plan, device)
         self.iteration = self.learner.version
         """The iteration whose shards are awaited (= the latest published version while running)."""
         self.version = -1
