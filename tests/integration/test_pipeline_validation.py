@@ -184,3 +184,14 @@ def test_a_middle_stage_forwards_held_out_batches_and_ac_sgd_is_untouched(
             state[f"{int(index) + offset}.{rest}"] = t
     model.layers.load_state_dict(state)
     assert abs(got[-1][1] - evaluate(model, cfg)) < 1e-4, (got, evaluate(model, cfg))
+
+
+def test_one_stage_replicas_evaluate_their_shards_without_frames(cluster: Cluster) -> None:
+    cfg = dataclasses.replace(CFG, job="val1", layers_per_stage=[4])
+    result, _ = cluster.run(cfg, Placement([[0, 1]]))
+    assert result.ok, result.errors
+    _, points = reference_val(cfg, replicas=2)
+    got = val_curve(result)
+    assert [k for k, _ in got] == EVALUATED, got
+    assert max(abs(a - b) for (_, a), (_, b) in zip(got, points, strict=True)) < 1e-4, (got, points)
+    assert all(not any(".val." in k for k in stats["wire_bytes"]) for stats in result.stats.values())
