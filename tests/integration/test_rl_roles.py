@@ -16,7 +16,9 @@ from peerd.jobs.fetch import assemble
 from peerd.jobs.rl import RLPlan, RLTrainer, RolloutConfig, RolloutPeer, TrainerConfig, reference_run
 from peerd.jobs.rl.messages import (
     KIND_ACK,
+    KIND_STATUS,
     Ack,
+    Poll,
     RolloutGroupWire,
     Rollouts,
     header,
@@ -38,7 +40,9 @@ FAST_SYNC = StateSyncConfig(connect_timeout_s=5, request_timeout_s=10, deadline_
 TRAINER: list[Any] = []  # the trainer's peer id, for the forging helpers
 
 
-def plan(job: str, *, iterations: int = 4, staleness: int = 0, timeout_s: float = 60.0) -> RLPlan:
+def plan(
+    job: str, *, iterations: int = 4, staleness: int = 0, timeout_s: float = 60.0, warmup: int = 30
+) -> RLPlan:
     spec = parse_job_spec(
         {
             "kind": "rl",
@@ -54,7 +58,7 @@ def plan(job: str, *, iterations: int = 4, staleness: int = 0, timeout_s: float 
                 "group_size": 4,
                 "staleness": staleness,
                 "sampling": {"max_new_tokens": 4, "temperature": 1.0},
-                "warmup": {"steps": 30, "batch_size": 16, "lr": 0.003},
+                "warmup": {"steps": warmup, "batch_size": 16, "lr": 0.003},
                 "rollout_timeout_s": timeout_s,
             },
         }
@@ -128,10 +132,10 @@ async def train(
         [t.peer_id for t in transports],
         config=TrainerConfig(poll_hold_s=5, statesync=FAST_SYNC, **options),
     )
+    workers = rollout_peers(swarm, p, transports)
+    tasks = [asyncio.ensure_future(w.run()) for w in workers]  # they poll while the trainer warms up
     await trainer.start()
     try:
-        workers = rollout_peers(swarm, p, transports)
-        tasks = [asyncio.ensure_future(w.run()) for w in workers]
         side = [asyncio.ensure_future(also(trainer, tasks))] if also is not None else []
         await trainer.run()
         await asyncio.gather(*side)
@@ -220,8 +224,8 @@ def test_a_vanished_rollout_peer_costs_only_its_shard_in_flight(swarm: Swarm, as
     assert sum(r.rollouts for r in reports) == 5 * 24 - 12  # only the in-flight shard was lost
 
 
-def test_forged_rollout_frames_are_refused_and_never_trained_on(swarm: Swarm):
-    p = plan("a4" * 16, iterations=1)
+def test_forged_rollout_frames_are_refused_and_never_trained_on(swarm: Swarm, async_wait_until):
+    p = plan("a4" * 16, iterations=1, warmup=100)
 
     async def go() -> tuple[dict[str, ErrorCode], RLTrainer]:
         TRAINER[:] = [swarm.trainer.peer_id]
@@ -229,11 +233,18 @@ def test_forged_rollout_frames_are_refused_and_never_trained_on(swarm: Swarm):
             swarm.trainer,
             p,
             [swarm.r1.peer_id, swarm.r2.peer_id],
-            config=TrainerConfig(poll_hold_s=5, statesync=FAST_SYNC),
+            config=TrainerConfig(poll_hold_s=0.2, statesync=FAST_SYNC),
         )
         owner = sorted([swarm.r1, swarm.r2], key=lambda t: str(t.peer_id))
         codes: dict[str, ErrorCode] = {}
-        await trainer.start()
+        starting = asyncio.ensure_future(trainer.start())
+        await async_wait_until(lambda: trainer._served, 30, "the trainer to serve")
+        # during the warm-up (100 steps) a poll is held, then answered "not ready"
+        warming = await request(owner[0], p, header(Poll(want=0)), KIND_STATUS)
+        assert not warming.ready and not warming.done
+        await starting
+        ready = await request(owner[0], p, header(Poll(want=0)), KIND_STATUS)
+        assert ready.ready and ready.version == 0
         try:
             good = (await frame(p, trainer, 0, 0, 0)).groups
             for name, forged, sender in [
@@ -311,13 +322,18 @@ def header_unchecked(msg: Rollouts) -> dict[str, Any]:
     return to_builtin(msg)
 
 
-async def send_raw(sender: Transport, p: RLPlan, head: dict[str, Any]) -> Ack:
+async def request(sender: Transport, p: RLPlan, head: dict[str, Any], kind: str) -> Any:
     conn = await sender.connect(TRAINER[0], rl_protocol(p.job_id), timeout=10)
     try:
         raw, _ = await conn.request(head, timeout=30)
-        return parse(raw, (KIND_ACK,))
+        return parse(raw, (kind,))
     finally:
         await conn.close(timeout=1.0)
+
+
+async def send_raw(sender: Transport, p: RLPlan, head: dict[str, Any]) -> Ack:
+    ack: Ack = await request(sender, p, head, KIND_ACK)
+    return ack
 
 
 async def push(sender: Transport, p: RLPlan, *, iteration: int, shard: int, version: int) -> Ack:

@@ -167,6 +167,17 @@ def generate() -> dict[str, dict[str, Any]]:
         "valid-poll": _frame("request", "answer when you hold version 4", header(Poll(want=4))),
         "valid-status": _frame("reply", "the latest version is 4", header(Status(version=4, done=False))),
         "valid-status-done": _frame("reply", "the job is over", header(Status(version=8, done=True))),
+        "valid-status-warming-up": _frame(
+            "reply",
+            "no version yet: the trainer still warms up",
+            header(Status(version=0, done=False, ready=False)),
+        ),
+        "valid-status-without-ready": _frame(
+            "reply",
+            "ready absent reads as true",
+            {"kind": "rl.status", "v": 1, "version": 4, "done": False},
+            decode_only=True,
+        ),
         "valid-rollouts-unknown-field": _frame(
             "request",
             "an unknown field is ignored (tolerant within v1)",

@@ -7,7 +7,8 @@ Four frame kinds on ``rl_protocol(job)``, served by the trainer, every header a 
   completion token ids and the behaviour log-prob of each token, and the policy version that
   sampled them; answered by ``rl.ack`` (the trainer's latest version, accepted or why not, done);
 - ``rl.poll`` (rollout peer -> trainer): "tell me when you hold version ``want`` or are done";
-  answered by ``rl.status`` (latest version, done) as soon as that holds, or after a bounded wait.
+  answered by ``rl.status`` (latest version, done, ready) as soon as that holds, or after a
+  bounded wait (also while the trainer still warms up: ``ready`` false).
 
 The schema bounds what any job could send; ``check_rollouts`` then holds a frame to this job's
 sizes (``RolloutBounds``): anything a healthy rollout peer never sends is a ``ProtocolError``
@@ -115,6 +116,9 @@ class Status(WireStruct, kw_only=True):
     version: Count
     """Latest published policy version (fetch it as state-sync stage 0, step ``version``)."""
     done: bool
+    ready: bool = True
+    """False while the trainer has published no version yet (its warm-up runs): ``version`` means
+    nothing then, poll again."""
     v: int = VERSION
 
 

@@ -1,6 +1,7 @@
 """A rollout peer of an ``rl`` job: fetch the weights it needs, sample its shard of each iteration, push it.
 
 For ``u = 0, 1, ...``: ask the trainer (``rl.poll``) until it holds a version ``>= u - staleness``
+(and is ready: its warm-up may take a while)
 (sync mode: exactly ``u``); skip to the trainer's iteration when the trainer has moved past
 ``u`` (a shard for a trained iteration would only be dropped); fetch the newest version over
 state sync when it is newer than the weights held; sample the shard (``sample_shard``, in a
@@ -67,6 +68,8 @@ class RolloutStats:
     weight_fetches: int = 0
     weight_bytes: int = 0
     generate_s: float = 0.0
+    waited_for_warmup: int = 0
+    """Polls answered "not ready" (the trainer was still warming up)."""
     versions: list[int] | None = None
     """The policy version each pushed shard was sampled with, in order."""
 
@@ -108,6 +111,9 @@ class RolloutPeer:
                 status = await self._poll(max(0, u - k) if u < plan.iterations else plan.iterations + 1)
                 if status.done:
                     return self.stats
+                if not status.ready:
+                    self.stats.waited_for_warmup += 1
+                    continue  # the trainer still warms up
                 u = max(u, status.version)  # the trainer is past u: those shards would be dropped
                 if u >= plan.iterations:
                     continue  # nothing left to sample: wait for done

@@ -166,7 +166,20 @@ class RLTrainer:
         return self._weights.bytes_served
 
     async def start(self) -> None:
-        """Warm up (unless resumed), publish the current version and serve weights and rollouts."""
+        """Serve weights and rollouts, warm up (unless resumed), publish the current version.
+
+        The rl protocol is served during the warm-up, so rollout peers hear "not ready" (and
+        keep polling) instead of finding no trainer for as long as the warm-up takes.
+        """
+        await self._weights.start()
+        allowed = {str(p) for p in self.peers}
+        await self.transport.serve(
+            rl_protocol(self.plan.job_id),
+            self._handle,
+            lambda peer: str(peer) in allowed,
+            limits=FrameLimits(max_header=self.bounds.frame_bytes(), max_payload=0),
+        )
+        self._served = True
         if not self.resumed:
             warm = await _in_thread(self.learner.warm_up)
             if warm.losses:
@@ -178,15 +191,6 @@ class RLTrainer:
                     warm.losses[-1],
                 )
         await self._publish()
-        await self._weights.start()
-        allowed = {str(p) for p in self.peers}
-        await self.transport.serve(
-            rl_protocol(self.plan.job_id),
-            self._handle,
-            lambda peer: str(peer) in allowed,
-            limits=FrameLimits(max_header=self.bounds.frame_bytes(), max_payload=0),
-        )
-        self._served = True
 
     async def close(self) -> None:
         """Stop serving (rollout peers then find no trainer; ``done`` is only said after the last iteration)."""
@@ -234,7 +238,7 @@ class RLTrainer:
                     await self._changed.wait_for(lambda: self.done or self.version >= poll.want)
             except TimeoutError:
                 pass
-            return Status(version=max(self.version, 0), done=self.done)
+            return Status(version=max(self.version, 0), done=self.done, ready=self.version >= 0)
 
     async def _take(self, peer: Hashable, msg: Rollouts) -> Ack:
         """Check a shard and keep it for its iteration, or say why not; ProtocolError for what no healthy peer sends."""
