@@ -51,6 +51,7 @@ from peerd.jobs.views import (
     effective_state,
     failure_reason,
     job_view,
+    remember_curve,
     resolve_job_id,
     start_warnings,
 )
@@ -303,6 +304,7 @@ class JobManager:
             if entry.commit is not None and not entry.final_progress:
                 with contextlib.suppress(PeerdError):
                     entry.progress = await catalog.read_progress(self.store, rec.job_id)
+                    remember_curve(entry)
                     entry.final_progress = rec.state in TERMINAL  # one last read after the end
                 if rec.state not in TERMINAL:
                     await self._check_health(entry, now)
@@ -371,7 +373,7 @@ class JobManager:
             logger.warning(
                 "job %s: the roster of epoch %d is not readable; resuming blind", job_id, commit.epoch
             )
-        await entry.runner.adopt(commit, roster)
+        await entry.runner.adopt(commit, roster, history=sorted(entry.curve.items()))
 
     async def _check_health(self, entry: JobEntry, now: float) -> None:
         """Re-plan when the job's records say a tasklet's peer is gone or the pipeline is stuck."""

@@ -34,7 +34,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -334,8 +334,17 @@ class TaskletRunner:
             with contextlib.suppress(PeerdError):
                 await self._publish()
 
-    async def adopt(self, commit: Commit, roster: list[RosterEntry] | None) -> None:
-        """Run this peer's tasklet of ``commit`` (a spare runs none), resuming at the roster's common step."""
+    async def adopt(
+        self,
+        commit: Commit,
+        roster: list[RosterEntry] | None,
+        history: Sequence[tuple[int, float]] = (),
+    ) -> None:
+        """Run this peer's tasklet of ``commit`` (a spare runs none), resuming at the roster's common step.
+
+        ``history``: the job's loss curve as this peer's daemon has seen it; a last-stage tasklet
+        carries its steps before the resume step in its record (it may be the only record left).
+        """
         async with self._lock:
             if self.commit is not None and commit.epoch <= self.commit.epoch:
                 return
@@ -363,6 +372,11 @@ class TaskletRunner:
             self.state, self.reason, self.suspects = TaskState.RECOVERING, "loading state", ()
             self.step = resume
             self.losses = [(s, loss) for s, loss in self.losses if s < resume]
+            if self.stage == commit.allocation.d_pp - 1:
+                # the job's values (the mean over the replicas of the time) win over this
+                # replica's own; its own fill the points the daemon's memory lacks
+                before = {s: loss for s, loss in history if s < resume}
+                self.losses = sorted({**dict(self.losses), **before}.items())
             self.val_losses = [(k, loss) for k, loss in self.val_losses if k <= resume]
             try:
                 worker = await asyncio.get_running_loop().run_in_executor(None, self._build_worker)

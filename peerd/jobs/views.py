@@ -22,7 +22,15 @@ from typing import Any
 
 from peerd.errors import ConfigError, ErrorCode
 from peerd.jobs.planner import JobPlanner, commit_view
-from peerd.jobs.records import TERMINAL, JobRecord, JobState, Progress, TaskState
+from peerd.jobs.records import (
+    MAX_LOSS_POINTS,
+    TERMINAL,
+    JobRecord,
+    JobState,
+    Progress,
+    TaskState,
+    downsample,
+)
 from peerd.jobs.runner import TaskletRunner
 from peerd.jobs.spec import JobSpec
 from peerd.sched.allocation import Allocation
@@ -48,6 +56,7 @@ class JobEntry:
     records_read: bool = (
         False  # the commit was looked up in the public records (a job this peer did not plan)
     )
+    curve: dict[int, float] = field(default_factory=dict)  # every loss point seen (remember_curve)
 
 
 def effective_state(entry: JobEntry, now: float) -> JobState:
@@ -328,15 +337,24 @@ def loss_curve(
     After a re-plan a step's loss may sit in the record of a peer that is gone (the steps
     before its death) or of its successor (the steps after): per (step, replica) the record
     of the newest epoch that has it counts. A step counts once every replica of that epoch
-    (its records say how many there are) has it.
+    (its records say how many there are) has completed it and every one whose record reaches
+    back to it lists it: a replica that joined at a re-plan lists only the steps since (or the
+    ones it inherited), so the steps before a growth stay on the curve, while a step one
+    replica's downsampled record skipped is left out rather than shown as a partial mean.
     """
     best: dict[tuple[int, int], tuple[int, float]] = {}  # (step, replica) -> (epoch, loss)
     width: dict[int, int] = {}  # epoch -> replicas of the last stage seen in its records
+    # epoch -> replica -> (first point listed, steps completed: the last point for held-out)
+    span: dict[int, dict[int, tuple[int, int]]] = {}
     for p in records:
         if p.stage != last_stage:
             continue
         width[p.epoch] = max(width.get(p.epoch, 0), p.replicas, p.replica + 1)
-        for s, loss in p.val_losses if held_out else p.losses:
+        points = p.val_losses if held_out else p.losses
+        if points:
+            end = points[-1][0] if held_out else p.step - 1  # the newest point it must have
+            span.setdefault(p.epoch, {})[p.replica] = (points[0][0], end)
+        for s, loss in points:
             seen = best.get((s, p.replica))
             if seen is None or p.epoch > seen[0]:
                 best[(s, p.replica)] = (p.epoch, loss)
@@ -346,9 +364,31 @@ def loss_curve(
     curve = []
     for s, values in sorted(per_step.items()):
         epoch = max(e for e, _ in values.values())
-        if len(values) >= width.get(epoch, 0):
+        replicas = span.get(epoch, {})
+        reached = len(replicas) >= width.get(epoch, 0) and all(end >= s for _, end in replicas.values())
+        listed = all(r in values for r, (first, _) in replicas.items() if first <= s)
+        if reached and listed:
             curve.append((s, sum(loss for _, loss in values.values()) / len(values)))
     return curve
+
+
+CURVE_MEMORY = 4 * MAX_LOSS_POINTS
+"""Loss points a daemon remembers per job (downsampled beyond it)."""
+
+
+def remember_curve(entry: JobEntry) -> None:
+    """Add the loss curve the job's records show now to ``entry.curve``.
+
+    A re-plan can replace the only record that carried the early steps (the last stage's peer
+    left, or moved to another stage); the tasklet that takes the last stage over inherits
+    them from its daemon's memory (``TaskletRunner.adopt``), so they stay on the public curve.
+    """
+    stages = [p.stage for p in entry.progress.values() if p.losses]
+    if not stages:
+        return
+    entry.curve.update(loss_curve(entry.progress.values(), last_stage=max(stages)))
+    if len(entry.curve) > CURVE_MEMORY:
+        entry.curve = dict(downsample(sorted(entry.curve.items()), CURVE_MEMORY))
 
 
 def progress_summary(progress: dict[str, Progress], epoch: int | None, steps: int) -> dict[str, Any]:

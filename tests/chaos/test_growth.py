@@ -7,24 +7,31 @@ and the newcomer with the spare fills one more replica), the repair widens the r
 allocation to 2 x 2, the newcomer and the spare take their stages' state from the running
 replica, and training goes on. The global batch stays the same (each replica accumulates
 half as many micro-batches), so every step's loss equals a single-process run's that changes
-width at the same step: exactly up to the growth, within 1e-2 after it (the updates after a
-change of width drift by 2e-4 to 5e-4 from the reference: not explained yet).
+width at the same step (1e-4, every step).
+
+Whether two replicas beat one is the cost model's call. The daemons advertise the speed the
+tiny GPT really reaches here (``TFLOPS``, far below the matmul peak the profiler measures: four
+daemons share two cores and the model is too small for peak throughput), so the model sees
+the job compute-bound, as it is, and predicts 2 x 2 1.45-1.8x faster whatever the loopback
+links measure (0.08-2.4 Gbit/s, 0.4-22 ms round trips under load). At the matmul peak the job
+looked link-bound, and one slow loopback probe to the newcomer could keep it at 2 x 1.
 
 Then a job with one replica per stage (two spares) loses a peer that leaves gracefully: its
 stage state exists nowhere else, so the leaving peer serves it to its successor before it
-goes, and the job loses no step. (Its losses past step ~60 drift from the single-process run
-by 1e-4 and more, at the same steps in every run whether the hand-over came first or not: an
-open bug, compared exactly only over the first 50 steps.)
+goes, and the job loses no step: its 600 losses equal the single-process run's (1e-4).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from peerd.bench.churn import CHURN_SPEC, SwarmJob, allocation_of, join_through_survivor, start_swarm
 from peerd.data.config import build_dataset
@@ -34,6 +41,7 @@ from peerd.localswarm import LocalSwarm
 from peerd.models.gpt import GPT
 from peerd.pipeline.local import LocalRunConfig, optimizer_and_scheduler, train_pipelined
 from peerd.sched.allocation import Allocation
+from peerd.swarm.profiling import profile_device
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 
@@ -41,8 +49,8 @@ SPEC: dict[str, Any] = {
     **CHURN_SPEC,
     "name": "growth",
     "steps": 2000,  # outlasts the growth; the test cancels the job once it has seen it
-    # 2048 tokens a step: compute outweighs the gradient all-reduce, so the cost model predicts
-    # 2 x 2 1.3-1.5x faster than 2 x 1 at 0.2-5 Gbit/s (a width is only added for a gain)
+    # 2048 tokens a step: at the daemons' advertised speed (TFLOPS) compute outweighs the
+    # all-reduce and the activations, and 2 x 2 wins by far more than the re-plan margin
     "global_batch": 64,
     "micro_batch": 8,
     "parallel": {"d_pp": 2, "d_dp": "auto"},
@@ -51,9 +59,33 @@ SPEC: dict[str, Any] = {
 }
 
 
+TFLOPS = 0.0012
+"""The speed every daemon advertises: what the tiny GPT reaches per daemon here (1.7 GFLOP a step
+of 2048 tokens in 0.74 s in one process, ~2.3 GFLOPS; four daemons share two cores), not the
+matmul peak the profiler measures (0.004-0.02 TFLOPS on this machine, depending on its load)."""
+
+
+def declared_profiles(out: Path) -> Path:
+    """A device-profile cache that gives the daemons (one compute thread each) ``TFLOPS``.
+
+    Written by the profiler itself as a daemon would, then the speeds replaced; the check at
+    the end fails here, not as a flaky growth, if the cache stops being taken as written.
+    """
+    with one_thread():
+        profile_device("cpu", cache_path=out)
+        cache = json.loads(out.read_text())
+        for entry in cache["entries"].values():
+            entry["tflops"] = {dtype: TFLOPS for dtype in entry["tflops"]}
+        out.write_text(json.dumps(cache))
+        assert profile_device("cpu", cache_path=out).tflops["fp32"] == TFLOPS
+    return out
+
+
 @pytest.fixture(scope="module")
-def swarm(tmp_path_factory: pytest.TempPathFactory, profile_cache: Path) -> Iterator[LocalSwarm]:
-    local = start_swarm(tmp_path_factory.mktemp("growth"), 3, {"profile_cache": str(profile_cache)})
+def swarm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalSwarm]:
+    root = tmp_path_factory.mktemp("growth")
+    profiles = declared_profiles(root / "device_profiles.json")
+    local = start_swarm(root, 3, {"profile_cache": str(profiles)})
     try:
         yield local
     finally:
@@ -63,7 +95,27 @@ def swarm(tmp_path_factory: pytest.TempPathFactory, profile_cache: Path) -> Iter
 def reference_losses(
     job_id: str, spec: dict[str, Any], steps: int, grown_at: int | None = None
 ) -> list[float]:
-    """The first ``steps`` losses of ``spec``'s job in one process: one replica, two from ``grown_at`` on."""
+    """The first ``steps`` losses of ``spec``'s job in one process: one replica, two from ``grown_at`` on.
+
+    It computes with the daemons' one thread (``LocalSwarm``): float sums split over another
+    number of threads round differently, and over a few dozen steps of this job that grows
+    past 1e-4 (2 threads: 1e-4 by step 49, 4e-4 by step 52).
+    """
+    with one_thread():
+        return _reference(job_id, spec, steps, grown_at)
+
+
+@contextlib.contextmanager
+def one_thread() -> Iterator[None]:
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def _reference(job_id: str, spec: dict[str, Any], steps: int, grown_at: int | None) -> list[float]:
     cfg = train_config(job_id, parse_job_spec(spec), Allocation.from_plain([["p0"], ["p1"]]), None)
     model = GPT(cfg.model.gpt(), seed=cfg.model.seed)
     data = build_dataset(cfg.data)
@@ -84,11 +136,6 @@ def reference_losses(
     return losses
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="not reliable yet: in 1 of 4 runs the re-plan did not widen the job (cost-model choice on "
-    "measured loopback links), in 1 the job ended before the growth was seen; issue 10",
-)
 def test_a_short_handed_job_grows_back_onto_a_newcomer(swarm: LocalSwarm) -> None:
     owner = swarm.peers[0]
     job = SwarmJob(swarm, owner.control().call("submit", spec=SPEC)["job_id"])
@@ -141,14 +188,10 @@ def test_a_short_handed_job_grows_back_onto_a_newcomer(swarm: LocalSwarm) -> Non
     )
     losses = {int(s): float(v) for s, v in next(iter(later.values()))["progress"]["losses"]}
     reference = reference_losses(job.job, SPEC, max(losses) + 1, grown_at)
-    # exact up to the growth; the steps after it are held to 1e-2 for now: the updates after a
-    # change of width drift by 2e-4 to 5e-4 (relative) from the reference (open, see issue 10)
-    off = [
-        (s, losses[s], reference[s])
-        for s in sorted(losses)
-        if abs(losses[s] / reference[s] - 1) > (1e-4 if s <= grown_at else 1e-2)
-    ]
+    off = [(s, losses[s], reference[s]) for s in sorted(losses) if abs(losses[s] / reference[s] - 1) > 1e-4]
     assert not off, f"(step, got, expected) off the single-process run (grown at {grown_at}): {off}"
+    # the steps before the growth stay on the curve: the newcomer's record lists none of them
+    assert min(losses) == 0 and any(s < grown_at for s in losses), (grown_at, sorted(losses))
     assert any(s > grown_at for s in losses), (grown_at, sorted(losses))  # compared after the growth
 
 
@@ -168,7 +211,9 @@ def test_a_leaving_peer_hands_its_stage_over_without_a_replica(swarm: LocalSwarm
     )
     alloc = allocation_of(next(iter(first.values())))
     assert len(alloc.spares) == 2, alloc
-    stage = next(s for s in range(2) if job.peer_of(alloc.stages[s][0]) is not owner)
+    # the last stage's peer if it is not the owner: its record carried the loss curve, and it
+    # goes; its successor must carry the steps before the hand-over on (an inherited history)
+    stage = next(s for s in (1, 0) if job.peer_of(alloc.stages[s][0]) is not owner)
     left = job.strike("leave", stage)
     assert left["steps_lost"] == 0, left
     done = job.wait(
@@ -178,10 +223,7 @@ def test_a_leaving_peer_hands_its_stage_over_without_a_replica(swarm: LocalSwarm
     reference = reference_losses(job.job, spec, spec["steps"])
     after = [s for s in losses if s >= left["resumed_at"]]  # records carry a downsampled history
     assert len(after) >= 10 and max(after) >= spec["steps"] - 10, sorted(losses)
-    # exact over the first 50 steps; later ones drift from the single-process run by 1e-4 and
-    # more, at the same steps in every run, whether the hand-over came before them or not (an
-    # open bug of d_dp 1 runs past ~60 steps, see issue 10): here training must only go on
-    early = [(s, losses[s], reference[s]) for s in losses if s < 50]
-    off = [(s, got, want) for s, got, want in early if abs(got / want - 1) > 1e-4]
-    assert early and not off, f"(step, got, expected) off the single-process run: {off}"
+    off = [(s, losses[s], reference[s]) for s in sorted(losses) if abs(losses[s] / reference[s] - 1) > 1e-4]
+    assert not off, f"(step, got, expected) off the single-process run: {off}"
+    assert min(losses) == 0 and any(s < left["resumed_at"] for s in losses), sorted(losses)
     assert losses[max(after)] < losses[min(losses)] - 1.0, losses

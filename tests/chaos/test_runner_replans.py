@@ -1,16 +1,19 @@
-"""A re-plan as the job finishes: tasklets that resume at the last step finish, they do not wait.
+"""Re-plans driven through real ``TaskletRunner``s on loopback p2p transports (records in an in-process store).
 
-When a job re-plans at its final step (the wan bench's case: one replica's last averaging
-was cut while the others had finished), every stage holds the last step, so the new epoch
-resumes there. Such a tasklet has nothing to train: it must write its final state and be
-``done`` at once, without waiting for its partners to start the epoch or opening streams
-to them (a partner that finished first has closed its streams; one that never adopts the
-epoch would keep it ``running`` at step == steps, which no stall check looks at).
+A re-plan as the job finishes: when a job re-plans at its final step (the wan bench's case:
+one replica's last averaging was cut while the others had finished), every stage holds the
+last step, so the new epoch resumes there. Such a tasklet has nothing to train: it must
+write its final state and be ``done`` at once, without waiting for its partners to start the
+epoch or opening streams to them (a partner that finished first has closed its streams; one
+that never adopts the epoch would keep it ``running`` at step == steps, which no stall check
+looks at). Epoch 1 trains the job to its end; epoch 2 re-plans the same allocation with a
+roster that holds the last step; stage 0 adopts it while stage 1 never does: it is done
+within seconds; then stage 1 adopts and is done too.
 
-Two real ``TaskletRunner``s (stage 0 and stage 1) on loopback p2p transports, their records
-in an in-process store: epoch 1 trains the job to its end; epoch 2 re-plans the same
-allocation with a roster that holds the last step. Stage 0 adopts epoch 2 while stage 1
-never does: it is done within seconds; then stage 1 adopts and is done too.
+A hand-over of the last stage: its peer leaves mid-run and a spare takes its stage, loading
+the state the leaving peer serves. Every step equals the single-process run's (bit for bit:
+same thread count), and the successor's record carries the steps before the hand-over (the
+curve its daemon remembered), so the job's curve keeps them once the leaver's record is gone.
 """
 
 from __future__ import annotations
@@ -21,16 +24,23 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
+from peerd.bench.churn import CHURN_SPEC
+from peerd.data.config import build_dataset
 from peerd.jobs.catalog import read_progress
 from peerd.jobs.records import TaskState, new_job_record
-from peerd.jobs.runner import TaskletRunner
+from peerd.jobs.runner import TaskletRunner, train_config
 from peerd.jobs.spec import parse_job_spec
 from peerd.jobs.store import MemoryDHT
+from peerd.jobs.views import JobEntry, loss_curve, remember_curve
+from peerd.models.gpt import GPT
 from peerd.pipeline.launch import start_peers, stop_peers
+from peerd.pipeline.local import LocalRunConfig, train_pipelined
 from peerd.sched.allocation import Allocation
 from peerd.sched.consensus.actions import Commit
 from peerd.sched.consensus.messages import RosterDevice, RosterEntry
+from peerd.swarm.keys import progress_key
 from peerd.swarm.node import parse_peer_id
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
@@ -56,7 +66,7 @@ def commit(epoch: int, allocation: Allocation) -> Commit:
     return Commit(epoch, 0, allocation, "00" * 32, "00" * 32, 1.0, record=None)  # type: ignore[arg-type]
 
 
-def entry(runner: TaskletRunner, epoch: int) -> RosterEntry:
+def entry_of(runner: TaskletRunner, epoch: int) -> RosterEntry:
     """``runner``'s peer applying for ``epoch`` with the stage state it holds."""
     return RosterEntry(
         job=runner.job.job_id,
@@ -69,27 +79,33 @@ def entry(runner: TaskletRunner, epoch: int) -> RosterEntry:
     )
 
 
-async def _scenario(tmp_path: Path, wait: Any) -> None:
-    peers = await start_peers(2)
-    dht = MemoryDHT(time.time)
+def make_runners(spec: Any, peers: list[Any], dht: MemoryDHT, tmp_path: Path) -> list[TaskletRunner]:
     ids = [p.peer_id.to_base58() for p in peers]
     job = new_job_record(
-        ids[0], "s", SPEC, b"n" * 16, now=time.time(), epoch0_start=0.0, timing=SPEC.planning.timing()
+        ids[0], "s", spec, b"n" * 16, now=time.time(), epoch0_start=0.0, timing=spec.planning.timing()
     )
-    runners = [
+    return [
         TaskletRunner(
             job,
-            SPEC,
+            spec,
             store=dht.client(ids[i]),
-            transport=peers[i].transport,
+            transport=peer.transport,
             peer_ref=parse_peer_id,
             checkpoint_root=tmp_path / f"p{i}",
             interval=0.5,
             ready_timeout=60.0,
             device="cpu",
         )
-        for i in range(2)
+        for i, peer in enumerate(peers)
     ]
+
+
+async def _scenario(tmp_path: Path, wait: Any) -> None:
+    peers = await start_peers(2)
+    dht = MemoryDHT(time.time)
+    ids = [p.peer_id.to_base58() for p in peers]
+    runners = make_runners(SPEC, peers, dht, tmp_path)
+    job = runners[0].job
     try:
         for r in runners:
             await r.start()
@@ -101,7 +117,7 @@ async def _scenario(tmp_path: Path, wait: Any) -> None:
         )
         assert [r.step for r in runners] == [SPEC.steps] * 2
 
-        roster = [entry(r, 2) for r in runners]
+        roster = [entry_of(r, 2) for r in runners]
         assert all(SPEC.steps in h.steps for e in roster for h in e.held)  # both stages hold the last step
         second = commit(2, allocation)
         lone, late = runners
@@ -133,3 +149,77 @@ def test_tasklets_resuming_at_the_last_step_finish_without_their_partners(
     tmp_path: Path, async_wait_until: Any
 ) -> None:
     asyncio.run(_scenario(tmp_path, async_wait_until))
+
+
+HANDOVER = parse_job_spec(
+    {**CHURN_SPEC, "name": "handover", "steps": 60, "parallel": {"d_pp": 2, "d_dp": 1}, "min_peers": 2}
+)
+
+
+async def _handover(tmp_path: Path, wait: Any, leave_at: int) -> tuple[list[tuple[int, float]], int]:
+    peers = await start_peers(3)
+    dht = MemoryDHT(time.time)
+    ids = [p.peer_id.to_base58() for p in peers]
+    first, last, spare = runners = make_runners(HANDOVER, peers, dht, tmp_path)
+    job = first.job
+    entry = JobEntry(job, HANDOVER)  # what the spare's daemon knows of the job
+    try:
+        for r in runners:
+            await r.start()
+        await asyncio.gather(
+            *(
+                r.adopt(commit(1, Allocation.from_plain([[ids[0]], [ids[1]]], [ids[2]])), None)
+                for r in runners
+            )
+        )
+        await wait(lambda: last.step >= leave_at, 120, f"step {leave_at}")
+        await last.leave("its volunteer left")
+        await first.freeze("re-planning: the last stage's peer left")
+        # the spare's daemon reads the records while the job re-plans (the leaver's last one too)
+        entry.progress = await read_progress(dht.client(ids[2]), job.job_id)
+        remember_curve(entry)
+        roster = [entry_of(r, 2) for r in runners]
+        second = commit(2, Allocation.from_plain([[ids[0]], [ids[2]]]))
+        history = sorted(entry.curve.items())
+        await asyncio.gather(first.adopt(second, roster), spare.adopt(second, roster, history=history))
+        resumed = spare.recoveries[-1]["resume_step"]
+        assert spare.recoveries[-1]["source"].startswith("peer ")  # the leaving peer served its state
+        await wait(lambda: first.state == spare.state == TaskState.DONE, 180, "the job to finish")
+        await last.close()  # the leaver's daemon exits: its record goes (here: is dropped)
+        dht.data[progress_key(job.job_id)].pop(ids[1])
+        deadline = time.monotonic() + 30
+        while True:  # the successor's last record (published within a heartbeat) says done
+            records = await read_progress(dht.client(ids[0]), job.job_id)
+            final = records.get(ids[2])
+            if (final is not None and final.state == TaskState.DONE) or time.monotonic() > deadline:
+                break
+            await asyncio.sleep(0.1)
+        return loss_curve(records.values(), last_stage=1), resumed
+    finally:
+        for r in runners:
+            await r.close()
+        await stop_peers(peers)
+
+
+def test_a_handed_over_last_stage_continues_the_curve_and_keeps_its_history(
+    tmp_path: Path, async_wait_until: Any
+) -> None:
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)  # the runners and the reference compute alike
+    try:
+        curve, resumed = asyncio.run(_handover(tmp_path, async_wait_until, leave_at=20))
+        cfg = train_config("ref", HANDOVER, Allocation.from_plain([["p0"], ["p1"]]), None)
+        local = LocalRunConfig(
+            steps=HANDOVER.steps,
+            global_batch=cfg.global_batch,
+            micro_batch_size=cfg.micro_batch_size,
+            layers_per_stage=cfg.layers_per_stage,
+            optimizer=cfg.optimizer,
+            total_steps=cfg.steps,
+        )
+        reference = train_pipelined(GPT(cfg.model.gpt(), seed=cfg.model.seed), build_dataset(cfg.data), local)
+    finally:
+        torch.set_num_threads(before)
+    assert resumed >= 20
+    assert [s for s, _ in curve] == list(range(HANDOVER.steps))  # nothing before the hand-over is lost
+    assert [loss for _, loss in curve] == reference

@@ -56,15 +56,15 @@ def test_progress_summary_folds_the_tasklets() -> None:
     progress = {
         "QmA": tasklet("QmA", TaskState.RUNNING, step=5, tokens_per_s=10.0, bytes={"activations": 10}),
         "QmB": tasklet("QmB", TaskState.RUNNING, replica=1, step=4, bytes={"activations_raw": 40}),
-        "QmC": tasklet("QmC", TaskState.RUNNING, step=4, losses=((3, 2.0), (4, 1.0)), **last),
+        "QmC": tasklet("QmC", TaskState.RUNNING, step=5, losses=((3, 2.0), (4, 1.0)), **last),
         "QmD": tasklet(
-            "QmD", TaskState.RUNNING, stage=1, replica=1, step=4, losses=((4, 3.0),), tokens_per_s=30.0
+            "QmD", TaskState.RUNNING, stage=1, replica=1, step=4, losses=((3, 3.0),), tokens_per_s=30.0
         ),
         "QmX": tasklet("QmX", TaskState.DONE, epoch=0, step=99),  # another epoch: ignored
     }
     out = progress_summary(progress, 1, steps=10)
     assert (out["step"], out["steps"], out["tokens_per_s"]) == (4, 10, 20.0)
-    assert out["losses"] == [[4, 2.0]] and out["loss"] == 2.0  # only steps every replica reported
+    assert out["losses"] == [[3, 2.5]] and out["loss"] == 2.5  # only steps every replica completed
     assert out["bytes"] == {"activations": 10, "activations_raw": 40, "averaging": 10, "averaging_raw": 40}
     assert out["compression_ratio"] == 4.0
     assert [(t["peer"], t["stage"], t["replica"]) for t in out["tasklets"]] == [
@@ -148,3 +148,25 @@ def test_the_loss_curve_merges_epochs_and_counts_a_step_only_with_every_replica(
         last("moved", 4, 0, [(5, 9.0)]),
     ]
     assert loss_curve(records, last_stage=1) == [(0, 5.0), (1, 4.0), (2, 3.0), (3, 2.0), (4, 1.5)]
+
+
+def test_the_steps_before_a_growth_stay_on_the_curve() -> None:
+    """1 -> 2 replicas at step 3: the newcomer lists steps 3.. only, the survivor all of them (and
+    records are downsampled each on their own); steps before the growth are the survivor's, later
+    ones the mean; a step one replica's record skipped is left out, one it has not completed waits."""
+    from peerd.jobs.records import Progress, TaskState
+    from peerd.jobs.views import loss_curve
+
+    def last(peer: str, replica: int, step: int, losses) -> Progress:
+        return Progress(
+            job_id="0" * 32, peer=peer, epoch=2, stage=1, replica=replica, step=step, steps=10,
+            state=TaskState.RUNNING, tokens_per_s=1.0, updated_at=1.0, started_at=0.0,
+            losses=tuple(losses), replicas=2,
+        )  # fmt: skip
+
+    survivor = last(
+        "kept", 0, 7, [(0, 6.0), (1, 5.0), (2, 4.0), (3, 3.0), (5, 2.0), (6, 1.0)]
+    )  # 4: downsampled
+    newcomer = last("new", 1, 6, [(3, 1.0), (4, 0.5), (5, 0.0)])  # joined at step 3; step 6 not done yet
+    curve = loss_curve([survivor, newcomer], last_stage=1)
+    assert curve == [(0, 6.0), (1, 5.0), (2, 4.0), (3, 2.0), (5, 1.0)]
