@@ -263,7 +263,7 @@ def test_forged_rollout_frames_are_refused_and_never_trained_on(swarm: Swarm, as
                 with pytest.raises(ProtocolError) as info:
                     await send_raw(sender, p, header_unchecked(msg))
                 codes[name] = info.value.code
-            assert trainer._arrived == {} or all(not v for v in trainer._arrived.values())
+            assert not any(trainer.intake.arrived.values())  # nothing of them was kept
             workers = rollout_peers(swarm, p, [swarm.r1, swarm.r2])
             tasks = [asyncio.ensure_future(w.run()) for w in workers]
             await trainer.run()

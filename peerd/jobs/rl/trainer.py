@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import time
 from collections import Counter
 from collections.abc import Callable, Hashable, Sequence
@@ -32,6 +33,7 @@ from typing import Any, TypeVar
 import torch
 
 from peerd.errors import ErrorCode, ProtocolError
+from peerd.jobs.rl.intake import Intake
 from peerd.jobs.rl.learner import Learner
 from peerd.jobs.rl.messages import (
     REQUEST_KINDS,
@@ -40,7 +42,6 @@ from peerd.jobs.rl.messages import (
     RolloutBounds,
     Rollouts,
     Status,
-    check_rollouts,
     header,
     parse,
     rl_protocol,
@@ -126,21 +127,15 @@ class RLTrainer:
         )
         self.resumed = learner is not None
         self.learner = learner if learner is not None else Learner(plan, device)
-        self.iteration = self.learner.version
-        """The iteration whose shards are awaited (= the latest published version while running)."""
-        self.version = -1
-        """Latest published policy version (-1 until the warm-up is done)."""
-        self.done = False
+        self.intake = Intake(
+            [str(p) for p in self.peers], self.bounds, plan.rl.staleness, iteration=self.learner.version
+        )
         self.reports: list[IterationReport] = []
         self.refused: Counter[ErrorCode] = Counter()
         """Rollout frames refused as protocol errors, by code (none of them is trained on)."""
-        self.dropped_stale = self.dropped_late = self.duplicates = 0
         self.staleness: Counter[int] = Counter()
-        self.missing_shards = 0
         self.covered_shards = 0
         """Shards of absent rollout peers that the trainer sampled itself (``TrainerConfig.cover_absent``)."""
-        self._arrived: dict[int, dict[int, Rollouts]] = collections.defaultdict(dict)
-        self._absent: set[int] = set()  # shards whose peer missed a deadline: not waited for
         self._blobs: collections.OrderedDict[int, bytes] = collections.OrderedDict()
         self._changed = asyncio.Condition()
         self._served = False
@@ -159,7 +154,33 @@ class RLTrainer:
     @property
     def absent_peers(self) -> list[str]:
         """Rollout peers that missed a shard deadline and have not delivered since (what a re-plan should drop)."""
-        return sorted(str(self.peers[s]) for s in self._absent)
+        return sorted(self.intake.peers[s] for s in self.intake.absent)
+
+    @property
+    def iteration(self) -> int:
+        """The iteration whose shards are awaited."""
+        return self.intake.iteration
+
+    @property
+    def version(self) -> int:
+        """Latest published policy version (-1 until the warm-up is done)."""
+        return self.intake.version
+
+    @property
+    def done(self) -> bool:
+        return self.intake.done
+
+    @property
+    def dropped_stale(self) -> int:
+        return self.intake.dropped_stale
+
+    @property
+    def dropped_late(self) -> int:
+        return self.intake.dropped_late
+
+    @property
+    def missing_shards(self) -> int:
+        return self.intake.missing_shards
 
     @property
     def weight_sync_bytes(self) -> int:
@@ -206,7 +227,7 @@ class RLTrainer:
         while len(self._blobs) > self.plan.rl.staleness + 2:
             self._blobs.popitem(last=False)
         async with self._changed:
-            self.version = version
+            self.intake.version = version
             self._changed.notify_all()
 
     async def _handle(self, conn: Connection) -> None:
@@ -238,79 +259,24 @@ class RLTrainer:
                     await self._changed.wait_for(lambda: self.done or self.version >= poll.want)
             except TimeoutError:
                 pass
-            return Status(version=max(self.version, 0), done=self.done, ready=self.version >= 0)
+            return self.intake.status()
 
     async def _take(self, peer: Hashable, msg: Rollouts) -> Ack:
-        """Check a shard and keep it for its iteration, or say why not; ProtocolError for what no healthy peer sends."""
-        check_rollouts(msg, self.bounds)
-        if str(self.peers[msg.shard]) != str(peer):
-            raise ProtocolError(
-                f"shard {msg.shard} belongs to {self.peers[msg.shard]}", code=ErrorCode.NOT_ALLOWED
-            )
-        if msg.version > self.version:
-            raise ProtocolError(
-                f"rollouts of policy version {msg.version}: the trainer published {self.version}",
-                code=ErrorCode.FROM_FUTURE,
-            )
-        k = self.plan.rl.staleness
-        if msg.iteration > self.iteration + k:
-            raise ProtocolError(
-                f"rollouts for iteration {msg.iteration} while iteration {self.iteration} trains "
-                f"(at most {k} ahead)",
-                code=ErrorCode.WRONG_STEP,
-            )
-        completions = sum(len(g.completions) for g in msg.groups)
-        reason = ""
-        if self.done or msg.iteration < self.iteration:
-            reason, self.dropped_late = (
-                f"iteration {msg.iteration} is trained already",
-                self.dropped_late + completions,
-            )
-        elif msg.iteration - msg.version > k:
-            reason = f"version {msg.version} is more than {k} behind iteration {msg.iteration}"
-            self.dropped_stale += completions
-        elif msg.shard in self._arrived[msg.iteration]:
-            reason, self.duplicates = "duplicate shard", self.duplicates + 1
-        if reason:
-            log.info(
-                "rl job %s: shard %d of iteration %d not taken: %s",
-                self.plan.job_id,
-                msg.shard,
-                msg.iteration,
-                reason,
-            )
-            return self._ack(msg, reason)
         async with self._changed:
-            self._arrived[msg.iteration][msg.shard] = msg
-            self._absent.discard(msg.shard)
-            self._changed.notify_all()
-        return self._ack(msg, "")
-
-    def _ack(self, msg: Rollouts, reason: str) -> Ack:
-        return Ack(
-            iteration=msg.iteration,
-            shard=msg.shard,
-            version=max(self.version, 0),
-            accepted=not reason,
-            reason=reason[:200],
-            done=self.done,
-        )
+            ack = self.intake.take(str(peer), msg)
+            if ack.accepted:
+                self._changed.notify_all()
+        return ack
 
     # ------------------------------------------------------------ the loop
 
-    def _expected(self) -> set[int]:
-        return {s for s, r in enumerate(self.shards) if r and s not in self._absent}
-
     async def _collect(self, t: int) -> dict[int, Rollouts]:
         """Shards of iteration ``t``, waiting for the expected ones at most ``rollout_timeout_s``."""
-        arrived = self._arrived[t]
-        try:
+        with contextlib.suppress(TimeoutError):
             async with self._changed, asyncio.timeout(self.plan.rl.rollout_timeout_s):
-                await self._changed.wait_for(lambda: self._expected() <= set(arrived))
-        except TimeoutError:
-            missing = sorted(self._expected() - set(arrived))
-            self.missing_shards += len(missing)
-            self._absent.update(missing)
+                await self._changed.wait_for(lambda: self.intake.complete(t))
+        shards, missing = self.intake.close(t)
+        if missing:
             log.warning(
                 "rl job %s: iteration %d: no shard %s within %g s, dropped",
                 self.plan.job_id,
@@ -318,7 +284,7 @@ class RLTrainer:
                 missing,
                 self.plan.rl.rollout_timeout_s,
             )
-        return dict(sorted(self._arrived.pop(t, {}).items()))
+        return shards
 
     def _groups(self, t: int, shards: dict[int, Rollouts]) -> list[RolloutGroup]:
         out = []
@@ -342,9 +308,8 @@ class RLTrainer:
         for t in range(self.iteration, self.plan.iterations):
             began = time.perf_counter()
             missing_before = self.missing_shards
-            absent_before = set(self._absent)
-            shards = await self._collect(t)
-            self.iteration = t + 1  # shards of t arriving from now on are late
+            absent_before = set(self.intake.absent)
+            shards = await self._collect(t)  # shards of t arriving from now on are late
             covered_before = self.covered_shards
             if self.config.cover_absent:
                 shards = await self._cover(t, shards, absent_before)
@@ -356,7 +321,7 @@ class RLTrainer:
                 await asyncio.wait([step])
                 raise
         async with self._changed:
-            self.done = True
+            self.intake.done = True
             self._changed.notify_all()
         return self.reports
 
@@ -454,7 +419,7 @@ class RLTrainer:
         try:
             async with self._changed, asyncio.timeout(timeout_s):
                 await self._changed.wait_for(
-                    lambda: {str(self.peers[s]) for s in self._expected()} <= self.told
+                    lambda: {self.intake.peers[s] for s in self.intake.expected()} <= self.told
                 )
             return True
         except TimeoutError:
