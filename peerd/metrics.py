@@ -225,8 +225,8 @@ class StatusCollector(Collector):
             jid = job["job_id"]
             for key, family in gauges.items():
                 _add(family, rl.get(key), jid)
-            for key, family in counters.items():
-                _add(family, rl.get(key), jid)
+            for key, counter in counters.items():
+                _add(counter, rl.get(key), jid)
             _add(dropped, rl.get("dropped_stale"), jid, "stale")
             _add(dropped, rl.get("dropped_late"), jid, "late")
             for lag, n in rl.get("staleness") or []:

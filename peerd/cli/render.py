@@ -352,9 +352,11 @@ def job_line(view: dict[str, Any]) -> str:
         if p.get("val_loss") is not None:
             line += f" held-out {_loss(p['val_loss'])}"
         rl = p.get("rl")
-        if rl:
-            line += f" reward {rl.get('reward_mean', 0.0):.3f} pass {rl.get('pass_rate', 0.0):.2f}"
-            line += f" KL {rl.get('kl', 0.0):.3f} {rl.get('rollouts_per_s', 0.0):,.0f} rollouts/s"
+        if rl and rl.get("reward_mean") is not None:
+            line += f" reward {rl['reward_mean']:.3f} pass {rl['pass_rate']:.2f}"
+            line += f" KL {rl.get('kl') or 0.0:.3f} {rl.get('rollouts_per_s') or 0.0:,.0f} rollouts/s"
+        elif rl:
+            line += " warming up"
         else:
             line += f" {_rate(p.get('tokens_per_s'))} tok/s"
     return line + (f" ({view['reason']})" if view.get("reason") else "")

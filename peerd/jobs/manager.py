@@ -3,7 +3,8 @@
 ``JobManager.run()`` loops every ``discover_s``: read the owners' job indexes of this swarm,
 the job records they name (only the owner's own record counts, see ``catalog``), and for
 every live job keep one ``JobPlanner`` (participating when this peer is eligible) and, once
-an allocation that includes this peer is committed, one ``TaskletRunner`` that adopts every
+an allocation that includes this peer is committed, one runner (``peerd.jobs.roles.JobRunner``: a
+pipeline tasklet's ``TaskletRunner``, an rl job's ``RLRunner``) that adopts every
 later commit too. Each round also reads the job's progress records and asks
 ``health.assess`` whether a tasklet's peer is gone or the pipeline is stuck; if so this peer
 freezes its tasklet and re-plans (``JobPlanner.replan`` with the state it holds): every
@@ -42,7 +43,8 @@ from peerd.jobs.records import (
     new_job_record,
 )
 from peerd.jobs.recovery import target_width
-from peerd.jobs.runner import TaskletRunner, tasklet_of, unsupported
+from peerd.jobs.roles import JobRunner
+from peerd.jobs.runner import tasklet_of, unsupported
 from peerd.jobs.scoring import job_model
 from peerd.jobs.spec import JobSpec, parse_job_spec
 from peerd.jobs.store import RecordStore
@@ -63,7 +65,7 @@ from peerd.swarm.keys import job_key, jobs_key
 
 logger = get_logger(__name__)
 
-RunnerFactory = Callable[[JobRecord, JobSpec], TaskletRunner]
+RunnerFactory = Callable[[JobRecord, JobSpec], JobRunner]
 
 
 @dataclass(frozen=True)
@@ -132,8 +134,6 @@ class JobManager:
         """Validate ``params["spec"]`` (a mapping), sign and publish it; returns the job id."""
         spec = parse_job_spec(params.get("spec"), source=str(params.get("source") or "spec"))
         job_model(spec)  # the planner can size it (ConfigError otherwise)
-        if spec.kind == "rl":  # the spec is defined (peerd.rl.spec); its runtime is not wired in yet
-            raise ConfigError("kind", "this daemon cannot run 'rl' jobs yet (see peerd.rl for the GRPO core)")
         errors, warnings = unsupported(spec)
         if errors:
             raise errors[0]

@@ -46,10 +46,11 @@ MAX_SPEC_ITEMS = 256
 MAX_SPEC_KEYS = 128
 
 Reason = Annotated[str, Meta(max_length=MAX_REASON_CHARS)]
-# A job spec is sections of scalars, lists of scalars and one level of maps (model.overrides):
-# deeper values are no job spec, and bounding the depth here keeps hashing and parsing shallow.
+# A job spec is sections of scalars, lists of scalars and up to two levels of maps (model.overrides,
+# rl.task.reward): deeper values are no job spec, and bounding the depth keeps hashing and parsing shallow.
 _Leaf = str | int | float | bool | None
-_Value = _Leaf | list[_Leaf] | dict[str, _Leaf]
+_Inner = _Leaf | list[_Leaf] | dict[str, _Leaf]
+_Value = _Leaf | list[_Leaf] | dict[str, _Inner]
 Spec = dict[str, _Leaf | list[_Leaf] | dict[str, _Value]]
 
 
@@ -242,7 +243,7 @@ def _count_items(tree: dict[str, Any], path: str = "spec") -> None:
             why = f"{len(value)} items (at most {MAX_SPEC_ITEMS})"
             raise _bad("job record", f"{path}.{key}", why, ErrorCode.OVERSIZED)
         if isinstance(value, dict):
-            _count_items(value, f"{path}.{key}")  # the schema's Spec type bounds the depth to 3
+            _count_items(value, f"{path}.{key}")  # the schema's Spec type bounds the depth to 4
 
 
 def _check_spec(spec: dict[str, Any]) -> JobSpec:

@@ -3,7 +3,8 @@
 The daemon hands over its DHT, identity, transport and three live readings (its device
 profile, its link measurements, the peers table); this module turns them into what the
 planner and the runner need (consensus roster profiles and links, the online peers, a
-``TaskletRunner`` per job this peer runs a tasklet of) so ``daemon.py`` only wires.
+runner per job this peer takes part in: a ``TaskletRunner``, or an ``RLRunner`` for an rl job) so
+``daemon.py`` only wires.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from peerd.jobs import catalog
 from peerd.jobs.fetch import assemble, gather
 from peerd.jobs.manager import JobManager, ManagerConfig
 from peerd.jobs.records import JobRecord
+from peerd.jobs.rl.runner import RLRunner
+from peerd.jobs.roles import JobRunner
 from peerd.jobs.runner import TaskletRunner, state_bound
 from peerd.jobs.spec import JobSpec
 from peerd.jobs.store import DhtStore
@@ -114,8 +117,9 @@ class JobService:
     def local(self) -> tuple[RosterDevice, tuple[RosterLink, ...]]:
         return roster_profile(self._profile(), self.region), roster_links(self._links(), set(self.online()))
 
-    def make_runner(self, job: JobRecord, spec: JobSpec) -> TaskletRunner:
-        return TaskletRunner(
+    def make_runner(self, job: JobRecord, spec: JobSpec) -> JobRunner:
+        runner = RLRunner if spec.kind == "rl" else TaskletRunner
+        return runner(
             job,
             spec,
             store=self.store,

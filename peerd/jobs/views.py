@@ -31,7 +31,8 @@ from peerd.jobs.records import (
     TaskState,
     downsample,
 )
-from peerd.jobs.runner import TaskletRunner
+from peerd.jobs.rl.progress import summary as rl_summary
+from peerd.jobs.roles import JobRunner
 from peerd.jobs.spec import JobSpec
 from peerd.sched.allocation import Allocation
 from peerd.sched.consensus.actions import Commit
@@ -48,7 +49,7 @@ class JobEntry:
     spec: JobSpec
     planner: JobPlanner | None = None
     planner_task: asyncio.Task | None = None
-    runner: TaskletRunner | None = None
+    runner: JobRunner | None = None
     commit: Commit | None = None
     progress: dict[str, Progress] = field(default_factory=dict)
     stored_at: float = 0.0  # owner only: when the record was last stored
@@ -402,6 +403,7 @@ def progress_summary(progress: dict[str, Progress], epoch: int | None, steps: in
         "val_loss": None,
         "val_losses": [],
         "tokens_per_s": None,
+        "rl": None,
     }
     if not tasklets:
         out.update(bytes={}, tasklets=[])
@@ -415,6 +417,7 @@ def progress_summary(progress: dict[str, Progress], epoch: int | None, steps: in
     out["val_loss"] = held_out[-1][1] if held_out else None
     rates = [p.tokens_per_s for p in tasklets if p.tokens_per_s > 0]
     out["tokens_per_s"] = median(rates) if rates else None
+    out["rl"] = rl_summary(tasklets)  # an rl job's trainer: GRPO's figures (None for other jobs)
     totals: dict[str, int] = {}
     for p in tasklets:
         for kind, n in p.bytes.items():

@@ -333,7 +333,9 @@ class RLRunner:
         if self.commit is None or self.role != "trainer":
             return None
         version = self.trainer.version if self.trainer is not None else self.step
-        losses = [(r.iteration + 1, r.loss) for r in self.reports]
+        # keyed by iteration index, as a pipeline's losses by step index (views.loss_curve counts a
+        # point once the record has completed more iterations than it)
+        losses = [(r.iteration, r.loss) for r in self.reports]
         return Progress(
             job_id=self.job.job_id,
             peer=self.me,

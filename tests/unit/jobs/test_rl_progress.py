@@ -110,3 +110,17 @@ def test_status_line_panel_and_metrics_show_grpo(capsys) -> None:
     assert samples[("peerd_job_rollout_staleness", (jid, ("lag", "1")))] == 64
     assert samples[("peerd_job_rollouts_dropped_total", (jid, ("why", "stale")))] == 32
     assert samples[("peerd_job_weight_sync_bytes_total", (jid,))] == 4000
+
+
+def test_a_trainer_still_warming_up_has_no_reward_yet() -> None:
+    rl = summary([trainer_record([])])
+    assert rl["reward_mean"] is None and rl["rewards"] == []
+    job = {
+        "job_id": "ab" * 16,
+        "name": "grpo",
+        "state": "running",
+        "planning": {},
+        "progress": {"step": 0, "steps": 10, "loss": None, "tokens_per_s": None, "losses": [], "rl": rl},
+    }
+    assert job_line(job) == "running step 0/10 loss - warming up"
+    console().print(job_panel(job, {}))

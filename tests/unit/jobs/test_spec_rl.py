@@ -90,3 +90,25 @@ def test_hf_models_and_unknown_tasks_are_refused() -> None:
 
 def test_an_rl_section_on_another_kind_is_refused() -> None:
     assert "only used by kind 'rl'" in problems({**RL_JOB, "kind": "pretrain"})["rl"]
+
+
+def test_an_rl_job_record_carries_its_spec_and_a_deeper_map_is_malformed() -> None:
+    from peerd.errors import ErrorCode, ProtocolError
+    from peerd.jobs.records import decode_job, encode_job, new_job_record
+    from peerd.wire import canonical_pack
+
+    spec = parse_job_spec(RL_JOB)
+    owner = "QmYTJ4YCJcMgEYmsfimctoaJWL2a6WAZN5wht9CVeWDWSz"
+    rec = new_job_record(
+        owner, "default", spec, bytes(16), now=1e9, epoch0_start=1e9 + 5, timing=spec.planning.timing()
+    )
+    raw = encode_job(rec)
+    back = decode_job(raw)
+    assert back.job_spec() == spec and back.spec["rl"]["task"]["reward"]["format_weight"] == 0.1
+    import msgpack
+
+    wire = msgpack.unpackb(raw, raw=False)
+    wire["spec"]["rl"]["task"]["reward"]["format_weight"] = {"deeper": 1}  # a fifth level: no job spec
+    with pytest.raises(ProtocolError) as err:
+        decode_job(canonical_pack(wire))
+    assert err.value.code == ErrorCode.MALFORMED

@@ -32,6 +32,7 @@ def tasklet(peer: str, state: TaskState, epoch: int = 1, **kw: Any) -> Any:
         "reason": "",
         "suspects": (),
         "replicas": 0,
+        "rl": None,
     }
     return NS(peer=peer, state=state, epoch=epoch, **{**fields, **kw})
 
@@ -81,6 +82,7 @@ def test_progress_summary_folds_the_tasklets() -> None:
         "val_loss": None,
         "val_losses": [],
         "tokens_per_s": None,
+        "rl": None,
         "bytes": {},
         "tasklets": [],
     }
