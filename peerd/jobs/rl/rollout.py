@@ -96,10 +96,6 @@ class RolloutPeer:
         self.held = -1
         self.stats = RolloutStats(versions=[])
         self._conn: Connection | None = None
-        numel = sum(p.numel() for p in plan.spec.model.family().build().parameters())
-        self._max_blob = numel * 4 * 2 + (
-            1 << 20
-        )  # fp32 weights (tied ones saved twice) and torch.save's framing
 
     async def run(self) -> RolloutStats:
         """Until the trainer is done."""
@@ -139,7 +135,7 @@ class RolloutPeer:
             weights_job(self.plan.job_id),
             WEIGHTS_STAGE,
             version,
-            max_bytes=self._max_blob,
+            max_bytes=self.plan.weights_bound,
             config=self.config.statesync,
         )
         model = await asyncio.to_thread(self._load, blob, version)

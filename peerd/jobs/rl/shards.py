@@ -84,6 +84,14 @@ class RLPlan:
         return self.spec.model.gpt_config().vocab_size
 
     @cached_property
+    def weights_bound(self) -> int:
+        """Most bytes a packed weights blob may take: fp32 weights twice over (as if no weight were
+        tied) plus torch.save's framing; a rollout peer refuses a bigger one before fetching it."""
+        family = self.spec.model.family()
+        params = sum(c.params for c in family.layer_costs(family.max_seq_len))
+        return 8 * params + (1 << 20)
+
+    @cached_property
     def task(self) -> Task:
         return make_task(self.rl.task)
 
