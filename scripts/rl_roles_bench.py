@@ -3,10 +3,13 @@
 One process, one p2pd per peer: a trainer and ``--peers`` rollout peers (``peerd.jobs.rl``),
 the tiny GPT, no warm-up. Each mode runs ``--iterations`` GRPO iterations; the figure is
 completions trained per second of wall-clock time from the first iteration's start to the
-last one's end, plus the mean seconds per trainer phase and the staleness histogram.
+last one's end, plus the mean seconds per trainer phase, the staleness histogram and the mean
+pass rate of the first and last five iterations (with ``--warmup-steps`` and enough iterations,
+whether GRPO over the wire learns).
 Machines are shared and noisy: read the ratio, not the times.
 
     .venv/bin/python scripts/rl_roles_bench.py [--peers 2] [--iterations 12] [--async-k 1] [--out FILE]
+        [--digits 2] [--warmup-steps 0] [--lr 1e-3] [--global-batch 256] [--group-size 8] [--max-new-tokens 8]
 """
 
 from __future__ import annotations
@@ -33,12 +36,13 @@ def plan(job: str, args: argparse.Namespace, staleness: int) -> RLPlan:
             "global_batch": args.global_batch,
             "micro_batch": args.global_batch,
             "min_peers": 2,
+            "optimizer": {"name": "adamw", "lr": args.lr, "schedule": "constant", "grad_clip": 1.0},
             "rl": {
-                "task": {"name": "addition", "min_size": 1, "max_size": 2},
+                "task": {"name": "addition", "min_size": 1, "max_size": args.digits},
                 "group_size": args.group_size,
                 "staleness": staleness,
                 "sampling": {"max_new_tokens": args.max_new_tokens},
-                "warmup": {"steps": 0},
+                "warmup": {"steps": args.warmup_steps, "batch_size": 32},
             },
         }
     )
@@ -80,17 +84,24 @@ async def run_mode(peers: list[Any], p: RLPlan) -> dict[str, Any]:
         "rollout_generate_s": [round(s.generate_s, 3) for s in stats],
         "staleness": dict(sorted(lags.items())),
         "weight_sync_bytes": trainer.weight_sync_bytes,
-        "final_pass_rate": reports[-1].pass_rate,
+        "pass_rate_first_last_5": [
+            round(sum(r.pass_rate for r in reports[:5]) / len(reports[:5]), 4),
+            round(sum(r.pass_rate for r in reports[-5:]) / len(reports[-5:]), 4),
+        ],
+        "kl_last": round(reports[-1].kl, 5),
     }
 
 
 async def main(args: argparse.Namespace) -> dict[str, Any]:
     peers = await start_peers(1 + args.peers)
     try:
-        sync = await run_mode(peers, plan("c0" * 16, args, 0))
-        asynchronous = await run_mode(peers, plan("c1" * 16, args, args.async_k))
+        modes = {
+            "sync": await run_mode(peers, plan("c0" * 16, args, 0)),
+            "async": await run_mode(peers, plan("c1" * 16, args, args.async_k)),
+        }
     finally:
         await stop_peers(peers)
+    sync, asynchronous = modes["sync"], modes["async"]
     return {
         "peers": {"trainer": 1, "rollout": args.peers},
         "sizes": {
@@ -112,6 +123,9 @@ if __name__ == "__main__":
     parser.add_argument("--group-size", type=int, default=8)
     parser.add_argument("--max-new-tokens", type=int, default=8)
     parser.add_argument("--async-k", type=int, default=1, help="staleness of the async mode")
+    parser.add_argument("--digits", type=int, default=2, help="largest operand of the addition task")
+    parser.add_argument("--warmup-steps", type=int, default=0, help="supervised warm-up before GRPO")
+    parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--out", help="also write the JSON here")
     args = parser.parse_args()
     result = asyncio.run(main(args))
