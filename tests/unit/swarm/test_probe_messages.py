@@ -21,8 +21,12 @@ def frame(kind: str, body: object) -> bytes:
 
 
 def read(raw: bytes) -> object:
+    """As the probe handlers read a body: an unknown kind is UNKNOWN_KIND (a flipped byte can make one)."""
     header = parse_header(raw)
-    return convert(header, SCHEMAS[header["kind"]], what=header["kind"])
+    schema = SCHEMAS.get(header["kind"])
+    if schema is None:
+        raise ProtocolError(f"unknown probe message {header['kind']!r}", code=ErrorCode.UNKNOWN_KIND)
+    return convert(header, schema, what=header["kind"])
 
 
 timed = st.builds(
