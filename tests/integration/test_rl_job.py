@@ -1,0 +1,157 @@
+"""A ``kind: rl`` job (GRPO) on three real daemons on loopback, through ``peerd submit``.
+
+The peers agree on the roles through the consensus, scored by the RL cost model: one trainer
+(the allocation's one tasklet) and the rollout peers (its spares). The trainer warms the policy
+up, then every iteration the rollout peers sample their shards of the prompts with the policy
+version they fetched and push them; the trainer scores them itself and updates the policy. A
+synchronous job moves the same weights and completions as the single-process sharded reference
+(``peerd.jobs.rl.reference_run``), so its loss, reward and pass-rate curves equal the reference's;
+``peerd status --json`` on another daemon and ``/metrics`` show GRPO's figures.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import yaml
+from prometheus_client.parser import text_string_to_metric_families
+
+from peerd.jobs.rl import RLPlan, reference_run
+from peerd.jobs.spec import load_job_spec
+from peerd.localswarm import LocalSwarm, converged
+
+pytestmark = pytest.mark.integration
+
+PEERD = [sys.executable, "-c", "from peerd.cli import main; main()"]
+SWARM_OPTIONS = {
+    "record_ttl": 10.0,
+    "refresh_interval": 2.0,
+    "probe_interval": 4.0,
+    "probe_budget": 5,
+    "startup_timeout": 30.0,
+    "shutdown_timeout": 10.0,
+    "device": "cpu",
+}
+ITERATIONS = 6
+
+
+def peerd(*args: str, timeout: float = 60.0) -> subprocess.CompletedProcess:
+    return subprocess.run([*PEERD, *args], capture_output=True, text=True, timeout=timeout)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def swarm(tmp_path_factory: pytest.TempPathFactory, profile_cache: Path) -> Iterator[LocalSwarm]:
+    root = tmp_path_factory.mktemp("rljobs")
+    options = {**SWARM_OPTIONS, "profile_cache": str(profile_cache)}
+    peer_options = [{"metrics_port": _free_port()}, {}, {}]
+    s = LocalSwarm(3, root / "s", options=options, peer_options=peer_options, ready_timeout=120)
+    try:
+        s.start()
+        names = [p.name for p in s.peers]
+        s.wait_until(
+            lambda v: converged(v, names), timeout=90, what="the three daemons to measure each other"
+        )
+        yield s
+    finally:
+        s.close()
+
+
+def _spec(tmp: Path, name: str, **rl: Any) -> Path:
+    spec = {
+        "name": name,
+        "kind": "rl",
+        "model": {"preset": "tiny", "seed": 5},
+        "steps": ITERATIONS,
+        "global_batch": 32,  # 4 prompts x 8 completions
+        "micro_batch": 16,  # two updates per iteration
+        "optimizer": {"name": "adamw", "lr": 0.002, "schedule": "constant", "grad_clip": 1.0},
+        "checkpoint_interval": ITERATIONS,
+        "min_peers": 3,
+        "max_peers": 3,
+        "planning": {"time_budget_s": 2, "max_skew_s": 1.0},
+        "rl": {
+            "task": {"name": "addition", "min_size": 1, "max_size": 1},
+            "group_size": 8,
+            "sampling": {"max_new_tokens": 4, "temperature": 1.0},
+            "warmup": {"steps": 40, "batch_size": 16, "lr": 0.003},
+            "rollout_timeout_s": 60,
+            **rl,
+        },
+    }
+    path = tmp / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    return path
+
+
+def _submit(swarm: LocalSwarm, spec_file: Path) -> dict[str, Any]:
+    result = peerd(
+        "submit", str(spec_file), "--home", str(swarm.peers[0].home), "--wait", "--json", timeout=600
+    )
+    logs = "\n".join(f"--- {p.name}\n{p.log_tail(20)}" for p in swarm.peers)
+    assert result.stdout.strip(), f"{result.stderr[-3000:]}\n{logs}"
+    final = json.loads(result.stdout)
+    final["returncode"], final["logs"] = result.returncode, logs
+    return final
+
+
+def test_a_sync_grpo_job_equals_the_single_process_reference(swarm: LocalSwarm, tmp_path: Path) -> None:
+    spec_file = _spec(tmp_path, "grpo-sync")
+    final = _submit(swarm, spec_file)
+    assert final["returncode"] == 0 and final["state"] == "done", final["logs"]
+    alloc = final["allocation"]
+    assert [len(stage) for stage in alloc["stages"]] == [1], alloc  # one trainer
+    rollout_peers = alloc["spares"]
+    assert rollout_peers, alloc
+
+    # the daemons compute on one thread each; a matmul's sums depend on the thread count, so the
+    # reference does too (two threads move the losses by ~1e-3 after a few iterations)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        reference = reference_run(
+            RLPlan(final["job_id"], load_job_spec(spec_file)), shards=len(rollout_peers)
+        )
+    finally:
+        torch.set_num_threads(threads)
+    rl = final["progress"]["rl"]
+    assert rl["version"] == ITERATIONS and rl["iteration"] == ITERATIONS
+    got = rl["rewards"]
+    assert [i for i, _, _ in got] == list(range(1, ITERATIONS + 1))  # iterations completed
+    for (_, reward, rate), ref in zip(got, reference, strict=True):
+        assert reward == pytest.approx(ref.reward_mean, abs=1e-6) and rate == pytest.approx(
+            ref.pass_rate, abs=1e-6
+        )
+    losses = final["progress"]["losses"]
+    assert [i for i, _ in losses] == list(range(ITERATIONS))  # by iteration index, as steps are
+    assert max(abs(loss - ref.loss) for (_, loss), ref in zip(losses, reference, strict=True)) < 1e-5
+    assert rl["staleness"] == [[0, ITERATIONS * 32]]  # synchronous: every completion of the current policy
+    assert rl["weight_sync_bytes"] > 0 and rl["shards_missing"] == 0
+
+    # another daemon's status and the metrics endpoint show the same figures
+    status = json.loads(peerd("status", "--json", "--home", str(swarm.peers[2].home)).stdout)
+    view = next(j for j in status["jobs"] if j["job_id"] == final["job_id"])
+    assert view["progress"]["rl"]["rewards"] == got
+    port = swarm.peers[0].options["metrics_port"]
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    samples = {
+        (s.name, s.labels.get("job")): s.value
+        for f in text_string_to_metric_families(text)
+        for s in f.samples
+    }
+    assert samples[("peerd_job_pass_rate", final["job_id"])] == pytest.approx(got[-1][2], abs=1e-6)
+    assert samples[("peerd_job_policy_version", final["job_id"])] == ITERATIONS
