@@ -6,6 +6,9 @@ model trained in one process and evaluated there on the same held-out windows, w
 ``peerd status --json`` and ``/metrics`` show the latest evaluation. A split that leaves no
 evaluation batch is refused by ``peerd submit``, naming ``data.validation.batches``; published
 anyway (a client that skips the check), it fails the job on the tasklets, naming the field.
+A local text directory trains as a job whose record carries its absolute path and the
+submitter's digest; when the peers' copy no longer matches it, the job fails naming
+``data.expect_digest``.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from peerd.data.config import build_dataset
+from peerd.data.sources import text_files_corpus
 from peerd.jobs.records import normalized_spec
 from peerd.jobs.runner import train_config
 from peerd.jobs.spec import JobSpec, load_job_spec, parse_job_spec
@@ -34,7 +38,8 @@ from peerd.models.gpt import lm_loss
 from peerd.pipeline.local import LocalRunConfig, optimizer_and_scheduler, train_unstaged
 from peerd.sched.allocation import Allocation
 
-pytestmark = pytest.mark.integration
+# a hang guard, not a speed target: under a load of ~18 on two cores one 4-step job took over 300 s
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 
 PEERD = [sys.executable, "-c", "from peerd.cli import main; main()"]
 SWARM_OPTIONS = {
@@ -210,3 +215,49 @@ def load_mapping_spec(path: Path) -> JobSpec:
 def _final(swarm: LocalSwarm, job: str) -> dict[str, Any] | None:
     view = swarm.peers[0].control().call("job_status", job_id=job)
     return view if view["state"] in ("done", "failed", "cancelled") else None
+
+
+def _text_spec(tmp: Path, name: str, corpus: Path) -> Path:
+    spec = yaml.safe_load(_spec(tmp, name, {"windows": 16, "interval": 4, "batches": 1}).read_text())
+    spec["data"] = {**spec["data"], "source": "text", "paths": [str(corpus)], "max_bytes": 1 << 20}
+    spec["steps"] = spec["checkpoint_interval"] = 4
+    path = tmp / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    return path
+
+
+def _corpus(root: Path) -> Path:
+    """A directory of text in two levels: read in sorted relative-path order."""
+    (root / "books" / "vol2").mkdir(parents=True)
+    for i, rel in enumerate(["a.txt", "vol2/b.txt", "c.txt"]):
+        (root / "books" / rel).write_text(
+            f"part {i}: " + "the quick brown fox jumps over the lazy dog. " * 120
+        )
+    return root / "books"
+
+
+def test_a_job_trains_on_a_local_text_directory_pinned_by_its_digest(
+    swarm: LocalSwarm, tmp_path: Path
+) -> None:
+    corpus = _corpus(tmp_path)
+    final = _submit(swarm, _text_spec(tmp_path, "text", corpus))
+    assert final["returncode"] == 0 and final["state"] == "done", final["logs"]
+    data = final["spec_mapping"]["data"]  # what the job record carries: absolute paths, the digest
+    assert data["paths"] == [str(corpus)]
+    assert data["expect_digest"] == text_files_corpus([str(corpus)]).digest
+    assert [s for s, _ in final["progress"]["losses"]] == [0, 1, 2, 3]
+    assert [k for k, _ in final["progress"]["val_losses"]] == [4]
+
+
+def test_a_peer_whose_copy_differs_fails_naming_the_digest(
+    swarm: LocalSwarm, tmp_path: Path, wait_until: Callable[..., Any]
+) -> None:
+    corpus = _corpus(tmp_path)
+    result = peerd("submit", str(_text_spec(tmp_path, "changed", corpus)), "--home", str(swarm.peers[0].home))
+    assert result.returncode == 0, result.stderr
+    job = result.stdout.strip()
+    # the peers read their copy once the job is planned: this one no longer has the submitted bytes
+    (corpus / "a.txt").write_text("something else entirely. " * 200)
+    final = wait_until(lambda: _final(swarm, job), 300, f"job {job} to end", interval=0.5)
+    assert final["state"] == "failed", final
+    assert "data.expect_digest" in final["reason"], final["reason"]
