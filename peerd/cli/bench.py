@@ -19,6 +19,7 @@ BENCHMARKS = (
     "churn",
     "wan",
     "grpo",
+    "rl-swarm",
     "fuzz",
 )
 
@@ -32,6 +33,7 @@ BENCHMARKS = (
   peerd bench churn                     recovery time and steps lost per failure kind (8 daemons)
   peerd bench wan --quick               four arms of one job on a shaped world-wide swarm (JSON, PNG)
   peerd bench grpo --task addition      warm-up then GRPO: pass rate vs the start, KL, phase times
+  peerd bench rl-swarm --quick          a GRPO job on local daemons: curve, held-out start/end, predicted vs measured
 """,
     cls=LazyGroup,
     lazy={name: f"peerd.bench.{name.replace('-', '_')}:command" for name in BENCHMARKS},

@@ -1,0 +1,605 @@
+"""``peerd bench rl-swarm``: a GRPO job (``kind: rl``) on N local daemons, end to end, with issue 13's figures.
+
+One command starts ``--peers`` daemons on loopback (CPU, one torch thread each), submits a GRPO
+job through peer 0's control socket and follows it (``job_status`` polls) until it is done:
+
+- ``curve``: per iteration, the reward mean and pass rate of the completions trained on (the
+  trainer's progress record), with the KL to the reference, the response length and the
+  daemon's rollouts/s as the polls saw them (an iteration between two polls has none);
+- ``heldout``: the policy at the start (after the warm-up) and at the end on a fixed held-out
+  problem set (``task.problems(n, seed + 1_000_003)``, a stream apart from the job's problems;
+  1-digit addition has only 100 distinct problems, so for it the set is a separate draw, not
+  disjoint content). The end policy is the trainer's last checkpoint (``fetch`` over p2p ->
+  ``model.pt``); the start is the spec's deterministic warm-up re-run here on one thread
+  (``Learner(plan).warm_up()``, what the trainer ran). Target: ``min(3 x start, 0.6)``, met only
+  if the end also beats the start; the largest KL seen;
+- ``compare_async`` (``--compare-async K``): the same job with staleness 0 and K on the same
+  swarm, rollouts/s of each (completions trained / seconds between the first and the last
+  iteration seen) and the ratio async / sync;
+- ``prediction``: the RL cost model (``RLRosterScorer``) on the committed allocation and a roster
+  rebuilt from the owner's status view (each peer's measured fp32 TFLOPS, free memory and links;
+  memory bandwidth from the shared profile cache the daemons read), against the measured
+  iteration time (the trainer's own: completions / its rollouts/s, median over iterations) and,
+  per task, against the phases timed here by replaying the job's code on one thread (a shard's
+  sampling = ``generate``, the reference log-probs, the actor's updates), with the relative
+  errors; ``regime``: cores, load average at start and end, threads.
+
+``--png`` plots the curve (reward, pass rate, held-out start/end and the target; KL and length).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import statistics
+import tempfile
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import click
+import torch
+from click.core import ParameterSource
+
+from peerd.bench import emit_json
+from peerd.errors import ErrorCode, PeerdError
+from peerd.jobs.rl.learner import Learner
+from peerd.jobs.rl.report import score
+from peerd.jobs.rl.shards import RLPlan, sample_shard, shard_ranges
+from peerd.jobs.scoring_rl import RLRosterScorer
+from peerd.jobs.spec import JobSpec, parse_job_spec
+from peerd.localswarm import LocalSwarm, converged
+from peerd.models import load_checkpoint
+from peerd.models.gpt import GPT
+from peerd.rl.tasks import TASKS, TaskConfig, make_task
+from peerd.rl.trainer import evaluate
+from peerd.sched.allocation import Allocation
+from peerd.sched.consensus.messages import Roster, RosterDevice, RosterEntry, RosterLink
+from peerd.swarm.profiling import profile_device
+
+TARGET_RATIO, TARGET_PASS = 3.0, 0.6  # issue 13: 3x the starting pass rate or >= 0.6, whichever is lower
+HELDOUT_SEED_OFFSET = 1_000_003  # as peerd bench grpo: a problem stream apart from the job's
+POLL_S = 0.25
+REPLAY_ITERATIONS = 3
+
+SWARM_OPTIONS = {
+    "record_ttl": 10.0,
+    "refresh_interval": 2.0,
+    "probe_interval": 4.0,
+    "probe_budget": 5,
+    "startup_timeout": 60.0,
+    "shutdown_timeout": 10.0,
+    "device": "cpu",
+}
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What the bench runs (the command line's values)."""
+
+    peers: int = 4
+    task: str = "addition"
+    min_size: int = 1
+    max_size: int = 1
+    iterations: int = 150
+    staleness: int = 0
+    warmup_steps: int = 150
+    group_size: int = 8
+    prompts: int = 16
+    lr: float = 1e-3
+    kl_coef: float = 0.04
+    d_model: int = 32
+    eval_problems: int = 256
+    seed: int = 0
+    compare_async: int | None = None
+    compare_iterations: int = 30
+    job_timeout_s: float = 900.0
+
+
+def job_spec(s: Settings, *, staleness: int, iterations: int, name: str) -> dict[str, Any]:
+    """The GRPO job the swarm runs: a 2-layer GPT of width ``d_model``, ``prompts x group_size`` completions."""
+    task = make_task(TaskConfig(name=s.task, min_size=s.min_size, max_size=s.max_size))
+    batch = s.prompts * s.group_size
+    spec = {
+        "name": name,
+        "kind": "rl",
+        "model": {"preset": "tiny", "overrides": {"d_model": s.d_model}, "seed": s.seed},
+        "steps": iterations,
+        "global_batch": batch,
+        "micro_batch": batch // 2 if s.prompts % 2 == 0 else batch,  # two updates per iteration
+        "optimizer": {"name": "adamw", "lr": s.lr, "schedule": "constant", "grad_clip": 1.0},
+        "checkpoint_interval": iterations,
+        "min_peers": s.peers,
+        "max_peers": s.peers,
+        "planning": {"time_budget_s": 2, "max_skew_s": 1.0},
+        "rl": {
+            "task": {"name": s.task, "min_size": s.min_size, "max_size": s.max_size},
+            "group_size": s.group_size,
+            "staleness": staleness,
+            "sampling": {"max_new_tokens": task.max_answer_len + 1, "temperature": 1.0},
+            "loss": {"kl_coef": s.kl_coef},
+            "warmup": {"steps": s.warmup_steps, "batch_size": 64, "lr": 3e-3, "seed": s.seed + 1},
+            "rollout_timeout_s": 120,
+        },
+    }
+    parse_job_spec(spec)  # fail before any daemon starts if it is not a valid job
+    return spec
+
+
+# -- pure arithmetic -------------------------------------------------------------------------------
+
+
+def target(start: float) -> float:
+    return min(TARGET_RATIO * start, TARGET_PASS)
+
+
+def heldout_summary(start: dict[str, float], end: dict[str, float], kls: list[float]) -> dict[str, Any]:
+    """Start vs end on the held-out set, the target and whether it was met (the end must also beat the start)."""
+    goal = target(start["pass_rate"])
+    return {
+        "start": start,
+        "end": end,
+        "pass_rate_ratio": end["pass_rate"] / start["pass_rate"] if start["pass_rate"] else None,
+        "target_pass_rate": goal,
+        "target_met": end["pass_rate"] >= goal and end["pass_rate"] > start["pass_rate"],
+        "kl_max": max(kls, default=None),
+    }
+
+
+def relative_error(predicted: float, measured: float) -> float | None:
+    """(predicted - measured) / measured: negative when the model is optimistic."""
+    return (predicted - measured) / measured if measured > 0 else None
+
+
+def throughput(seen: list[tuple[float, int]], per_iteration: int) -> float | None:
+    """Completions per second between the first and the last iteration seen ((seconds, iteration) pairs)."""
+    if len(seen) < 2 or seen[-1][1] <= seen[0][1] or seen[-1][0] <= seen[0][0]:
+        return None
+    return (seen[-1][1] - seen[0][1]) * per_iteration / (seen[-1][0] - seen[0][0])
+
+
+def curve_points(rewards: list[list[float]], polled: dict[int, dict[str, float]]) -> list[dict[str, Any]]:
+    """The trainer's [iteration, reward, pass rate] points with what the polls saw at each iteration."""
+    return [
+        {"iteration": int(i), "reward_mean": r, "pass_rate": p, **polled.get(int(i), {})}
+        for i, r, p in rewards
+    ]
+
+
+def comparison(predicted: dict[str, float], measured: dict[str, float]) -> dict[str, dict[str, Any]]:
+    """Per key of ``predicted`` found in ``measured``: both and the relative error."""
+    return {
+        k: {"predicted_s": v, "measured_s": measured[k], "relative_error": relative_error(v, measured[k])}
+        for k, v in predicted.items()
+        if k in measured
+    }
+
+
+# -- the swarm -------------------------------------------------------------------------------------
+
+
+@dataclass
+class Followed:
+    """What following one job through its owner's control socket saw."""
+
+    job_id: str
+    view: dict[str, Any]
+    wall_s: float
+    seen: list[tuple[float, int]]  # (seconds since submit, iterations done), one per new iteration
+    polled: dict[int, dict[str, float]]  # iteration -> kl, response_len, rollouts_per_s seen with it
+
+
+def follow(swarm: LocalSwarm, spec: dict[str, Any], timeout: float) -> Followed:
+    """Submit ``spec`` through peer 0 and poll ``job_status`` until the job ends (cancelled past ``timeout``)."""
+    owner = swarm.peers[0]
+    submitted = time.monotonic()
+    job = owner.control().call("submit", spec=spec)["job_id"]
+    seen: list[tuple[float, int]] = []
+    polled: dict[int, dict[str, float]] = {}
+    view: dict[str, Any] = {}
+    while True:
+        with contextlib.suppress(PeerdError):
+            view = owner.control().call("job_status", job_id=job)
+            rl = (view.get("progress") or {}).get("rl") or {}
+            it = int(rl.get("iteration") or 0)
+            if it > 0 and (not seen or it > seen[-1][1]):
+                seen.append((time.monotonic() - submitted, it))
+                polled[it] = {k: float(rl[k]) for k in ("kl", "response_len", "rollouts_per_s")}
+                click.echo(
+                    f"  {spec['name']}: iteration {it}/{spec['steps']} pass {rl.get('pass_rate')} "
+                    f"kl {rl.get('kl'):.4f}",
+                    err=True,
+                )
+            if view.get("state") in ("done", "failed", "cancelled"):
+                break
+        if time.monotonic() - submitted > timeout:
+            with contextlib.suppress(PeerdError):
+                owner.control().call("cancel", job_id=job)
+            raise PeerdError(
+                f"job {spec['name']} did not finish within {timeout:.0f} s (state {view.get('state')})",
+                code=ErrorCode.TIMEOUT,
+            )
+        time.sleep(POLL_S)
+    return Followed(job, view, time.monotonic() - submitted, seen, polled)
+
+
+def committed_roster(status: dict[str, Any], alloc: dict[str, Any], memory_bandwidth: float) -> Roster:
+    """The committed roster's peers as the owner's status shows them, in the form the RL cost model reads.
+
+    Each entry as ``peerd.jobs.service`` builds it: fp32 TFLOPS, free memory, measured links (one-way
+    delay = RTT / 2, upload bandwidth); ``memory_bandwidth`` (bytes/s) from the shared profile cache.
+    """
+    rows = {p["peer_id"]: p for p in status.get("peers", [])}
+    members = list(alloc["roster"])
+    entries = []
+    for peer in members:
+        row = rows[peer]
+        memory = (
+            row["memory_free_bytes"] if row["memory_free_bytes"] is not None else row["memory_total_bytes"]
+        )
+        device = RosterDevice(float(row["tflops"]["fp32"]), int(memory), "", memory_bandwidth)
+        links = {
+            x["dst"]: RosterLink(x["dst"], x["rtt_ms"] / 2e3, x["bw_up_mbps"] * 1e6)
+            for x in status.get("links", [])
+            if x["src"] == peer
+            and x["dst"] in members
+            and x["status"] == "ok"
+            and x["rtt_ms"] is not None
+            and x["bw_up_mbps"]
+        }
+        entries.append(
+            RosterEntry(
+                "bench", int(alloc["epoch"]), peer, 0.0, device, tuple(links[p] for p in sorted(links))
+            )
+        )
+    return Roster.of(int(alloc["epoch"]), entries)
+
+
+def predict(spec: JobSpec, roster: Roster, alloc: dict[str, Any]) -> dict[str, Any]:
+    """The RL cost model's prediction for the committed roles (one trainer, the spares rolling out)."""
+    allocation = Allocation(tuple(tuple(s) for s in alloc["stages"]), tuple(alloc["spares"]))
+    return RLRosterScorer(spec).predict(roster, allocation).to_dict()
+
+
+# -- in-process parts (one thread) ---------------------------------------------------------------
+
+
+def one_thread() -> contextlib.AbstractContextManager[None]:
+    @contextlib.contextmanager
+    def scope() -> Any:
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)  # what each daemon computes with
+        try:
+            yield
+        finally:
+            torch.set_num_threads(threads)
+
+    return scope()
+
+
+def assess(model: GPT, plan: RLPlan, s: Settings) -> dict[str, float]:
+    held_out = plan.task.problems(s.eval_problems, seed=s.seed + HELDOUT_SEED_OFFSET)
+    return asdict(evaluate(model, plan.task, held_out, s.group_size, plan.rl.sampling, s.seed))
+
+
+def start_and_phases(
+    plan: RLPlan, s: Settings, rollout_peers: int
+) -> tuple[dict[str, float], dict[str, Any]]:
+    """The warmed-up policy's held-out figures, then the phases of ``REPLAY_ITERATIONS`` sync iterations.
+
+    ``generate`` is the slowest shard's sampling (the rollout peers sample in parallel), the
+    rest as the trainer runs them: scoring, reference log-probs, the actor's updates.
+    """
+    with one_thread():
+        learner = Learner(plan)
+        learner.warm_up()
+        start = assess(learner.policy, plan, s)
+        rows: list[dict[str, float]] = []
+        for t in range(REPLAY_ITERATIONS):
+            shard_s, groups = [], []
+            for k, indices in enumerate(shard_ranges(plan.prompts, rollout_peers)):
+                began = time.perf_counter()
+                groups += sample_shard(learner.policy, plan, t, k, indices, learner.version)
+                shard_s.append(time.perf_counter() - began)
+            began = time.perf_counter()
+            score(plan.task, groups)
+            scored = time.perf_counter() - began
+            figures = learner.train(groups)
+            rows.append(
+                {
+                    "generate": max(shard_s),
+                    "score": scored,
+                    "reference": figures.reference_s,
+                    "actor_train": figures.train_s,
+                }
+            )
+    phases = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
+    return start, {"iterations": REPLAY_ITERATIONS, "rollout_shards": rollout_peers, "median_s": phases}
+
+
+def end_policy(swarm: LocalSwarm, job: str, out: Path) -> tuple[GPT, dict[str, Any]]:
+    """The trainer's last checkpoint, fetched over p2p through peer 0 and loaded from ``model.pt``."""
+    fetched = swarm.peers[0].control(timeout=120).call("fetch", job_id=job, out=str(out))
+    model = load_checkpoint(fetched["path"])
+    assert isinstance(model, GPT), "rl jobs train the built-in GPT"
+    return model, {"step": fetched["step"], "parameters": fetched["parameters"]}
+
+
+# -- the whole bench -------------------------------------------------------------------------------
+
+
+def load_average() -> list[float] | None:
+    return list(os.getloadavg()) if hasattr(os, "getloadavg") else None
+
+
+def measured_iteration_s(f: Followed, per_iteration: int) -> float | None:
+    """Median of the trainer's own iteration times (completions / its rollouts/s) the polls saw."""
+    rates = [p["rollouts_per_s"] for p in f.polled.values() if p.get("rollouts_per_s")]
+    return statistics.median(per_iteration / r for r in rates) if rates else None
+
+
+def arm(f: Followed, per_iteration: int) -> dict[str, Any]:
+    rl = (f.view.get("progress") or {}).get("rl") or {}
+    return {
+        "job_id": f.job_id,
+        "state": f.view.get("state"),
+        "iterations_seen": len(f.seen),
+        "wall_s": round(f.wall_s, 2),
+        "rollouts_per_s": throughput(f.seen, per_iteration),
+        "rollouts_per_s_daemon_median": statistics.median(p["rollouts_per_s"] for p in f.polled.values())
+        if f.polled
+        else None,
+        "staleness": rl.get("staleness"),
+        "dropped_stale": rl.get("dropped_stale"),
+        "dropped_late": rl.get("dropped_late"),
+        "shards_missing": rl.get("shards_missing"),
+    }
+
+
+def rl_swarm(s: Settings, png: str | None = None) -> dict[str, Any]:
+    started, load_start = time.monotonic(), load_average()
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    spec = job_spec(s, staleness=s.staleness, iterations=s.iterations, name="rl-swarm")
+    per_iteration = spec["global_batch"]
+    with tempfile.TemporaryDirectory(prefix="peerd-rl-swarm-") as tmp:
+        root = Path(tmp)
+        cache = root / "device_profiles.json"
+        profile = profile_device("cpu", cache_path=cache)  # measured once; every daemon reads it
+        assert profile.memory_gb_s is not None
+        names = [f"peer{i}" for i in range(s.peers)]
+        options = {**SWARM_OPTIONS, "profile_cache": str(cache)}
+        swarm = LocalSwarm(s.peers, root / "s", options=options, names=names, ready_timeout=180)
+        click.echo(f"starting {s.peers} daemons", err=True)
+        swarm.start()
+        try:
+            swarm.wait_until(
+                lambda v: converged(v, names), timeout=180, what="every daemon to measure the others"
+            )
+            click.echo(f"submitting {s.iterations} iterations of GRPO on {s.task}", err=True)
+            main = follow(swarm, spec, s.job_timeout_s)
+            if main.view.get("state") != "done":
+                raise PeerdError(f"the job ended {main.view.get('state')}: {main.view.get('reason')}")
+            alloc = main.view["allocation"]
+            status = swarm.peers[0].status()
+            model, fetched = end_policy(swarm, main.job_id, root / "fetched")
+            arms: dict[str, Any] = {}
+            if s.compare_async is not None:
+                for k in sorted({0, s.compare_async}):
+                    name = f"rl-swarm-staleness{k}"
+                    if k == s.staleness and s.compare_iterations == s.iterations:
+                        arms[name] = arm(main, per_iteration)
+                        continue
+                    click.echo(f"comparing: staleness {k}, {s.compare_iterations} iterations", err=True)
+                    arm_spec = job_spec(s, staleness=k, iterations=s.compare_iterations, name=name)
+                    arms[name] = arm(follow(swarm, arm_spec, s.job_timeout_s), per_iteration)
+        finally:
+            swarm.close()
+    job = parse_job_spec(spec)
+    plan = RLPlan(main.job_id, job)
+    click.echo("evaluating the start (warm-up re-run) and the fetched end policy", err=True)
+    start, phases = start_and_phases(plan, s, len(alloc["spares"]))
+    with one_thread():
+        end = assess(model, plan, s)
+    predicted = predict(job, committed_roster(status, alloc, profile.memory_gb_s * 1e9), alloc)
+    ids = {p["peer_id"]: p["name"] for p in status.get("peers", [])}
+    polled_kls = [p["kl"] for p in main.polled.values()]
+    iteration_s = measured_iteration_s(main, per_iteration)
+    out: dict[str, Any] = {
+        "benchmark": "rl-swarm",
+        "settings": asdict(s),
+        "job": {k: spec[k] for k in ("model", "steps", "global_batch", "micro_batch", "optimizer", "rl")},
+        "regime": {
+            "device": "cpu",
+            "cores": cores,
+            "daemons": s.peers,
+            "torch_threads_per_daemon": 1,
+            "load_average_start": load_start,
+            "load_average_end": load_average(),
+            "note": f"{s.peers} daemons share {cores} cores with whatever else runs on the machine",
+        },
+        "allocation": {
+            "trainer": [ids.get(p, p) for st in alloc["stages"] for p in st],
+            "rollout_peers": [ids.get(p, p) for p in alloc["spares"]],
+            "committed_cost_s": alloc.get("cost"),
+        },
+        "job_id": main.job_id,
+        "wall_s": round(main.wall_s, 2),
+        "curve": curve_points((main.view["progress"]["rl"] or {}).get("rewards") or [], main.polled),
+        "rl_final": {k: v for k, v in main.view["progress"]["rl"].items() if k != "rewards"},
+        "heldout": {
+            **heldout_summary(start, end, polled_kls),
+            "problems": s.eval_problems,
+            "seed": s.seed + HELDOUT_SEED_OFFSET,
+            "samples_per_problem": s.group_size,
+            "start_source": "the spec's warm-up re-run in this process on one thread (deterministic)",
+            "end_source": {"fetched": fetched},
+        },
+        "prediction": prediction_report(predicted, phases, iteration_s, alloc.get("cost")),
+        "seconds": round(time.monotonic() - started, 1),
+    }
+    if s.compare_async is not None:
+        sync, lagged = arms.get("rl-swarm-staleness0"), arms.get(f"rl-swarm-staleness{s.compare_async}")
+        a, b = (lagged or {}).get("rollouts_per_s"), (sync or {}).get("rollouts_per_s")
+        out["compare_async"] = {
+            "staleness": s.compare_async,
+            "arms": arms,
+            "async_over_sync_rollouts_per_s": a / b if a and b else None,
+        }
+    if png:
+        out["png"] = write_plot(out, Path(png))
+    return out
+
+
+def prediction_report(
+    predicted: dict[str, Any], phases: dict[str, Any], iteration_s: float | None, committed: float | None
+) -> dict[str, Any]:
+    """The cost model's seconds per task and per iteration against the measured ones."""
+    tasks = dict(predicted["tasks"])
+    return {
+        "predicted": predicted,
+        "committed_cost_s": committed,
+        "rebuilt_over_committed": predicted["seconds"] / committed if committed else None,
+        "per_task": comparison(tasks, phases["median_s"]),
+        "per_task_source": (
+            f"phases of {phases['iterations']} sync iterations replayed in this process on one thread "
+            f"({phases['rollout_shards']} shards; generate = the slowest shard), after the swarm closed"
+        ),
+        "replayed_phases_s": phases["median_s"],
+        "iteration": {
+            "predicted_s": predicted["seconds"],
+            "measured_s": iteration_s,
+            "relative_error": relative_error(predicted["seconds"], iteration_s) if iteration_s else None,
+            "measured_source": "the trainer's own iteration times on the swarm (completions / rollouts/s), median",
+        },
+    }
+
+
+def write_plot(result: dict[str, Any], path: Path) -> str | None:
+    """Reward and pass rate per iteration with the held-out start/end and the target; KL and length (None without matplotlib)."""
+    try:
+        import matplotlib
+    except ImportError:
+        return None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    curve, held = result["curve"], result["heldout"]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4), dpi=120)
+    xs = [c["iteration"] for c in curve]
+    left.plot(xs, [c["pass_rate"] for c in curve], label="pass rate (rollouts)", linewidth=1.2)
+    left.plot(xs, [c["reward_mean"] for c in curve], label="reward mean", linewidth=1.0, alpha=0.7)
+    left.axhline(held["start"]["pass_rate"], color="grey", linestyle=":", label="held-out start")
+    left.axhline(held["end"]["pass_rate"], color="green", linestyle="--", label="held-out end")
+    left.axhline(held["target_pass_rate"], color="red", linestyle="-.", label="target")
+    left.set_xlabel("iteration")
+    left.legend(fontsize=8)
+    kl = [(c["iteration"], c["kl"]) for c in curve if "kl" in c]
+    length = [(c["iteration"], c["response_len"]) for c in curve if "response_len" in c]
+    if kl:
+        right.plot(*zip(*kl, strict=True), label="KL to reference", color="purple")
+    right.set_xlabel("iteration")
+    right.set_ylabel("k3 KL")
+    if length:
+        twin = right.twinx()
+        twin.plot(*zip(*length, strict=True), label="response length", color="orange", alpha=0.7)
+        twin.set_ylabel("tokens")
+    for ax in (left, right):
+        ax.grid(alpha=0.3)
+    fig.suptitle(f"peerd bench rl-swarm: {result['settings']['task']}, {result['settings']['peers']} daemons")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    plt.close(fig)
+    return str(path)
+
+
+QUICK: dict[str, Any] = {
+    "peers": 3,
+    "iterations": 8,
+    "warmup_steps": 150,
+    "compare_iterations": 6,
+    "eval_problems": 64,
+}
+
+
+@click.command("rl-swarm")
+@click.option("--peers", default=4, show_default=True, help="Daemons (one trainer, the rest roll out).")
+@click.option("--task", "task_name", type=click.Choice(sorted(TASKS)), default="addition", show_default=True)
+@click.option("--min-size", default=1, show_default=True, help="Smallest operand digits / string length.")
+@click.option("--max-size", default=1, show_default=True, help="Largest operand digits / string length.")
+@click.option("--iterations", default=Settings.iterations, show_default=True, help="GRPO iterations.")
+@click.option("--staleness", default=0, show_default=True, help="Async bound k of the main job (0 = sync).")
+@click.option(
+    "--warmup-steps", default=Settings.warmup_steps, show_default=True, help="Supervised warm-up steps."
+)
+@click.option("--group-size", default=8, show_default=True, help="Completions per prompt (G).")
+@click.option("--prompts", default=16, show_default=True, help="Prompts per iteration.")
+@click.option("--lr", default=Settings.lr, show_default=True, help="GRPO learning rate (AdamW).")
+@click.option("--kl-coef", default=Settings.kl_coef, show_default=True, help="Weight of the k3 KL penalty.")
+@click.option("--d-model", default=Settings.d_model, show_default=True, help="Width of the 2-layer GPT.")
+@click.option("--eval-problems", default=256, show_default=True, help="Held-out problems for start/end.")
+@click.option("--seed", default=0, show_default=True)
+@click.option(
+    "--compare-async", type=int, default=None, help="Also run staleness 0 and K: rollouts/s of each."
+)
+@click.option(
+    "--compare-iterations", default=30, show_default=True, help="Iterations of each comparison job."
+)
+@click.option("--job-timeout", default=900.0, show_default=True, help="Seconds one job may take.")
+@click.option("--quick", is_flag=True, help="Smoke run: 3 peers, 8 iterations, 6 per comparison job.")
+@click.option("--out", default=None, type=click.Path(dir_okay=False), help="Also write the JSON here.")
+@click.option("--png", default=None, type=click.Path(dir_okay=False), help="Write the curve plot here.")
+def command(
+    peers: int,
+    task_name: str,
+    min_size: int,
+    max_size: int,
+    iterations: int,
+    staleness: int,
+    warmup_steps: int,
+    group_size: int,
+    prompts: int,
+    lr: float,
+    kl_coef: float,
+    d_model: int,
+    eval_problems: int,
+    seed: int,
+    compare_async: int | None,
+    compare_iterations: int,
+    job_timeout: float,
+    quick: bool,
+    out: str | None,
+    png: str | None,
+) -> None:
+    """A GRPO job on local daemons: curve, held-out pass rate start vs end, sync vs async, predicted vs measured (JSON)."""
+    s = Settings(
+        peers=peers,
+        task=task_name,
+        min_size=min_size,
+        max_size=max_size,
+        iterations=iterations,
+        staleness=staleness,
+        warmup_steps=warmup_steps,
+        group_size=group_size,
+        prompts=prompts,
+        lr=lr,
+        kl_coef=kl_coef,
+        d_model=d_model,
+        eval_problems=eval_problems,
+        seed=seed,
+        compare_async=compare_async,
+        compare_iterations=compare_iterations,
+        job_timeout_s=job_timeout,
+    )
+    if quick:  # smaller defaults; what the command line gives explicitly still counts
+        ctx = click.get_current_context()
+        given = {n for n in QUICK if ctx.get_parameter_source(n) is ParameterSource.COMMANDLINE}
+        s = replace(s, **{k: v for k, v in QUICK.items() if k not in given})
+    if s.peers < 2 or s.iterations < 2 or s.compare_iterations < 2:
+        raise click.BadParameter("needs --peers >= 2, --iterations >= 2 and --compare-iterations >= 2")
+    result = rl_swarm(s, png)
+    result["command"] = "peerd bench rl-swarm " + " ".join(
+        f"--{k.replace('_', '-')} {v}" for k, v in asdict(s).items() if v is not None and k != "job_timeout_s"
+    )
+    emit_json(result, out)

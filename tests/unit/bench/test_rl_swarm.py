@@ -1,0 +1,124 @@
+"""``peerd bench rl-swarm``'s pure parts: the job it submits, the target arithmetic, the rates, the roster it rebuilds."""
+
+from __future__ import annotations
+
+import pytest
+
+from peerd.bench.rl_swarm import (
+    Settings,
+    committed_roster,
+    comparison,
+    curve_points,
+    heldout_summary,
+    job_spec,
+    predict,
+    prediction_report,
+    relative_error,
+    target,
+    throughput,
+)
+from peerd.jobs.scoring_rl import RLRosterScorer
+from peerd.jobs.spec import parse_job_spec
+from peerd.sched.allocation import Allocation
+from peerd.sched.consensus.messages import Roster, RosterDevice, RosterEntry, RosterLink
+
+
+def test_the_job_is_a_valid_rl_job_of_the_settings() -> None:
+    s = Settings(peers=4, prompts=16, group_size=8, iterations=50, d_model=32)
+    spec = job_spec(s, staleness=2, iterations=7, name="x")
+    job = parse_job_spec(spec)
+    assert job.kind == "rl" and job.steps == 7 and job.global_batch == 128 and job.micro_batch == 64
+    assert job.min_peers == job.max_peers == 4 and job.model.gpt_config().d_model == 32
+    rl = job.rl_settings()
+    assert rl.staleness == 2 and rl.group_size == 8
+    assert rl.sampling.max_new_tokens == 3  # 1-digit addition: up to 2 answer digits and the end marker
+    assert job_spec(Settings(prompts=3), staleness=0, iterations=2, name="y")["micro_batch"] == 24
+
+
+def test_target_is_three_times_the_start_capped_at_0_6() -> None:
+    assert target(0.1) == pytest.approx(0.3) and target(0.25) == 0.6 and target(0.0) == 0.0
+    start = {"pass_rate": 0.1, "reward_mean": 0.5}
+    met = heldout_summary(start, {"pass_rate": 0.31, "reward_mean": 0.9}, [0.01, 0.2, 0.05])
+    assert met["target_met"] and met["kl_max"] == 0.2 and met["pass_rate_ratio"] == pytest.approx(3.1)
+    assert not heldout_summary(start, {"pass_rate": 0.29, "reward_mean": 0.9}, [])["target_met"]
+    # a start at 0 has a target of 0: only a rise counts
+    zero = {"pass_rate": 0.0, "reward_mean": 0.0}
+    assert not heldout_summary(zero, zero, [])["target_met"]
+    assert heldout_summary(zero, {"pass_rate": 0.01, "reward_mean": 0.1}, [])["pass_rate_ratio"] is None
+
+
+def test_rates_errors_and_curve() -> None:
+    assert throughput([(1.0, 1), (3.0, 3), (5.0, 5)], 32) == pytest.approx(4 * 32 / 4)
+    assert throughput([(1.0, 1)], 32) is None and throughput([(1.0, 2), (1.0, 3)], 8) is None
+    assert relative_error(1.3, 1.0) == pytest.approx(0.3) and relative_error(1.0, 0.0) is None
+    points = curve_points([[1, 0.5, 0.25], [2, 0.75, 0.5]], {2: {"kl": 0.01, "response_len": 2.5}})
+    assert points == [
+        {"iteration": 1, "reward_mean": 0.5, "pass_rate": 0.25},
+        {"iteration": 2, "reward_mean": 0.75, "pass_rate": 0.5, "kl": 0.01, "response_len": 2.5},
+    ]
+    table = comparison({"generate": 2.0, "sync": 1.0}, {"generate": 1.6})
+    assert set(table) == {"generate"} and table["generate"]["relative_error"] == pytest.approx(0.25)
+
+
+def _status() -> dict:
+    peers = ["QmA", "QmB", "QmC"]
+    rows = [
+        {
+            "peer_id": p,
+            "name": f"peer{i}",
+            "tflops": {"fp32": 0.05 * (i + 1)},
+            "memory_free_bytes": 4 << 30,
+            "memory_total_bytes": 8 << 30,
+        }
+        for i, p in enumerate(peers)
+    ]
+    links = [
+        {"src": a, "dst": b, "status": "ok", "rtt_ms": 0.4 + i, "bw_up_mbps": 900.0 + 10 * i}
+        for i, (a, b) in enumerate((a, b) for a in peers for b in peers if a != b)
+    ]
+    links.append(
+        {"src": "QmA", "dst": "QmZ", "status": "ok", "rtt_ms": 1.0, "bw_up_mbps": 5.0}
+    )  # not a member
+    links.append({"src": "QmB", "dst": "QmA", "status": "failed", "rtt_ms": None, "bw_up_mbps": None})
+    return {"peers": rows, "links": links}
+
+
+def test_the_rebuilt_roster_scores_like_the_daemons_entries() -> None:
+    status = _status()
+    alloc = {"epoch": 3, "roster": ["QmA", "QmB", "QmC"], "stages": [["QmB"]], "spares": ["QmA", "QmC"]}
+    roster = committed_roster(status, alloc, memory_bandwidth=12e9)
+    assert roster.peers == ("QmA", "QmB", "QmC")
+    a = roster.entry("QmA")
+    assert a is not None and [link.peer for link in a.links] == ["QmB", "QmC"]
+    assert a.links[0].delay_s == pytest.approx(0.2e-3) and a.links[0].bandwidth_bps == pytest.approx(900e6)
+
+    # what the daemons' own entries (peerd.jobs.service) would say, scored by the job's cost model
+    def entry(i: int, peer: str) -> RosterEntry:
+        mine = [x for x in status["links"] if x["src"] == peer and x["dst"] in alloc["roster"]]
+        links = tuple(
+            RosterLink(x["dst"], x["rtt_ms"] / 2e3, x["bw_up_mbps"] * 1e6)
+            for x in mine
+            if x["status"] == "ok"
+        )
+        return RosterEntry("j", 3, peer, 0.0, RosterDevice(0.05 * (i + 1), 4 << 30, "", 12e9), links)
+
+    direct = Roster.of(3, [entry(i, p) for i, p in enumerate(alloc["roster"])])
+    spec = parse_job_spec(job_spec(Settings(peers=3), staleness=0, iterations=5, name="r"))
+    expected = RLRosterScorer(spec).predict(direct, Allocation((("QmB",),), ("QmA", "QmC")))
+    got = predict(spec, roster, alloc)
+    assert got == expected.to_dict() and got["seconds"] > 0
+    assert set(got["tasks"]) == {"generate", "reference", "actor_train"}
+
+    report = prediction_report(
+        got,
+        {
+            "iterations": 3,
+            "rollout_shards": 2,
+            "median_s": {"generate": 0.1, "reference": 0.01, "actor_train": 0.2},
+        },
+        iteration_s=2 * got["seconds"],
+        committed=got["seconds"],
+    )
+    assert report["rebuilt_over_committed"] == pytest.approx(1.0)
+    assert report["iteration"]["relative_error"] == pytest.approx(-0.5)
+    assert set(report["per_task"]) == {"generate", "reference", "actor_train"}
