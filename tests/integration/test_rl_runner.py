@@ -15,36 +15,43 @@ from peerd.jobs.records import TaskState, new_job_record
 from peerd.jobs.rl.rollout import RolloutConfig
 from peerd.jobs.rl.runner import RLRunner
 from peerd.jobs.rl.trainer import TrainerConfig
-from peerd.jobs.spec import parse_job_spec
+from peerd.jobs.spec import JobSpec, parse_job_spec
 from peerd.jobs.store import MemoryDHT
 from peerd.pipeline import checkpoint
 from peerd.pipeline.launch import start_peers, stop_peers
-from peerd.pipeline.replicas import check_checkpoint
+from peerd.pipeline.replicas import CheckpointReplicas, check_checkpoint
 from peerd.pipeline.statesync import StateSyncConfig
 from peerd.sched.allocation import Allocation
 from peerd.sched.consensus.actions import Commit
+from peerd.sched.consensus.messages import RosterDevice, RosterEntry
 from peerd.swarm.node import parse_peer_id
 
 ITERATIONS = 6
-SPEC = parse_job_spec(
-    {
-        "kind": "rl",
-        "name": "rl-runner",
-        "model": {"preset": "tiny", "seed": 1},
-        "steps": ITERATIONS,
-        "global_batch": 24,
-        "micro_batch": 24,
-        "min_peers": 2,
-        "checkpoint_interval": 3,
-        "rl": {
-            "task": {"name": "addition", "min_size": 1, "max_size": 1},
-            "group_size": 4,
-            "sampling": {"max_new_tokens": 4},
-            "warmup": {"steps": 10, "batch_size": 8},
-            "rollout_timeout_s": 30,
-        },
-    }
-)
+
+
+def rl_spec(iterations: int) -> JobSpec:
+    return parse_job_spec(
+        {
+            "kind": "rl",
+            "name": "rl-runner",
+            "model": {"preset": "tiny", "seed": 1},
+            "steps": iterations,
+            "global_batch": 24,
+            "micro_batch": 24,
+            "min_peers": 2,
+            "checkpoint_interval": 3,
+            "rl": {
+                "task": {"name": "addition", "min_size": 1, "max_size": 1},
+                "group_size": 4,
+                "sampling": {"max_new_tokens": 4},
+                "warmup": {"steps": 10, "batch_size": 8},
+                "rollout_timeout_s": 30,
+            },
+        }
+    )
+
+
+SPEC = rl_spec(ITERATIONS)
 SYNC = StateSyncConfig(connect_timeout_s=5, request_timeout_s=10, deadline_s=30)
 
 
@@ -165,3 +172,86 @@ def test_a_device_this_peer_lacks_fails_the_role_naming_the_field(tmp_path: Path
     if torch.cuda.device_count() > 7:
         pytest.skip("this machine has a cuda:7")
     asyncio.run(_absent_device(tmp_path))
+
+
+def runners_for(
+    spec: JobSpec, job: Any, peers: list[Any], dht: MemoryDHT, tmp_path: Path, **options: Any
+) -> list[RLRunner]:
+    ids = [p.peer_id.to_base58() for p in peers]
+    return [
+        RLRunner(
+            job,
+            spec,
+            store=dht.client(ids[i]),
+            transport=peers[i].transport,
+            peer_ref=parse_peer_id,
+            checkpoint_root=tmp_path / f"p{i}",
+            interval=0.2,
+            trainer_config=TrainerConfig(poll_hold_s=2, checkpoint_root=tmp_path / f"p{i}", statesync=SYNC),
+            rollout_config=RolloutConfig(request_timeout_s=20, trainer_timeout_s=20, statesync=SYNC),
+            device="cpu",
+            **{k: v(i) for k, v in options.items()},
+        )
+        for i in range(len(peers))
+    ]
+
+
+def entry(runner: RLRunner, epoch: int) -> RosterEntry:
+    """``runner``'s peer applying for ``epoch`` with the trainer state it holds."""
+    return RosterEntry(
+        job=runner.job.job_id,
+        epoch=epoch,
+        peer=runner.me,
+        issued_at=time.time(),
+        profile=RosterDevice(tflops=1.0, memory_bytes=1 << 30),
+        links=(),
+        held=runner.held(),
+    )
+
+
+async def _trainer_lost(tmp_path: Path, wait: Any) -> None:
+    spec = rl_spec(9)
+    peers = await start_peers(3)
+    dht = MemoryDHT(time.time)
+    ids = [p.peer_id.to_base58() for p in peers]
+    job = new_job_record(
+        ids[0], "s", spec, b"t" * 16, now=time.time(), epoch0_start=0.0, timing=spec.planning.timing()
+    )
+    stores = [CheckpointReplicas(tmp_path / f"copies{i}", budget_bytes=1 << 30) for i in range(3)]
+    runners = runners_for(spec, job, peers, dht, tmp_path, replicas=lambda i: stores[i])
+    old, b, c = runners
+    try:
+        for r in runners:
+            await r.start()
+        first = commit(1, Allocation.from_plain([[ids[0]]], spares=[ids[1], ids[2]]))
+        await asyncio.gather(*(r.adopt(first, None) for r in runners))
+        # both rollout peers keep copies of the trainer's checkpoint of iteration 3
+        await wait(
+            lambda: all(3 in s.steps(job.job_id, 0) for s in stores[1:]), 120, "copies of checkpoint 3"
+        )
+        # the trainer's peer dies; the others stop where they are and re-plan without it
+        await old.close()
+        await stop_peers(peers[:1])
+        for r in (b, c):
+            await r.freeze("the trainer is gone")
+        roster = [entry(r, 2) for r in (b, c)]
+        second = commit(2, Allocation.from_plain([[ids[1]]], spares=[ids[2]]))
+        await asyncio.gather(*(r.adopt(second, roster) for r in (b, c)))
+        assert (b.role, c.role) == ("trainer", "rollout")
+        await wait(lambda: b.state == TaskState.DONE, 120, "the new trainer to finish")
+        resumed = b.recoveries[-1]
+        assert resumed["source"] == "replica" and resumed["resume_step"] in (3, 6)
+        assert [r.iteration for r in b.reports] == list(range(resumed["resume_step"], 9))
+        assert b.reports[-1].version == 9 and b.step == 9
+        directory = checkpoint.tasklet_dir(tmp_path / "p1", job.job_id, 0, 0)
+        assert checkpoint.saved_steps(directory)[-1] == 9  # the new trainer checkpoints on
+    finally:
+        for r in (b, c):
+            await r.close()
+        await stop_peers(peers[1:])
+
+
+def test_a_lost_trainer_is_replaced_from_a_rollout_peers_checkpoint_copy(
+    tmp_path: Path, async_wait_until: Any
+) -> None:
+    asyncio.run(_trainer_lost(tmp_path, async_wait_until))

@@ -95,6 +95,8 @@ class RolloutPeer:
         self.model: GPT | None = None
         self.held = -1
         self.stats = RolloutStats(versions=[])
+        self.trainer_version = -1
+        """The newest policy version the trainer said it published (checkpoint copies follow it)."""
         self._conn: Connection | None = None
 
     async def run(self) -> RolloutStats:
@@ -110,6 +112,7 @@ class RolloutPeer:
                 if not status.ready:
                     self.stats.waited_for_warmup += 1
                     continue  # the trainer still warms up
+                self.trainer_version = max(self.trainer_version, status.version)
                 u = max(u, status.version)  # the trainer is past u: those shards would be dropped
                 if u >= plan.iterations:
                     continue  # nothing left to sample: wait for done
@@ -119,6 +122,7 @@ class RolloutPeer:
                     u += 1
                     continue
                 ack = await self._push(u)
+                self.trainer_version = max(self.trainer_version, ack.version)
                 if ack.done:
                     return self.stats
                 u += 1

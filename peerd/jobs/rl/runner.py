@@ -6,7 +6,10 @@
 commit the peer in ``allocation.stages[0]`` runs ``RLTrainer`` with ``allocation.spares`` as its
 rollout peers, and every spare runs ``RolloutPeer`` toward it. A trainer that stays the trainer
 keeps its policy across commits (the rollout set may change: shards are re-cut from the next
-iteration); one that starts fresh resumes from its newest checkpoint on disk, or warms up.
+iteration); one that starts fresh resumes from the newest checkpoint among its own, its copies
+and the copies the roster's members declare, or warms up. ``checkpoint_replicas`` rollout peers
+(``replica_peers``) keep copies of the trainer's newest checkpoint, so a trainer whose peer is
+gone costs the iterations since it.
 
 The trainer publishes a progress record (stage 0, replica 0, step = iterations done, the GRPO
 loss curve, ``rl`` figures from its reports) every ``interval`` seconds and after each
@@ -28,7 +31,7 @@ import torch
 
 from peerd.errors import ConfigError, PeerdError
 from peerd.jobs.records import MAX_SUSPECTS, JobRecord, Progress, TaskState, downsample, encode_progress
-from peerd.jobs.recovery import held_state
+from peerd.jobs.recovery import CHECKPOINT_REPLICAS, held_state, holders, replica_peers, resume_step
 from peerd.jobs.rl.learner import Learner
 from peerd.jobs.rl.progress import figures
 from peerd.jobs.rl.report import IterationReport
@@ -40,7 +43,8 @@ from peerd.jobs.spec import JobSpec
 from peerd.jobs.store import RecordStore
 from peerd.log import get_logger
 from peerd.pipeline import checkpoint
-from peerd.pipeline.statesync import StateServer, StateSyncConfig
+from peerd.pipeline.replicas import CheckpointReplicas, check_checkpoint, replicate
+from peerd.pipeline.statesync import StateServer, StateSyncConfig, fetch_state, unpack_state
 from peerd.sched.consensus.actions import Commit
 from peerd.sched.consensus.messages import HeldState, RosterEntry
 from peerd.swarm.keys import progress_key
@@ -69,7 +73,9 @@ class RLRunner:
         trainer_config: TrainerConfig | None = None,
         rollout_config: RolloutConfig | None = None,
         device: str = "auto",
-        **_: Any,  # TaskletRunner's other options (replicas, ready_timeout, ...) do not apply
+        replicas: CheckpointReplicas | None = None,
+        checkpoint_replicas: int = CHECKPOINT_REPLICAS,
+        **_: Any,  # TaskletRunner's other options (ready_timeout, ...) do not apply
     ) -> None:
         self.job, self.spec, self.store = job, spec, store
         self.transport, self.peer_ref, self.interval = transport, peer_ref, interval
@@ -81,6 +87,8 @@ class RLRunner:
         self.rollout_config = rollout_config or RolloutConfig(statesync=self.statesync)
         self.plan = RLPlan(job.job_id, spec)
         self.device = device  # where this peer's role computes (the daemon's --device)
+        self.replicas = replicas  # copies of the trainer's checkpoints kept here (a rollout peer's)
+        self.checkpoint_replicas = checkpoint_replicas
         self.commit: Commit | None = None
         self.role: str | None = None
         """``trainer``, ``rollout`` or None (not in the current commit)."""
@@ -98,6 +106,7 @@ class RLRunner:
         self.rollout: RolloutPeer | None = None
         self._learner: Learner | None = None  # the policy a stopped trainer leaves for the next commit
         self._task: asyncio.Task | None = None
+        self._replicator: asyncio.Task | None = None
         self._publisher: asyncio.Task | None = None
         self._lock = asyncio.Lock()
         self._dirty = asyncio.Event()
@@ -144,6 +153,8 @@ class RLRunner:
     def held(self) -> tuple[HeldState, ...]:
         """The trainer state this peer can give: the stopped policy's version and the checkpoints on disk."""
         steps = set(self._checkpoint_steps())
+        if self.replicas is not None:
+            steps |= set(self.replicas.steps(self.job.job_id, 0))
         if self._learner is not None:
             steps.add(self._learner.version)
         layers = (0, self.spec.model.family().num_layers)
@@ -200,7 +211,7 @@ class RLRunner:
                     self.state, self.reason = TaskState.RECOVERING, "no rollout peer in this allocation"
                     self._dirty.set()
                     return
-                source = self._learner_source(device)
+                source = await self._learner_source(device, roster or [])
                 self.recoveries.append(
                     {
                         "epoch": commit.epoch,
@@ -235,24 +246,51 @@ class RLRunner:
                 )
                 self.state, self.reason = TaskState.RUNNING, ""
                 self._task = asyncio.create_task(self._run_rollout(self.rollout))
+                keepers = replica_peers(self.job.job_id, alloc, 0, self.checkpoint_replicas)
+                if self.replicas is not None and self.spec.checkpoint_interval and self.me in keepers:
+                    self._replicator = asyncio.create_task(self._replicate_loop(self.rollout, trainer))
             else:
                 self.role = self.stage = self.replica = None
             self._dirty.set()
 
     # ------------------------------------------------------------------ the roles
 
-    def _learner_source(self, device: torch.device) -> str:
-        """Where the trainer's policy comes from: memory, a checkpoint, or the warm-up."""
+    async def _learner_source(self, device: torch.device, roster: list[RosterEntry]) -> str:
+        """Where the trainer's policy comes from: this peer's memory, its own checkpoint, its copy of
+        an earlier trainer's checkpoint, a copy some member of ``roster`` holds, or the warm-up."""
         if self._learner is not None:
             return "memory"
-        steps = self._checkpoint_steps()
-        if not steps:
+        job, layers = self.job.job_id, (0, self.spec.model.family().num_layers)
+        own = self._checkpoint_steps()
+        copies = self.replicas.steps(job, 0) if self.replicas is not None else []
+        offered = resume_step(roster, [layers])
+        step = max([0, *own, *copies, offered])
+        if step == 0:
             return "init"
-        state = checkpoint.load(self._dir(), steps[-1])
+        blob: bytes | None
+        if step in own:
+            blob, source = checkpoint.checkpoint_file(self._dir(), step).read_bytes(), "checkpoint"
+        elif step in copies:
+            assert self.replicas is not None
+            blob, source = self.replicas.get(job, 0, step), "replica"
+        else:
+            peers = [p for p in holders(roster, 0, layers, step, job=job) if p != self.me]
+            blob = await fetch_state(
+                self.transport,
+                [self.peer_ref(p) for p in peers],
+                job,
+                0,
+                step,
+                max_bytes=self.plan.weights_bound * 4,
+                config=self.statesync,
+            )
+            source = "peers " + ", ".join(peers)
+        assert blob is not None
+        await asyncio.to_thread(check_checkpoint, blob, job, 0, step)
         learner = Learner(self.plan, device)
-        learner.restore(state)
+        await asyncio.to_thread(learner.restore, unpack_state(blob))
         self._learner = learner
-        return "checkpoint"
+        return source
 
     async def _run_trainer(self, trainer: RLTrainer) -> None:
         try:
@@ -287,6 +325,31 @@ class RLRunner:
             self.state, self.reason = TaskState.RECOVERING, str(exc)[:200]
             log.warning("rl job %s: rollouts stopped: %s", self.job.job_id, exc)
 
+    async def _replicate_loop(self, rollout: RolloutPeer, trainer: str) -> None:
+        """Keep a copy of the trainer's newest checkpoint (every ``checkpoint_interval`` versions and
+        the last): a new trainer resumes from it if the trainer's peer is gone."""
+        assert self.replicas is not None
+        every, last = self.spec.checkpoint_interval, self.spec.steps
+        while True:
+            seen = rollout.trainer_version
+            step = last if seen >= last else seen - seen % every
+            if step > 0 and step not in self.replicas.steps(self.job.job_id, 0):
+                try:
+                    await replicate(
+                        self.transport,
+                        [self.peer_ref(trainer)],
+                        self.job.job_id,
+                        0,
+                        step,
+                        self.replicas,
+                        self.plan.weights_bound * 4,
+                        config=self.statesync,
+                    )
+                    self._dirty.set()
+                except PeerdError as exc:  # not written yet, or the trainer is gone: try again later
+                    log.debug("rl job %s: copying checkpoint %d: %s", self.job.job_id, step, exc)
+            await asyncio.sleep(self.interval)
+
     def _on_iteration(self, report: IterationReport) -> None:
         self.reports.append(report)
         self.step = report.version
@@ -294,6 +357,11 @@ class RLRunner:
 
     async def _stop(self, reason: str, state: TaskState) -> None:
         """Cancel the role; a trainer's policy stays in memory for the next commit; lock held."""
+        replicator, self._replicator = self._replicator, None
+        if replicator is not None:
+            replicator.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await replicator
         task, self._task = self._task, None
         if task is not None and not task.done():
             task.cancel()
@@ -321,10 +389,13 @@ class RLRunner:
         return checkpoint.saved_steps(self._dir()) if self.checkpoint_root is not None else []
 
     def provide(self, stage: int, step: int) -> bytes | None:
-        """A checkpoint file's bytes for ``peerd fetch --p2p`` (stage 0 only: the policy is one stage)."""
-        if stage != 0 or step not in self._checkpoint_steps():
+        """A checkpoint's bytes, its own or a copy (stage 0 only: the policy is one stage), for
+        ``peerd fetch --p2p`` and for a trainer taking over."""
+        if stage != 0:
             return None
-        return checkpoint.checkpoint_file(self._dir(), step).read_bytes()
+        if step in self._checkpoint_steps():
+            return checkpoint.checkpoint_file(self._dir(), step).read_bytes()
+        return self.replicas.get(self.job.job_id, 0, step) if self.replicas is not None else None
 
     # ------------------------------------------------------------------ progress
 
