@@ -255,3 +255,42 @@ def test_a_lost_trainer_is_replaced_from_a_rollout_peers_checkpoint_copy(
     tmp_path: Path, async_wait_until: Any
 ) -> None:
     asyncio.run(_trainer_lost(tmp_path, async_wait_until))
+
+
+async def _roles_swapped(tmp_path: Path, wait: Any) -> None:
+    spec = rl_spec(6)
+    peers = await start_peers(2)
+    dht = MemoryDHT(time.time)
+    ids = [p.peer_id.to_base58() for p in peers]
+    job = new_job_record(
+        ids[0], "s", spec, b"w" * 16, now=time.time(), epoch0_start=0.0, timing=spec.planning.timing()
+    )
+    a, b = runners_for(spec, job, peers, dht, tmp_path)
+    try:
+        for r in (a, b):
+            await r.start()
+        first = commit(1, Allocation.from_plain([[ids[0]]], spares=[ids[1]]))
+        await asyncio.gather(*(r.adopt(first, None) for r in (a, b)))
+        await wait(lambda: a.step >= 1, 120, "an iteration of epoch 1")
+        for r in (a, b):
+            await r.freeze("re-planned")
+        held = a.held()[0].steps
+        roster = [entry(r, 2) for r in (a, b)]
+        second = commit(2, Allocation.from_plain([[ids[1]]], spares=[ids[0]]))
+        await asyncio.gather(*(r.adopt(second, roster) for r in (a, b)))
+        assert (a.role, b.role) == ("rollout", "trainer")
+        await wait(lambda: b.state == TaskState.DONE, 120, "the new trainer to finish")
+        resumed = b.recoveries[-1]
+        # b had nothing: it fetched the policy a stopped with, from a's memory, over state sync
+        assert resumed["source"] == f"peers {ids[0]}" and resumed["resume_step"] == max(held) >= 1
+        assert [r.iteration for r in b.reports] == list(range(resumed["resume_step"], 6))
+    finally:
+        for r in (a, b):
+            await r.close()
+        await stop_peers(peers)
+
+
+def test_a_new_trainer_fetches_the_policy_the_old_one_holds_in_memory(
+    tmp_path: Path, async_wait_until: Any
+) -> None:
+    asyncio.run(_roles_swapped(tmp_path, async_wait_until))

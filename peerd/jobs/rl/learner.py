@@ -22,6 +22,7 @@ from peerd.compress.device import host_copy
 from peerd.jobs.rl.shards import RLPlan
 from peerd.jobs.runner import optimizer_config
 from peerd.models.gpt import GPT
+from peerd.pipeline import checkpoint
 from peerd.pipeline.optim import build_optimizer, build_scheduler
 from peerd.rl.loss import group_advantages, grpo_loss
 from peerd.rl.rollout import RolloutGroup, pack, token_logprobs
@@ -128,20 +129,29 @@ class Learner:
         )
 
     def restore(self, state: dict[str, Any]) -> None:
-        """Continue from a checkpoint of this job (``RLTrainer.checkpoint_state``)."""
+        """Continue from a checkpoint of this job (``checkpoint_state``)."""
         self.policy.load_state_dict(state["module"])
         self.reference.load_state_dict(state["reference"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.version = int(state["step"])
 
-    def state(self) -> dict[str, Any]:
-        """What a checkpoint holds beside the weights: optimizer, schedule, reference, version."""
+    def checkpoint_state(self) -> dict[str, Any]:
+        """The learner in the one-stage checkpoint format (``peerd.jobs.fetch.assemble`` reads it,
+        ``restore`` continues from it), host tensors."""
+        plan = self.plan
         return host_copy(
             {
+                "format": checkpoint.FORMAT,
+                "job": plan.job_id,
+                "stage": 0,
+                "replica": 0,
+                "step": self.version,
+                "module": self.weights(),
                 "optimizer": self.optimizer.state_dict(),
                 "scheduler": self.scheduler.state_dict(),
                 "reference": self.reference.state_dict(),
-                "version": self.version,
+                "data": {"kind": "rl", "iteration": self.version, "seed": plan.seed},
+                "meta": {"layers": [0, plan.spec.model.family().num_layers], "saved_at": time.time()},
             }
         )

@@ -44,7 +44,7 @@ from peerd.jobs.store import RecordStore
 from peerd.log import get_logger
 from peerd.pipeline import checkpoint
 from peerd.pipeline.replicas import CheckpointReplicas, check_checkpoint, replicate
-from peerd.pipeline.statesync import StateServer, StateSyncConfig, fetch_state, unpack_state
+from peerd.pipeline.statesync import StateServer, StateSyncConfig, fetch_state, pack_state, unpack_state
 from peerd.sched.consensus.actions import Commit
 from peerd.sched.consensus.messages import HeldState, RosterEntry
 from peerd.swarm.keys import progress_key
@@ -211,7 +211,15 @@ class RLRunner:
                     self.state, self.reason = TaskState.RECOVERING, "no rollout peer in this allocation"
                     self._dirty.set()
                     return
-                source = await self._learner_source(device, roster or [])
+                try:
+                    source = await self._learner_source(device, roster or [])
+                except PeerdError as exc:  # no holder delivered: wait for the next re-plan
+                    self.state, self.reason = (
+                        TaskState.RECOVERING,
+                        f"could not take the trainer's state: {exc}"[:200],
+                    )
+                    self._dirty.set()
+                    return
                 self.recoveries.append(
                     {
                         "epoch": commit.epoch,
@@ -393,6 +401,9 @@ class RLRunner:
         ``peerd fetch --p2p`` and for a trainer taking over."""
         if stage != 0:
             return None
+        learner = self._learner  # a stopped trainer's policy (held() declares its version)
+        if learner is not None and learner.version == step:
+            return pack_state(learner.checkpoint_state())
         if step in self._checkpoint_steps():
             return checkpoint.checkpoint_file(self._dir(), step).read_bytes()
         return self.replicas.get(self.job.job_id, 0, step) if self.replicas is not None else None

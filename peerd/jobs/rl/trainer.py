@@ -427,25 +427,7 @@ class RLTrainer:
 
     # ------------------------------------------------------------ checkpoints
 
-    def checkpoint_state(self) -> dict[str, Any]:
-        """The policy in the one-stage checkpoint format (``peerd.jobs.fetch.assemble`` reads it)."""
-        learner = self.learner
-        extra = learner.state()
-        return {
-            "format": checkpoint.FORMAT,
-            "job": self.plan.job_id,
-            "stage": 0,
-            "replica": 0,
-            "step": learner.version,
-            "module": learner.weights(),
-            "optimizer": extra["optimizer"],
-            "scheduler": extra["scheduler"],
-            "reference": extra["reference"],
-            "data": {"kind": "rl", "iteration": learner.version, "seed": self.plan.seed},
-            "meta": {"layers": [0, self.plan.spec.model.family().num_layers], "saved_at": time.time()},
-        }
-
     def save_checkpoint(self) -> Path:
         assert self.config.checkpoint_root is not None
         directory = checkpoint.tasklet_dir(self.config.checkpoint_root, self.plan.job_id, 0, 0)
-        return checkpoint.save(directory, self.checkpoint_state())
+        return checkpoint.save(directory, self.learner.checkpoint_state())
