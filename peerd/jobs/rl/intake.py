@@ -67,6 +67,7 @@ class Intake:
         if self.done or msg.iteration < self.iteration:
             reason = f"iteration {msg.iteration} is trained already"
             self.dropped_late += completions
+            self.absent.discard(msg.shard)  # late, but alive: waited for again from the next iteration
         elif msg.iteration - msg.version > k:
             reason = f"version {msg.version} is more than {k} behind iteration {msg.iteration}"
             self.dropped_stale += completions

@@ -70,6 +70,9 @@ def test_closing_an_iteration_marks_the_missing_peers_absent_until_they_deliver(
     assert box.iteration == 4 and box.expected() == {0}  # shard 1 is not waited for any more
     assert not box.take("Qma", shard(3, 0, 3)).accepted  # late now
     box.version = 4
+    assert not box.take("Qmb", shard(3, 1, 3)).accepted  # its late shard of 3 comes in at last:
+    assert box.absent == set() and box.expected() == {0, 1}  # it is alive, and waited for again
+    box.absent.add(1)
     assert box.take("Qmb", shard(4, 1, 4)).accepted and box.absent == set()
     assert not box.complete(4)  # delivering again, it is waited for like any peer
     box.take("Qma", shard(4, 0, 4))
