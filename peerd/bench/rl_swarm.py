@@ -82,7 +82,7 @@ class Settings:
     task: str = "addition"
     min_size: int = 1
     max_size: int = 1
-    iterations: int = 150
+    iterations: int = 300
     staleness: int = 0
     warmup_steps: int = 150
     group_size: int = 8
@@ -93,7 +93,7 @@ class Settings:
     eval_problems: int = 256
     seed: int = 0
     compare_async: int | None = None
-    compare_iterations: int = 30
+    compare_iterations: int = 100
     job_timeout_s: float = 900.0
 
 
@@ -416,6 +416,7 @@ def rl_swarm(s: Settings, png: str | None = None) -> dict[str, Any]:
             "torch_threads_per_daemon": 1,
             "load_average_start": load_start,
             "load_average_end": load_average(),
+            "profile": {"fp32_tflops": profile.tflops.get("fp32"), "memory_gb_s": profile.memory_gb_s},
             "note": f"{s.peers} daemons share {cores} cores with whatever else runs on the machine",
         },
         "allocation": {
@@ -436,6 +437,9 @@ def rl_swarm(s: Settings, png: str | None = None) -> dict[str, Any]:
             "end_source": {"fetched": fetched},
         },
         "prediction": prediction_report(predicted, phases, iteration_s, alloc.get("cost")),
+        "measured_iteration_s_polls": per_iteration / rate
+        if (rate := throughput(main.seen, per_iteration))
+        else None,
         "seconds": round(time.monotonic() - started, 1),
     }
     if s.compare_async is not None:
@@ -516,10 +520,9 @@ def write_plot(result: dict[str, Any], path: Path) -> str | None:
 
 QUICK: dict[str, Any] = {
     "peers": 3,
-    "iterations": 8,
-    "warmup_steps": 150,
-    "compare_iterations": 6,
-    "eval_problems": 64,
+    "iterations": 60,
+    "compare_iterations": 20,
+    "eval_problems": 128,
 }
 
 
@@ -544,10 +547,17 @@ QUICK: dict[str, Any] = {
     "--compare-async", type=int, default=None, help="Also run staleness 0 and K: rollouts/s of each."
 )
 @click.option(
-    "--compare-iterations", default=30, show_default=True, help="Iterations of each comparison job."
+    "--compare-iterations",
+    default=Settings.compare_iterations,
+    show_default=True,
+    help="Iterations of each comparison job.",
 )
 @click.option("--job-timeout", default=900.0, show_default=True, help="Seconds one job may take.")
-@click.option("--quick", is_flag=True, help="Smoke run: 3 peers, 8 iterations, 6 per comparison job.")
+@click.option(
+    "--quick",
+    is_flag=True,
+    help="Smoke run: 3 peers, 60 iterations, 20 per comparison job, 128 held-out problems.",
+)
 @click.option("--out", default=None, type=click.Path(dir_okay=False), help="Also write the JSON here.")
 @click.option("--png", default=None, type=click.Path(dir_okay=False), help="Write the curve plot here.")
 def command(

@@ -1,0 +1,48 @@
+"""``peerd bench rl-swarm`` on real daemons: a 3-iteration GRPO job on 3 peers gives every section of its JSON."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+
+from peerd.bench.rl_swarm import Settings, rl_swarm
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)  # 2.75 min measured on a shared 2-core machine at load ~8
+def test_a_tiny_rl_swarm_run_reports_curve_heldout_and_prediction(tmp_path: Path) -> None:
+    s = Settings(peers=3, iterations=3, warmup_steps=40, prompts=4, eval_problems=32, job_timeout_s=300)
+    png = tmp_path / "curve.png"
+    result = rl_swarm(s, str(png))
+    assert {"curve", "heldout", "prediction", "regime", "allocation", "rl_final", "wall_s"} <= set(result)
+    assert [p["iteration"] for p in result["curve"]] == [1, 2, 3]
+    assert all(0.0 <= p["pass_rate"] <= 1.0 for p in result["curve"])
+    # one trainer; the cost model may leave a peer out when its share costs more than it adds
+    assert len(result["allocation"]["trainer"]) == 1 and 1 <= len(result["allocation"]["rollout_peers"]) <= 2
+
+    final = result["rl_final"]
+    assert final["version"] == 3 and final["staleness"] == [[0, 3 * 4 * s.group_size]]  # sync: on-policy
+
+    held = result["heldout"]
+    assert held["end_source"]["fetched"]["step"] == 3
+    assert held["target_pass_rate"] == pytest.approx(min(3 * held["start"]["pass_rate"], 0.6))
+    assert held["target_met"] == (
+        held["end"]["pass_rate"] >= held["target_pass_rate"]
+        and held["end"]["pass_rate"] > held["start"]["pass_rate"]
+    )
+
+    pred = result["prediction"]
+    assert set(pred["per_task"]) == {"generate", "reference", "actor_train"}
+    for row in pred["per_task"].values():
+        assert row["predicted_s"] > 0 and row["measured_s"] > 0 and math.isfinite(row["relative_error"])
+    assert pred["iteration"]["predicted_s"] > 0 and pred["committed_cost_s"] > 0
+    # the roster rebuilt from the owner's status scores near the cost the consensus committed
+    assert 0.5 < pred["rebuilt_over_committed"] < 2.0
+    regime = result["regime"]
+    assert regime["cores"] >= 1 and regime["device"] == "cpu" and len(regime["load_average_start"]) == 3
+    if result.get("png"):  # matplotlib is optional
+        assert png.stat().st_size > 0
