@@ -430,6 +430,7 @@ def rl_swarm(s: Settings, png: str | None = None) -> dict[str, Any]:
         "rl_final": {k: v for k, v in main.view["progress"]["rl"].items() if k != "rewards"},
         "heldout": {
             **heldout_summary(start, end, polled_kls),
+            "kl_max_over": f"the {len(polled_kls)} iterations the polls saw (progress is published every ~2 s)",
             "problems": s.eval_problems,
             "seed": s.seed + HELDOUT_SEED_OFFSET,
             "samples_per_problem": s.group_size,
@@ -501,13 +502,17 @@ def write_plot(result: dict[str, Any], path: Path) -> str | None:
     kl = [(c["iteration"], c["kl"]) for c in curve if "kl" in c]
     length = [(c["iteration"], c["response_len"]) for c in curve if "response_len" in c]
     if kl:
-        right.plot(*zip(*kl, strict=True), label="KL to reference", color="purple")
+        right.plot(
+            *zip(*kl, strict=True), "o-", label="KL to reference (polled)", color="purple", markersize=3
+        )
     right.set_xlabel("iteration")
     right.set_ylabel("k3 KL")
     if length:
         twin = right.twinx()
-        twin.plot(*zip(*length, strict=True), label="response length", color="orange", alpha=0.7)
-        twin.set_ylabel("tokens")
+        twin.plot(*zip(*length, strict=True), "s--", label="response length", color="orange", markersize=3)
+        twin.set_ylabel("response length (tokens)")
+        twin.legend(fontsize=8, loc="upper right")
+    right.legend(fontsize=8, loc="upper left")
     for ax in (left, right):
         ax.grid(alpha=0.3)
     fig.suptitle(f"peerd bench rl-swarm: {result['settings']['task']}, {result['settings']['peers']} daemons")
