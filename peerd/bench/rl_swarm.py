@@ -160,11 +160,19 @@ def throughput(seen: list[tuple[float, int]], per_iteration: int) -> float | Non
 
 
 def curve_points(rewards: list[list[float]], polled: dict[int, dict[str, float]]) -> list[dict[str, Any]]:
-    """The trainer's [iteration, reward, pass rate] points with what the polls saw at each iteration."""
-    return [
-        {"iteration": int(i), "reward_mean": r, "pass_rate": p, **polled.get(int(i), {})}
+    """The trainer's [iteration, reward, pass rate] points with what the polls saw at each iteration.
+
+    A re-plan that makes another peer the trainer starts a new record: iterations before it that
+    the polls saw come from the polls (``"from": "poll"``), the others are missing.
+    """
+    points = {
+        int(i): {**polled.get(int(i), {}), "iteration": int(i), "reward_mean": r, "pass_rate": p}
         for i, r, p in rewards
-    ]
+    }
+    for i, seen in polled.items():
+        if i not in points and "pass_rate" in seen:
+            points[i] = {"iteration": i, **seen, "from": "poll"}
+    return [points[i] for i in sorted(points)]
 
 
 def comparison(predicted: dict[str, float], measured: dict[str, float]) -> dict[str, dict[str, Any]]:
@@ -205,7 +213,8 @@ def follow(swarm: LocalSwarm, spec: dict[str, Any], timeout: float) -> Followed:
             it = int(rl.get("iteration") or 0)
             if it > 0 and (not seen or it > seen[-1][1]):
                 seen.append((time.monotonic() - submitted, it))
-                polled[it] = {k: float(rl[k]) for k in ("kl", "response_len", "rollouts_per_s")}
+                keys = ("kl", "response_len", "rollouts_per_s", "reward_mean", "pass_rate")
+                polled[it] = {k: float(rl[k]) for k in keys if rl.get(k) is not None}
                 click.echo(
                     f"  {spec['name']}: iteration {it}/{spec['steps']} pass {rl.get('pass_rate')} "
                     f"kl {rl.get('kl'):.4f}",
@@ -428,6 +437,9 @@ def rl_swarm(s: Settings, png: str | None = None) -> dict[str, Any]:
         "wall_s": round(main.wall_s, 2),
         "curve": curve_points((main.view["progress"]["rl"] or {}).get("rewards") or [], main.polled),
         "rl_final": {k: v for k, v in main.view["progress"]["rl"].items() if k != "rewards"},
+        # a re-plan mid-job (e.g. a trainer's heartbeat late under load) restarts the trainer's record
+        "replans": (main.view.get("planning") or {}).get("replans") or [],
+        "churn": main.view.get("churn") or {},
         "heldout": {
             **heldout_summary(start, end, polled_kls),
             "kl_max_over": f"the {len(polled_kls)} iterations the polls saw (progress is published every ~2 s)",

@@ -51,10 +51,15 @@ def test_rates_errors_and_curve() -> None:
     assert throughput([(1.0, 1), (3.0, 3), (5.0, 5)], 32) == pytest.approx(4 * 32 / 4)
     assert throughput([(1.0, 1)], 32) is None and throughput([(1.0, 2), (1.0, 3)], 8) is None
     assert relative_error(1.3, 1.0) == pytest.approx(0.3) and relative_error(1.0, 0.0) is None
-    points = curve_points([[1, 0.5, 0.25], [2, 0.75, 0.5]], {2: {"kl": 0.01, "response_len": 2.5}})
+    polled = {
+        1: {"kl": 0.0, "pass_rate": 0.1, "reward_mean": 0.2},  # before a re-plan: not in the newest record
+        3: {"kl": 0.01, "response_len": 2.5, "pass_rate": 0.4, "reward_mean": 0.6},
+    }
+    points = curve_points([[2, 0.5, 0.25], [3, 0.75, 0.5]], polled)
     assert points == [
-        {"iteration": 1, "reward_mean": 0.5, "pass_rate": 0.25},
-        {"iteration": 2, "reward_mean": 0.75, "pass_rate": 0.5, "kl": 0.01, "response_len": 2.5},
+        {"iteration": 1, "kl": 0.0, "pass_rate": 0.1, "reward_mean": 0.2, "from": "poll"},
+        {"iteration": 2, "reward_mean": 0.5, "pass_rate": 0.25},
+        {"iteration": 3, "reward_mean": 0.75, "pass_rate": 0.5, "kl": 0.01, "response_len": 2.5},
     ]
     table = comparison({"generate": 2.0, "sync": 1.0}, {"generate": 1.6})
     assert set(table) == {"generate"} and table["generate"]["relative_error"] == pytest.approx(0.25)
