@@ -165,7 +165,7 @@ def curve_points(rewards: list[list[float]], polled: dict[int, dict[str, float]]
     A re-plan that makes another peer the trainer starts a new record: iterations before it that
     the polls saw come from the polls (``"from": "poll"``), the others are missing.
     """
-    points = {
+    points: dict[int, dict[str, Any]] = {
         int(i): {**polled.get(int(i), {}), "iteration": int(i), "reward_mean": r, "pass_rate": p}
         for i, r, p in rewards
     }
