@@ -473,6 +473,7 @@ def prediction_report(
 ) -> dict[str, Any]:
     """The cost model's seconds per task and per iteration against the measured ones."""
     tasks = dict(predicted["tasks"])
+    replayed = sum(phases["median_s"].values())
     return {
         "predicted": predicted,
         "committed_cost_s": committed,
@@ -488,6 +489,10 @@ def prediction_report(
             "measured_s": iteration_s,
             "relative_error": relative_error(predicted["seconds"], iteration_s) if iteration_s else None,
             "measured_source": "the trainer's own iteration times on the swarm (completions / rollouts/s), median",
+            # the same phases back to back on one thread, no daemons: what the swarm adds is the rest
+            "replayed_s": replayed,
+            "replayed_relative_error": relative_error(predicted["seconds"], replayed),
+            "measured_over_replayed": iteration_s / replayed if iteration_s and replayed else None,
         },
     }
 

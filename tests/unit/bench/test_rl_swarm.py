@@ -126,4 +126,6 @@ def test_the_rebuilt_roster_scores_like_the_daemons_entries() -> None:
     )
     assert report["rebuilt_over_committed"] == pytest.approx(1.0)
     assert report["iteration"]["relative_error"] == pytest.approx(-0.5)
+    assert report["iteration"]["replayed_s"] == pytest.approx(0.31)
+    assert report["iteration"]["measured_over_replayed"] == pytest.approx(2 * got["seconds"] / 0.31)
     assert set(report["per_task"]) == {"generate", "reference", "actor_train"}
