@@ -159,6 +159,18 @@ def throughput(seen: list[tuple[float, int]], per_iteration: int) -> float | Non
     return (seen[-1][1] - seen[0][1]) * per_iteration / (seen[-1][0] - seen[0][0])
 
 
+def async_ratio(sync: dict[str, Any] | None, lagged: dict[str, Any] | None) -> dict[str, Any]:
+    """Rollouts/s async over sync: between the iterations the polls saw, else the trainers' own medians."""
+    for key, source in (
+        ("rollouts_per_s", "completions between the first and last iteration the polls saw"),
+        ("rollouts_per_s_daemon_median", "the trainer's per-iteration rates the polls saw, median"),
+    ):
+        a, b = (lagged or {}).get(key), (sync or {}).get(key)
+        if a and b:
+            return {"async_over_sync_rollouts_per_s": a / b, "ratio_source": source}
+    return {"async_over_sync_rollouts_per_s": None, "ratio_source": None}
+
+
 def curve_points(rewards: list[list[float]], polled: dict[int, dict[str, float]]) -> list[dict[str, Any]]:
     """The trainer's [iteration, reward, pass rate] points with what the polls saw at each iteration.
 
@@ -456,12 +468,10 @@ def rl_swarm(s: Settings, png: str | None = None) -> dict[str, Any]:
         "seconds": round(time.monotonic() - started, 1),
     }
     if s.compare_async is not None:
-        sync, lagged = arms.get("rl-swarm-staleness0"), arms.get(f"rl-swarm-staleness{s.compare_async}")
-        a, b = (lagged or {}).get("rollouts_per_s"), (sync or {}).get("rollouts_per_s")
         out["compare_async"] = {
             "staleness": s.compare_async,
             "arms": arms,
-            "async_over_sync_rollouts_per_s": a / b if a and b else None,
+            **async_ratio(arms.get("rl-swarm-staleness0"), arms.get(f"rl-swarm-staleness{s.compare_async}")),
         }
     if png:
         out["png"] = write_plot(out, Path(png))
@@ -543,7 +553,7 @@ def write_plot(result: dict[str, Any], path: Path) -> str | None:
 QUICK: dict[str, Any] = {
     "peers": 3,
     "iterations": 60,
-    "compare_iterations": 20,
+    "compare_iterations": 60,
     "eval_problems": 128,
 }
 
@@ -578,7 +588,7 @@ QUICK: dict[str, Any] = {
 @click.option(
     "--quick",
     is_flag=True,
-    help="Smoke run: 3 peers, 60 iterations, 20 per comparison job, 128 held-out problems.",
+    help="Smoke run: 3 peers, 60 iterations, 60 per comparison job, 128 held-out problems.",
 )
 @click.option("--out", default=None, type=click.Path(dir_okay=False), help="Also write the JSON here.")
 @click.option("--png", default=None, type=click.Path(dir_okay=False), help="Write the curve plot here.")

@@ -6,6 +6,7 @@ import pytest
 
 from peerd.bench.rl_swarm import (
     Settings,
+    async_ratio,
     committed_roster,
     comparison,
     curve_points,
@@ -61,6 +62,12 @@ def test_rates_errors_and_curve() -> None:
         {"iteration": 2, "reward_mean": 0.5, "pass_rate": 0.25},
         {"iteration": 3, "reward_mean": 0.75, "pass_rate": 0.5, "kl": 0.01, "response_len": 2.5},
     ]
+    fast, slow = {"rollouts_per_s": 300.0, "rollouts_per_s_daemon_median": 500.0}, {"rollouts_per_s": 100.0}
+    assert async_ratio(slow, fast)["async_over_sync_rollouts_per_s"] == pytest.approx(3.0)
+    # too short for two polls: the trainers' own rates
+    got = async_ratio({"rollouts_per_s": None, "rollouts_per_s_daemon_median": 250.0}, fast)
+    assert got["async_over_sync_rollouts_per_s"] == pytest.approx(2.0) and "median" in got["ratio_source"]
+    assert async_ratio(None, fast)["async_over_sync_rollouts_per_s"] is None
     table = comparison({"generate": 2.0, "sync": 1.0}, {"generate": 1.6})
     assert set(table) == {"generate"} and table["generate"]["relative_error"] == pytest.approx(0.25)
 
