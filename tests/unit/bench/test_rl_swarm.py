@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from peerd.bench.rl_swarm import (
-    Settings,
+from peerd.bench.rl_swarm import Settings, job_spec
+from peerd.bench.rl_swarm_report import (
     async_ratio,
     committed_roster,
     comparison,
     curve_points,
     heldout_summary,
-    job_spec,
     predict,
     prediction_report,
     relative_error,

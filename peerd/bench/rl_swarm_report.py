@@ -1,0 +1,193 @@
+"""The pure parts of ``peerd bench rl-swarm``: target arithmetic, rates, the rebuilt roster and its prediction, the plot.
+
+Nothing here starts a daemon; ``peerd.bench.rl_swarm`` feeds it what the swarm and the
+in-process replay measured (its docstring says what each figure is).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from peerd.jobs.scoring_rl import RLRosterScorer
+from peerd.jobs.spec import JobSpec
+from peerd.sched.allocation import Allocation
+from peerd.sched.consensus.messages import Roster, RosterDevice, RosterEntry, RosterLink
+
+TARGET_RATIO, TARGET_PASS = 3.0, 0.6  # issue 13: 3x the starting pass rate or >= 0.6, whichever is lower
+
+
+def target(start: float) -> float:
+    return min(TARGET_RATIO * start, TARGET_PASS)
+
+
+def heldout_summary(start: dict[str, float], end: dict[str, float], kls: list[float]) -> dict[str, Any]:
+    """Start vs end on the held-out set, the target and whether it was met (the end must also beat the start)."""
+    goal = target(start["pass_rate"])
+    return {
+        "start": start,
+        "end": end,
+        "pass_rate_ratio": end["pass_rate"] / start["pass_rate"] if start["pass_rate"] else None,
+        "target_pass_rate": goal,
+        "target_met": end["pass_rate"] >= goal and end["pass_rate"] > start["pass_rate"],
+        "kl_max": max(kls, default=None),
+    }
+
+
+def relative_error(predicted: float, measured: float) -> float | None:
+    """(predicted - measured) / measured: negative when the model is optimistic."""
+    return (predicted - measured) / measured if measured > 0 else None
+
+
+def throughput(seen: list[tuple[float, int]], per_iteration: int) -> float | None:
+    """Completions per second between the first and the last iteration seen ((seconds, iteration) pairs)."""
+    if len(seen) < 2 or seen[-1][1] <= seen[0][1] or seen[-1][0] <= seen[0][0]:
+        return None
+    return (seen[-1][1] - seen[0][1]) * per_iteration / (seen[-1][0] - seen[0][0])
+
+
+def async_ratio(sync: dict[str, Any] | None, lagged: dict[str, Any] | None) -> dict[str, Any]:
+    """Rollouts/s async over sync: between the iterations the polls saw, else the trainers' own medians."""
+    for key, source in (
+        ("rollouts_per_s", "completions between the first and last iteration the polls saw"),
+        ("rollouts_per_s_daemon_median", "the trainer's per-iteration rates the polls saw, median"),
+    ):
+        a, b = (lagged or {}).get(key), (sync or {}).get(key)
+        if a and b:
+            return {"async_over_sync_rollouts_per_s": a / b, "ratio_source": source}
+    return {"async_over_sync_rollouts_per_s": None, "ratio_source": None}
+
+
+def curve_points(rewards: list[list[float]], polled: dict[int, dict[str, float]]) -> list[dict[str, Any]]:
+    """The trainer's [iteration, reward, pass rate] points with what the polls saw at each iteration.
+
+    A re-plan that makes another peer the trainer starts a new record: iterations before it that
+    the polls saw come from the polls (``"from": "poll"``), the others are missing.
+    """
+    points: dict[int, dict[str, Any]] = {
+        int(i): {**polled.get(int(i), {}), "iteration": int(i), "reward_mean": r, "pass_rate": p}
+        for i, r, p in rewards
+    }
+    for i, seen in polled.items():
+        if i not in points and "pass_rate" in seen:
+            points[i] = {"iteration": i, **seen, "from": "poll"}
+    return [points[i] for i in sorted(points)]
+
+
+def comparison(predicted: dict[str, float], measured: dict[str, float]) -> dict[str, dict[str, Any]]:
+    """Per key of ``predicted`` found in ``measured``: both and the relative error."""
+    return {
+        k: {"predicted_s": v, "measured_s": measured[k], "relative_error": relative_error(v, measured[k])}
+        for k, v in predicted.items()
+        if k in measured
+    }
+
+
+def committed_roster(status: dict[str, Any], alloc: dict[str, Any], memory_bandwidth: float) -> Roster:
+    """The committed roster's peers as the owner's status shows them, in the form the RL cost model reads.
+
+    Each entry as ``peerd.jobs.service`` builds it: fp32 TFLOPS, free memory, measured links (one-way
+    delay = RTT / 2, upload bandwidth); ``memory_bandwidth`` (bytes/s) from the shared profile cache.
+    """
+    rows = {p["peer_id"]: p for p in status.get("peers", [])}
+    members = list(alloc["roster"])
+    entries = []
+    for peer in members:
+        row = rows[peer]
+        memory = (
+            row["memory_free_bytes"] if row["memory_free_bytes"] is not None else row["memory_total_bytes"]
+        )
+        device = RosterDevice(float(row["tflops"]["fp32"]), int(memory), "", memory_bandwidth)
+        links = {
+            x["dst"]: RosterLink(x["dst"], x["rtt_ms"] / 2e3, x["bw_up_mbps"] * 1e6)
+            for x in status.get("links", [])
+            if x["src"] == peer
+            and x["dst"] in members
+            and x["status"] == "ok"
+            and x["rtt_ms"] is not None
+            and x["bw_up_mbps"]
+        }
+        entries.append(
+            RosterEntry(
+                "bench", int(alloc["epoch"]), peer, 0.0, device, tuple(links[p] for p in sorted(links))
+            )
+        )
+    return Roster.of(int(alloc["epoch"]), entries)
+
+
+def predict(spec: JobSpec, roster: Roster, alloc: dict[str, Any]) -> dict[str, Any]:
+    """The RL cost model's prediction for the committed roles (one trainer, the spares rolling out)."""
+    allocation = Allocation(tuple(tuple(s) for s in alloc["stages"]), tuple(alloc["spares"]))
+    return RLRosterScorer(spec).predict(roster, allocation).to_dict()
+
+
+def prediction_report(
+    predicted: dict[str, Any], phases: dict[str, Any], iteration_s: float | None, committed: float | None
+) -> dict[str, Any]:
+    """The cost model's seconds per task and per iteration against the measured ones."""
+    tasks = dict(predicted["tasks"])
+    replayed = sum(phases["median_s"].values())
+    return {
+        "predicted": predicted,
+        "committed_cost_s": committed,
+        "rebuilt_over_committed": predicted["seconds"] / committed if committed else None,
+        "per_task": comparison(tasks, phases["median_s"]),
+        "per_task_source": (
+            f"phases of {phases['iterations']} sync iterations replayed in this process on one thread "
+            f"({phases['rollout_shards']} shards; generate = the slowest shard), after the swarm closed"
+        ),
+        "replayed_phases_s": phases["median_s"],
+        "iteration": {
+            "predicted_s": predicted["seconds"],
+            "measured_s": iteration_s,
+            "relative_error": relative_error(predicted["seconds"], iteration_s) if iteration_s else None,
+            "measured_source": "the trainer's own iteration times on the swarm (completions / rollouts/s), median",
+            # the same phases back to back on one thread, no daemons: what the swarm adds is the rest
+            "replayed_s": replayed,
+            "replayed_relative_error": relative_error(predicted["seconds"], replayed),
+            "measured_over_replayed": iteration_s / replayed if iteration_s and replayed else None,
+        },
+    }
+
+
+def write_plot(result: dict[str, Any], path: Path) -> str | None:
+    """Reward and pass rate per iteration with the held-out start/end and the target; KL and length (None without matplotlib)."""
+    try:
+        import matplotlib
+    except ImportError:
+        return None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    curve, held = result["curve"], result["heldout"]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4), dpi=120)
+    xs = [c["iteration"] for c in curve]
+    left.plot(xs, [c["pass_rate"] for c in curve], label="pass rate (rollouts)", linewidth=1.2)
+    left.plot(xs, [c["reward_mean"] for c in curve], label="reward mean", linewidth=1.0, alpha=0.7)
+    left.axhline(held["start"]["pass_rate"], color="grey", linestyle=":", label="held-out start")
+    left.axhline(held["end"]["pass_rate"], color="green", linestyle="--", label="held-out end")
+    left.axhline(held["target_pass_rate"], color="red", linestyle="-.", label="target")
+    left.set_xlabel("iteration")
+    left.legend(fontsize=8)
+    kl = [(c["iteration"], c["kl"]) for c in curve if "kl" in c]
+    length = [(c["iteration"], c["response_len"]) for c in curve if "response_len" in c]
+    if kl:
+        right.plot(
+            *zip(*kl, strict=True), "o-", label="KL to reference (polled)", color="purple", markersize=3
+        )
+    right.set_xlabel("iteration")
+    right.set_ylabel("k3 KL")
+    if length:
+        twin = right.twinx()
+        twin.plot(*zip(*length, strict=True), "s--", label="response length", color="orange", markersize=3)
+        twin.set_ylabel("response length (tokens)")
+        twin.legend(fontsize=8, loc="upper right")
+    right.legend(fontsize=8, loc="upper left")
+    for ax in (left, right):
+        ax.grid(alpha=0.3)
+    fig.suptitle(f"peerd bench rl-swarm: {result['settings']['task']}, {result['settings']['peers']} daemons")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    plt.close(fig)
+    return str(path)
