@@ -82,25 +82,42 @@ SWARM_OPTIONS = {
 
 @dataclass(frozen=True)
 class Settings:
-    """What the bench runs (the command line's values)."""
+    """What the bench runs (the command line's values); defaults met the target on 4 CPU daemons."""
 
     peers: int = 4
+    """Daemons on loopback: one trainer, the others rollout peers (as the consensus places them)."""
     task: str = "addition"
+    """The verifiable task (``peerd.rl.tasks``)."""
     min_size: int = 1
+    """Smallest operand digits / string length."""
     max_size: int = 1
+    """Largest operand digits / string length."""
     iterations: int = 300
+    """GRPO iterations of the main job."""
     staleness: int = 0
+    """Async bound k of the main job (0: synchronous)."""
     warmup_steps: int = 150
+    """Supervised warm-up steps the trainer runs first (batch 64, lr 3e-3, as ``peerd bench grpo``)."""
     group_size: int = 8
+    """Completions per prompt (G)."""
     prompts: int = 16
+    """Prompts per iteration (two optimizer updates per iteration when even)."""
     lr: float = 1e-3
+    """GRPO learning rate (AdamW, constant)."""
     kl_coef: float = 0.04
+    """Weight of the k3 KL penalty to the reference."""
     d_model: int = 32
+    """Width of the 2-layer GPT (``tiny`` preset, overridden)."""
     eval_problems: int = 256
+    """Held-out problems evaluated at the start and the end."""
     seed: int = 0
+    """Model seed; the warm-up uses seed + 1, the held-out set seed + 1_000_003."""
     compare_async: int | None = None
+    """Also run the job at staleness 0 and this k on the same swarm (None: no comparison)."""
     compare_iterations: int = 100
+    """Iterations of each comparison job."""
     job_timeout_s: float = 900.0
+    """Seconds one job may take before it is cancelled and the bench fails."""
 
 
 def job_spec(s: Settings, *, staleness: int, iterations: int, name: str) -> dict[str, Any]:
