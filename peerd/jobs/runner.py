@@ -80,6 +80,7 @@ from peerd.pipeline.worker import StageOutOfMemory, StageWorker, StepReport
 from peerd.sched.allocation import Allocation
 from peerd.sched.consensus.actions import Commit
 from peerd.sched.consensus.messages import HeldState, RosterEntry
+from peerd.swarm.bans import BanEvent
 from peerd.swarm.keys import progress_key
 from peerd.swarm.transport import Transport
 
@@ -247,6 +248,8 @@ class TaskletRunner:
         self._replicator: asyncio.Task | None = None
         self._lock = asyncio.Lock()
         self._dirty = asyncio.Event()
+        self.banned: dict[str, BanEvent] = {}  # partners this peer's transport banned (their latest ban)
+        self._unsubscribe: Callable[[], None] | None = None
         self._boundary_raw = spec.model.family().hidden * 4  # fp32 bytes per token at a boundary
         self._avg_raw_per_step = 0
         self._wire_before: dict[str, int] = {}  # bytes sent by the workers of earlier commits
@@ -262,6 +265,7 @@ class TaskletRunner:
     async def start(self) -> None:
         """Serve this job's state-sync protocol (peers may fetch the stage state held here)."""
         await self.server.start()
+        self._unsubscribe = self.transport.banlist.subscribe(self._on_ban)
         self._publisher = asyncio.create_task(self._publish_loop())
         if self.replicas is not None and self.checkpoint_root is not None and self.spec.checkpoint_interval:
             self._replicator = asyncio.create_task(self._replicate_loop())
@@ -277,6 +281,8 @@ class TaskletRunner:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await task
+        if self._unsubscribe is not None:
+            self._unsubscribe()
         with contextlib.suppress(Exception):
             await self.server.close()
 
@@ -356,6 +362,10 @@ class TaskletRunner:
                 )
             first = self.commit is None
             self.commit = commit
+            # a new epoch forgets the partners whose bans are over (a ban in this epoch stays)
+            self.banned = {
+                p: e for p, e in self.banned.items() if self.transport.banlist.remaining(e.peer) > 0
+            }
             where = tasklet_of(commit.allocation, self.me)
             self.cfg = train_config(
                 self.job.job_id, self.spec, commit.allocation, self.checkpoint_root, device=self.device
@@ -473,7 +483,10 @@ class TaskletRunner:
             self._recovering(str(exc))
             partners = self._partners()
             culprit = getattr(exc, "peer", None)  # PeerMisbehaved: a partner sent NaN/absurd values
-            self.suspects = (culprit,) if culprit in partners else tuple(sorted(partners))[:MAX_SUSPECTS]
+            banned = tuple(sorted(p for p in partners if p in self.banned))  # banned in this epoch
+            self.suspects = ((culprit,) if culprit in partners else banned or tuple(sorted(partners)))[
+                :MAX_SUSPECTS
+            ]
             logger.warning(
                 "job %s: tasklet s%sr%s stopped at step %d, waiting for a re-plan: %s",
                 self.job.job_id,
@@ -488,6 +501,20 @@ class TaskletRunner:
         await self._capture(worker)
         await worker.close()
         self._dirty.set()
+
+    def _on_ban(self, event: BanEvent) -> None:
+        """The transport banned a peer (garbage or over-limit streams): if it is a partner, suspect it.
+
+        Its new streams are refused, so when this tasklet's step breaks in this epoch the record
+        names that partner, not every partner (a healthy one must not look suspect).
+        """
+        peer = event.peer.to_base58() if hasattr(event.peer, "to_base58") else str(event.peer)
+        if self.commit is None or self.stage is None or peer not in self._partners():
+            return
+        self.banned[peer] = event
+        self.suspects = tuple(sorted(set(self.suspects) | {peer}))[:MAX_SUSPECTS]
+        self._dirty.set()
+        logger.warning("job %s: partner %s is banned (%s): suspected", self.job.job_id, peer, event.reason)
 
     def _recovering(self, reason: str) -> None:
         self.state, self.reason = TaskState.RECOVERING, reason[:200]

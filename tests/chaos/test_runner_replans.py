@@ -40,6 +40,7 @@ from peerd.pipeline.local import LocalRunConfig, train_pipelined
 from peerd.sched.allocation import Allocation
 from peerd.sched.consensus.actions import Commit
 from peerd.sched.consensus.messages import RosterDevice, RosterEntry
+from peerd.swarm.bans import Offence
 from peerd.swarm.keys import progress_key
 from peerd.swarm.node import parse_peer_id
 
@@ -223,3 +224,44 @@ def test_a_handed_over_last_stage_continues_the_curve_and_keeps_its_history(
     assert resumed >= 20
     assert [s for s, _ in curve] == list(range(HANDOVER.steps))  # nothing before the hand-over is lost
     assert [loss for _, loss in curve] == reference
+
+
+async def _ban(tmp_path: Path, wait: Any) -> tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...], str]:
+    spec = parse_job_spec(
+        {**CHURN_SPEC, "name": "ban", "steps": 2000, "parallel": {"d_pp": 3, "d_dp": 1}, "min_peers": 3}
+    )
+    peers = await start_peers(3)
+    dht = MemoryDHT(time.time)
+    ids = [p.peer_id.to_base58() for p in peers]
+    runners = make_runners(spec, peers, dht, tmp_path)
+    middle = runners[1]
+    try:
+        for r in runners:
+            await r.start()
+        allocation = Allocation.from_plain([[ids[0]], [ids[1]], [ids[2]]])
+        await asyncio.gather(*(r.adopt(commit(1, allocation), None) for r in runners))
+        await wait(lambda: middle.step >= 2, 120, "the pipeline to train")
+        before = middle.suspects
+        for _ in range(3):  # three garbage streams from the last stage's peer ban it (BanPolicy)
+            peers[1].transport.banlist.report(peers[2].peer_id, Offence.GARBAGE, "test: undecodable frame")
+        running = middle.suspects  # named while the tasklet still runs (open streams go on)
+        await runners[2].close()  # the banned partner's streams end: the middle tasklet's step breaks
+        await wait(lambda: middle.state == TaskState.RECOVERING, 120, "the middle tasklet to stop")
+        return before, running, middle.suspects, ids[2]
+    finally:
+        for r in runners:
+            await r.close()
+        await stop_peers(peers)
+
+
+def test_a_partner_banned_by_the_transport_is_the_one_suspected(
+    tmp_path: Path, async_wait_until: Any
+) -> None:
+    """The middle stage's transport bans the last stage's peer (three garbage streams, reported as
+    the transport reports them): the middle tasklet suspects that partner at once, and when its step
+    breaks (here: the banned peer goes) its record names only that one, not the first stage's peer
+    too (before: every partner of a broken tasklet was suspected)."""
+    before, running, broken, banned = asyncio.run(_ban(tmp_path, async_wait_until))
+    assert before == ()
+    assert running == (banned,)
+    assert broken == (banned,)
