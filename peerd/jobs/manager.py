@@ -430,7 +430,9 @@ class JobManager:
         first = {p: self._online_since.get(p, now) for p in online}
         self._online_since = first  # forget who went offline: a return counts as new
         max_peers = entry.spec.max_peers
-        target = target_width(entry.spec.parallel.d_dp, max_peers, allocation.d_pp)
+        # an rl job runs one trainer: its spares are rollout peers, not room for another replica
+        rl = entry.spec.kind == "rl"
+        target = 1 if rl else target_width(entry.spec.parallel.d_dp, max_peers, allocation.d_pp)
         job_id = entry.record.job_id
         declined = self._declined.setdefault(job_id, set())
         declined &= set(online)  # one that went offline and came back may count again

@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import pytest
 
 from peerd.errors import ErrorCode, ProtocolError
 from peerd.jobs.manager import JobManager, eligible
-from peerd.jobs.records import JobState, encode_job
-from peerd.jobs.spec import JobSpecError, load_job_spec
+from peerd.jobs.records import JobState, encode_job, new_job_record
+from peerd.jobs.spec import JobSpecError, ParallelSpec, load_job_spec, parse_job_spec
 from peerd.jobs.store import MemoryDHT
+from peerd.jobs.views import JobEntry
 from peerd.loading import load_mapping, to_mapping
+from peerd.sched.allocation import Allocation
 from peerd.sched.consensus.messages import RosterDevice
 from peerd.swarm.keys import job_key
 
@@ -206,5 +209,42 @@ def test_submit_takes_finetune_and_runs_the_whole_optimizer(tmp_path) -> None:
             assert not any("ignored" in w for w in out["warnings"])
         finally:
             await ms.close()
+
+    asyncio.run(scenario())
+
+
+def test_an_rl_job_is_never_short_handed_its_spares_roll_out() -> None:
+    """A pretraining job with a settled newcomer grows; an rl job's spares are its rollout peers, not room."""
+
+    async def scenario() -> None:
+        ms = Managers([OWNER, OTHER, THIRD, "QmFourth" + "w" * 22])
+        manager = ms.by_peer[OWNER]
+        manager.config = dataclasses.replace(
+            manager.config, health=dataclasses.replace(manager.config.health, grow_settle_s=0.0)
+        )
+        rl = parse_job_spec(
+            {
+                "kind": "rl",
+                "model": {"preset": "tiny"},
+                "steps": 10,
+                "global_batch": 16,
+                "micro_batch": 16,
+                "min_peers": 2,
+                "max_peers": 4,
+                "rl": {"group_size": 8},
+            }
+        )
+        pretrain = dataclasses.replace(DEMO, min_peers=2, max_peers=4, parallel=ParallelSpec("auto", "auto"))
+        alloc = Allocation(((OWNER,),), (OTHER, THIRD))  # one tasklet, two spares, the fourth peer is new
+        for spec, grows in ((pretrain, True), (rl, False)):
+            entry = JobEntry(
+                new_job_record(
+                    OWNER, "default", spec, bytes(16), now=T0, epoch0_start=T0, timing=spec.planning.timing()
+                ),
+                spec,
+            )
+            cause = manager._growth(entry, alloc, T0 + 100.0)
+            assert (cause is not None) == grows, (spec.kind, cause)
+        await ms.close()
 
     asyncio.run(scenario())

@@ -1,0 +1,131 @@
+"""A rollout peer of an ``rl`` job SIGKILLed mid-job on four real daemons: the job goes on without it.
+
+One trainer and the rollout peers the consensus picks (two or three) run a synchronous GRPO job. After a few iterations one
+rollout peer is killed like a crash. The trainer waits ``rl.rollout_timeout_s`` for its shard
+once, drops it (counted: ``shards_missing``), names the peer a suspect and samples its prompts
+itself from then on (nothing re-plans a dead spare yet): the job ends done with every iteration
+trained, and only the dead peer's in-flight rollouts lost.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from peerd.localswarm import LocalSwarm, converged
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
+
+PEERD = [sys.executable, "-c", "from peerd.cli import main; main()"]
+SWARM_OPTIONS = {
+    "record_ttl": 10.0,
+    "refresh_interval": 2.0,
+    "probe_interval": 4.0,
+    "probe_budget": 5,
+    "startup_timeout": 30.0,
+    "shutdown_timeout": 10.0,
+    "device": "cpu",
+}
+ITERATIONS = 100  # long enough that the kill lands mid-job (an iteration takes 0.1-0.5 s here)
+KILL_AFTER = 5  # iterations trained before the kill
+
+
+@pytest.fixture(scope="module")
+def swarm(tmp_path_factory: pytest.TempPathFactory, profile_cache: Path) -> Iterator[LocalSwarm]:
+    root = tmp_path_factory.mktemp("rlchurn")
+    s = LocalSwarm(
+        4, root / "s", options={**SWARM_OPTIONS, "profile_cache": str(profile_cache)}, ready_timeout=120
+    )
+    try:
+        s.start()
+        names = [p.name for p in s.peers]
+        s.wait_until(lambda v: converged(v, names), timeout=90, what="the four daemons to measure each other")
+        yield s
+    finally:
+        s.close()
+
+
+def _spec(tmp: Path) -> Path:
+    spec = {
+        "name": "grpo-churn",
+        "kind": "rl",
+        "model": {"preset": "tiny", "seed": 7},
+        "steps": ITERATIONS,
+        "global_batch": 48,  # 6 prompts x 8: two per rollout peer
+        "micro_batch": 48,
+        "optimizer": {"name": "adamw", "lr": 0.002, "schedule": "constant"},
+        "checkpoint_interval": ITERATIONS,
+        "min_peers": 4,
+        "max_peers": 4,
+        "planning": {"time_budget_s": 2, "max_skew_s": 1.0},
+        "rl": {
+            "task": {"name": "addition", "min_size": 1, "max_size": 1},
+            "group_size": 8,
+            "sampling": {"max_new_tokens": 4, "temperature": 1.0},
+            "warmup": {"steps": 60, "batch_size": 16, "lr": 0.003},
+            "rollout_timeout_s": 10,
+        },
+    }
+    path = tmp / "grpo-churn.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    return path
+
+
+def _job(views: dict[str, dict[str, Any]], job_id: str) -> dict[str, Any] | None:
+    for view in views.values():
+        for job in view.get("jobs", []):
+            if job["job_id"] == job_id and job.get("progress", {}).get("rl"):
+                return job
+    return None
+
+
+def test_a_killed_rollout_peer_costs_only_its_rollouts(swarm: LocalSwarm, tmp_path: Path) -> None:
+    home = str(swarm.peers[0].home)
+    submitted = subprocess.run(
+        [*PEERD, "submit", str(_spec(tmp_path)), "--home", home, "--json"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert submitted.returncode == 0, submitted.stderr
+    job_id = json.loads(submitted.stdout)["job_id"]
+
+    def trained(n: int) -> Any:
+        return lambda views: (j := _job(views, job_id)) is not None and j["progress"]["rl"]["iteration"] >= n
+
+    views = swarm.wait_until(trained(KILL_AFTER), timeout=300, what=f"{KILL_AFTER} GRPO iterations")
+    job = _job(views, job_id)
+    assert job is not None
+    alloc = job["allocation"]
+    trainer, rollouts = alloc["stages"][0][0], alloc["spares"]
+    assert len(rollouts) >= 2, alloc  # the cost model may leave a peer out: one must survive the kill
+    # a rollout peer other than the owner's daemon (the one the CLI talks to)
+    victim = next(p for p in swarm.peers[1:] if p.info is not None and p.info.peer_id in rollouts)
+    swarm.kill_peer(victim)
+    killed_at = time.monotonic()
+
+    def finished(views: dict[str, dict[str, Any]]) -> bool:
+        j = _job(views, job_id)
+        return j is not None and j["state"] in ("done", "failed")
+
+    views = swarm.wait_until(finished, timeout=400, what="the job to end after the kill")
+    job = _job(views, job_id)
+    assert job is not None and job["state"] == "done", (job, [p.log_tail(20) for p in swarm.live_peers()])
+    rl = job["progress"]["rl"]
+    assert rl["iteration"] == ITERATIONS and rl["version"] == ITERATIONS
+    lost = f"{rl}, churn {job.get('churn')}"
+    assert rl["shards_missing"] >= 1, lost  # the dead peer's shard of the iteration it died in
+    # the trainer names it, and samples its prompts itself from then on: only in-flight shards are lost
+    assert victim.info.peer_id in job["churn"]["suspects"], lost
+    completions = sum(n for _, n in rl["staleness"])
+    assert ITERATIONS * 48 - 3 * 48 <= completions < ITERATIONS * 48, lost
+    assert job["allocation"]["stages"][0][0] == trainer
+    assert time.monotonic() - killed_at < 400
