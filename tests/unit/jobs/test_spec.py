@@ -60,8 +60,9 @@ def test_examples_load(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
             sample.parent.mkdir(parents=True, exist_ok=True)
             sample.write_bytes(b"an owner's own text. " * 400)
         spec = load_job_spec(path)
-        assert spec.kind in ("pretrain", "finetune") and spec.steps > 0
+        assert spec.kind in ("pretrain", "finetune", "rl") and spec.steps > 0
         assert (spec.kind == "finetune") == (spec.init_checkpoint is not None)
+    assert "grpo-addition.yaml" in names  # the rl example
 
 
 def test_the_demo_spec_fits_six_peers_on_a_laptop() -> None:
