@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from peerd.errors import ConfigError
-from peerd.jobs.scoring import CACHE_ROSTERS, RosterScorer, job_model, roster_scenario
+from peerd.jobs.scoring import CACHE_ROSTERS, JobModel, RosterScorer, job_model, roster_scenario
 from peerd.jobs.spec import JobSpec
 from peerd.rl.tasks import make_task
 from peerd.sched.allocation import Allocation
@@ -199,7 +199,7 @@ class RLRosterScorer:
         return RoleIsland(_Model(scenario, self.workload), self.spec.max_peers)
 
 
-def with_bandwidths(roster: Roster, jm: Any) -> Scenario:
+def with_bandwidths(roster: Roster, jm: JobModel) -> Scenario:
     """``roster_scenario`` with every device's memory bandwidth from its roster entry."""
     base = roster_scenario(roster, jm)
     bandwidth = {}

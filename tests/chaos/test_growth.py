@@ -171,21 +171,27 @@ def test_a_short_handed_job_grows_back_onto_a_newcomer(swarm: LocalSwarm) -> Non
     causes = [r["cause"] for r in view["churn"]["replans"]]
     assert any("of 2 replicas" in c for c in causes), causes
 
-    # train a few steps at the new width, then compare every step with the single-process run
-    at = min(v["progress"]["step"] for v in wide.values())
-    later = job.wait(
-        lambda vs: len(vs) >= 4 and all(v["progress"]["step"] >= at + 3 for v in vs.values()),
-        120,
-        "steps at the new width",
-    )
+    # train at the new width until the job's curve (steps every replica completed) shows a few steps
+    # past the growth, then compare every step with the single-process run
+    def grown_at_of(vs: dict[str, Any]) -> int | None:
+        new_epoch = max(v["allocation"]["epoch"] for v in vs.values())
+        resumes = [
+            r["resume_step"]
+            for v in vs.values()
+            for r in (v.get("tasklet") or {}).get("recoveries") or []
+            if r["epoch"] == new_epoch
+        ]
+        return min(resumes) if resumes else None
+
+    def past_growth(vs: dict[str, Any]) -> bool:
+        at = grown_at_of(vs) if len(vs) >= 4 else None
+        curve = next(iter(vs.values()))["progress"]["losses"] if vs else []
+        return at is not None and sum(1 for s, _ in curve if s > at) >= 3
+
+    later = job.wait(past_growth, 180, "loss points past the growth")
     owner.control().call("cancel", job_id=job.job)
-    new_epoch = max(v["allocation"]["epoch"] for v in later.values())
-    grown_at = min(
-        r["resume_step"]
-        for v in later.values()
-        for r in (v.get("tasklet") or {}).get("recoveries") or []
-        if r["epoch"] == new_epoch
-    )
+    grown_at = grown_at_of(later)
+    assert grown_at is not None
     losses = {int(s): float(v) for s, v in next(iter(later.values()))["progress"]["losses"]}
     reference = reference_losses(job.job, SPEC, max(losses) + 1, grown_at)
     off = [(s, losses[s], reference[s]) for s in sorted(losses) if abs(losses[s] / reference[s] - 1) > 1e-4]
