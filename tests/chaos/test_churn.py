@@ -69,7 +69,13 @@ def reference_run(job_id: str, spec: dict[str, Any]) -> tuple[GPT, list[float]]:
         total_steps=cfg.steps,
     )
     model = GPT(cfg.model.gpt(), seed=cfg.model.seed)
-    return model, train_pipelined(model, build_dataset(cfg.data), local)
+    # on the daemons' one thread: float sums round by the thread count (test_growth.reference_losses)
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return model, train_pipelined(model, build_dataset(cfg.data), local)
+    finally:
+        torch.set_num_threads(before)
 
 
 def submit(swarm: LocalSwarm, spec: dict[str, Any]) -> SwarmJob:
