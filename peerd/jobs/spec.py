@@ -283,6 +283,12 @@ class JobSpec:
             )
         if self.precision != "fp32":
             out.append(ConfigError("precision", f"rl jobs train in fp32, got {self.precision}"))
+        if self.planning.objective != "peerd":
+            out.append(
+                ConfigError(
+                    "planning.objective", "rl jobs are scored by the RL cost model: leave it at peerd"
+                )
+            )
         if self.data != DataConfig():
             out.append(ConfigError("data", "rl jobs take their problems from rl.task: leave data out"))
         if self.compression != CompressionSpec():

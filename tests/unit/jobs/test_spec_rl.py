@@ -59,11 +59,13 @@ def test_what_an_rl_job_cannot_honour_is_refused_by_name() -> None:
         data={"seq_len": 32},
         compression={"forward": "none", "forward_bits": None},
         init_checkpoint="model.pt",
+        planning={"objective": "dtfm"},
         model={"preset": "tiny", "overrides": {"max_seq_len": 8}},
     )
     data["rl"]["sampling"]["temperature"] = 0
     found = problems(data)
     assert "fp32" in found["precision"]
+    assert "RL cost model" in found["planning.objective"]
     assert "one trainer" in found["parallel.d_pp"] and "parallel.d_dp" not in found
     assert ">= 2" in found["min_peers"]
     assert "whole groups" in found["micro_batch"]
