@@ -530,6 +530,7 @@ class TaskletRunner:
             if worker is not None:
                 await worker.quiesce()  # the compute thread finished: step and state agree
                 await self._capture(worker)
+                await worker.tell_neighbours_stopped(reason)
                 await worker.close()
             if self.state not in (TaskState.DONE, TaskState.FAILED):
                 self.state, self.reason = state, reason[:200]

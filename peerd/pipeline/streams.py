@@ -34,6 +34,7 @@ from peerd.errors import (
     ProtocolError,
 )
 from peerd.log import get_logger
+from peerd.pipeline.deadlines import DeadlineConfig
 from peerd.pipeline.frames import (
     BACKWARD_KINDS,
     FORWARD_KINDS,
@@ -97,7 +98,10 @@ class StreamConfig:
     connect_timeout_s: float = 20.0
     """Deadline to open a stream to a neighbour (the Transport retries within it)."""
     recv_timeout_s: float = 120.0
-    """How long a stage waits for a neighbour's message (covers its compute and averaging)."""
+    """How long a stage waits for a neighbour's message (covers its compute and averaging) in an
+    epoch's first steps; then the wait follows the observed step times (``deadlines``)."""
+    deadlines: DeadlineConfig = field(default_factory=DeadlineConfig)
+    """How the wait for a neighbour's message adapts to the step times (``peerd.pipeline.deadlines``)."""
     stall_timeout_s: float = 60.0
     """A started frame that makes no progress for this long breaks the stream."""
     ack_timeout_s: float = 120.0
@@ -116,6 +120,7 @@ class StreamConfig:
 
     def validate(self) -> None:
         self.sanity.validate()
+        self.deadlines.validate()
         if self.chunk_bytes < 1024:
             raise ConfigError("chunk_bytes", f"must be >= 1024, got {self.chunk_bytes}")
         for name in ("connect_timeout_s", "recv_timeout_s", "stall_timeout_s", "ack_timeout_s"):

@@ -71,6 +71,7 @@ from peerd.log import get_logger
 from peerd.pipeline import checkpoint
 from peerd.pipeline.codec import RawDecoder, build_codecs
 from peerd.pipeline.config import TrainConfig
+from peerd.pipeline.deadlines import StepDeadline
 from peerd.pipeline.frames import (
     KIND_ACT,
     KIND_GRAD,
@@ -297,6 +298,9 @@ class StageWorker:
         self.to_prev = self._sender(upstream, stage - 1)
         self._serving = False
         self.reports: list[StepReport] = []  # every step this worker completed
+        # how long to wait for a neighbour's message: learnt from this worker's steps
+        self.deadline = StepDeadline(cfg.streams.recv_timeout_s, cfg.streams.deadlines)
+        self._last_step_end: float | None = None  # perf_counter at the end of the previous step
 
     def _sender(self, peer: PeerRef | None, stage: int) -> StreamSender | None:
         if peer is None:
@@ -424,7 +428,7 @@ class StageWorker:
     async def train_step(self) -> StepReport:
         step = self.step
         try:
-            return await self._train_step(step)
+            report = await self._train_step(step)
         except PeerdError as exc:
             await self._abort(step, exc)
             raise
@@ -438,6 +442,11 @@ class StageWorker:
         except Exception as exc:  # a bug here must still stop the neighbours, not leave them waiting
             await self._abort(step, PeerdError(f"{type(exc).__name__}: {exc}"))
             raise
+        now = time.perf_counter()
+        if self._last_step_end is not None:  # from the previous step's end: what a neighbour waits through
+            self.deadline.observe(now - self._last_step_end)
+        self._last_step_end = now
+        return report
 
     async def _train_step(self, step: int) -> StepReport:
         started = time.perf_counter()
@@ -446,7 +455,7 @@ class StageWorker:
         chunks = self._micro(step)
         examples = sum(len(c) for c in chunks)
         actions = self.schedule.actions(self.stage, self.num_stages, len(chunks))
-        timeout = self.cfg.streams.recv_timeout_s
+        timeout = self.deadline.seconds()
         inputs: dict[int, torch.Tensor] = {}  # mb -> input leaf (stages > 0)
         outputs: dict[int, torch.Tensor] = {}  # mb -> output, or weighted loss on the last stage
         out_grads: dict[int, torch.Tensor] = {}
@@ -516,7 +525,7 @@ class StageWorker:
 
     async def _evaluate(self, step: int) -> float | None:
         """The forward-only held-out pass after step ``step``'s update; the replica's mean loss on the last stage."""
-        timeout = self.cfg.streams.recv_timeout_s
+        timeout = self.deadline.seconds()
         examples = sum(len(c) for c in self._val_chunks)
         loss_sum = 0.0
         for mb, ids in enumerate(self._val_chunks):
@@ -642,7 +651,7 @@ class StageWorker:
         Every stage uses stage 0's one float64, so all stages (and replicas: their averaged
         gradients are identical) scale by the same coefficient.
         """
-        timeout = self.cfg.streams.recv_timeout_s
+        timeout = self.deadline.seconds()
         partial = await self._compute(squared_norm, grads)
         if not self.last:  # stages below, summed by the next stage
             partial += float(await self.inbox.get(KIND_NORM_PART, step, 0, timeout))
@@ -717,6 +726,18 @@ class StageWorker:
         if self._closed:
             return  # close() waited for the thread
         await asyncio.wrap_future(self._executor.submit(lambda: None))  # FIFO: after all before it
+
+    async def tell_neighbours_stopped(self, reason: str) -> None:
+        """Best effort, after a cancel: tell both neighbours this stage gave up on its current step.
+
+        A stopped tasklet (a re-plan, a leave, a shutdown) closes its streams, and a closed stream
+        alone does not tell a neighbour waiting for this stage's next message that it will never come.
+        """
+        for sender in (self.to_next, self.to_prev):
+            if sender is not None:
+                await sender.abort(
+                    self.step, ErrorCode.PEER_UNAVAILABLE, f"stage {self.stage} stopped: {reason}"
+                )
 
     async def _abort(self, step: int, exc: PeerdError) -> None:
         logger.warning("stage %d replica %d: step %d failed: %s", self.stage, self.replica, step, exc)

@@ -8,6 +8,7 @@ import asyncio
 import dataclasses
 import random
 import threading
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -17,6 +18,7 @@ from peerd.data.config import DataConfig, build_dataset
 from peerd.errors import ErrorCode, ProtocolError
 from peerd.models.gpt import GPT
 from peerd.pipeline.config import ModelBuild, TrainConfig
+from peerd.pipeline.deadlines import DeadlineConfig
 from peerd.pipeline.frames import (
     KIND_ACT,
     KIND_GRAD,
@@ -245,6 +247,33 @@ def test_a_persistent_fault_fails_every_stage_fast_with_typed_errors(swarm):
     # validated (and here rejected) too
     rejected = result.stats["s1r0"]["rejected"]
     assert set(rejected) == {"UNKNOWN_EXAMPLE"} and rejected["UNKNOWN_EXAMPLE"] >= 3
+
+
+def test_the_wait_for_a_neighbour_follows_its_step_times(swarm, reference):
+    """A pipeline of slow steps (~1 s on stage 1) has one much slower step (+3.5 s): longer than the
+    3 s a stage waits in an epoch's first steps, but within 8 of the slowest steps seen, so stage 0
+    waits for it (a fixed 3 s deadline broke this step) and the run ends on the reference curve."""
+    streams = dataclasses.replace(
+        CFG.streams, recv_timeout_s=3, deadlines=DeadlineConfig(factor=8.0, floor_s=1.0, warmup_steps=2)
+    )
+    cfg = dataclasses.replace(CFG, job="slow", streams=streams)
+
+    def prepare(workers: list[StageWorker]) -> None:
+        stage1 = workers[1]
+        forward = stage1._forward
+
+        def slow_forward(*args):
+            time.sleep(3.5 if stage1.step == 4 and not slow_forward.done else 0.4)
+            slow_forward.done = slow_forward.done or stage1.step == 4
+            return forward(*args)
+
+        slow_forward.done = False
+        stage1._forward = slow_forward
+
+    result, workers = swarm.train(cfg, prepare)
+    assert result.errors == []
+    assert rel(result.losses(), reference) < 1e-4
+    assert workers[0].deadline.seconds() > 8 * 3.5  # learnt from its steps, the slow one included
 
 
 def test_grad_frames_are_checked_as_strictly(swarm, reference):
