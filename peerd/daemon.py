@@ -51,6 +51,7 @@ from peerd.swarm.membership import (
     PeerEntry,
     bootstrap_peers,
     fetch_peers,
+    merge_peer_entries,
     peers_view,
 )
 from peerd.swarm.node import NodeSettings, SwarmNode, parse_peer_id
@@ -423,14 +424,14 @@ class Daemon:
     async def refresh_peers(self) -> list[PeerEntry]:
         assert self.node is not None
         entries = await fetch_peers(self.node.dht, self.config.swarm, timeout=10.0)
-        fresh = {e.record.peer_id: e for e in entries}
+        fresh = merge_peer_entries(self.entries, entries, now=self.node.now())
         new = [
             pid for pid, e in fresh.items() if pid not in self.entries and e.record.state != PeerState.OFFLINE
         ]
         self.entries = fresh
         if new and self.prober is not None:
             self._probe_wake.set()  # measure newcomers now rather than at the next round
-        return entries
+        return sorted(fresh.values(), key=lambda e: (e.record.name, e.record.peer_id))
 
     def _probe_targets(self) -> list[str]:
         me = self.node.peer_id if self.node else None
@@ -533,7 +534,8 @@ class Daemon:
     def _view(self) -> dict[str, Any]:
         """Peers, links and jobs as this daemon sees them now (what status and metrics report)."""
         now = self.node.now() if self.node else 0.0
-        view = peers_view(self.entries.values(), now=now, self_id=self.node.peer_id if self.node else None)
+        live = [e for e in self.entries.values() if e.expires_at > now]  # expired since the last read: gone
+        view = peers_view(live, now=now, self_id=self.node.peer_id if self.node else None)
         view["jobs"] = self.jobs.views() if self.jobs is not None else []
         view["refusals"] = self._refusals().view()
         return view

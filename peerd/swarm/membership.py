@@ -7,6 +7,7 @@ expiration ``ttl`` seconds ahead. A peer that stops refreshing (crash, network
 loss) vanishes when its entry expires; a graceful leave publishes OFFLINE first,
 so the others notice at once. ``fetch_peers`` reads the key and keeps only
 entries that pass ``check_peer_entry`` (signature binding, schema, freshness);
+``merge_peer_entries`` keeps a daemon's list monotone across reads, and
 ``peers_view`` turns them into the JSON table that ``peerd status`` shows.
 ``KnownPeersStore`` remembers the peers seen, in the daemon's home, for its next start.
 """
@@ -179,6 +180,27 @@ def parse_peer_entries(value: Any, *, now: float) -> list[PeerEntry]:
         ):
             best[record.peer_id] = PeerEntry(record, float(expiration))
     return sorted(best.values(), key=lambda e: (e.record.name, e.record.peer_id))
+
+
+def merge_peer_entries(
+    known: dict[str, PeerEntry], fetched: Iterable[PeerEntry], *, now: float
+) -> dict[str, PeerEntry]:
+    """What a daemon lists after a read: per peer, the newest record it has seen that has not expired.
+
+    One DHT read may find an older copy of a record than the last one did: the node that stored
+    the newest refresh may be the crashed peer itself, and replicas are not updated atomically.
+    Keeping the newest seen copy until its own expiration makes the list monotone: a crashed
+    peer goes when its last refresh expires, not when a read happens to miss it.
+    """
+    merged = {pid: e for pid, e in known.items() if e.expires_at > now}
+    for entry in fetched:
+        current = merged.get(entry.record.peer_id)
+        if current is None or (entry.record.updated_at, entry.record.seq) >= (
+            current.record.updated_at,
+            current.record.seq,
+        ):
+            merged[entry.record.peer_id] = entry
+    return merged
 
 
 def _dictionary_items(value: Any) -> Iterable[tuple[Any, Any]] | None:

@@ -9,7 +9,7 @@ from hivemind.utils.timed_storage import ValueWithExpiration
 from msgspec.structs import replace
 
 from peerd.swarm.identity import Identity
-from peerd.swarm.membership import parse_peer_entries, peers_view, short_id
+from peerd.swarm.membership import merge_peer_entries, parse_peer_entries, peers_view, short_id
 from peerd.swarm.records import (
     DeviceKind,
     DeviceProfile,
@@ -146,3 +146,34 @@ def test_status_rendering_fills_the_matrix_from_either_side(identities):
     console.print(render_status(view))
     text = console.export_text()
     assert "alpha" in text and "ONLINE" in text and "2.0 / 100" in text
+
+
+def test_a_read_that_finds_an_older_copy_does_not_drop_the_newer_one_seen(identities):
+    """The crashed peer's newest refresh lived on its own DHT node: a later read finds an older copy
+    that expires sooner. The list keeps the newest seen until its own expiration, then drops it."""
+    a, b, _ = identities
+    newest = parse_peer_entries({a.owner_tag: _entry(_record(a, "alpha", seq=5), expires=NOW + 30)}, now=NOW)
+    known = merge_peer_entries({}, newest, now=NOW)
+    older = parse_peer_entries(
+        {
+            a.owner_tag: _entry(_record(a, "alpha", seq=4, updated=NOW - 10), expires=NOW + 10),
+            b.owner_tag: _entry(_record(b, "beta")),
+        },
+        now=NOW,
+    )
+    known = merge_peer_entries(known, older, now=NOW + 1)
+    assert {pid: e.record.seq for pid, e in known.items()} == {a.peer_id: 5, b.peer_id: 1}
+    assert known[a.peer_id].expires_at == NOW + 30
+    assert a.peer_id in merge_peer_entries(known, [], now=NOW + 29)  # missed by a read: still listed
+    later = merge_peer_entries(known, [], now=NOW + 30)  # its newest copy expired: gone
+    assert a.peer_id not in later and b.peer_id not in later
+
+
+def test_a_newer_record_replaces_the_one_seen(identities):
+    a, _, _ = identities
+    first = parse_peer_entries({a.owner_tag: _entry(_record(a, "alpha", seq=1))}, now=NOW)
+    offline = parse_peer_entries(
+        {a.owner_tag: _entry(_record(a, "alpha", seq=2, updated=NOW, state=PeerState.OFFLINE))}, now=NOW
+    )
+    known = merge_peer_entries(merge_peer_entries({}, first, now=NOW), offline, now=NOW)
+    assert known[a.peer_id].record.state == PeerState.OFFLINE
