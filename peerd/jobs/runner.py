@@ -42,6 +42,7 @@ from typing import Any
 from peerd.averaging import GroupAllReduce
 from peerd.errors import ConfigError, ErrorCode, PeerdError, PeerUnavailable
 from peerd.jobs.catalog import read_progress
+from peerd.jobs.heartbeat import ProgressPublisher
 from peerd.jobs.records import (
     MAX_SUSPECTS,
     MAX_VAL_POINTS,
@@ -49,7 +50,6 @@ from peerd.jobs.records import (
     Progress,
     TaskState,
     downsample,
-    encode_progress,
 )
 from peerd.jobs.recovery import (
     CHECKPOINT_REPLICAS,
@@ -81,12 +81,10 @@ from peerd.sched.allocation import Allocation
 from peerd.sched.consensus.actions import Commit
 from peerd.sched.consensus.messages import HeldState, RosterEntry
 from peerd.swarm.bans import BanEvent
-from peerd.swarm.keys import progress_key
 from peerd.swarm.transport import Transport
 
 logger = get_logger(__name__)
 
-PROGRESS_TTL_S = 24 * 3600.0
 READY_POLL_S = 0.5
 REPLICATE_POLL_S = 2.0  # how often a replica peer looks for a newer checkpoint of its stages
 RETAIN_CHECKPOINTS_S = 60.0
@@ -244,16 +242,16 @@ class TaskletRunner:
         self._frozen: _Frozen | None = None
         self.retired = False
         self._task: asyncio.Task | None = None
-        self._publisher: asyncio.Task | None = None
+        self.heartbeat = ProgressPublisher(
+            store, job.job_id, self.progress, interval=interval, paced=lambda: self.state == TaskState.RUNNING
+        )
         self._replicator: asyncio.Task | None = None
         self._lock = asyncio.Lock()
-        self._dirty = asyncio.Event()
         self.banned: dict[str, BanEvent] = {}  # partners this peer's transport banned (their latest ban)
         self._unsubscribe: Callable[[], None] | None = None
         self._boundary_raw = spec.model.family().hidden * 4  # fp32 bytes per token at a boundary
         self._avg_raw_per_step = 0
         self._wire_before: dict[str, int] = {}  # bytes sent by the workers of earlier commits
-        self._expires = 0.0
         self._group: GroupAllReduce | None = None
 
     @property
@@ -266,7 +264,7 @@ class TaskletRunner:
         """Serve this job's state-sync protocol (peers may fetch the stage state held here)."""
         await self.server.start()
         self._unsubscribe = self.transport.banlist.subscribe(self._on_ban)
-        self._publisher = asyncio.create_task(self._publish_loop())
+        self.heartbeat.start()
         if self.replicas is not None and self.checkpoint_root is not None and self.spec.checkpoint_interval:
             self._replicator = asyncio.create_task(self._replicate_loop())
 
@@ -276,11 +274,7 @@ class TaskletRunner:
             async with self._lock:
                 with contextlib.suppress(Exception):
                     await self._stop_tasklet("its daemon shut down", TaskState.LEFT)
-        for task in (self._publisher, self._replicator):
-            if task is not None:
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError, Exception):
-                    await task
+        await self._stop_loops()
         if self._unsubscribe is not None:
             self._unsubscribe()
         with contextlib.suppress(Exception):
@@ -298,11 +292,15 @@ class TaskletRunner:
             if self.running:
                 await self._stop_tasklet("the job ended", TaskState.DONE)
             self._frozen = None  # memory back: what is served now comes from the files
-        for task in (self._publisher, self._replicator):
-            if task is not None:
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError, Exception):
-                    await task
+        await self._stop_loops()
+
+    async def _stop_loops(self) -> None:
+        await self.heartbeat.stop(final=False)
+        task, self._replicator = self._replicator, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
 
     @property
     def running(self) -> bool:
@@ -338,7 +336,7 @@ class TaskletRunner:
             if self.state not in (TaskState.DONE, TaskState.FAILED):
                 self.state, self.reason = TaskState.LEFT, reason[:200]
             with contextlib.suppress(PeerdError):
-                await self._publish()
+                await self.heartbeat.publish()
 
     async def adopt(
         self,
@@ -398,7 +396,7 @@ class TaskletRunner:
                 logger.warning(
                     "job %s: tasklet s%sr%s cannot start: %s", self.job.job_id, self.stage, self.replica, exc
                 )
-                self._dirty.set()
+                self.heartbeat.poke()
                 return
             except PeerdError as exc:
                 self._recovering(f"could not take the state of stage {self.stage} at step {resume}: {exc}")
@@ -407,7 +405,7 @@ class TaskletRunner:
                     for p in holders(roster or [], self.stage, spans[self.stage], resume, job=self.job.job_id)
                     if p != self.me
                 )[:MAX_SUSPECTS]
-                self._dirty.set()
+                self.heartbeat.poke()
                 return
             self.worker = worker
             self.recoveries.append(
@@ -450,7 +448,7 @@ class TaskletRunner:
                 if self._group is not None:
                     await self._group.start()  # ... and the replica group's
                 self.state, self.reason = TaskState.RUNNING, ""
-                await self._publish()  # "this tasklet serves" for this epoch (the ready handshake)
+                await self.heartbeat.publish()  # "this tasklet serves" for this epoch (the ready handshake)
                 await self._wait_ready()
                 await worker.connect()
             # else: a re-plan as the job finished resumed at its last step; nothing to train, so
@@ -500,7 +498,7 @@ class TaskletRunner:
             self.state, self.reason = TaskState.FAILED, f"{type(exc).__name__}: {exc}"[:200]
         await self._capture(worker)
         await worker.close()
-        self._dirty.set()
+        self.heartbeat.poke()
 
     def _on_ban(self, event: BanEvent) -> None:
         """The transport banned a peer (garbage or over-limit streams): if it is a partner, suspect it.
@@ -513,7 +511,7 @@ class TaskletRunner:
             return
         self.banned[peer] = event
         self.suspects = tuple(sorted(set(self.suspects) | {peer}))[:MAX_SUSPECTS]
-        self._dirty.set()
+        self.heartbeat.poke()
         logger.warning("job %s: partner %s is banned (%s): suspected", self.job.job_id, peer, event.reason)
 
     def _recovering(self, reason: str) -> None:
@@ -527,7 +525,9 @@ class TaskletRunner:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
-            if worker is not None:
+            # a worker its own failure path already captured and closed (a cancel that reached
+            # the task while it closed streams can be swallowed there) has nothing left to keep
+            if worker is not None and not worker.closed:
                 await worker.quiesce()  # the compute thread finished: step and state agree
                 await self._capture(worker)
                 await worker.tell_neighbours_stopped(reason)
@@ -536,7 +536,7 @@ class TaskletRunner:
                 self.state, self.reason = state, reason[:200]
         self.worker = None
         with contextlib.suppress(PeerdError):
-            await self._publish()
+            await self.heartbeat.publish()
 
     async def _capture(self, worker: StageWorker) -> None:
         """Keep ``worker``'s states (live step and rollback step) without codec buffers (re-plans reset them)."""
@@ -762,7 +762,7 @@ class TaskletRunner:
         worker = self.worker
         if worker is not None:
             self.wire = self._bytes(worker, report)
-        self._dirty.set()
+        self.heartbeat.poke()
 
     def _worker_bytes(self, worker: StageWorker) -> dict[str, int]:
         sent = {"activations": 0, "gradients": 0}
@@ -810,28 +810,3 @@ class TaskletRunner:
             replicas=self.commit.allocation.d_dp,
             val_losses=downsample(self.val_losses, MAX_VAL_POINTS),
         )
-
-    async def _publish(self) -> bool:
-        record = self.progress()
-        if record is None:
-            return False
-        raw = encode_progress(record)
-        # strictly later expirations: hivemind keeps a subkey's value with the latest one
-        self._expires = max(self.store.now() + PROGRESS_TTL_S, self._expires + 1e-3)
-        return await self.store.put(progress_key(self.job.job_id), raw, self._expires)
-
-    async def _publish_loop(self) -> None:
-        """A record every ``interval`` (the heartbeat), sooner after a step or a state change."""
-        last = -1.0
-        while True:
-            with contextlib.suppress(TimeoutError, asyncio.TimeoutError):
-                await asyncio.wait_for(self._dirty.wait(), timeout=self.interval)
-            wait = self.interval - (time.monotonic() - last)
-            if wait > 0 and self.state == TaskState.RUNNING:
-                await asyncio.sleep(wait)
-            self._dirty.clear()
-            last = time.monotonic()
-            try:
-                await self._publish()
-            except PeerdError as exc:
-                logger.debug("job %s: publishing progress failed: %s", self.job.job_id, exc)

@@ -392,6 +392,11 @@ class StageWorker:
             with contextlib.suppress(Exception):
                 await close()
 
+    @property
+    def closed(self) -> bool:
+        """True once ``close`` has released the compute thread (its state can no longer be read)."""
+        return self._closed
+
     async def _release(self) -> None:
         self.inbox.hold(False)  # nothing more to checkpoint: no decode may wait for a step that never comes
         for sender in (self.to_next, self.to_prev):

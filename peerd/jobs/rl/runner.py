@@ -30,7 +30,8 @@ from typing import Any
 import torch
 
 from peerd.errors import ConfigError, PeerdError
-from peerd.jobs.records import MAX_SUSPECTS, JobRecord, Progress, TaskState, downsample, encode_progress
+from peerd.jobs.heartbeat import ProgressPublisher
+from peerd.jobs.records import MAX_SUSPECTS, JobRecord, Progress, TaskState, downsample
 from peerd.jobs.recovery import CHECKPOINT_REPLICAS, held_state, holders, replica_peers, resume_step
 from peerd.jobs.rl.learner import Learner
 from peerd.jobs.rl.progress import figures
@@ -38,7 +39,6 @@ from peerd.jobs.rl.report import IterationReport
 from peerd.jobs.rl.rollout import RolloutConfig, RolloutPeer
 from peerd.jobs.rl.shards import RLPlan
 from peerd.jobs.rl.trainer import RLTrainer, TrainerConfig
-from peerd.jobs.runner import PROGRESS_TTL_S
 from peerd.jobs.spec import JobSpec
 from peerd.jobs.store import RecordStore
 from peerd.log import get_logger
@@ -47,7 +47,6 @@ from peerd.pipeline.replicas import CheckpointReplicas, check_checkpoint, replic
 from peerd.pipeline.statesync import StateServer, StateSyncConfig, fetch_state, pack_state, unpack_state
 from peerd.sched.consensus.actions import Commit
 from peerd.sched.consensus.messages import HeldState, RosterEntry
-from peerd.swarm.keys import progress_key
 from peerd.swarm.profiling import resolve_device
 from peerd.swarm.transport import Transport
 
@@ -107,10 +106,8 @@ class RLRunner:
         self._learner: Learner | None = None  # the policy a stopped trainer leaves for the next commit
         self._task: asyncio.Task | None = None
         self._replicator: asyncio.Task | None = None
-        self._publisher: asyncio.Task | None = None
+        self.heartbeat = ProgressPublisher(store, job.job_id, self.progress, interval=interval)
         self._lock = asyncio.Lock()
-        self._dirty = asyncio.Event()
-        self._expires = 0.0
         self.server = StateServer(transport, job.job_id, self.provide, config=self.statesync)
 
     @property
@@ -122,7 +119,7 @@ class RLRunner:
     async def start(self) -> None:
         """Serve the job's checkpoints (``state_protocol(job)``) and publish progress."""
         await self.server.start()
-        self._publisher = asyncio.create_task(self._publish_loop())
+        self.heartbeat.start()
 
     async def close(self) -> None:
         """Stop the role, publish the last record, stop serving; never raises."""
@@ -130,7 +127,7 @@ class RLRunner:
             async with self._lock:
                 with contextlib.suppress(Exception):
                     await self._stop("its daemon shut down", TaskState.LEFT)
-        await self._stop_publisher()
+        await self.heartbeat.stop()
         with contextlib.suppress(Exception):
             await self.server.close()
 
@@ -142,7 +139,7 @@ class RLRunner:
         async with self._lock:
             if self.running:
                 await self._stop("the job ended", TaskState.DONE)
-        await self._stop_publisher()
+        await self.heartbeat.stop()
 
     @property
     def running(self) -> bool:
@@ -173,7 +170,7 @@ class RLRunner:
             if self.state not in (TaskState.DONE, TaskState.FAILED):
                 self.state, self.reason = TaskState.LEFT, reason[:200]
             with contextlib.suppress(PeerdError):
-                await self._publish()
+                await self.heartbeat.publish()
 
     async def adopt(
         self, commit: Commit, roster: list[RosterEntry] | None, history: Sequence[tuple[int, float]] = ()
@@ -196,20 +193,20 @@ class RLRunner:
             trainers = [p for stage in alloc.stages for p in stage]
             if len(trainers) != 1:
                 self.state, self.reason = TaskState.FAILED, f"an rl job runs one trainer, got {len(trainers)}"
-                self._dirty.set()
+                self.heartbeat.poke()
                 return
             trainer, rollout_peers = trainers[0], [p for p in alloc.spares if p != trainers[0]]
             try:
                 device = resolve_device(self.device)
             except ConfigError as exc:  # this peer cannot run it: the reason says why
                 self.state, self.reason = TaskState.FAILED, str(exc)[:200]
-                self._dirty.set()
+                self.heartbeat.poke()
                 return
             if self.me == trainer:
                 self.role, self.stage, self.replica = "trainer", 0, 0
                 if not rollout_peers:
                     self.state, self.reason = TaskState.RECOVERING, "no rollout peer in this allocation"
-                    self._dirty.set()
+                    self.heartbeat.poke()
                     return
                 try:
                     source = await self._learner_source(device, roster or [])
@@ -218,7 +215,7 @@ class RLRunner:
                         TaskState.RECOVERING,
                         f"could not take the trainer's state: {exc}"[:200],
                     )
-                    self._dirty.set()
+                    self.heartbeat.poke()
                     return
                 self.recoveries.append(
                     {
@@ -259,7 +256,7 @@ class RLRunner:
                     self._replicator = asyncio.create_task(self._replicate_loop(self.rollout, trainer))
             else:
                 self.role = self.stage = self.replica = None
-            self._dirty.set()
+            self.heartbeat.poke()
 
     # ------------------------------------------------------------------ the roles
 
@@ -304,10 +301,10 @@ class RLRunner:
         try:
             await trainer.start()
             self.step = trainer.learner.version
-            self._dirty.set()
+            self.heartbeat.poke()
             await trainer.run()
             self.state = TaskState.DONE
-            self._dirty.set()
+            self.heartbeat.poke()
             if not await trainer.farewell(FAREWELL_S):
                 log.info("rl job %s: not every rollout peer heard that the job is done", self.job.job_id)
         except asyncio.CancelledError:
@@ -321,7 +318,7 @@ class RLRunner:
             log.exception("rl job %s: the trainer crashed", self.job.job_id)
             self.state, self.reason = TaskState.FAILED, f"{type(exc).__name__}: {exc}"[:200]
         finally:
-            self._dirty.set()
+            self.heartbeat.poke()
 
     async def _run_rollout(self, rollout: RolloutPeer) -> None:
         try:
@@ -353,7 +350,7 @@ class RLRunner:
                         self.plan.weights_bound * 4,
                         config=self.statesync,
                     )
-                    self._dirty.set()
+                    self.heartbeat.poke()
                 except PeerdError as exc:  # not written yet, or the trainer is gone: try again later
                     log.debug("rl job %s: copying checkpoint %d: %s", self.job.job_id, step, exc)
             await asyncio.sleep(self.interval)
@@ -361,7 +358,7 @@ class RLRunner:
     def _on_iteration(self, report: IterationReport) -> None:
         self.reports.append(report)
         self.step = report.version
-        self._dirty.set()
+        self.heartbeat.poke()
 
     async def _stop(self, reason: str, state: TaskState) -> None:
         """Cancel the role; a trainer's policy stays in memory for the next commit; lock held."""
@@ -385,7 +382,7 @@ class RLRunner:
             self.trainer = None
         self.rollout = None
         with contextlib.suppress(PeerdError):
-            await self._publish()
+            await self.heartbeat.publish()
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -439,30 +436,3 @@ class RLRunner:
             replicas=1,
             rl=figures(self.reports, max(version, 0)),
         )
-
-    async def _publish(self) -> bool:
-        record = self.progress()
-        if record is None:
-            return False
-        self._expires = max(self.store.now() + PROGRESS_TTL_S, self._expires + 1e-3)
-        return await self.store.put(progress_key(self.job.job_id), encode_progress(record), self._expires)
-
-    async def _publish_loop(self) -> None:
-        """A record every ``interval`` (the heartbeat), at once after an iteration or a state change."""
-        while True:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._dirty.wait(), timeout=self.interval)
-            self._dirty.clear()
-            try:
-                await self._publish()
-            except PeerdError as exc:
-                log.debug("rl job %s: publishing progress failed: %s", self.job.job_id, exc)
-
-    async def _stop_publisher(self) -> None:
-        task, self._publisher = self._publisher, None
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
-        with contextlib.suppress(PeerdError):
-            await self._publish()
