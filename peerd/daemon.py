@@ -60,6 +60,7 @@ from peerd.swarm.records import DeviceProfile, PeerRecord, PeerState, fit_peer_r
 from peerd.swarm.rejections import Refusals, by_name
 from peerd.swarm.shaper import LinkShaper
 from peerd.swarm.transport import Transport
+from peerd.tasks import cancel_and_wait
 
 logger = get_logger(__name__)
 
@@ -269,9 +270,7 @@ class Daemon:
             hurry.cancel()
         if not steps.done():
             logger.warning("graceful shutdown cut short; killing what is left")
-            steps.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await steps
+            await cancel_and_wait(steps)
             await self._kill_rest()
         elif steps.exception() is not None:
             logger.error("a shutdown step failed", exc_info=steps.exception())
@@ -293,9 +292,7 @@ class Daemon:
             hurry.cancel()
         if not drain.done():
             logger.warning("handing work over did not finish within %.0f s; shutting down anyway", grace_s)
-            drain.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await drain
+            await cancel_and_wait(drain)
         elif drain.exception() is not None:
             logger.error("handing work over failed; shutting down anyway", exc_info=drain.exception())
         else:
@@ -402,9 +399,7 @@ class Daemon:
         task = self._tasks.pop(name, None)
         if task is None:
             return
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError, Exception):
-            await task
+        await cancel_and_wait(task)
 
     async def _read_loop(self) -> None:
         """Keep the local peers table fresh (status, shaping names, probe targets)."""

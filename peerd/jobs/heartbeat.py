@@ -20,6 +20,7 @@ from peerd.jobs.records import Progress, encode_progress
 from peerd.jobs.store import RecordStore
 from peerd.log import get_logger
 from peerd.swarm.keys import progress_key
+from peerd.tasks import cancel_and_wait
 
 logger = get_logger(__name__)
 
@@ -64,10 +65,7 @@ class ProgressPublisher:
     async def stop(self, *, final: bool = True) -> None:
         """End the heartbeat; with ``final``, publish the last record (best effort)."""
         task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+        await cancel_and_wait(task)
         if final:
             with contextlib.suppress(PeerdError):
                 await self.publish()

@@ -62,6 +62,7 @@ from peerd.sched.allocation import Allocation
 from peerd.sched.consensus.actions import Commit
 from peerd.sched.consensus.messages import HeldState
 from peerd.swarm.keys import job_key, jobs_key
+from peerd.tasks import cancel_and_wait
 
 logger = get_logger(__name__)
 
@@ -504,9 +505,7 @@ class JobManager:
         adopting = self._adopting.pop(entry.record.job_id, None)
         for task in (adopting, entry.planner_task):
             if task is not None and not task.done():
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError, Exception):
-                    await task
+                await cancel_and_wait(task)
         if entry.runner is not None and keep_serving:
             await entry.runner.retire()
         elif entry.runner is not None:

@@ -481,7 +481,9 @@ class JobPlanner:
         if self.spec.kind == "rl":
             target = 1  # one trainer; the spares roll out
         else:
-            target = target_width(self.spec.parallel.d_dp, self.spec.max_peers, previous.d_pp) or previous.d_dp
+            target = (
+                target_width(self.spec.parallel.d_dp, self.spec.max_peers, previous.d_pp) or previous.d_dp
+            )
         widths = range(max(target, previous.d_dp), 0, -1)
         fixed = isinstance(self.spec.parallel.d_dp, int)
         scored: list[tuple[float, Allocation]] = []

@@ -82,6 +82,7 @@ from peerd.sched.consensus.actions import Commit
 from peerd.sched.consensus.messages import HeldState, RosterEntry
 from peerd.swarm.bans import BanEvent
 from peerd.swarm.transport import Transport
+from peerd.tasks import cancel_and_wait
 
 logger = get_logger(__name__)
 
@@ -297,10 +298,7 @@ class TaskletRunner:
     async def _stop_loops(self) -> None:
         await self.heartbeat.stop(final=False)
         task, self._replicator = self._replicator, None
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+        await cancel_and_wait(task)
 
     @property
     def running(self) -> bool:
@@ -522,9 +520,7 @@ class TaskletRunner:
         task, self._task = self._task, None
         worker = self.worker
         if task is not None and not task.done():
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+            await cancel_and_wait(task)
             # a worker its own failure path already captured and closed (a cancel that reached
             # the task while it closed streams can be swallowed there) has nothing left to keep
             if worker is not None and not worker.closed:

@@ -39,6 +39,7 @@ from peerd.pipeline.frames import (
 )
 from peerd.pipeline.streams import PeerRef, StreamConfig, StreamStats
 from peerd.swarm.transport import Connection, Transport
+from peerd.tasks import cancel_and_wait
 
 logger = get_logger(__name__)
 
@@ -142,10 +143,7 @@ class StreamSender:
 
     async def close(self) -> None:
         for task in (self._pump, self._reader):
-            if task is not None:
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError, Exception):
-                    await task
+            await cancel_and_wait(task)
         if self._conn is not None:
             await self._conn.close(timeout=2.0)
             self._conn = None

@@ -49,6 +49,7 @@ from peerd.sched.consensus.actions import Commit
 from peerd.sched.consensus.messages import HeldState, RosterEntry
 from peerd.swarm.profiling import resolve_device
 from peerd.swarm.transport import Transport
+from peerd.tasks import cancel_and_wait
 
 log = get_logger(__name__)
 
@@ -363,15 +364,10 @@ class RLRunner:
     async def _stop(self, reason: str, state: TaskState) -> None:
         """Cancel the role; a trainer's policy stays in memory for the next commit; lock held."""
         replicator, self._replicator = self._replicator, None
-        if replicator is not None:
-            replicator.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await replicator
+        await cancel_and_wait(replicator)
         task, self._task = self._task, None
         if task is not None and not task.done():
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+            await cancel_and_wait(task)
             if self.state not in (TaskState.DONE, TaskState.FAILED):
                 self.state, self.reason = state, reason[:200]
         if self.trainer is not None:
