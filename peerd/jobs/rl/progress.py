@@ -40,20 +40,26 @@ def figures(reports: Sequence[IterationReport], version: int) -> RLFigures:
 
 
 def summary(records: Iterable[Progress]) -> dict[str, Any] | None:
-    """``progress.rl`` of a job view: the newest trainer record's figures (None for jobs without any)."""
+    """``progress.rl`` of a job view: the newest trainer record's figures, the reward curve of all (None for jobs without any)."""
     found = [p for p in records if p.rl is not None]
     if not found:
         return None
-    p = max(found, key=lambda r: (r.epoch, r.step, r.updated_at))
+    ordered = sorted(found, key=lambda r: (r.epoch, r.step, r.updated_at))
+    p = ordered[-1]
     rl = p.rl
     assert rl is not None
-    latest = rl.rewards[-1] if rl.rewards else None
+    # the curve over every trainer's record: after a hand-over the new trainer's record starts at
+    # the iteration it resumed from, the earlier points live in the previous trainer's record
+    # (the newer record wins an iteration both hold)
+    points = {i: (reward, rate) for r in ordered for i, reward, rate in (r.rl.rewards if r.rl else ())}
+    rewards = [(i, *points[i]) for i in sorted(points)]
+    latest = rewards[-1] if rewards else None
     return {
         "version": rl.version,
         "iteration": p.step,
         "reward_mean": latest[1] if latest else None,
         "pass_rate": latest[2] if latest else None,
-        "rewards": [[i, round(r, 6), round(rate, 6)] for i, r, rate in rl.rewards],
+        "rewards": [[i, round(r, 6), round(rate, 6)] for i, r, rate in rewards],
         "kl": rl.kl,
         "response_len": rl.response_len,
         "rollouts_per_s": rl.rollouts_per_s,

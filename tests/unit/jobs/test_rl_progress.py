@@ -124,3 +124,22 @@ def test_a_trainer_still_warming_up_has_no_reward_yet() -> None:
     }
     assert job_line(job) == "running step 0/10 loss - warming up"
     console().print(job_panel(job, {}))
+
+
+def test_the_reward_curve_spans_a_trainer_hand_over() -> None:
+    """The successor resumed at iteration 3: its record holds iterations 4.., the leaver's 1..3."""
+    before = [report(i) for i in range(3)]
+    after = [report(i, reward_mean=0.5 + i) for i in range(2, 6)]  # it redid iteration 3
+    old = trainer_record(before, epoch=0)
+    new = Progress(
+        **{
+            **{f: getattr(old, f) for f in old.__struct_fields__},
+            "epoch": 1,
+            "step": 6,
+            "rl": figures(after, version=6),
+        }
+    )
+    view = summary([new, old])
+    assert [point[0] for point in view["rewards"]] == [1, 2, 3, 4, 5, 6]
+    assert view["rewards"][2][1] == 2.5  # iteration 3 from the newer record
+    assert view["reward_mean"] == 5.5 and view["iteration"] == 6
