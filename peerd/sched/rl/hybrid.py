@@ -61,6 +61,9 @@ class HybridConfig:
     move_prob: float = 0.5
     """Chance that a child also moves one device to another group or to idle: sizes drift off the
     arm's quantum grid (an arm is where its search starts, not a cage)."""
+    polish: float = 0.25
+    """Share of ``budget`` for the final local search: from the best plan of each grouping, moves of
+    one, two or all devices of one class from one group (or idle) to another, while one improves."""
     seed: int = 0
 
 
@@ -123,8 +126,10 @@ def search(ev: Evaluator, cfg: HybridConfig) -> HybridResult:
     alive = [a for a in ranked if a.index in keep]
     rungs = max(1, math.ceil(math.log2(max(len(alive), 1))))
     history = [(0, float(alive[0].best.seconds))]
+    polish_budget = int(cfg.budget * cfg.polish)
+    genetic = cfg.budget - polish_budget
     for rung in range(rungs):
-        share = max(1, (cfg.budget // rungs) // len(alive))
+        share = max(1, (genetic // rungs) // len(alive))
         for arm in alive:
             _evolve(ev, arm, share, cfg)
         alive = sorted(alive, key=lambda a: (a.best.key, a.index))
@@ -133,7 +138,17 @@ def search(ev: Evaluator, cfg: HybridConfig) -> HybridResult:
         if len(alive) == 1:
             break
         alive = alive[: max(1, math.ceil(len(alive) / 2))]
-    winner = alive[0]
+    # the halving may have dropped the right grouping early: polish each grouping's best plan
+    ranked = sorted(arms, key=lambda a: (a.best.key, a.index))
+    firsts = {a.grouping: a for a in reversed(ranked)}
+    left = polish_budget
+    for arm in sorted(firsts.values(), key=lambda a: (a.best.key, a.index)):
+        if left <= 0:
+            break
+        left -= _polish(ev, arm, left)
+    if polish_budget:
+        history.append((ev.evaluations - start, float(min(a.best.key for a in arms))))
+    winner = min(arms, key=lambda a: (a.best.key, a.index))
     assert winner.best_labels is not None, "every arm has at least one seed"
     return HybridResult(
         winner.grouping,
@@ -220,6 +235,55 @@ def _evolve(ev: Evaluator, arm: Arm, evaluations: int, cfg: HybridConfig) -> Non
         _consider(ev, arm, child)
         if len(arm.population) > cfg.population:
             arm.population = list(toolbox.best(arm.population, cfg.population))
+
+
+def _polish(ev: Evaluator, arm: Arm, budget: int) -> int:
+    """First-improvement descent from ``arm``'s best plan over moves of one class's devices; evaluations used.
+
+    A plan's cost depends only on how many devices of each class each group holds, so a move is
+    (class, from, to, how many): one, two or all of that class in the source group (or idle).
+    The GA's random moves find such steps slowly once a plan is near a local optimum.
+    """
+    assert arm.best_labels is not None
+    groups, cls = len(arm.grouping), ev.cluster.cls
+    used, tried = 0, set()
+    improved = True
+    while improved and used < budget:
+        improved = False
+        labels = list(arm.best_labels)
+        for c in range(ev.cluster.n_classes):
+            for src in range(-1, groups):
+                members = [i for i, (g, k) in enumerate(zip(labels, cls, strict=True)) if g == src and k == c]
+                if src >= 0:  # a group keeps at least one device
+                    limit = min(len(members), labels.count(src) - 1)
+                else:
+                    limit = len(members)
+                for dst in range(-1, groups):
+                    if dst == src:
+                        continue
+                    for k in sorted({1, 2, limit}):
+                        if not 1 <= k <= limit or used >= budget:
+                            continue
+                        child = list(labels)
+                        for i in members[-k:]:
+                            child[i] = dst
+                        key = tuple(tuple(x) for x in counts_of(ev, child, groups))
+                        if key in tried:
+                            continue
+                        tried.add(key)
+                        before = arm.best.key
+                        _consider(ev, arm, child)
+                        used += 1
+                        if arm.best.key < before:
+                            improved = True
+                            break
+                    if improved:
+                        break
+                if improved:
+                    break
+            if improved:
+                break
+    return used
 
 
 def _tournament(pop: list[Any], k: int, rng: np.random.Generator) -> list[int]:
