@@ -10,7 +10,9 @@ from the same records, is:
   heartbeat is older than ``suspect_grace_s`` (the suspicion is confirmed by silence: a
   partner that merely saw a slow or broken stream does not remove a live peer), when its
   heartbeat is older than ``silent_grace_s`` with no suspicion at all, or when it never
-  started the committed epoch's tasklet within ``start_grace_s`` of the commit;
+  started the committed epoch's tasklet within ``start_grace_s`` of the commit; a spare (it
+  publishes no record: an rl job's rollout peer) is gone when a tasklet suspects it and the
+  swarm's membership no longer lists it;
 - the job is **stuck** when a tasklet has been ``recovering`` while nobody is gone, for
   ``stuck_grace_s`` after its step broke (it names suspects: a transient stream failure), or
   for ``start_grace_s`` while it loads its state (no suspects): a re-plan on the same roster
@@ -33,7 +35,7 @@ would not widen the job waits as a spare: it joins at the next re-plan.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 
 from peerd.errors import ConfigError
@@ -113,11 +115,13 @@ def assess(
     committed_at: float,
     recovering_since: Mapping[str, float],
     config: HealthConfig,
+    online: Collection[str] | None = None,
 ) -> Verdict:
     """The verdict on ``allocation`` (committed in ``epoch`` at ``committed_at``) at DHT time ``now``.
 
     ``progress``: the job's records by peer; ``recovering_since``: when this reader first saw
-    each peer's record of this epoch ``recovering`` (the reader keeps that clock itself).
+    each peer's record of this epoch ``recovering`` (the reader keeps that clock itself);
+    ``online``: the peers the swarm lists as online (None: not known).
     """
     current = {p: r for p, r in progress.items() if r.epoch == epoch}
     suspects: dict[str, list[str]] = {}
@@ -143,6 +147,12 @@ def assess(
             gone[peer] = f"stopped answering (reported by {', '.join(sorted(by))}; silent for {silent:.0f} s)"
         elif silent > config.silent_grace_s:
             gone[peer] = f"has been silent for {silent:.0f} s"
+    # a spare publishes no record of its own; one that works for a tasklet (an rl job's rollout
+    # peer) is gone when a tasklet names it and the swarm no longer lists it (its peer record expired)
+    for peer in allocation.spares:
+        by = suspects.get(peer)
+        if by and online is not None and peer not in online:
+            gone[peer] = f"stopped answering (reported by {', '.join(sorted(by))}) and left the swarm's list"
     stuck: dict[str, str] = {}
     if not gone:
         for peer, report in current.items():

@@ -396,6 +396,7 @@ class JobManager:
             committed_at=planner.committed_at if planner.committed_at is not None else now,
             recovering_since={peer: t for (_, peer), t in current.items()},
             config=self.config.health,
+            online=self._online_with_me(),
         )
         watch = self._stalls.get(job_id)
         if watch is None or watch.epoch != commit.epoch:

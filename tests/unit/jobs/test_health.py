@@ -58,6 +58,22 @@ def test_a_suspected_peer_silent_past_the_grace_is_gone() -> None:
     assert "peer d stopped answering" in v.cause()
 
 
+def test_a_suspected_spare_is_gone_once_the_swarm_no_longer_lists_it() -> None:
+    """An rl job's rollout peers are spares: they publish no record, the trainer names the absent one."""
+    rl = Allocation.from_plain([["a"]], ["r1", "r2"])
+    progress = {"a": rec("a", 99.0, suspects=("r2",))}
+
+    def judge(online):
+        return assess(rl, 3, progress, 100.0, committed_at=50.0, recovering_since={}, config=CFG, online=online)
+
+    assert not judge({"a", "r1", "r2"}).replan  # suspected, still listed: a slow shard, not a death
+    assert not judge(None).replan  # membership unknown: no verdict on spares
+    v = judge({"a", "r1"})
+    assert list(v.gone) == ["r2"] and "reported by a" in v.gone["r2"]
+    progress["a"] = rec("a", 99.0)  # not suspected: an unlisted spare is no reason to re-plan
+    assert not judge({"a"}).replan
+
+
 def test_silence_without_suspicion_needs_the_longer_grace() -> None:
     progress = {p: rec(p, 99.0) for p in "abc"} | {"d": rec("d", 90.0)}
     assert not verdict(progress).gone
