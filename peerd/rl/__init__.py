@@ -9,6 +9,7 @@ from peerd.rl.loss import GRPOLossConfig, LossParts, group_advantages, grpo_loss
 from peerd.rl.rollout import RolloutGroup, SamplingConfig, generate, pack, rollout, token_logprobs
 from peerd.rl.tasks import TASKS, Problem, RewardConfig, Score, Task, TaskConfig, make_task, register_task
 from peerd.rl.trainer import GRPOConfig, GRPOTrainer, IterationStats, evaluate
+from peerd.rl.update import UpdateFigures, frozen_copy, grpo_updates
 from peerd.rl.warmup import WarmupConfig, supervised_warmup
 
 __all__ = [
@@ -27,11 +28,14 @@ __all__ = [
     "Score",
     "Task",
     "TaskConfig",
+    "UpdateFigures",
     "WarmupConfig",
     "evaluate",
+    "frozen_copy",
     "generate",
     "group_advantages",
     "grpo_loss",
+    "grpo_updates",
     "k3_kl",
     "make_task",
     "pack",

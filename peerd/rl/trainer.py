@@ -19,7 +19,6 @@ The swarm job runs the same pieces on different peers; this loop is its single-p
 
 from __future__ import annotations
 
-import copy
 import itertools
 import random
 import time
@@ -33,9 +32,10 @@ from peerd.loading import Range, check, problems
 from peerd.log import get_logger
 from peerd.models.gpt import GPT
 from peerd.rl.buffer import RolloutBuffer
-from peerd.rl.loss import GRPOLossConfig, group_advantages, grpo_loss
+from peerd.rl.loss import GRPOLossConfig
 from peerd.rl.rollout import RolloutGroup, SamplingConfig, pack, rollout, token_logprobs
 from peerd.rl.tasks import Problem, Task
+from peerd.rl.update import frozen_copy, grpo_updates
 
 log = get_logger(__name__)
 
@@ -143,13 +143,6 @@ def evaluate(
     )
 
 
-def frozen_copy(model: GPT) -> GPT:
-    ref = copy.deepcopy(model).eval()
-    for p in ref.parameters():
-        p.requires_grad_(False)
-    return ref
-
-
 class GRPOTrainer:
     """Trains ``policy`` in place with GRPO on ``task``; the reference is a frozen copy of its start."""
 
@@ -192,28 +185,19 @@ class GRPOTrainer:
             ref_BT = token_logprobs(self.reference, batch.tokens_BT, temperature)
         t3 = time.perf_counter()
 
-        rewards_NG = torch.tensor([g.rewards for g in groups])
-        adv_NG = group_advantages(rewards_NG, cfg.loss.adv_eps)
-        adv_B = adv_NG.reshape(-1).to(self.device)  # pack() lays rows out group by group
-        kl = clip = loss_sum = 0.0
-        self.policy.train()
-        parts_list = _slices(len(groups), cfg.updates_per_iteration)
-        first_pass = len(parts_list)
-        for k, part in enumerate(parts_list * cfg.epochs):
-            rows = slice(part.start * cfg.group_size, part.stop * cfg.group_size)
-            logp_BT = token_logprobs(self.policy, batch.tokens_BT[rows], temperature)
-            parts = grpo_loss(
-                logp_BT, batch.old_logp_BT[rows], ref_BT[rows], adv_B[rows], batch.mask_BT[rows], cfg.loss
-            )
-            self.opt.zero_grad(set_to_none=True)
-            parts.loss.backward()
-            if cfg.grad_clip > 0:
-                torch.nn.utils.clip_grad_norm_(self.policy.parameters(), cfg.grad_clip)
-            self.opt.step()
-            if k < first_pass:  # the figures of the rollouts as they came, before any update on them
-                share = (part.stop - part.start) / len(groups)
-                kl, loss_sum = kl + share * parts.kl, loss_sum + share * parts.loss.item()
-            clip += parts.clip_fraction / (first_pass * cfg.epochs)
+        figures = grpo_updates(
+            self.policy,
+            self.opt,
+            batch,
+            ref_BT,
+            [g.rewards for g in groups],
+            _slices(len(groups), cfg.updates_per_iteration),
+            group_size=cfg.group_size,
+            epochs=cfg.epochs,
+            temperature=temperature,
+            loss=cfg.loss,
+            grad_clip=cfg.grad_clip,
+        )
         self.version += 1
         t4 = time.perf_counter()
         if self.rollout_policy is self.policy:
@@ -234,10 +218,10 @@ class GRPOTrainer:
             reward_mean=sum(s.reward for s in scores) / len(scores),
             pass_rate=sum(s.correct for s in scores) / len(scores),
             format_rate=sum(s.well_formed for s in scores) / len(scores),
-            kl=kl,
+            kl=figures.kl,
             response_len=sum(lens) / len(lens),
-            clip_fraction=clip,
-            loss=loss_sum,
+            clip_fraction=figures.clip_fraction,
+            loss=figures.loss,
             rollouts=len(scores),
             prompt_tokens=sum(len(g.problem.prompt_ids) * g.size for g in groups),
             completion_tokens=sum(lens),
@@ -251,7 +235,7 @@ class GRPOTrainer:
             stats.iteration,
             stats.reward_mean,
             stats.pass_rate,
-            kl,
+            figures.kl,
         )
         return stats
 

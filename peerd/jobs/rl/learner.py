@@ -11,7 +11,6 @@ optimizer and its LR schedule are ``peerd.pipeline.optim``'s, over every update 
 
 from __future__ import annotations
 
-import copy
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -24,8 +23,8 @@ from peerd.jobs.runner import optimizer_config
 from peerd.models.gpt import GPT
 from peerd.pipeline import checkpoint
 from peerd.pipeline.optim import build_optimizer, build_scheduler
-from peerd.rl.loss import group_advantages, grpo_loss
 from peerd.rl.rollout import RolloutGroup, pack, token_logprobs
+from peerd.rl.update import frozen_copy, grpo_updates
 from peerd.rl.warmup import WarmupResult, supervised_warmup
 
 
@@ -46,13 +45,6 @@ class TrainFigures:
     """Seconds the updates took."""
 
 
-def frozen(model: GPT) -> GPT:
-    ref = copy.deepcopy(model).eval()
-    for p in ref.parameters():
-        p.requires_grad_(False)
-    return ref
-
-
 class Learner:
     """The policy, its frozen reference and optimizer; ``version`` counts the iterations trained."""
 
@@ -63,7 +55,7 @@ class Learner:
         model.to(self.device)
         self.plan = plan
         self.policy: GPT = model
-        self.reference: GPT = frozen(model)
+        self.reference: GPT = frozen_copy(model)
         self.optimizer = build_optimizer(self.policy.parameters(), optimizer_config(plan.spec.optimizer))
         self.scheduler = build_scheduler(
             self.optimizer, optimizer_config(plan.spec.optimizer), plan.total_updates
@@ -74,7 +66,7 @@ class Learner:
     def warm_up(self) -> WarmupResult:
         """The spec's supervised warm-up (deterministic: its own seed); the reference is the policy after it."""
         result = supervised_warmup(self.policy, self.plan.task, self.plan.rl.warmup)
-        self.reference = frozen(self.policy)
+        self.reference = frozen_copy(self.policy)
         return result
 
     def weights(self) -> dict[str, torch.Tensor]:
@@ -91,39 +83,31 @@ class Learner:
 
     def _updates(self, groups: list[RolloutGroup], temperature: float) -> TrainFigures:
         plan, rl = self.plan, self.plan.rl
-        G = plan.group_size
         started = time.perf_counter()
         batch = pack(groups, self.device)
         with torch.no_grad():
             ref_BT = token_logprobs(self.reference, batch.tokens_BT, temperature)
         scored = time.perf_counter()
-        rewards_NG = torch.tensor([g.rewards for g in groups])
-        adv_B = group_advantages(rewards_NG, rl.loss.adv_eps).reshape(-1).to(self.device)
         per = plan.groups_per_update
-        parts = [range(a, min(a + per, len(groups))) for a in range(0, len(groups), per)]
-        kl = loss = clip = 0.0
-        self.policy.train()
-        for k, part in enumerate(parts * rl.epochs):
-            rows = slice(part.start * G, part.stop * G)
-            logp_BT = token_logprobs(self.policy, batch.tokens_BT[rows], temperature)
-            out = grpo_loss(
-                logp_BT, batch.old_logp_BT[rows], ref_BT[rows], adv_B[rows], batch.mask_BT[rows], rl.loss
-            )
-            self.optimizer.zero_grad(set_to_none=True)
-            out.loss.backward()
-            if self.grad_clip is not None:
-                torch.nn.utils.clip_grad_norm_(self.policy.parameters(), self.grad_clip)
-            self.optimizer.step()
-            self.scheduler.step()
-            if k < len(parts):
-                share = len(part) / len(groups)
-                kl, loss = kl + share * out.kl, loss + share * out.loss.item()
-            clip += out.clip_fraction / (len(parts) * rl.epochs)
+        figures = grpo_updates(
+            self.policy,
+            self.optimizer,
+            batch,
+            ref_BT,
+            [g.rewards for g in groups],
+            [range(a, min(a + per, len(groups))) for a in range(0, len(groups), per)],
+            group_size=plan.group_size,
+            epochs=rl.epochs,
+            temperature=temperature,
+            loss=rl.loss,
+            grad_clip=self.grad_clip,
+            after_step=self.scheduler.step,
+        )
         return TrainFigures(
-            loss=loss,
-            kl=kl,
-            clip_fraction=clip,
-            updates=len(parts) * rl.epochs,
+            loss=figures.loss,
+            kl=figures.kl,
+            clip_fraction=figures.clip_fraction,
+            updates=figures.updates,
             reference_s=scored - started,
             train_s=time.perf_counter() - scored,
         )
