@@ -1,4 +1,4 @@
-"""How long a stage waits for a neighbour's message: learnt from the steps this stage has seen.
+"""How long a stage waits for a neighbour's message (or for it to accept ours): learnt from the steps seen.
 
 A fixed deadline is wrong both ways: on slow links a healthy step of a big model may take
 minutes (a fixed three minutes would break it), on loopback a step takes a fraction of a

@@ -68,8 +68,12 @@ class StreamSender:
         stats: StreamStats,
         on_failure: Callable[[PeerdError], None] | None = None,
         epoch: int = 0,
+        ack_deadline: Callable[[], float] | None = None,
     ) -> None:
         self.transport = transport
+        # how long the receiver may take to accept what was sent: the stage's learnt deadline
+        # (``peerd.pipeline.deadlines``), else the configured ``ack_timeout_s``
+        self.ack_deadline = ack_deadline or (lambda: config.ack_timeout_s)
         self.epoch = epoch
         self.peer = peer
         self.protocol = protocol
@@ -105,13 +109,14 @@ class StreamSender:
         """Queue ``msg`` (its ``seq`` is overwritten); returns when queued, waiting while the window is full."""
         view = memoryview(payload).cast("B")
         assert view.nbytes == msg.nbytes, "message nbytes must match its payload"
+        deadline = self.ack_deadline()
         try:
-            async with asyncio.timeout(self.config.ack_timeout_s):
+            async with asyncio.timeout(deadline):
                 while len(self._unacked) >= self.config.window and self._error is None:
                     await self._wait_change()
         except TimeoutError:
             raise PeerUnavailable(
-                f"{self.peer} accepted nothing for {self.config.ack_timeout_s:.3g} s", code=ErrorCode.TIMEOUT
+                f"{self.peer} accepted nothing for {deadline:.3g} s", code=ErrorCode.TIMEOUT
             ) from None
         self._raise_if_failed()
         seq = self._seq
@@ -121,7 +126,7 @@ class StreamSender:
 
     async def flush(self, timeout: float | None = None) -> None:
         """Wait until the receiver accepted every queued message."""
-        timeout = self.config.ack_timeout_s if timeout is None else timeout
+        timeout = self.ack_deadline() if timeout is None else timeout
         try:
             async with asyncio.timeout(timeout):
                 while self._unacked and self._error is None:

@@ -294,13 +294,14 @@ class StageWorker:
             if self.device.type == "cpu"
             else dataclasses.replace(cfg.streams, inline_decode_bytes=0),
         )
+        # how long to wait for a neighbour's message, and for it to accept ours: learnt from the steps
+        self.deadline = StepDeadline(cfg.streams.recv_timeout_s, cfg.streams.deadlines)
+        self.ack_deadline = StepDeadline(cfg.streams.ack_timeout_s, cfg.streams.deadlines)
+        self._last_step_end: float | None = None  # perf_counter at the end of the previous step
         self.to_next = self._sender(downstream, stage + 1)
         self.to_prev = self._sender(upstream, stage - 1)
         self._serving = False
         self.reports: list[StepReport] = []  # every step this worker completed
-        # how long to wait for a neighbour's message: learnt from this worker's steps
-        self.deadline = StepDeadline(cfg.streams.recv_timeout_s, cfg.streams.deadlines)
-        self._last_step_end: float | None = None  # perf_counter at the end of the previous step
 
     def _sender(self, peer: PeerRef | None, stage: int) -> StreamSender | None:
         if peer is None:
@@ -313,6 +314,7 @@ class StageWorker:
             stats=self.stats,
             on_failure=self.inbox.fail,
             epoch=self.epoch,
+            ack_deadline=self.ack_deadline.seconds,
         )
 
     def _expectation(self, kind: str) -> Callable[[int], Expectation]:
@@ -450,6 +452,7 @@ class StageWorker:
         now = time.perf_counter()
         if self._last_step_end is not None:  # from the previous step's end: what a neighbour waits through
             self.deadline.observe(now - self._last_step_end)
+            self.ack_deadline.observe(now - self._last_step_end)
         self._last_step_end = now
         return report
 

@@ -274,6 +274,7 @@ def test_the_wait_for_a_neighbour_follows_its_step_times(swarm, reference):
     assert result.errors == []
     assert rel(result.losses(), reference) < 1e-4
     assert workers[0].deadline.seconds() > 8 * 3.5  # learnt from its steps, the slow one included
+    assert workers[0].ack_deadline.seconds() == workers[0].deadline.seconds()  # acks: the same rule
 
 
 def test_grad_frames_are_checked_as_strictly(swarm, reference):
