@@ -1,23 +1,21 @@
-"""Stopping asyncio tasks without swallowing the caller's own cancellation."""
+"""Stopping asyncio tasks on shutdown and re-plan paths."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 
 async def cancel_and_wait(task: asyncio.Task | None) -> None:
     """Cancel ``task`` and wait until it has ended, whatever it raised.
 
-    The common ``task.cancel(); with suppress(CancelledError): await task`` also swallows a
-    cancellation aimed at the caller while it waits, so a stop path that awaits this carries on
-    as if nothing happened. Here a cancellation that interrupts the wait propagates (one that was
-    delivered before, e.g. in a ``finally`` that cleans up after it, does not stop the cleanup).
+    Stop paths call this and then release what the task used (streams, workers, files), so the
+    wait absorbs a cancellation of the caller too: the cleanup after it must run to the end (a
+    stop path cut short left a worker serving its protocol). A caller that must honour its own
+    cancellation checks ``asyncio.current_task().cancelling()`` afterwards.
     """
     if task is None:
         return
     task.cancel()
-    # asyncio.wait, unlike ``await task``, neither passes the caller's cancellation on to ``task``
-    # nor raises what ``task`` raised: only a cancellation of this wait raises here
-    await asyncio.wait({task})
-    if not task.cancelled():
-        task.exception()  # retrieved: the task's own failure is not the caller's business here
+    with contextlib.suppress(asyncio.CancelledError, Exception):
+        await task
