@@ -538,6 +538,10 @@ class TaskletRunner:
         """Keep ``worker``'s states (live step and rollback step) without codec buffers (re-plans reset them)."""
         if worker.step == 0 and self._frozen is not None and self._frozen.stage == worker.stage:
             return  # never ran a step: the state held from before stays the better one
+        missed = worker.unreported_loss()  # cancelled between its update and its report
+        if missed is not None and missed[0] not in {s for s, _ in self.losses}:
+            self.losses.append(missed)
+            self.step = max(self.step, missed[0] + 1)
         held = await worker.held_states()  # host copies made in the worker's compute thread
         states = {step: {**state, "codecs": None, "averaging": None} for step, state in held.items()}
         self._frozen = _Frozen(worker.stage, (worker.module.spec.start, worker.module.spec.end), states)

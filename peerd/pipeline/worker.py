@@ -298,6 +298,7 @@ class StageWorker:
         self.deadline = StepDeadline(cfg.streams.recv_timeout_s, cfg.streams.deadlines)
         self.ack_deadline = StepDeadline(cfg.streams.ack_timeout_s, cfg.streams.deadlines)
         self._last_step_end: float | None = None  # perf_counter at the end of the previous step
+        self._last_loss: tuple[int, float] | None = None  # (step, loss) of the last stage's newest step
         self.to_next = self._sender(downstream, stage + 1)
         self.to_prev = self._sender(upstream, stage - 1)
         self._serving = False
@@ -393,6 +394,15 @@ class StageWorker:
         if close is not None:
             with contextlib.suppress(Exception):
                 await close()
+
+    def unreported_loss(self) -> tuple[int, float] | None:
+        """(step, loss) of a step whose update was applied but whose report never came (a cancel
+        between the two); None when every applied step was reported, or off the last stage."""
+        if self._last_loss is None:
+            return None
+        step = self._last_loss[0]
+        reported = bool(self.reports) and self.reports[-1].step == step
+        return self._last_loss if self.step == step + 1 and not reported else None
 
     @property
     def closed(self) -> bool:
@@ -505,6 +515,8 @@ class StageWorker:
         for sender in (self.to_next, self.to_prev):  # everything of this step is accepted downstream
             if sender is not None:
                 await sender.flush()
+        # a cancel may land after the update is applied and before the report: keep the loss
+        self._last_loss = (step, loss_sum) if self.last else None
         await self._average_and_step(step)  # sets self.step = step + 1
         elapsed = time.perf_counter() - started  # the training step alone: tokens/s leave evaluation out
         val_loss = await self._evaluate(step) if self.evaluates_after(step) else None

@@ -59,7 +59,9 @@ def _rel(a: list[float], b: list[float]) -> float:
 
 
 def test_one_stage_worker_reproduces_the_reference_runs():
-    losses = run(one_stage())
+    worker = one_stage()
+    losses = run(worker)
+    assert worker.unreported_loss() is None  # every applied step was reported
     dataset = build_dataset(CFG.data)
     local = LocalRunConfig(steps=12, global_batch=8, micro_batch_size=3, layers_per_stage=[4], lr=3e-3)
     pipelined = train_pipelined(GPT(CFG.model.gpt(), seed=0), dataset, local)
@@ -266,6 +268,9 @@ def test_a_cancel_during_the_update_never_splits_it():
     assert worker.step == 4 and worker.available_steps() == (3, 4)
     assert same_weights(worker.state_at(4)["module"], refs[4])
     assert same_weights(worker.state_at(3)["module"], refs[3])
+    # step 3 was applied but never reported: its loss is still there for the curve
+    assert [r.step for r in worker.reports] == [0, 1, 2]
+    assert worker.unreported_loss() == (3, run(one_stage(dataclasses.replace(CFG, steps=4)))[3])
 
 
 def test_reset_codecs_empties_both_acsgd_sides():
