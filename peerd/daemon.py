@@ -201,7 +201,7 @@ class Daemon:
                 region=cfg.region,
                 profile=lambda: self.profile,
                 links=lambda: list(self.prober.measurements.values()) if self.prober else [],
-                peers=lambda: [e.record for e in self.entries.values()],
+                peers=self._live_records,
                 device=cfg.device,
             )
             self._spawn("jobs", self.jobs.run)
@@ -525,6 +525,12 @@ class Daemon:
         }
         view["stale"] = stale
         return view
+
+    def _live_records(self) -> list[PeerRecord]:
+        """The peers whose newest record has not expired: while DHT reads fail (a dead bootstrap
+        node), a crashed peer still leaves the list when its last refresh expires."""
+        now = self.node.now() if self.node else 0.0
+        return [e.record for e in self.entries.values() if e.expires_at > now]
 
     def _view(self) -> dict[str, Any]:
         """Peers, links and jobs as this daemon sees them now (what status and metrics report)."""

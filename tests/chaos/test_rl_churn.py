@@ -99,7 +99,7 @@ def test_a_killed_rollout_peer_costs_only_its_rollouts(
         return j is not None and (any(victim.info.peer_id in c for c in causes) or j["state"] != "running")
 
     # the trainer's shard deadline, then the dead peer's record expiring, then one health check
-    swarm.wait_until(replanned, timeout=120, what="a re-plan without the killed rollout peer")
+    swarm.wait_until(replanned, timeout=180, what="a re-plan without the killed rollout peer")
 
     def finished(views: dict[str, dict[str, Any]]) -> bool:
         j = _job(views, job_id)
