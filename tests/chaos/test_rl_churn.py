@@ -84,7 +84,7 @@ def test_a_killed_rollout_peer_costs_only_its_rollouts(
     job = _job(views, job_id)
     assert job is not None
     alloc = job["allocation"]
-    rollouts = alloc["spares"]
+    trainer, rollouts = alloc["stages"][0][0], alloc["spares"]
     # the cost model picks how many peers roll out (one to three here); with the only one killed, the
     # trainer samples every prompt itself from then on
     assert rollouts, alloc
@@ -111,12 +111,16 @@ def test_a_killed_rollout_peer_costs_only_its_rollouts(
     rl = job["progress"]["rl"]
     assert rl["iteration"] == ITERATIONS and rl["version"] == ITERATIONS
     lost = f"{rl}, churn {job.get('churn')}"
-    assert rl["shards_missing"] >= 1, lost  # the dead peer's shard of the iteration it died in
+    # the figures are the current trainer's: the re-plan may hand the trainer role to another peer
+    same_trainer = job["allocation"]["stages"][0][0] == trainer
+    assert not same_trainer or rl["shards_missing"] >= 1, lost  # the dead peer's in-flight shard
     # the trainer named it, the swarm dropped it, and the job re-planned without it
     causes = [r["cause"] for r in job["churn"]["replans"]]
     assert any(victim.info.peer_id in c for c in causes), lost
     final = job["allocation"]
     assert victim.info.peer_id not in (*final["stages"][0], *final["spares"]), final
     completions = sum(n for _, n in rl["staleness"])
-    assert ITERATIONS * 48 - 3 * 48 <= completions < ITERATIONS * 48, lost
+    if same_trainer:
+        assert ITERATIONS * 48 - 3 * 48 <= completions < ITERATIONS * 48, lost
+    assert rl["rewards"][-1][0] == ITERATIONS, lost
     assert time.monotonic() - killed_at < 400
