@@ -526,17 +526,18 @@ class Daemon:
         view["stale"] = stale
         return view
 
+    def _live_entries(self, now: float) -> list[PeerEntry]:
+        """The peers whose newest record has not expired at ``now``: while DHT reads fail (a dead
+        bootstrap node), a crashed peer still leaves the list when its last refresh expires."""
+        return [e for e in self.entries.values() if e.expires_at > now]
+
     def _live_records(self) -> list[PeerRecord]:
-        """The peers whose newest record has not expired: while DHT reads fail (a dead bootstrap
-        node), a crashed peer still leaves the list when its last refresh expires."""
-        now = self.node.now() if self.node else 0.0
-        return [e.record for e in self.entries.values() if e.expires_at > now]
+        return [e.record for e in self._live_entries(self.node.now() if self.node else 0.0)]
 
     def _view(self) -> dict[str, Any]:
         """Peers, links and jobs as this daemon sees them now (what status and metrics report)."""
         now = self.node.now() if self.node else 0.0
-        live = [e for e in self.entries.values() if e.expires_at > now]  # expired since the last read: gone
-        view = peers_view(live, now=now, self_id=self.node.peer_id if self.node else None)
+        view = peers_view(self._live_entries(now), now=now, self_id=self.node.peer_id if self.node else None)
         view["jobs"] = self.jobs.views() if self.jobs is not None else []
         view["refusals"] = self._refusals().view()
         return view
