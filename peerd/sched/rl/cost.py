@@ -27,6 +27,19 @@ all-reduce of x bytes over n devices (reduce-scatter + all-gather).
 - **Load balancing**: sequences go to replicas in proportion to their rate at an even split
   (``balanced``), or evenly (as verl does); a task takes as long as its slowest replica.
 - **Transfer** of x bytes between two groups: through the best pair, ``min_{i∈A, j∈B} α_ij + x/β_ij``.
+- **FSDP (ZeRO-3) tasks** (only the verl-like baseline; peerd's layouts replicate weights per
+  data-parallel replica): every device holds 1/n of the parameters, so each micro-batch first
+  all-gathers them, ``ag(x, n) = (n-1)/n · x/β_min + (n-1)·α_max`` (the ring convention of
+  ``ar``, whose halves are ``ag`` and ``rs``; ``rs`` has the same form). Per micro-batch of m
+  sequences the collectives are ``ag(P b_w, n)`` in inference and ``2 ag(P b_w, n) + rs(P b_r, n)``
+  in training (forward gather, backward gather, gradient reduce-scatter with b_r the reduce
+  dtype's bytes), overlapped with compute at best (FSDP prefetches the next unit's gather):
+  ``slot = max(max_devices c, collectives)`` with ``c`` the slot above at pp = tp = 1; every
+  device takes ``M = ceil(S / (n m steps))`` micro-batches per step, and the collectives hold
+  all devices in lockstep: ``time = steps · M · slot``. No separate data-parallel all-reduce.
+- **Colocated reshard** (FSDP actor training that shares its devices with generation): after the
+  update each device gathers the full new weights for the rollout engine, ``ag(P b_w, n)`` once
+  per iteration, counted in actor training.
 - **Weight sync** (actor bytes X = P b_w) when generation and actor training use different
   devices: into the generator group over its best link from the trainers, then along the
   generators' maximum-bandwidth spanning tree (pipelined chunks):
@@ -52,6 +65,23 @@ def allreduce(nbytes: float, n: int, alpha: float, beta: float) -> float:
     if n <= 1:
         return 0.0
     return 2.0 * (n - 1) / n * nbytes / beta + 2.0 * (n - 1) * alpha
+
+
+def allgather(nbytes: float, n: int, alpha: float, beta: float) -> float:
+    """Ring all-gather (or reduce-scatter) of ``nbytes`` in all over ``n`` devices: (n-1)/n · nbytes/β + (n-1)·α."""
+    if n <= 1:
+        return 0.0
+    return (n - 1) / n * nbytes / beta + (n - 1) * alpha
+
+
+def fsdp_collectives(model: ModelSize, w: Workload, n: int, alpha: float, beta: float, train: bool) -> float:
+    """Seconds of ZeRO-3 collectives per micro-batch on ``n`` devices (forward gather; + backward
+    gather and gradient reduce-scatter when training)."""
+    k = w.constants
+    gather = allgather(model.params * k.weight_bytes, n, alpha, beta)
+    if not train:
+        return gather
+    return 2.0 * gather + allgather(model.params * k.fsdp_reduce_bytes, n, alpha, beta)
 
 
 def link_extremes(cluster: Cluster, devices: np.ndarray) -> tuple[float, float]:

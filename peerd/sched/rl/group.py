@@ -101,7 +101,7 @@ def evaluate_group(
         best: TaskPlan | None = None
         least: Shortfall | None = None
         for lay in options:
-            plan, short = _task_on(cluster, w, task, lay, arrange(ordered, lay), parked, len(tasks), balanced)
+            plan, short = _task_on(cluster, w, task, lay, arrange(ordered, lay), parked, tasks, balanced)
             if plan is not None and (best is None or plan.seconds < best.seconds):
                 best = plan
             if short is not None and (least is None or short.bytes < least.bytes):
@@ -120,12 +120,14 @@ def _task_on(
     lay: Layout,
     grid: np.ndarray,
     parked: np.ndarray,
-    n_tasks: int,
+    tasks: tuple[str, ...],
     balanced: bool,
 ) -> tuple[TaskPlan | None, Shortfall | None]:
     if KIND[task] == "generate":
         return _generate(cluster, w, task, lay, grid, parked, balanced)
-    return _pipeline_task(cluster, w, task, lay, grid, parked, n_tasks, balanced)
+    if lay.fsdp:
+        return _fsdp_task(cluster, w, task, lay, grid, parked, "generate" in tasks)
+    return _pipeline_task(cluster, w, task, lay, grid, parked, len(tasks), balanced)
 
 
 def _generate(
@@ -219,4 +221,34 @@ def _pipeline_task(
     else:
         seconds = pipe
     peak = {int(d): float(b) for d, b in zip(grid.ravel(), need.ravel(), strict=True)}
+    return TaskPlan(task, lay, seconds, grid, peak), None
+
+
+def _fsdp_task(
+    cluster: Cluster,
+    w: Workload,
+    task: str,
+    lay: Layout,
+    grid: np.ndarray,
+    parked: np.ndarray,
+    with_generation: bool,
+) -> tuple[TaskPlan | None, Shortfall | None]:
+    """A ZeRO-3 task over all ``lay.dp`` devices (see ``cost``): equal shares, lockstep micro-batches."""
+    model = w.model(ROLE[task])
+    train = KIND[task] == "train"
+    devs = grid.ravel()
+    need = memory.fsdp_bytes(model, w, lay.dp, train) + parked[devs]
+    over = need - cluster.memory[devs]
+    if over.max() > 0:
+        d = devs[int(np.argmax(over))]
+        return None, Shortfall(task, cluster.ids[d], float(over.max()))
+    compute = cost.pipeline_slots(model, w, cost.Pipelines.of(cluster, grid), 1, train)
+    alpha, beta = cost.link_extremes(cluster, devs)
+    slot = max(float(compute.max()), cost.fsdp_collectives(model, w, lay.dp, alpha, beta, train))
+    steps = w.optimizer_steps if train else 1
+    micro = math.ceil(w.sequences / (lay.dp * w.micro_batch * steps) - 1e-9)
+    seconds = steps * micro * slot
+    if task == "actor_train" and with_generation:  # reshard into the rollout engine's layout
+        seconds += cost.allgather(model.params * w.constants.weight_bytes, lay.dp, alpha, beta)
+    peak = {int(d): float(b) for d, b in zip(devs, need, strict=True)}
     return TaskPlan(task, lay, seconds, grid, peak), None

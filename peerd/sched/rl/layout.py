@@ -33,6 +33,9 @@ class Layout:
     pp: int
     tp: int
     stage_major: bool = False
+    fsdp: bool = False
+    """Parameters sharded over all dp devices and gathered per micro-batch (ZeRO-3; pp = tp = 1):
+    the verl-like baseline's training and inference, never searched for peerd's own plans."""
 
     @property
     def size(self) -> int:
@@ -40,10 +43,19 @@ class Layout:
 
     def __str__(self) -> str:
         order = " stage-major" if self.stage_major else ""
-        return f"dp{self.dp} pp{self.pp} tp{self.tp}{order}"
+        shard = " fsdp" if self.fsdp else ""
+        return f"dp{self.dp} pp{self.pp} tp{self.tp}{order}{shard}"
 
     def to_dict(self) -> dict[str, int | bool]:
-        return {"dp": self.dp, "pp": self.pp, "tp": self.tp, "stage_major": self.stage_major}
+        out: dict[str, int | bool] = {
+            "dp": self.dp,
+            "pp": self.pp,
+            "tp": self.tp,
+            "stage_major": self.stage_major,
+        }
+        if self.fsdp:  # only the baseline's layouts carry the key: peerd's plans print as before
+            out["fsdp"] = True
+        return out
 
 
 def layouts(n: int, layers: int, heads: int, generation: bool) -> list[Layout]:

@@ -13,7 +13,11 @@ micro-batch ``k = m · T``; a stage holds ``L/pp`` layers):
 - **training**: ``P (b_w + b_g) / (pp tp)`` + (single-task group) the optimizer shard
   ``P b_o / (pp tp dp)`` + checkpoints of the micro-batches in flight (1F1B: ``min(M, pp - s)`` at
   stage s): ``k (L/pp) h b_act`` each with recomputation (``34 k (L/pp) h / tp`` without) +
-  one layer's working set + on the last stage logits and their gradient (2×).
+  one layer's working set + on the last stage logits and their gradient (2×);
+- **FSDP** (ZeRO-3 over n devices, the verl-like baseline; the sharded weights and optimizer
+  state are what the group parks): two gathered layers ``2 P b_w / L`` (the one in use and the
+  prefetched one) + the inference or training terms above at pp = tp = 1 without the weight
+  shard; training adds the gradient shard ``P b_g / n``.
 
 A plan is feasible when parked + active ≤ usable memory on every device for every task.
 """
@@ -83,3 +87,15 @@ def training_stage_bytes(model: ModelSize, w: Workload, layout: Layout, optimize
     out = state + inflight * ckpt + work
     out[-1] += 2.0 * tokens * model.vocab * k.logit_bytes / tp
     return out
+
+
+def fsdp_bytes(model: ModelSize, w: Workload, n: int, train: bool) -> float:
+    """Bytes on each of ``n`` ZeRO-3 devices while a task runs, beyond the parked shards."""
+    k = w.constants
+    gathered = 2.0 * model.params * k.weight_bytes / model.layers
+    flat = Layout(n, 1, 1)
+    if not train:
+        return float(inference_stage_bytes(model, w, flat)[0]) - weight_shard(model, w, flat) + gathered
+    replicated = model.params * (k.weight_bytes + k.grad_bytes)
+    active = float(training_stage_bytes(model, w, flat, optimizer_local=False)[0]) - replicated
+    return active + gathered + model.params * k.grad_bytes / n

@@ -75,6 +75,9 @@ class CostConstants:
     """Bytes per parameter of weights in use and on the wire (bf16)."""
     grad_bytes: Bytes = 2.0
     """Bytes per parameter of gradients, held and all-reduced (bf16)."""
+    fsdp_reduce_bytes: Bytes = 4.0
+    """Bytes per parameter of gradients reduce-scattered under FSDP (the verl-like baseline): verl's
+    FSDP workers reduce in fp32 unless configured otherwise."""
     optimizer_bytes: Bytes = 12.0
     """Bytes per parameter of fp32 master weights + Adam moments, sharded over data-parallel replicas."""
     kv_bytes: Bytes = 2.0

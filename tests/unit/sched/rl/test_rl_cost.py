@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from peerd.sched.rl import cost, memory
+from peerd.sched.rl.baselines import verl_like
 from peerd.sched.rl.cluster import Cluster, rl_scenario
 from peerd.sched.rl.group import evaluate_group
 from peerd.sched.rl.layout import Layout, arrange, layouts
@@ -136,6 +137,62 @@ def test_training_task_time_adds_data_parallel_allreduce():
     micro = 1  # 4 sequences / 2 replicas / 2 steps
     ar = cost.allreduce(1e9 * 2, 2, 0.005, 1e6)  # bf16 gradients of the whole model
     assert r.plans["actor_train"].seconds == pytest.approx(2 * (micro * slot + ar))
+
+
+def test_ring_allgather_is_half_an_allreduce():
+    # (n-1)/n x bytes / bw + (n-1) x delay = 0.75 s + 3 ms
+    assert cost.allgather(1e9, 4, 1e-3, 1e9) == pytest.approx(0.753)
+    assert 2 * cost.allgather(1e9, 4, 1e-3, 1e9) == pytest.approx(cost.allreduce(1e9, 4, 1e-3, 1e9))
+    assert cost.allgather(1e9, 1, 1.0, 1.0) == 0.0
+
+
+def test_fsdp_collectives_per_micro_batch():
+    w = toy_workload()
+    gather = 0.75 * 1e9 * 2 / 1e9 + 3e-3  # bf16 weights of 1e9 params over 4 devices
+    scatter = 0.75 * 1e9 * 4 / 1e9 + 3e-3  # fp32 gradients (verl's default reduce dtype)
+    assert cost.fsdp_collectives(TOY, w, 4, 1e-3, 1e9, train=False) == pytest.approx(gather)
+    assert cost.fsdp_collectives(TOY, w, 4, 1e-3, 1e9, train=True) == pytest.approx(2 * gather + scatter)
+
+
+def test_fsdp_memory_holds_gathered_layers_not_a_replica():
+    w = toy_workload(prompts=8)
+    tokens, gathered = 200, 2 * 1e9 * 2 / 1  # two gathered layers (the toy has one layer of 1e9 params)
+    work, logits = 34 * tokens * 64, tokens * 100 * 4
+    assert memory.fsdp_bytes(TOY, w, 2, train=False) == pytest.approx(gathered + work + logits)
+    ckpt, grads = tokens * 1 * 64 * 2, 1e9 * 2 / 2
+    assert memory.fsdp_bytes(TOY, w, 2, train=True) == pytest.approx(
+        gathered + grads + ckpt + work + 2 * logits
+    )
+
+
+def test_fsdp_tasks_gather_per_micro_batch_and_reshard_for_generation():
+    cl = _cluster([(0, 1, 8.0)], tflops=1.0)  # d0-d1: 8 Mbit/s = 1e6 B/s, 5 ms; d0-d2: 1 Tbit/s
+    w = toy_workload(prompts=4, optimizer_steps=2)
+    sharded = Layout(2, 1, 1, fsdp=True)
+    compute = 8 * 1e9 * 200 / (1e12 * 0.5)  # 3.2 s per micro-batch; 1 per device per step
+    gather = 0.5 * 2e9 / 1e6 + 0.005  # 1000.005 s: the slow link sets the ring
+    train = 2 * gather + (0.5 * 4e9 / 1e6 + 0.005)
+    r = evaluate_group(cl, w, ("actor_train",), [0, 1], only={"actor_train": sharded})
+    assert r.plans["actor_train"].seconds == pytest.approx(2 * 1 * max(compute, train))
+    r = evaluate_group(cl, w, ("reference",), [0, 1], only={"reference": sharded})
+    assert r.plans["reference"].seconds == pytest.approx(2 * max(0.8, gather))  # 2 micro-batches, no steps
+    both = {"generate": Layout(2, 1, 1), "actor_train": sharded}
+    r = evaluate_group(cl, w, ("generate", "actor_train"), [0, 1], only=both)
+    assert r.plans["actor_train"].seconds == pytest.approx(2 * max(compute, train) + gather)  # + reshard
+    fast = 0.5 * 2e9 / 1.25e11 + 0.005
+    r = evaluate_group(cl, w, ("actor_train",), [0, 2], only={"actor_train": sharded})
+    assert 2 * fast + 0.5 * 4e9 / 1.25e11 + 0.005 < compute  # fast links: the gathers hide behind compute
+    assert r.plans["actor_train"].seconds == pytest.approx(2 * compute)
+
+
+def test_verl_like_trains_and_infers_under_fsdp():
+    cl = _cluster([(0, 1, 8.0)], tflops=1.0)
+    w = toy_workload(prompts=6)
+    grouping, _, score = verl_like(cl, w)
+    sharded = Layout(3, 1, 1, fsdp=True)
+    only = {"generate": Layout(3, 1, 1), "reference": sharded, "actor_train": sharded}
+    r = evaluate_group(cl, w, grouping[0], [0, 1, 2], balanced=False, only=only)
+    assert score.seconds == pytest.approx(r.busy)  # one group: its tasks run one after another
 
 
 def _cluster(links: list[tuple[int, int, float]], tflops: float = 100.0) -> Cluster:
