@@ -24,10 +24,11 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import torch
 
+from peerd.durable import replace_file
 from peerd.errors import ConfigError, PeerdError, PeerUnavailable
 from peerd.jobs.recovery import CHECKPOINT_REPLICAS, replica_peers
 from peerd.jobs.spec import JobSpec
@@ -107,11 +108,14 @@ def assemble(job_id: str, spec: JobSpec, roots: list[Path], out_dir: Path) -> Fe
     model = family.build()
     model.load_state_dict(state, strict=True)  # the file must load into the model class as is
     path = save_checkpoint(out_dir / MODEL_FILE, family, model.state_dict(), job=job_id, step=step)
-    (out_dir / "job.json").write_text(
-        json.dumps({"job_id": job_id, "step": step, "spec": to_mapping(spec)}, indent=2)
-    )
+    text = json.dumps({"job_id": job_id, "step": step, "spec": to_mapping(spec)}, indent=2)
+    replace_file(out_dir / "job.json", lambda fh: fh.write(text.encode()))
     logger.info("job %s: assembled %d stages at step %d into %s", job_id, stages, step, path)
     return Fetched(path, step, stages, model.num_parameters(), sources)
+
+
+def _writer(data: bytes) -> Callable[[BinaryIO], object]:
+    return lambda fh: fh.write(data)
 
 
 async def gather(
@@ -165,7 +169,8 @@ async def gather(
         for stage, blob in blobs.items():
             directory = checkpoint.tasklet_dir(dest, job_id, stage, 0)
             directory.mkdir(parents=True, exist_ok=True)
-            checkpoint.checkpoint_file(directory, step).write_bytes(blob)
+            # crash-safe like the tasklets' own saves: a killed fetch never leaves a torn step file
+            replace_file(checkpoint.checkpoint_file(directory, step), _writer(blob), suffix=".pt")
         return step, sources
     raise PeerUnavailable(
         f"no checkpoint of job {job_id} could be gathered: {'; '.join(failures) or 'no step'}"

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from peerd.durable import remove_leftovers, replace_file
 from peerd.errors import ConfigError
 from peerd.models.registry import ModelFamily, WithWeights, family_from
 from peerd.models.stack import LayerStack
@@ -36,10 +37,9 @@ def save_checkpoint(
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
     payload = {**meta, "format": MODEL_FORMAT, "model": family.describe(), "state_dict": state_dict}
-    tmp = p.with_name(p.name + ".tmp")
-    torch.save(payload, tmp)
-    tmp.replace(p)  # a reader never sees half a file
-    return p
+    remove_leftovers(p)  # of an earlier writer killed mid-save
+    # a reader never sees half a file, and a kill at any moment leaves the previous one whole
+    return replace_file(p, lambda fh: torch.save(payload, fh), suffix=".pt")
 
 
 def open_checkpoint(path: str | Path) -> Checkpoint:

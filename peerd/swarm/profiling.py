@@ -25,6 +25,7 @@ import torch
 from hivemind.utils import get_dht_time
 
 from peerd import __version__
+from peerd.durable import remove_leftovers, replace_file
 from peerd.errors import ConfigError
 from peerd.log import get_logger
 from peerd.swarm.records import DeviceKind, DeviceProfile
@@ -32,6 +33,7 @@ from peerd.swarm.records import DeviceKind, DeviceProfile
 logger = get_logger(__name__)
 
 CACHE_FORMAT = 1
+LEFTOVER_AGE_S = 60.0  # a cache temporary this old belongs to no live write (they take ms)
 # Matrix side per device kind: big enough to reach steady-state throughput, small enough
 # that one matmul takes milliseconds (CPU 512: ~3 ms at 100 GFLOPS; H100-class 8192: ~2 ms in bf16).
 _MATMUL_N = {DeviceKind.CPU: 512, DeviceKind.CUDA: 8192, DeviceKind.MPS: 2048}
@@ -291,11 +293,16 @@ def _cached_profile(entry: Any, fingerprint: dict[str, Any]) -> tuple[dict[str, 
 
 
 def _store_cache(path: Path, entries: dict[str, Any]) -> None:
+    """Replace the cache crash-safely (``peerd.durable``); temporaries of writers killed earlier go.
+
+    Daemons of one machine share the cache, so only temporaries older than any live write
+    (``LEFTOVER_AGE_S``) are removed.
+    """
+    text = json.dumps({"format": CACHE_FORMAT, "entries": entries}, indent=1, sort_keys=True)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps({"format": CACHE_FORMAT, "entries": entries}, indent=1, sort_keys=True))
-        os.replace(tmp, path)  # readers never see a half-written cache
+        remove_leftovers(path, older_than_s=LEFTOVER_AGE_S)
+        replace_file(path, lambda fh: fh.write(text.encode()))  # readers never see a half-written cache
     except OSError as exc:
         logger.warning("could not write device profile cache %s: %s", path, exc)
 

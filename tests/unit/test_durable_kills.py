@@ -19,7 +19,11 @@ from pathlib import Path
 import torch
 
 from peerd.durable import TMP_PREFIX, tmp_prefix
+from peerd.models.checkpoint import open_checkpoint, save_checkpoint
+from peerd.models.gpt import GPTConfig
+from peerd.models.registry import GPTFamily
 from peerd.pipeline import checkpoint
+from peerd.swarm import profiling
 from peerd.swarm.identity import LEFTOVER_AGE_S, Identity
 from peerd.swarm.membership import KnownPeer, KnownPeersStore
 
@@ -137,3 +141,60 @@ def test_identity_creation_killed_never_leaves_a_torn_key_and_its_leftovers_go(t
     os.utime(old, (time.time() - 2 * LEFTOVER_AGE_S,) * 2)
     assert Identity.load_or_create(key).peer_id == Identity.load(key).peer_id
     assert not old.exists() and young.exists()
+
+
+def test_the_device_profile_cache_survives_kills_and_old_leftovers_go_at_the_next_write(tmp_path: Path):
+    """The cache every daemon of a machine shares: always whole, and killed writers' temporaries removed."""
+    path = tmp_path / "device_profiles.json"
+    entry = {"fingerprint": {"name": "cpu"}, "tflops": {"fp32": 0.1}, "memory_gb_s": 5.0, "measured_at": 1.0}
+    rng = random.Random(18)
+    torn_moments = 0
+    for i in range(KILLS):
+
+        def store(counter: list[int] = [i]) -> None:  # noqa: B006 - the child's own counter
+            # a few hundred KiB, different each time: writes take long enough to be cut
+            profiling._store_cache(path, {f"k{j}": entry for j in range(2000 + counter[0] % 7)})
+            counter[0] += 1
+
+        _run_and_kill(store, rng)
+        leftovers = [p for p in tmp_path.iterdir() if p != path]
+        torn_moments += bool(leftovers)
+        if path.exists():
+            assert len(profiling._load_cache(path)) >= 2000  # never torn, never empty
+    # what a kill between the temporary's write and its rename leaves (the kills above leave some
+    # when they land mid-write: not every run does, so one is made too)
+    (tmp_path / f"{tmp_prefix(path)}killed").write_bytes(b'{"format": 1, "entr')
+    leftovers = [p for p in tmp_path.iterdir() if p != path]
+    for p in leftovers:  # as old as any write could be: a later daemon removes them
+        os.utime(p, (time.time() - 2 * profiling.LEFTOVER_AGE_S,) * 2)
+    young = tmp_path / f"{tmp_prefix(path)}live"  # another daemon writing right now: spared
+    young.write_bytes(b"{")
+    profiling._store_cache(path, {"k": entry})
+    assert [p.name for p in tmp_path.iterdir() if p != path] == [young.name]
+    assert profiling._load_cache(path) == {"k": entry}
+    print(f"KILLS profile cache: {KILLS} kills, {torn_moments} mid-write, 0 torn loads")
+
+
+def test_a_model_file_writer_killed_100_times_always_leaves_a_whole_file(tmp_path: Path):
+    """``peerd fetch``'s output (``models.checkpoint.save_checkpoint``): the previous file always opens."""
+    family = GPTFamily(GPTConfig(n_layer=1, d_model=32, max_seq_len=16), seed=4)
+    state = family.build().state_dict()
+    path = tmp_path / "model.pt"
+    rng = random.Random(19)
+    newest, torn_moments = -1, 0
+    for i in range(KILLS):
+
+        def save(counter: list[int] = [(i + 1) * 10_000]) -> None:  # noqa: B006 - above any earlier child's
+            save_checkpoint(path, family, state, step=counter[0])
+            counter[0] += 1
+
+        _run_and_kill(save, rng)
+        torn_moments += bool(_tmps(tmp_path))
+        if path.exists():
+            step = open_checkpoint(path).meta["step"]
+            assert step >= newest
+            newest = step
+    save_checkpoint(path, family, state, step=newest + 1)  # the next write clears every leftover
+    assert _tmps(tmp_path) == [] and [p.name for p in tmp_path.iterdir()] == ["model.pt"]
+    assert open_checkpoint(path).meta["step"] == newest + 1
+    print(f"KILLS model file: {KILLS} kills, {torn_moments} mid-write, 0 torn loads")
