@@ -14,7 +14,6 @@ from peerd.models.registry import GPTFamily, ModelFamily, hf_family, with_weight
 from peerd.pipeline.codec import CompressionConfig
 from peerd.pipeline.optim import OptimizerConfig, with_shorthands
 from peerd.pipeline.partition import validate_layers_per_stage
-from peerd.pipeline.precision import FP16_PIPELINE
 from peerd.pipeline.schedule import available_schedules
 from peerd.pipeline.streams import StreamConfig
 
@@ -115,7 +114,7 @@ class TrainConfig:
     ``cuda``, ``cuda:N`` or ``mps``. Each peer sets its own (the daemon's ``--device``)."""
     precision: Precision = "fp32"
     """Compute precision: ``fp32``, or autocast to ``bf16`` / ``fp16`` (``fp16`` with a dynamic loss
-    scale, one stage and one replica only). Master weights, optimizer state, gradients and
+    scale; one replica per stage: the stages agree on skipped steps, replicas cannot yet). Master weights, optimizer state, gradients and
     everything on the wire (activations and their gradients as float32) stay fp32."""
 
     def __post_init__(self) -> None:
@@ -132,7 +131,8 @@ class TrainConfig:
         validate_layers_per_stage(model.num_layers, self.layers_per_stage)
         if model.tied and len(self.layers_per_stage) > 1:
             raise ConfigError(
-                "model", "tied embedding/head weights span stages; untie them (tie_weights / tie_word_embeddings)"
+                "model",
+                "tied embedding/head weights span stages; untie them (tie_weights / tie_word_embeddings)",
             )
         if self.data.seq_len > model.max_seq_len:
             raise ConfigError(
@@ -149,8 +149,6 @@ class TrainConfig:
             raise ConfigError("device", f"{self.device!r}: expected auto, cpu, cuda, cuda:N or mps")
         if self.precision not in PRECISIONS:
             raise ConfigError("precision", f"{self.precision!r}: expected one of {', '.join(PRECISIONS)}")
-        if self.precision == "fp16" and self.num_stages > 1:
-            raise ConfigError("precision", FP16_PIPELINE)
         if self.checkpoint_every < 0 or self.keep_checkpoints < 1:
             raise ConfigError("checkpoint_every", "must be >= 0, and keep_checkpoints >= 1")
         if not self.retain_checkpoints_s >= 0:

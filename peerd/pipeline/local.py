@@ -38,7 +38,7 @@ from peerd.pipeline.optim import (
     with_shorthands,
 )
 from peerd.pipeline.partition import StageModule, model_layers, partition
-from peerd.pipeline.precision import FP16_PIPELINE, StagePrecision
+from peerd.pipeline.precision import FP16_REPLICAS, StagePrecision
 from peerd.pipeline.schedule import Op, Schedule, get_schedule, simulate
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (logits (B,T,V), targets (B,T)) -> mean
@@ -246,8 +246,8 @@ def train_pipelined(
     """
     layers = model_layers(model)
     split = cfg.layers_per_stage or [len(layers)]
-    if cfg.precision == "fp16" and (len(split) > 1 or cfg.replicas > 1):
-        raise ConfigError("precision", FP16_PIPELINE)
+    if cfg.precision == "fp16" and cfg.replicas > 1:
+        raise ConfigError("precision", FP16_REPLICAS)
     stages = partition(model, split)
     precision = StagePrecision(cfg.precision, next(model.parameters()).device)
     pipe = LocalPipeline(stages, cfg.schedule, hook, precision=precision)
@@ -270,10 +270,12 @@ def train_pipelined(
             for k, (p, g) in enumerate(zip(ps, reduced, strict=True)):
                 # Untouched by every replica: leave it gradient-less, as plain training would.
                 p.grad = g if any(grads[s][k][1] for grads in per_replica) else None
-        precision.unscale_(optimizer)  # fp16: clip the true gradients
-        _clip_across_stages(params, cfg.optimizer.grad_clip)
-        precision.step(optimizer)
-        scheduler.step()
+        # fp16: clip the true gradients; an overflow anywhere skips the step of every stage
+        finite = precision.unscale(flat)
+        if finite:
+            _clip_across_stages(params, cfg.optimizer.grad_clip)
+        precision.step(optimizer, overflowed=not finite)
+        precision.step_schedule(scheduler)
         losses.append(loss)
     return losses
 
@@ -308,11 +310,11 @@ def _step(
     precision: StagePrecision | None = None,
 ) -> None:
     precision = precision or StagePrecision("fp32")
-    precision.unscale_(optimizer)  # fp16: clip the true gradients
-    if cfg.grad_clip is not None:
+    finite = precision.unscale(list(params))  # fp16: clip the true gradients
+    if cfg.grad_clip is not None and finite:
         torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
-    precision.step(optimizer)
-    scheduler.step()
+    precision.step(optimizer, overflowed=not finite)
+    precision.step_schedule(scheduler)
 
 
 def _clip_across_stages(params: Sequence[Sequence[torch.nn.Parameter]], max_norm: float | None) -> None:

@@ -15,7 +15,9 @@ downstream unchanged (``NORM_TOTAL``), so every stage scales by the same coeffic
 ``min(1, grad_clip / (norm + 1e-6))`` (torch's ``clip_grad_norm_``). Replicas of a stage hold
 identical averaged gradients, so they compute identical totals and stay in step. Cost: 2(S-1)
 one-hop messages of 8 payload bytes per step, and their latency on the step's critical path.
-Wire format: protocols/pipeline-frames.md.
+Under fp16 the same exchange carries the loss scale's overflow verdict (``OVERFLOWED`` in place
+of a sum), also without clipping, so every stage skips the same steps.
+Wire format: protocols/pipeline-norm.md.
 """
 
 from __future__ import annotations
@@ -33,6 +35,9 @@ from peerd.errors import ConfigError
 CLIP_EPS = 1e-6  # torch.nn.utils.clip_grad_norm_ adds this to the norm before dividing
 NORM_PARTIAL = 0  # pp.norm micro-batch index: a partial sum of squares going upstream
 NORM_TOTAL = 1  # pp.norm micro-batch index: the replica's total sum of squares going downstream
+# What a stage sends instead of a sum of squares when its fp16 gradients overflowed (a sum of
+# squares is never negative): it absorbs every sum, so every stage learns to skip the step.
+OVERFLOWED = -1.0
 
 
 @dataclass(frozen=True)
@@ -136,6 +141,11 @@ def seek_schedule(scheduler: torch.optim.lr_scheduler.LambdaLR, step: int) -> No
 def squared_norm(grads: Sequence[torch.Tensor]) -> float:
     """Sum of squares of every element of ``grads`` (float64: it is summed across stages)."""
     return math.fsum(float(torch.linalg.vector_norm(g.detach(), 2).double() ** 2) for g in grads)
+
+
+def add_partial_norms(own: float, below: float) -> float:
+    """A stage's partial sum of squares plus the one from the stages below it; ``OVERFLOWED`` absorbs."""
+    return OVERFLOWED if OVERFLOWED in (own, below) else own + below
 
 
 def clip_coefficient(total_squared_norm: float, max_norm: float | None) -> float:

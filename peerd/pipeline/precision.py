@@ -5,25 +5,31 @@ they were). ``bf16`` / ``fp16`` run the forward pass (and the loss) under ``torc
 matmuls in the low precision, reductions and the master weights in fp32; gradients of the
 fp32 parameters are fp32 and the optimizer state stays fp32. What a stage sends is cast back
 to float32 (the wire format's dtype), so the next stage's input and the reference executor's
-(``peerd.pipeline.local``) agree. ``fp16`` adds torch's dynamic loss scale
-(``torch.amp.GradScaler``): the loss is scaled before backward, gradients are unscaled before
-clipping, and a step whose gradients overflowed is skipped and the scale lowered.
+(``peerd.pipeline.local``) agree. ``fp16`` adds a dynamic loss scale (``LossScale``, the
+arithmetic of torch's ``GradScaler`` with its defaults): the loss is scaled before backward,
+gradients are unscaled before clipping, and a step whose gradients overflowed is skipped and
+the scale lowered. torch's scaler decides the skip from the gradients it holds; a pipeline's
+stages (and a stage's replicas) must skip the *same* steps, so here the caller decides: the
+stages share one overflow verdict through the norm exchange (``peerd.pipeline.optim``) and
+each passes it to ``StagePrecision.step``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import warnings
 from typing import Any
 
 import torch
 
 from peerd.errors import ConfigError
 
-# fp16's loss scaling skips a step whose gradients overflowed: every stage and replica must skip
-# the same steps, and the pipeline's wire protocol carries no such verdict (bf16 needs no scale).
-FP16_PIPELINE = (
-    "fp16 (loss-scaled) trains a single stage with one replica only: stages and replicas would "
-    "have to agree on every overflowed step; use bf16, or parallel d_pp: 1 and d_dp: 1"
+# fp16's loss scaling skips a step whose gradients overflowed: every replica of a stage must skip
+# the same steps, and the averaging wire carries no such verdict yet (stages share theirs through
+# the norm exchange; bf16 needs no scale).
+FP16_REPLICAS = (
+    "fp16 (loss-scaled) trains one replica per stage only: replicas would have to agree on every "
+    "overflowed step and gradient averaging carries no such verdict; use bf16, or parallel d_dp: 1"
 )
 DTYPES: dict[str, torch.dtype | None] = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -51,6 +57,57 @@ def check_precision(precision: str, device: torch.device) -> None:
         raise ConfigError("precision", f"{precision} on {device}: autocast does not compute in {dtype}")
 
 
+class LossScale:
+    """fp16's dynamic loss scale: torch ``GradScaler``'s arithmetic, with the skip decided by the caller.
+
+    The scale starts at 2**16; a step whose gradients overflowed halves it, 2000 steps in a row
+    without overflow double it. Scales are powers of two, so scaling and unscaling are exact.
+    """
+
+    INITIAL = 2.0**16
+    GROWTH, BACKOFF, INTERVAL = 2.0, 0.5, 2000
+
+    def __init__(self, initial: float | None = None) -> None:
+        self.value = float(initial if initial is not None else self.INITIAL)
+        self.growth_tracker = 0  # steps in a row without overflow since the last change
+
+    def unscale(self, params: list[torch.nn.Parameter]) -> bool:
+        """Divide every gradient by the scale, in place; whether all of them are finite."""
+        inverse = 1.0 / self.value
+        finite = True
+        for p in params:
+            if p.grad is not None:
+                p.grad.mul_(inverse)
+                finite = finite and bool(torch.isfinite(p.grad).all())
+        return finite
+
+    def update(self, overflowed: bool) -> None:
+        if overflowed:
+            self.value *= self.BACKOFF
+            self.growth_tracker = 0
+            return
+        self.growth_tracker += 1
+        if self.growth_tracker == self.INTERVAL:
+            grown = self.value * self.GROWTH
+            if grown != float("inf"):
+                self.value = grown
+            self.growth_tracker = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        """The keys of torch's ``GradScaler.state_dict`` (checkpoints written by it load here)."""
+        return {
+            "scale": self.value,
+            "growth_factor": self.GROWTH,
+            "backoff_factor": self.BACKOFF,
+            "growth_interval": self.INTERVAL,
+            "_growth_tracker": self.growth_tracker,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.value = float(state["scale"])
+        self.growth_tracker = int(state.get("_growth_tracker", 0))
+
+
 class StagePrecision:
     """How one stage (or the reference executor) runs its forward pass and takes its optimizer step."""
 
@@ -59,7 +116,7 @@ class StagePrecision:
         check_precision(precision, self.device)
         self.name = precision
         self.dtype = DTYPES[precision]
-        self.scaler = torch.amp.GradScaler(self.device.type) if precision == "fp16" else None
+        self.loss_scale = LossScale() if precision == "fp16" else None
 
     def autocast(self) -> contextlib.AbstractContextManager[Any]:
         """The context forward passes (and the loss) run in."""
@@ -69,26 +126,33 @@ class StagePrecision:
 
     def scale(self, loss: torch.Tensor) -> torch.Tensor:
         """The loss backward starts from (scaled under fp16)."""
-        return loss if self.scaler is None else self.scaler.scale(loss)
+        return loss if self.loss_scale is None else loss * self.loss_scale.value
 
-    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
-        """Divide the parameters' gradients by the loss scale (before clipping or averaging them)."""
-        if self.scaler is not None:
-            self.scaler.unscale_(optimizer)
+    def unscale(self, params: list[torch.nn.Parameter]) -> bool:
+        """Divide the gradients by the loss scale (fp16; before clipping or averaging). Whether all are finite."""
+        return True if self.loss_scale is None else self.loss_scale.unscale(params)
 
-    def step(self, optimizer: torch.optim.Optimizer) -> bool:
-        """Step ``optimizer`` (fp16: unless the gradients overflowed; then the scale is updated). Whether it stepped."""
-        if self.scaler is None:
+    def step(self, optimizer: torch.optim.Optimizer, overflowed: bool = False) -> bool:
+        """Step ``optimizer`` unless ``overflowed`` (fp16 only: then the scale is lowered). Whether it stepped."""
+        if self.loss_scale is None:
             optimizer.step()
             return True
-        before = self.scaler.get_scale()
-        self.scaler.step(optimizer)
-        self.scaler.update()
-        return self.scaler.get_scale() >= before  # a skipped step lowers the scale
+        if not overflowed:
+            optimizer.step()
+        self.loss_scale.update(overflowed)
+        return not overflowed
+
+    @staticmethod
+    def step_schedule(scheduler: torch.optim.lr_scheduler.LRScheduler) -> None:
+        """Advance the LR schedule; a step that overflow skipped still counts (as with torch's scaler),
+        so torch's warning about a schedule stepping ahead of its optimizer is expected there."""
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler.step\(\)`")
+            scheduler.step()
 
     def state_dict(self) -> dict[str, Any] | None:
-        return None if self.scaler is None else self.scaler.state_dict()
+        return None if self.loss_scale is None else self.loss_scale.state_dict()
 
     def load_state_dict(self, state: dict[str, Any] | None) -> None:
-        if self.scaler is not None and state:
-            self.scaler.load_state_dict(state)
+        if self.loss_scale is not None and state:
+            self.loss_scale.load_state_dict(state)

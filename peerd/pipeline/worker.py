@@ -7,9 +7,9 @@ loop keeps serving the streams meanwhile), encodes what it sends with the bounda
 (AC-SGD forward, quantized backward, or raw), and after the last micro-batch averages its
 parameter gradients with the stage's other replicas through a pluggable ``Reducer`` (the
 averaging group's all-reduce; none when the stage has one replica), then, with gradient
-clipping on, joins the replica's cross-stage norm exchange (``peerd.pipeline.optim``: partial
-sums of squares upstream, the total back downstream, on the same streams) and steps the
-optimizer and its LR schedule.
+clipping on (or under fp16 with more than one stage: the overflow verdict), joins the replica's
+cross-stage norm exchange (``peerd.pipeline.optim``: partial sums of squares upstream, the total
+back downstream, on the same streams) and steps the optimizer and its LR schedule.
 Stage 0 reads inputs by example id, the last stage reads labels by example id: only hidden
 states and their gradients cross the network. Any typed failure aborts the step on this
 worker and tells both neighbours, so the whole pipeline fails fast instead of waiting out
@@ -65,7 +65,7 @@ from peerd.data.config import build_dataset
 from peerd.data.dataset import WindowDataset
 from peerd.data.sampler import EpochSampler, micro_batches
 from peerd.data.validation import validation_micro_batches
-from peerd.errors import ConfigError, ErrorCode, PeerdError
+from peerd.errors import ConfigError, ErrorCode, PeerdError, PeerMisbehaved
 from peerd.loading import to_mapping
 from peerd.log import get_logger
 from peerd.pipeline import checkpoint
@@ -87,6 +87,8 @@ from peerd.pipeline.frames import (
     raw_payload,
 )
 from peerd.pipeline.optim import (
+    OVERFLOWED,
+    add_partial_norms,
     build_optimizer,
     build_scheduler,
     clip_coefficient,
@@ -94,7 +96,7 @@ from peerd.pipeline.optim import (
     squared_norm,
 )
 from peerd.pipeline.partition import build_stage
-from peerd.pipeline.precision import FP16_PIPELINE, StagePrecision
+from peerd.pipeline.precision import FP16_REPLICAS, StagePrecision
 from peerd.pipeline.schedule import Op, get_schedule
 from peerd.pipeline.sender import StreamSender
 from peerd.pipeline.streams import (
@@ -214,11 +216,12 @@ class StageWorker:
         if replicas > 1 and reducer is None:
             raise ConfigError("allocation", f"stage {stage} has {replicas} replicas but no gradient reducer")
         self.transport = transport
+        self._neighbours = (upstream, downstream)
         self.reducer = reducer
         self.on_report = on_report
         self.device = resolve_device(cfg.device)  # ConfigError naming device if it is not here
         if cfg.precision == "fp16" and replicas > 1:
-            raise ConfigError("precision", FP16_PIPELINE)
+            raise ConfigError("precision", FP16_REPLICAS)
         self.precision = StagePrecision(cfg.precision, self.device)
         logger.info(
             "job %s stage %d replica %d computes on %s in %s",
@@ -237,6 +240,12 @@ class StageWorker:
         self.optimizer = build_optimizer(self.params, cfg.optimizer)
         self.scheduler = build_scheduler(self.optimizer, cfg.optimizer, cfg.steps)
         self.clip = cfg.optimizer.grad_clip
+        # the norm exchange also carries fp16's overflow verdict, so every stage skips the same steps
+        self.exchanges_norms = self.clip is not None or (
+            self.precision.loss_scale is not None and self.num_stages > 1
+        )
+        self._sent_overflow = False  # fp16: an input gradient of this step overflowed (sent as zeros)
+        self.overflow_skips = 0  # fp16: steps every stage skipped because some gradient overflowed
         self.sampler = EpochSampler(len(self.dataset), cfg.global_batch, cfg.data_seed, replicas)
         self.validation = cfg.data.validation
         self._val_chunks: list[list[int]] = []  # this replica's held-out micro-batches
@@ -270,7 +279,7 @@ class StageWorker:
         if self._val_chunks and not self.first:  # held-out activations from above, raw float32
             expectations[KIND_VAL] = self._val_expectation
             decoders[KIND_VAL] = RawDecoder()
-        if self.clip is not None:  # the norm exchange: partial sums from below, the total from above
+        if self.exchanges_norms:  # the norm exchange: partial sums from below, the total from above
             if not self.last:
                 expectations[KIND_NORM_PART] = lambda step: norm_expectation(
                     cfg.job, KIND_NORM_PART, stage, step
@@ -479,6 +488,7 @@ class StageWorker:
         out_grads: dict[int, torch.Tensor] = {}
         encoded: dict[tuple[Op, int], Any] = {}  # (SEND_ACT | SEND_GRAD, mb) -> payload
         loss_sum = 0.0
+        self._sent_overflow = False
         await self._compute(self.optimizer.zero_grad, True)
         for action in actions:
             mb, op = action.mb, action.op
@@ -635,6 +645,11 @@ class StageWorker:
         if self.first:
             return None
         assert x is not None and x.grad is not None and self.codecs.send_grad is not None
+        if self.precision.loss_scale is not None and not bool(torch.isfinite(x.grad).all()):
+            # fp16 overflow: the wire takes no Inf/NaN (the neighbour would suspect this peer); the
+            # step is skipped everywhere anyway, through this stage's part of the norm exchange
+            self._sent_overflow = True
+            x.grad.zero_()
         return self.codecs.send_grad.encode(tuple(ids), x.grad)
 
     def _message(
@@ -657,30 +672,46 @@ class StageWorker:
         )
 
     async def _average_and_step(self, step: int) -> None:
-        grads = await self._compute(self._local_grads)
+        grads, finite = await self._compute(self._local_grads)
         if self.reducer is not None:  # the averaging group works on host tensors
             grads = await self.reducer.allreduce(step, grads)
-        scale = 1.0
-        if self.clip is not None:
-            scale = clip_coefficient(await self._replica_squared_norm(step, grads), self.clip)
-        await self._compute(self._apply, step, grads, scale)
+        scale, overflowed = 1.0, not finite
+        if self.exchanges_norms:
+            total = await self._replica_squared_norm(step, grads, overflowed)
+            overflowed = total == OVERFLOWED
+            if self.clip is not None and not overflowed:
+                scale = clip_coefficient(total, self.clip)
+        if overflowed:
+            self.overflow_skips += 1
+            logger.info(
+                "job %s stage %d: step %d skipped, fp16 gradients overflowed (loss scale %g)",
+                self.cfg.job, self.stage, step, self.precision.loss_scale.value if self.precision.loss_scale else 0,
+            )  # fmt: skip
+        await self._compute(self._apply, step, grads, scale, overflowed)
 
-    async def _replica_squared_norm(self, step: int, grads: list[torch.Tensor]) -> float:
+    async def _replica_squared_norm(self, step: int, grads: list[torch.Tensor], overflowed: bool) -> float:
         """The sum of squares of the whole replica's gradients: partial sums go up, stage 0's total comes down.
 
         Every stage uses stage 0's one float64, so all stages (and replicas: their averaged
-        gradients are identical) scale by the same coefficient.
+        gradients are identical) scale by the same coefficient. Under fp16 a stage whose
+        gradients overflowed sends ``OVERFLOWED`` instead, which absorbs every sum: then every
+        stage skips the step.
         """
         timeout = self.deadline.seconds()
-        partial = await self._compute(squared_norm, grads)
+        partial = OVERFLOWED if overflowed else await self._compute(squared_norm, grads)
         if not self.last:  # stages below, summed by the next stage
-            partial += float(await self.inbox.get(KIND_NORM_PART, step, 0, timeout))
+            below = self._received_norm(
+                await self.inbox.get(KIND_NORM_PART, step, 0, timeout), step, self._neighbours[1]
+            )
+            partial = add_partial_norms(partial, below)
         if self.first:
             total = partial
         else:
             assert self.to_prev is not None
             await self._send_norm(self.to_prev, KIND_NORM_PART, step, self.stage - 1, partial)
-            total = float(await self.inbox.get(KIND_NORM_TOTAL, step, 0, timeout))
+            total = self._received_norm(
+                await self.inbox.get(KIND_NORM_TOTAL, step, 0, timeout), step, self._neighbours[0]
+            )
         if not self.last:
             assert self.to_next is not None
             await self._send_norm(self.to_next, KIND_NORM_TOTAL, step, self.stage, total)
@@ -706,15 +737,32 @@ class StageWorker:
         await sender.send(msg, payload)
         await sender.flush()  # accepted before this stage may finish (close does not wait for acks)
 
-    def _local_grads(self) -> list[torch.Tensor]:
-        """This replica's (unscaled) gradients: on the device, or host copies when a reducer averages them. Compute thread."""
-        self.precision.unscale_(self.optimizer)  # fp16: before the norm and the update
+    def _received_norm(self, value: torch.Tensor, step: int, sender: PeerRef | None) -> float:
+        """A neighbour's sum of squares; ``OVERFLOWED`` only where this job scales its loss (fp16)."""
+        norm = float(value)
+        if norm < 0 and (norm != OVERFLOWED or self.precision.loss_scale is None):
+            raise PeerMisbehaved(
+                f"norm frame of step {step} from {sender} holds {norm}: a sum of squares"
+                + (f", or {OVERFLOWED} for an fp16 overflow" if self.precision.loss_scale else ""),
+                peer=str(sender),
+                code=ErrorCode.OUT_OF_RANGE,
+            )
+        return norm
+
+    def _local_grads(self) -> tuple[list[torch.Tensor], bool]:
+        """This replica's (unscaled) gradients: on the device, or host copies when a reducer averages
+        them; and whether they (and, under fp16, the input gradients this stage sent) are finite. Compute thread."""
+        finite = (
+            self.precision.unscale(self.params) and not self._sent_overflow
+        )  # fp16: before norm and update
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
         if self.reducer is None or self.device.type == "cpu":
-            return grads
-        return [to_host(g) for g in grads]
+            return grads, finite
+        return [to_host(g) for g in grads], finite
 
-    def _apply(self, step: int, grads: list[torch.Tensor], scale: float = 1.0) -> None:
+    def _apply(
+        self, step: int, grads: list[torch.Tensor], scale: float = 1.0, overflowed: bool = False
+    ) -> None:
         """Compute thread: the whole update of ``step``, so a cancelled await never splits it.
 
         A cancelled caller stops waiting but this call still runs to its end (or, if it had
@@ -733,8 +781,8 @@ class StageWorker:
             # reuse its host buffers as soon as this returns)
             g = g.to(self.device)
             p.grad = g if scale == 1.0 else g.mul_(scale)  # clip_grad_norm_'s scaling, across stages
-        self.precision.step(self.optimizer)  # fp16: skipped when the gradients overflowed
-        self.scheduler.step()  # the lr of step + 1
+        self.precision.step(self.optimizer, overflowed)  # fp16: skipped when some gradient overflowed
+        self.precision.step_schedule(self.scheduler)  # the lr of step + 1
         self.step = step + 1
 
     async def quiesce(self) -> None:
@@ -786,7 +834,7 @@ class StageWorker:
             codecs=self.codecs.state_dict(),  # AC-SGD buffers of both boundary sides
             averaging=host_copy(state_of()) if state_of is not None else None,
         )
-        if self.precision.scaler is not None:
+        if self.precision.loss_scale is not None:
             state["scaler"] = self.precision.state_dict()  # fp16's loss scale and its growth tracker
         return state
 

@@ -22,6 +22,7 @@ from peerd.pipeline.codec import CompressionConfig
 from peerd.pipeline.config import ModelBuild, TrainConfig
 from peerd.pipeline.launch import Placement, build_workers, run_workers, start_peers, stop_peers
 from peerd.pipeline.local import LocalRunConfig, train_pipelined
+from peerd.pipeline.precision import LossScale
 from peerd.pipeline.streams import StreamConfig
 
 pytestmark = pytest.mark.integration
@@ -136,4 +137,40 @@ def test_bf16_two_stage_run_matches_the_single_process_bf16_run():
     assert rel(losses, bf16) < 1e-3  # stated tolerance for bf16 (measured: identical on CPU)
     fp32 = reference(cfg)
     assert losses != fp32 and rel(losses, fp32) < 0.05
+    assert losses[-1] < losses[0] - 0.3  # it trains
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("grad_clip", [None, 0.5])
+def test_fp16_stages_skip_the_same_overflowed_steps_as_the_single_process_run(monkeypatch, grad_clip):
+    """The loss scale starts too high, so the first steps overflow in the last stage's backward: it
+    sends zeros upstream and the verdict through the norm exchange, and both stages skip."""
+    monkeypatch.setattr(LossScale, "INITIAL", 2.0**24)
+    cfg = dataclasses.replace(
+        CFG,
+        job=f"devices-fp16-{grad_clip}",
+        precision="fp16",
+        data=DataConfig(seq_len=32, max_bytes=64 * 1024),
+        optimizer=dataclasses.replace(CFG.optimizer, grad_clip=grad_clip),
+    )
+    seen: dict[str, object] = {}
+
+    async def go():
+        peers = await start_peers(2)
+        try:
+            workers = build_workers(cfg, Placement([[0], [1]]), peers)
+            result = await run_workers(workers)
+            seen["skips"] = [w.overflow_skips for w in workers]
+            seen["scales"] = [w.precision.loss_scale.value for w in workers]  # type: ignore[union-attr]
+        finally:
+            await stop_peers(peers)
+        return result
+
+    result = asyncio.run(asyncio.wait_for(go(), 240))
+    assert result.ok, result.errors
+    skips = seen["skips"]
+    assert isinstance(skips, list) and skips[0] == skips[1] and 1 <= skips[0] < cfg.steps, skips
+    assert seen["scales"] == [2.0 ** (24 - skips[0])] * 2
+    losses = result.losses()
+    assert rel(losses, reference(cfg, "fp16")) < 1e-3  # the same steps skipped, the same updates
     assert losses[-1] < losses[0] - 0.3  # it trains

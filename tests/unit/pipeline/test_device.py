@@ -22,7 +22,7 @@ from peerd.pipeline.codec import CompressionConfig, build_codecs
 from peerd.pipeline.config import ModelBuild, TrainConfig
 from peerd.pipeline.frames import KIND_ACT
 from peerd.pipeline.local import LocalRunConfig, train_pipelined
-from peerd.pipeline.precision import StagePrecision, check_precision
+from peerd.pipeline.precision import LossScale, StagePrecision, check_precision
 from peerd.pipeline.worker import StageOutOfMemory, StageWorker
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -179,11 +179,8 @@ def test_device_and_precision_are_checked_when_built():
         with pytest.raises(ConfigError) as info:
             dataclasses.replace(CFG, **change).validate()
         assert info.value.field == field_name
-    two = dataclasses.replace(CFG, layers_per_stage=[2, 2], precision="fp16")
-    with pytest.raises(ConfigError, match="single stage") as info:
-        two.validate()
-    assert info.value.field == "precision"
-    with pytest.raises(ConfigError) as info:  # a replicated single stage cannot agree on skipped steps either
+    dataclasses.replace(CFG, layers_per_stage=[2, 2], precision="fp16").validate()  # stages share the verdict
+    with pytest.raises(ConfigError, match="one replica per stage") as info:  # replicas cannot yet
         StageWorker(
             dataclasses.replace(CFG, precision="fp16"), stage=0, replica=0, replicas=2, transport=None,  # type: ignore[arg-type]
             upstream=None, downstream=None, reducer=object(),  # type: ignore[arg-type]
@@ -218,22 +215,59 @@ def test_bf16_autocast_trains_and_follows_the_bf16_reference():
     assert losses != fp32 and rel(losses, fp32) < 0.05  # the arithmetic changed, not the model
 
 
-def test_fp16_loss_scale_trains_and_is_checkpointed():
+def test_fp16_loss_scale_trains_and_is_checkpointed(monkeypatch):
+    monkeypatch.setattr(LossScale, "INITIAL", 2.0**24)  # the first steps overflow: they must be skipped
     cfg = dataclasses.replace(CFG, precision="fp16")
     worker = one_stage(cfg)
-    assert worker.precision.scaler is not None
+    assert worker.precision.loss_scale is not None
     losses = run(worker, close=False)
     assert losses[-1] < losses[0] - 0.3
+    assert 1 <= worker.overflow_skips < cfg.steps
     assert rel(losses, reference(cfg, "fp16")) < 1e-3
     state = worker.state_dict()
     asyncio.run(worker.close())
-    assert state["scaler"]["scale"] == worker.precision.scaler.get_scale()
+    assert (
+        state["scaler"]["scale"] == worker.precision.loss_scale.value == 2.0 ** (24 - worker.overflow_skips)
+    )
     fresh = one_stage(cfg)
     fresh.load_state(state)
     assert (
-        fresh.precision.scaler is not None and fresh.precision.scaler.get_scale() == state["scaler"]["scale"]
+        fresh.precision.loss_scale is not None
+        and fresh.precision.loss_scale.value == state["scaler"]["scale"]
     )
     asyncio.run(fresh.close())
+
+
+def test_the_loss_scale_follows_torchs_grad_scaler_step_for_step(monkeypatch):
+    """Same scale, same skipped steps, same parameters as torch.amp.GradScaler, overflows included."""
+    monkeypatch.setattr(LossScale, "INTERVAL", 3)  # so that growth happens within the run too
+    torch.manual_seed(0)
+    ours, theirs = (torch.nn.Linear(4, 4) for _ in range(2))
+    theirs.load_state_dict(ours.state_dict())
+    opt_ours, opt_theirs = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (ours, theirs))
+    precision = StagePrecision("fp16")
+    scaler = torch.amp.GradScaler("cpu", growth_interval=3)
+    x = torch.randn(2, 4)
+    for step in range(12):
+        overflow = step in (1, 2, 7)
+        for model, opt, scale in ((ours, opt_ours, precision.scale), (theirs, opt_theirs, scaler.scale)):
+            opt.zero_grad()
+            loss = model(x).square().mean() * (float("inf") if overflow else 1.0)
+            scale(loss).backward()
+        finite = precision.unscale(list(ours.parameters()))
+        assert finite == (not overflow)
+        assert precision.step(opt_ours, overflowed=not finite) == (not overflow)
+        scaler.step(opt_theirs)
+        scaler.update()
+        assert precision.loss_scale is not None and precision.loss_scale.value == scaler.get_scale()
+        for a, b in zip(ours.parameters(), theirs.parameters(), strict=True):
+            assert torch.equal(a, b)
+    fresh = LossScale()
+    fresh.load_state_dict(scaler.state_dict())  # a checkpoint torch's scaler wrote loads here
+    assert (fresh.value, fresh.growth_tracker) == (
+        precision.loss_scale.value,
+        precision.loss_scale.growth_tracker,
+    )
 
 
 def test_fp32_runs_without_autocast():
@@ -328,7 +362,7 @@ def test_the_daemons_device_reaches_the_runner_and_the_worker(tmp_path: Path, ca
     asyncio.run(worker.close())
 
 
-def test_fp16_jobs_must_say_one_stage_and_one_replica():
+def test_fp16_jobs_must_say_one_replica():
     from peerd.jobs.spec import JobSpecError, parse_job_spec
 
     base = {"kind": "pretrain", "model": {"preset": "tiny"}, "steps": 4, "global_batch": 4, "micro_batch": 2,
@@ -337,3 +371,27 @@ def test_fp16_jobs_must_say_one_stage_and_one_replica():
         parse_job_spec(base)
     assert [e.field for e in info.value.errors] == ["precision"]
     assert parse_job_spec({**base, "parallel": {"d_pp": 1, "d_dp": 1}}).precision == "fp16"
+    assert parse_job_spec({**base, "parallel": {"d_pp": 2, "d_dp": 1}, "min_peers": 2}).precision == "fp16"
+    for parallel in ({"d_pp": 2, "d_dp": 2}, {"d_pp": 2, "d_dp": "auto"}):
+        with pytest.raises(JobSpecError, match="d_dp: 1") as info:
+            parse_job_spec({**base, "parallel": parallel, "min_peers": 4})
+        assert [e.field for e in info.value.errors] == ["precision"]
+
+
+def test_a_negative_norm_from_a_neighbour_is_only_the_fp16_overflow_verdict():
+    from peerd.errors import PeerMisbehaved
+    from peerd.pipeline.optim import OVERFLOWED, add_partial_norms
+
+    assert add_partial_norms(2.0, 0.5) == 2.5
+    assert add_partial_norms(OVERFLOWED, 0.5) == add_partial_norms(2.0, OVERFLOWED) == OVERFLOWED
+    fp32, fp16 = one_stage(), one_stage(dataclasses.replace(CFG, precision="fp16"))
+    try:
+        assert fp16._received_norm(torch.tensor([OVERFLOWED], dtype=torch.float64), 3, "next") == OVERFLOWED
+        for worker, value in ((fp32, OVERFLOWED), (fp16, -2.0), (fp32, -0.5)):
+            with pytest.raises(PeerMisbehaved, match="step 3 from next") as info:
+                worker._received_norm(torch.tensor([value], dtype=torch.float64), 3, "next")
+            assert info.value.peer == "next" and info.value.code == ErrorCode.OUT_OF_RANGE
+        assert fp32._received_norm(torch.tensor([0.25], dtype=torch.float64), 3, "next") == 0.25
+    finally:
+        for worker in (fp32, fp16):
+            asyncio.run(worker.close())
