@@ -45,6 +45,11 @@ class BufferConfig:
     """Host RAM for buffers; beyond it new buffers go to memory-mapped files."""
     disk_budget_mb: float | None = None
     """Spill-file space; None: unbounded. When both budgets are full new examples are not buffered."""
+    total_budget_mb: float | None = None
+    """All tiers together (device, RAM and spill files); None: only the tiers' own budgets bound
+    them. It counts examples, not where they sit, so the two sides of a boundary given the same
+    value agree on which examples are buffered even when one has a device tier and the other
+    not; beyond it new examples travel unbuffered."""
     spill_dir: str | None = None
     """Directory for spill files (default: a fresh temporary directory, removed on close)."""
     storage: Literal["float32", "float16", "bfloat16"] = "float32"
@@ -61,8 +66,9 @@ class BufferConfig:
             torch.device(self.device)
         except (RuntimeError, TypeError) as exc:
             raise ConfigError("device", f"{self.device!r} is not a torch device: {exc}") from None
-        if self.disk_budget_mb is not None and self.disk_budget_mb < 0:
-            raise ConfigError("disk_budget_mb", "must be >= 0")
+        for name in ("disk_budget_mb", "total_budget_mb"):
+            if getattr(self, name) is not None and getattr(self, name) < 0:
+                raise ConfigError(name, "must be >= 0")
         if self.chunk_examples < 1:
             raise ConfigError("chunk_examples", "must be >= 1")
 
@@ -177,7 +183,10 @@ class BufferStore:
     def room(self) -> int | None:
         """How many more examples fit in the budgets (None: unbounded)."""
         dev, ram, disk = self._capacity()
-        return None if disk is None else max(0, dev + ram + disk - len(self._slot))
+        caps = [] if disk is None else [dev + ram + disk]
+        if self.cfg.total_budget_mb is not None:
+            caps.append(int(self.cfg.total_budget_mb * _MB) // max(1, self.example_bytes))
+        return max(0, min(caps) - len(self._slot)) if caps else None
 
     def slot(self, example_id: int) -> torch.Tensor:
         """The buffer of ``example_id``, allocating one (contents undefined) if it has none."""

@@ -10,7 +10,8 @@ data-parallel replicas are compressed by the averaging group (``gradient_compres
 Devices: encoders compute on the device of the tensor they are given (the stage's) and only
 the payload bytes leave it (``peerd.compress.device.to_host``: pinned, non-blocking on CUDA);
 quantized and AC-SGD decoders reconstruct onto the stage's device, and AC-SGD buffers live
-there up to ``buffer_device_mb``, then in (pinned) host RAM, then in spill files. The raw
+there up to ``buffer_device_mb``, then in (pinned) host RAM, then in spill files, up to
+``buffer_total_mb`` per side in all (a job cannot make a peer buffer more). The raw
 decoder hands out a zero-copy host view of the payload: the worker moves it to its device.
 """
 
@@ -60,6 +61,10 @@ class CompressionConfig:
     they go to host RAM (page-locked on CUDA)."""
     buffer_ram_mb: float = 1024.0
     """AC-SGD buffers kept in host RAM per boundary side; beyond it they spill to memory-mapped files."""
+    buffer_total_mb: float = 8192.0
+    """AC-SGD buffers per boundary side in all (device, RAM and spill files): what one job can make
+    a peer hold, whatever its spec's data and batch sizes; beyond it new examples travel
+    unbuffered (seed codec). Both sides of a boundary must use the same value."""
 
     def validate(self) -> None:
         for name in ("forward_bits", "backward_bits", "gradient_bits"):
@@ -67,7 +72,7 @@ class CompressionConfig:
                 raise ConfigError(name, f"must be one of 2, 3, 4, 8, got {getattr(self, name)}")
         if self.warmup_visits < 1:
             raise ConfigError("warmup_visits", f"must be >= 1, got {self.warmup_visits}")
-        for name in ("buffer_device_mb", "buffer_ram_mb"):
+        for name in ("buffer_device_mb", "buffer_ram_mb", "buffer_total_mb"):
             if getattr(self, name) < 0:
                 raise ConfigError(name, f"must be >= 0, got {getattr(self, name)}")
 
@@ -240,6 +245,7 @@ def _delta_config(cfg: CompressionConfig, device: torch.device) -> DeltaConfig:
     d.buffers.device = str(device)
     d.buffers.device_budget_mb = cfg.buffer_device_mb
     d.buffers.ram_budget_mb = cfg.buffer_ram_mb
+    d.buffers.total_budget_mb = cfg.buffer_total_mb
     d.validate()
     return d
 

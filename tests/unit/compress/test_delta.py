@@ -151,6 +151,27 @@ def test_full_budgets_send_plain_rows():
     assert _kinds(enc.encode(x, [10, 11, 12]))[-1] == (CODEC_DELTA, False, (10, 11))
 
 
+def test_a_total_budget_bounds_every_tier_and_sides_with_different_tiers_agree():
+    """One side spills beyond 1 example of RAM, the other holds 3 in RAM: the same total (3) bounds both."""
+    per_example_mb = EX[0] * EX[1] * 4 / 2**20
+    sender = BufferConfig(ram_budget_mb=per_example_mb, total_budget_mb=per_example_mb * 3, chunk_examples=1)
+    receiver = BufferConfig(ram_budget_mb=per_example_mb * 3, total_budget_mb=per_example_mb * 3)
+    enc = DeltaEncoder(DeltaConfig(buffers=sender), generator=torch.Generator().manual_seed(0))
+    dec = DeltaDecoder(DeltaConfig(buffers=receiver))
+    x = torch.randn(5, *EX)
+    packet = enc.encode(x, range(5))
+    assert _kinds(packet) == [(CODEC_RAW, True, (0, 1, 2)), (CODEC_RAW, False, (3, 4))]
+    out, _ = dec.decode(packet)
+    assert _rel(out, x) < 0.01 and len(enc.store) == len(dec.store) == 3 and enc.store.room() == 0
+    assert enc.stats().spill_files == 2 and dec.stats().spill_files == 0
+    again = enc.encode(x, range(5))
+    assert _kinds(again)[-1] == (CODEC_DELTA, False, (0, 1, 2))
+    dec.decode(again)
+    assert _identical(enc, dec)
+    enc.close()
+    dec.close()
+
+
 def test_invalidation_starts_over():
     enc, dec = _pair(DeltaConfig())
     x = torch.randn(3, *EX)
