@@ -265,3 +265,85 @@ def test_a_partner_banned_by_the_transport_is_the_one_suspected(
     assert before == ()
     assert running == (banned,)
     assert broken == (banned,)
+
+
+async def _out_of_memory(tmp_path: Path, wait: Any, at_step: int) -> tuple[list[tuple[int, float]], Any, int]:
+    """The last stage's peer runs out of memory at ``at_step``: it hands its stage over like a leave."""
+    peers = await start_peers(3)
+    dht = MemoryDHT(time.time)
+    ids = [p.peer_id.to_base58() for p in peers]
+    first, last, spare = runners = make_runners(HANDOVER, peers, dht, tmp_path)
+    job = first.job
+    entry = JobEntry(job, HANDOVER)
+    try:
+        for r in runners:
+            await r.start()
+        allocation = Allocation.from_plain([[ids[0]], [ids[1]]], [ids[2]])
+        await asyncio.gather(*(r.adopt(commit(1, allocation), None) for r in runners))
+        await wait(lambda: last.state == TaskState.LEFT, 120, "the out-of-memory hand-over")
+        published = (await read_progress(dht.client(ids[0]), job.job_id))[ids[1]]
+        await first.freeze("re-planning: the last stage's peer handed its stage over")
+        entry.progress = await read_progress(dht.client(ids[2]), job.job_id)
+        remember_curve(entry)
+        roster = [entry_of(r, 2) for r in runners]
+        second = commit(2, Allocation.from_plain([[ids[0]], [ids[2]]]))
+        history = sorted(entry.curve.items())
+        await asyncio.gather(first.adopt(second, roster), spare.adopt(second, roster, history=history))
+        assert spare.recoveries[-1]["source"] == f"peer {ids[1]}"  # the state the unfit peer still serves
+        await wait(lambda: first.state == spare.state == TaskState.DONE, 180, "the job to finish")
+        assert last.unfit is not None and last.state == TaskState.LEFT  # it stays out of this job
+        records = await read_progress(dht.client(ids[0]), job.job_id)
+        for _ in range(120):  # the successor's final record (within a heartbeat)
+            if records[ids[2]].state == TaskState.DONE:
+                break
+            await asyncio.sleep(0.25)
+            records = await read_progress(dht.client(ids[0]), job.job_id)
+        records.pop(ids[1])  # the unfit peer's record expires in time; the curve must not need it
+        return loss_curve(records.values(), last_stage=1), published, spare.recoveries[-1]["resume_step"]
+    finally:
+        for r in runners:
+            await r.close()
+        await stop_peers(peers)
+
+
+def test_a_stage_out_of_memory_is_handed_over_and_the_job_finishes_on_the_same_curve(
+    tmp_path: Path, async_wait_until: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A step of the last stage raises torch's OutOfMemoryError (injected into the real worker: this
+    machine has no device to fill). The tasklet publishes ``left`` with the numbers as its reason,
+    keeps serving its last state, and the spare takes the stage from it in the next epoch: the job
+    finishes on the single-process curve, no step lost, and the daemon's runner never crashes."""
+    from peerd.pipeline.worker import StageWorker
+
+    at_step, raised = 20, []
+    forward = StageWorker._forward
+
+    def failing_forward(self: StageWorker, *args: Any) -> Any:
+        if self.last and self.step == at_step and not raised:
+            raised.append(self.step)
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (injected)")
+        return forward(self, *args)
+
+    monkeypatch.setattr(StageWorker, "_forward", failing_forward)
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        curve, published, resumed = asyncio.run(_out_of_memory(tmp_path, async_wait_until, at_step))
+        cfg = train_config("ref", HANDOVER, Allocation.from_plain([["p0"], ["p1"]]), None)
+        local = LocalRunConfig(
+            steps=HANDOVER.steps,
+            global_batch=cfg.global_batch,
+            micro_batch_size=cfg.micro_batch_size,
+            layers_per_stage=cfg.layers_per_stage,
+            optimizer=cfg.optimizer,
+            total_steps=cfg.steps,
+        )
+        reference = train_pipelined(GPT(cfg.model.gpt(), seed=cfg.model.seed), build_dataset(cfg.data), local)
+    finally:
+        torch.set_num_threads(before)
+    assert raised == [at_step]
+    assert published.state == TaskState.LEFT
+    assert "out of memory on cpu in stage 1 step 20: requested 2.00 GiB, free" in published.reason
+    assert resumed == at_step  # the last finished step: nothing is lost
+    assert [s for s, _ in curve] == list(range(HANDOVER.steps))
+    assert [loss for _, loss in curve] == reference
