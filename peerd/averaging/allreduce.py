@@ -12,8 +12,9 @@ reduced once and the same bytes answer every member.
 
 Frames are accepted for the running step and the next one (a faster member may already
 send step ``t+1`` while this one still waits for ``t``); anything else is WRONG_STEP. Every
-wait is bounded by ``timeout`` (seconds without progress), so a vanished member costs the
-others at most ``timeout`` before a PeerUnavailable. A failed step aborts this member's
+wait is bounded by ``timeout`` (seconds without progress; a stage worker makes it follow its
+step times, ``follow_deadline``), so a vanished member costs the others at most ``timeout``
+before a PeerUnavailable. A failed step aborts this member's
 state (members waiting on it get an error frame at once, not a timeout), closes its
 streams and discards staged error-feedback residuals, so the caller may retry the step
 (same tensors -> same bytes) or re-plan. Retrying only helps while every member is still
@@ -50,6 +51,7 @@ from peerd.averaging.steps import StepBook, StepState
 from peerd.compress.gradient import Encoded
 from peerd.errors import ConfigError, ErrorCode, PeerdError, PeerMisbehaved, PeerUnavailable, ProtocolError
 from peerd.log import get_logger
+from peerd.swarm.framing import FrameLimits
 from peerd.swarm.transport import Connection, Transport
 
 logger = get_logger(__name__)
@@ -57,6 +59,7 @@ T = TypeVar("T")
 
 PROTOCOL_PREFIX = "peerd/avg/1/"
 _KEY = re.compile(r"[A-Za-z0-9._:/-]{1,128}")
+FRAME_SLACK = 64 * 1024  # codec headers (scales, lengths) beyond a share's fp32 values
 _CONNECT_PAUSE_S = 0.25  # between connect attempts while a member may not serve yet
 FINAL_FLUSH_S = 10.0  # closing the group waits this long for queued bytes to leave (a slow link)
 # Flattening, encoding and decoding up to this many values run on the event loop: a hop to a
@@ -127,7 +130,8 @@ class GroupAllReduce:
         self.rank = members.index(self_id)
         self.size = len(members)
         self.key = key
-        self.timeout = float(timeout)
+        self.initial_timeout = float(timeout)
+        self._timeout_source: Callable[[], float] | None = None
         self.protocol = PROTOCOL_PREFIX + key
         self.digest = group_digest(key, [m.to_base58() for m in members])
         self.compression = parse_compressor(compressor)
@@ -138,6 +142,10 @@ class GroupAllReduce:
         self._conns: dict[int, Connection] = {}
         self._serving = False
         self._closed = False
+        self.max_numel: int | None = None
+        """The most gradient elements a step of this group averages (set before ``start``): frames
+        of the group's streams are then bounded by the largest share's fp32 bytes instead of the
+        transport's default (1 GiB), checked against the header before any payload byte is read."""
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -146,8 +154,28 @@ class GroupAllReduce:
         if self._closed:
             raise PeerUnavailable("averaging group is closed")
         if self.size > 1 and not self._serving:
-            await self.transport.serve(self.protocol, self._handle, allowed=self._is_member)
+            await self.transport.serve(
+                self.protocol, self._handle, allowed=self._is_member, limits=self.frame_limits()
+            )
             self._serving = True
+
+    def frame_limits(self) -> FrameLimits | None:
+        """What one frame of this group may carry (None: the transport's default, ``max_numel`` unset)."""
+        if self.max_numel is None:
+            return None
+        share = -(-self.max_numel // self.size)  # the largest share (share_bounds), at 4 B per value
+        return FrameLimits(max_payload=share * 4 + FRAME_SLACK)
+
+    @property
+    def timeout(self) -> float:
+        """Seconds a wait may go without progress: the configured ``timeout``, or what the source given
+        to ``follow_deadline`` says now."""
+        return self.initial_timeout if self._timeout_source is None else self._timeout_source()
+
+    def follow_deadline(self, seconds: Callable[[], float]) -> None:
+        """Take every wait's limit from ``seconds()`` from now on (a stage worker's ``StepDeadline``,
+        learnt from its step times: minutes on slow links, seconds on fast ones)."""
+        self._timeout_source = seconds
 
     async def close(self) -> None:
         """Abort pending steps, close streams, stop serving."""
@@ -199,6 +227,10 @@ class GroupAllReduce:
             return list(tensors)
         if self._steps.current is not None:
             raise ConfigError("step", f"allreduce for step {self._steps.current} is still running")
+        if self.max_numel is not None and layout.numel > self.max_numel:
+            raise ConfigError(
+                "gradients", f"{layout.numel} values, the group averages at most {self.max_numel}"
+            )
         await self.start()
         started = time.perf_counter()
         try:
@@ -287,6 +319,9 @@ class GroupAllReduce:
                 if loop.time() + _CONNECT_PAUSE_S >= deadline:
                     raise
                 await asyncio.sleep(_CONNECT_PAUSE_S)
+        limits = self.frame_limits()
+        if limits is not None:  # the averaged shares coming back are bounded like the parts served
+            conn.limits = limits
         try:
             await conn.send(hello(self.digest, self.epoch).header(), timeout=self.timeout)
         except PeerdError:

@@ -95,7 +95,8 @@ class TrainConfig:
     compression: CompressionConfig = field(default_factory=CompressionConfig)
     streams: StreamConfig = field(default_factory=StreamConfig)
     averaging_timeout_s: float = 120.0
-    """Seconds a data-parallel gradient average may go without progress."""
+    """Seconds a data-parallel gradient average may go without progress in an epoch's first steps;
+    then the limit follows the step times as the neighbours' waits do (``streams.deadlines``)."""
     checkpoint_dir: str | None = None
     """Where stages save checkpoints (one subdirectory per job, stage and replica); None: never."""
     checkpoint_every: int = 0

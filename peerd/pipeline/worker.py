@@ -306,6 +306,13 @@ class StageWorker:
         # how long to wait for a neighbour's message, and for it to accept ours: learnt from the steps
         self.deadline = StepDeadline(cfg.streams.recv_timeout_s, cfg.streams.deadlines)
         self.ack_deadline = StepDeadline(cfg.streams.ack_timeout_s, cfg.streams.deadlines)
+        # and for the replicas' gradients (the averaging group's waits follow it where it can)
+        self.averaging_deadline = StepDeadline(cfg.averaging_timeout_s, cfg.streams.deadlines)
+        follow = getattr(
+            reducer, "follow_deadline", None
+        )  # GroupAllReduce; in-process reducers wait for nothing
+        if follow is not None:
+            follow(self.averaging_deadline.seconds)
         self._last_step_end: float | None = None  # perf_counter at the end of the previous step
         self._last_loss: tuple[int, float] | None = None  # (step, loss) of the last stage's newest step
         self.to_next = self._sender(downstream, stage + 1)
@@ -470,8 +477,8 @@ class StageWorker:
             raise
         now = time.perf_counter()
         if self._last_step_end is not None:  # from the previous step's end: what a neighbour waits through
-            self.deadline.observe(now - self._last_step_end)
-            self.ack_deadline.observe(now - self._last_step_end)
+            for deadline in (self.deadline, self.ack_deadline, self.averaging_deadline):
+                deadline.observe(now - self._last_step_end)
         self._last_step_end = now
         return report
 

@@ -342,3 +342,33 @@ def test_benchmark_command_reports_ratios():
     assert 0.24 < rows["q8"]["wire_ratio_vs_fp32"] < 0.27
     assert 0.12 < rows["q4"]["wire_ratio_vs_fp32"] < 0.14
     assert all(r["mib_per_s"] > 0 for r in rows.values())
+
+
+def test_a_group_that_follows_a_deadline_gives_up_on_a_silent_member_at_that_deadline(cluster: Cluster):
+    """The configured timeout is two minutes; a worker's deadline learnt from one-second steps says
+    2 s: a member that never contributes fails the step after about 2 s, not after two minutes."""
+    from peerd.pipeline.deadlines import DeadlineConfig, StepDeadline
+
+    deadline = StepDeadline(120.0, DeadlineConfig(factor=2.0, floor_s=1.0))
+    avgs = make_group(cluster, 2, "follows", timeout=120.0)
+    avgs[0].follow_deadline(deadline.seconds)
+    assert avgs[0].timeout == 120.0  # no step seen yet: the configured limit
+    for _ in range(2):
+        deadline.observe(1.0)
+    assert avgs[0].timeout == 2.0
+
+    async def go():
+        for a in avgs:
+            await a.start()
+        try:
+            started = time.monotonic()
+            with pytest.raises(PeerUnavailable) as info:
+                await avgs[0].allreduce(0, grads(51))  # the other member never contributes
+            return info.value, time.monotonic() - started
+        finally:
+            for a in avgs:
+                await a.close()
+
+    error, elapsed = cluster.run(go(), timeout=60)
+    assert error.code == ErrorCode.TIMEOUT and "within 2 s" in str(error)
+    assert elapsed < 30  # far below the configured 120 s (generous: a loaded machine)

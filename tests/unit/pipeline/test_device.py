@@ -395,3 +395,27 @@ def test_a_negative_norm_from_a_neighbour_is_only_the_fp16_overflow_verdict():
     finally:
         for worker in (fp32, fp16):
             asyncio.run(worker.close())
+
+
+def test_the_averaging_group_waits_as_long_as_the_worker_deadline_allows():
+    class Group:
+        def follow_deadline(self, seconds):
+            self.seconds = seconds
+
+        async def allreduce(self, step, tensors):
+            return list(tensors)
+
+    group = Group()
+    cfg = dataclasses.replace(CFG, averaging_timeout_s=90.0)
+    worker = StageWorker(
+        cfg, stage=0, replica=0, replicas=2, transport=None,  # type: ignore[arg-type]
+        upstream=None, downstream=None, reducer=group,  # type: ignore[arg-type]
+    )  # fmt: skip
+    try:
+        assert group.seconds() == 90.0  # the configured limit until steps are seen
+        run(worker, until=4, close=False)
+        slowest = max(r.step_s for r in worker.reports)
+        assert group.seconds() == worker.averaging_deadline.seconds() < 90.0
+        assert group.seconds() >= min(cfg.streams.deadlines.floor_s, 90.0) >= slowest
+    finally:
+        asyncio.run(worker.close())
