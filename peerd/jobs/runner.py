@@ -746,6 +746,7 @@ class TaskletRunner:
         self._avg_raw_per_step = 0
         if reducer is not None:
             numel = sum(p.numel() for p in worker.params)
+            reducer.max_numel = numel  # the group's frames: this stage's gradients, not the default 1 GiB
             d = allocation.d_dp
             self._avg_raw_per_step = int(numel * 4 * 2 * (d - 1) / d)  # fp32 reduce-scatter + all-gather
         return worker

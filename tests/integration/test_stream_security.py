@@ -260,3 +260,42 @@ def test_an_absurd_gradient_contribution_fails_the_step_naming_its_member(peers:
 
 def test_the_pipeline_hello_is_a_control_frame_with_the_epoch():
     assert control_header(Hello(7)) == {"kind": "pp.hello", "v": 1, "epoch": 7}
+
+
+def test_an_averaging_frame_bigger_than_the_groups_share_is_refused_before_its_payload(peers: Peers):
+    """A member may send what a share of the stage's gradients takes at fp32, not the transport's 1 GiB."""
+    a, b, _ = peers.transports
+    members = [a.peer_id, b.peer_id]
+    g_a = [torch.full((64,), 1.0), torch.full((3, 5), 2.0)]
+    g_b = [torch.full((64,), 3.0), torch.full((3, 5), 6.0)]
+    numel = 64 + 15
+
+    async def go():
+        groups = [GroupAllReduce(t, members, key="bounded/s0", timeout=10) for t in (a, b)]
+        for grp in groups:
+            grp.max_numel = numel  # what the job runner sets: the stage's parameter count
+            await grp.start()
+        try:
+            # b opens the group's stream as a member would, then announces a 1 MiB part
+            conn = await b.connect(a.peer_id, groups[0].protocol)
+            try:
+                await conn.send(hello(groups[0].digest, 0).header())
+                await conn.send({"kind": "avg.part"}, bytes(1 << 20))
+                await conn.recv(timeout=10)
+                refused = None
+            except PeerdError as exc:
+                refused = exc.code
+            await conn.close()
+            mean = await asyncio.gather(groups[0].allreduce(0, g_a), groups[1].allreduce(0, g_b))
+        finally:
+            for grp in groups:
+                await grp.close()
+        return refused, mean, groups[0].frame_limits()
+
+    refused, mean, limits = peers.run(go())
+    assert refused == ErrorCode.OVERSIZED
+    assert limits is not None and limits.max_payload == 40 * 4 + 64 * 1024  # ceil(79 / 2) values
+    for result in mean:  # the honest step fits the bound
+        assert torch.equal(result[0], torch.full((64,), 2.0)) and torch.equal(
+            result[1], torch.full((3, 5), 4.0)
+        )
