@@ -10,7 +10,8 @@ Sections of the JSON result, all measured in this run:
   (``first_budget_within_5pct``, ``time_ratio_within_5pct``).
 - ``scenarios``: the 64-GPU scenarios (four networks x Qwen-like 4B / 8B / 14B): the hybrid
   plan's predicted iteration time and seconds to plan, the verl-like and StreamRL-like
-  predictions in the same cost model, and the speedups over them; ``scenarios_async`` the same
+  predictions in the same cost model (with verl-like's chosen ``fsdp_size``, micro-batches and
+  rollout tp, ``verl_like_config``), and the speedups over them; ``scenarios_async`` the same
   with async depth ``--async`` (baselines at that depth too).
 """
 
@@ -174,12 +175,16 @@ def bench_scenarios(
                 "groups": [f"{'+'.join(g['tasks'])} x{len(g['devices'])}" for g in r.report["groups"]],
                 "idle_devices": len(r.report["idle"]),
                 "verl_like_seconds": verl["iteration_seconds"],
+                "verl_like_config": verl.get("config"),
                 "streamrl_like_seconds": stream["iteration_seconds"],
                 "speedup_vs_verl_like": verl["speedup"],
                 "speedup_vs_streamrl_like": stream["speedup"],
             }
+            conf = verl.get("config") or {}
             click.echo(
-                f"{net} {model}: {r.seconds:.1f}s x{verl['speedup']} vs verl in {r.search['seconds']}s",
+                f"{net} {model}: {r.seconds:.1f}s x{verl['speedup']} vs verl "
+                f"({verl['iteration_seconds']}s at fsdp_size {conf.get('fsdp_size')}, "
+                f"micro-batch {conf.get('micro_batch')}, tp{conf.get('rollout_tp')}) in {r.search['seconds']}s",
                 err=True,
             )
     return out

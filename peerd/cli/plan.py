@@ -162,8 +162,17 @@ def render_rl(d: dict, n: int) -> str:
         else:
             lines.append(
                 f"  {name:<14} {base['iteration_seconds']:.2f} s   this plan is {base['speedup']:.2f}x faster"
+                + _verl_config(base.get("config"))
             )
     return "\n".join(lines)
+
+
+def _verl_config(c: dict | None) -> str:
+    """The verl-like baseline's chosen configuration (fsdp_size, micro-batches, rollout tp)."""
+    if not c or c.get("fsdp_size") is None:
+        return ""
+    micro = ", ".join(f"{t} {m}" for t, m in c["micro_batch"].items())
+    return f"   (fsdp_size {c['fsdp_size']}, micro-batch {micro}, rollout tp{c['rollout_tp']})"
 
 
 def _search_line(d: dict) -> str:

@@ -37,9 +37,21 @@ all-reduce of x bytes over n devices (reduce-scatter + all-gather).
   ``slot = max(max_devices c, collectives)`` with ``c`` the slot above at pp = tp = 1; every
   device takes ``M = ceil(S / (n m steps))`` micro-batches per step, and the collectives hold
   all devices in lockstep: ``time = steps · M · slot``. No separate data-parallel all-reduce.
+- **HSDP** (verl's ``fsdp_size`` f < n, HYBRID_SHARD): the n devices in scenario order form
+  r = n/f shard groups of f consecutive devices (ranks ``k f .. k f + f - 1``) and f replica
+  groups of r devices (ranks ``j, j + f, ...``). Gathers and the reduce-scatter run inside the
+  shard groups, ``ag(P b_w, f)`` and ``rs(P b_r, f)`` priced on the slowest shard group; then each
+  device all-reduces its fp32 gradient shard across its replica group,
+  ``ar(P b_r / f, r)`` on the slowest replica group. verl's actor calls ``backward()`` on every
+  micro-batch with no ``no_sync`` / ``set_requires_all_reduce(False)``, and FSDP's post-backward
+  hook then reduce-scatters and all-reduces on every backward, so the all-reduce is part of every
+  training micro-batch's collectives (overlapped with compute like the rest):
+  ``slot = max(c, 2 ag(P b_w, f) + rs(P b_r, f) + ar(P b_r / f, r))``; inference
+  ``max(c, ag(P b_w, f))``. f = n is FULL_SHARD (no all-reduce); f = 1 is plain data parallel
+  (no gathers, an ``ar(P b_r, n)`` per micro-batch).
 - **Colocated reshard** (FSDP actor training that shares its devices with generation): after the
-  update each device gathers the full new weights for the rollout engine, ``ag(P b_w, n)`` once
-  per iteration, counted in actor training.
+  update each device gathers the full new weights for the rollout engine inside its shard group,
+  ``ag(P b_w, f)`` once per iteration, counted in actor training.
 - **Weight sync** (actor bytes X = P b_w) when generation and actor training use different
   devices: into the generator group over its best link from the trainers, then along the
   generators' maximum-bandwidth spanning tree (pipelined chunks):
@@ -82,6 +94,11 @@ def fsdp_collectives(model: ModelSize, w: Workload, n: int, alpha: float, beta: 
     if not train:
         return gather
     return 2.0 * gather + allgather(model.params * k.fsdp_reduce_bytes, n, alpha, beta)
+
+
+def hsdp_allreduce(model: ModelSize, w: Workload, f: int, r: int, alpha: float, beta: float) -> float:
+    """Seconds of HSDP's all-reduce of each device's gradient shard (``P b_r / f``) over ``r`` replicas."""
+    return allreduce(model.params * w.constants.fsdp_reduce_bytes / f, r, alpha, beta)
 
 
 def link_extremes(cluster: Cluster, devices: np.ndarray) -> tuple[float, float]:

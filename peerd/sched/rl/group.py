@@ -7,7 +7,9 @@ depends only on its tasks and on how many devices of each class it holds.
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -82,19 +84,26 @@ def evaluate_group(
     tasks: tuple[str, ...],
     devices: list[int],
     balanced: bool = True,
-    only: dict[str, Layout] | None = None,
+    only: Mapping[str, Layout | Sequence[Layout]] | None = None,
 ) -> GroupResult:
-    """Best layout of each task of ``tasks`` on ``devices`` (or the layouts in ``only``)."""
+    """Best layout of each task of ``tasks`` on ``devices`` (or among the layouts in ``only``).
+
+    FSDP layouts in ``only`` (the verl-like baseline) must agree on their shard group size: the
+    group's parked state is then sharded inside those groups (``shard_groups``).
+    """
     ordered = canonical_order(cluster, devices)
     parked = np.zeros(cluster.n)
-    idx = np.asarray(ordered, dtype=np.intp)
-    parked[idx] = memory.parked_per_device(memory.parked_total(w, tasks), cluster.memory[idx])
+    total = memory.parked_total(w, tasks)
+    shard = {lay.shard for opts in (only or {}).values() for lay in _as_list(opts) if lay.fsdp}
+    assert len(shard) <= 1, "one FSDP shard group size per group"
+    for g in shard_groups(devices, shard.pop() if shard else len(devices)):
+        parked[g] = memory.parked_per_device(total, cluster.memory[g])
     plans: dict[str, TaskPlan] = {}
     worst: Shortfall | None = None
     for task in tasks:
         model = w.model(ROLE[task])
         options = (
-            [only[task]]
+            _as_list(only[task])
             if only and task in only
             else layouts(len(ordered), model.layers, model.kv_heads or model.heads, KIND[task] == "generate")
         )
@@ -111,6 +120,18 @@ def evaluate_group(
         elif worst is None:
             worst = least or Shortfall(task, "?", math.inf)
     return GroupResult(tasks, tuple(ordered), plans, worst)
+
+
+def _as_list(opts: Layout | Sequence[Layout]) -> list[Layout]:
+    return [opts] if isinstance(opts, Layout) else list(opts)
+
+
+def shard_groups(devices: Sequence[int] | np.ndarray, f: int) -> np.ndarray:
+    """(n/f, f): FSDP shard groups of ``f`` consecutive devices in scenario order (verl's device
+    mesh ``(n/f, f)`` over ranks in order; the columns are the replica groups)."""
+    order = np.sort(np.asarray(devices, dtype=np.intp).ravel())
+    assert order.size % f == 0, "the shard group size divides the devices"
+    return order.reshape(order.size // f, f)
 
 
 def _task_on(
@@ -233,22 +254,33 @@ def _fsdp_task(
     parked: np.ndarray,
     with_generation: bool,
 ) -> tuple[TaskPlan | None, Shortfall | None]:
-    """A ZeRO-3 task over all ``lay.dp`` devices (see ``cost``): equal shares, lockstep micro-batches."""
+    """A ZeRO-3 / HSDP task over all ``lay.dp`` devices (see ``cost``): equal shares, lockstep micro-batches."""
+    if lay.micro_batch:
+        w = dataclasses.replace(w, micro_batch=lay.micro_batch)
     model = w.model(ROLE[task])
     train = KIND[task] == "train"
-    devs = grid.ravel()
-    need = memory.fsdp_bytes(model, w, lay.dp, train) + parked[devs]
+    f = lay.shard
+    groups = shard_groups(grid, f)  # (r, f)
+    devs = groups.ravel()
+    need = memory.fsdp_bytes(model, w, f, train) + parked[devs]
     over = need - cluster.memory[devs]
     if over.max() > 0:
         d = devs[int(np.argmax(over))]
         return None, Shortfall(task, cluster.ids[d], float(over.max()))
     compute = cost.pipeline_slots(model, w, cost.Pipelines.of(cluster, grid), 1, train)
-    alpha, beta = cost.link_extremes(cluster, devs)
-    slot = max(float(compute.max()), cost.fsdp_collectives(model, w, lay.dp, alpha, beta, train))
+    gathers = [cost.link_extremes(cluster, g) for g in groups]
+    collectives = max(cost.fsdp_collectives(model, w, f, a, b, train) for a, b in gathers)
+    if train and groups.shape[0] > 1:  # HSDP: the gradient shards' all-reduce across replicas
+        collectives += max(
+            cost.hsdp_allreduce(model, w, f, groups.shape[0], *cost.link_extremes(cluster, col))
+            for col in groups.T
+        )
+    slot = max(float(compute.max()), collectives)
     steps = w.optimizer_steps if train else 1
     micro = math.ceil(w.sequences / (lay.dp * w.micro_batch * steps) - 1e-9)
     seconds = steps * micro * slot
     if task == "actor_train" and with_generation:  # reshard into the rollout engine's layout
-        seconds += cost.allgather(model.params * w.constants.weight_bytes, lay.dp, alpha, beta)
+        weights = model.params * w.constants.weight_bytes
+        seconds += max(cost.allgather(weights, f, a, b) for a, b in gathers)
     peak = {int(d): float(b) for d, b in zip(devs, need, strict=True)}
     return TaskPlan(task, lay, seconds, grid, peak), None

@@ -34,8 +34,20 @@ class Layout:
     tp: int
     stage_major: bool = False
     fsdp: bool = False
-    """Parameters sharded over all dp devices and gathered per micro-batch (ZeRO-3; pp = tp = 1):
-    the verl-like baseline's training and inference, never searched for peerd's own plans."""
+    """Parameters sharded and gathered per micro-batch (ZeRO-3; pp = tp = 1): the verl-like
+    baseline's training and inference, never searched for peerd's own plans."""
+    fsdp_size: int = 0
+    """With ``fsdp``: devices per shard group (verl's ``fsdp_config.fsdp_size``); 0 = all ``dp``
+    devices (FULL_SHARD), fewer = HYBRID_SHARD (shard inside groups of consecutive devices in
+    scenario order, replicate across groups)."""
+    micro_batch: int = 0
+    """With ``fsdp``: sequences per micro-batch on each device (verl's ``*_micro_batch_size_per_gpu``);
+    0 = the workload's."""
+
+    @property
+    def shard(self) -> int:
+        """Devices per FSDP shard group (``dp`` for FULL_SHARD)."""
+        return self.fsdp_size or self.dp
 
     @property
     def size(self) -> int:
@@ -43,7 +55,9 @@ class Layout:
 
     def __str__(self) -> str:
         order = " stage-major" if self.stage_major else ""
-        shard = " fsdp" if self.fsdp else ""
+        shard = ""
+        if self.fsdp:
+            shard = f" fsdp{self.shard}" + (f" mb{self.micro_batch}" if self.micro_batch else "")
         return f"dp{self.dp} pp{self.pp} tp{self.tp}{order}{shard}"
 
     def to_dict(self) -> dict[str, int | bool]:
@@ -55,6 +69,9 @@ class Layout:
         }
         if self.fsdp:  # only the baseline's layouts carry the key: peerd's plans print as before
             out["fsdp"] = True
+            out["fsdp_size"] = self.shard
+            if self.micro_batch:
+                out["micro_batch"] = self.micro_batch
         return out
 
 

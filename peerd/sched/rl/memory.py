@@ -17,7 +17,11 @@ micro-batch ``k = m · T``; a stage holds ``L/pp`` layers):
 - **FSDP** (ZeRO-3 over n devices, the verl-like baseline; the sharded weights and optimizer
   state are what the group parks): two gathered layers ``2 P b_w / L`` (the one in use and the
   prefetched one) + the inference or training terms above at pp = tp = 1 without the weight
-  shard; training adds the gradient shard ``P b_g / n``.
+  shard; training adds the gradient shard ``P b_g / n``. Under HSDP with shard groups of f
+  devices (verl's ``fsdp_size``) the shards are 1/f, not 1/n: the gradient shard is ``P b_g / f``
+  and the group's parked state is spread over each shard group (in proportion to its members'
+  memory) instead of over all devices; the micro-batch is the layout's (verl's
+  ``*_micro_batch_size_per_gpu``).
 
 A plan is feasible when parked + active ≤ usable memory on every device for every task.
 """
@@ -90,7 +94,7 @@ def training_stage_bytes(model: ModelSize, w: Workload, layout: Layout, optimize
 
 
 def fsdp_bytes(model: ModelSize, w: Workload, n: int, train: bool) -> float:
-    """Bytes on each of ``n`` ZeRO-3 devices while a task runs, beyond the parked shards."""
+    """Bytes on each device of a ZeRO-3 shard group of ``n`` while a task runs, beyond the parked shards."""
     k = w.constants
     gathered = 2.0 * model.params * k.weight_bytes / model.layers
     flat = Layout(n, 1, 1)

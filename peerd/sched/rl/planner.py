@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from peerd.errors import ConfigError, InfeasibleError
-from peerd.sched.rl.baselines import streamrl_like, verl_like
+from peerd.sched.rl.baselines import streamrl_like, verl_like_choice
 from peerd.sched.rl.cluster import Cluster, RLScenario
 from peerd.sched.rl.evaluate import Counts, Evaluator, Grouping
 from peerd.sched.rl.exact import ExactConfig, solve
@@ -127,8 +127,11 @@ def devices_for(cluster: Cluster, counts: tuple[Counts, ...]) -> tuple[tuple[int
 
 def compare_baselines(cluster: Cluster, workload: Workload, seconds: float) -> dict[str, dict[str, Any]]:
     out = {}
-    for name, fn in (("verl_like", verl_like), ("streamrl_like", streamrl_like)):
-        grouping, _, score = fn(cluster, workload)
+    verl = verl_like_choice(cluster, workload)
+    for name, (grouping, _, score) in (
+        ("verl_like", (verl.grouping, verl.counts, verl.score)),
+        ("streamrl_like", streamrl_like(cluster, workload)),
+    ):
         entry: dict[str, Any] = {
             "iteration_seconds": _num(score.seconds),
             "feasible": score.shortfall is None,
@@ -137,6 +140,8 @@ def compare_baselines(cluster: Cluster, workload: Workload, seconds: float) -> d
             entry["shortfall"] = str(score.shortfall)
         entry["speedup"] = _num(score.seconds / seconds) if math.isfinite(score.seconds) else None
         entry["groups"] = [list(g) for g in grouping]
+        if name == "verl_like":  # the verl configuration its time is for
+            entry["config"] = verl.to_dict()
         out[name] = entry
     return out
 

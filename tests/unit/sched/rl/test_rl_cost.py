@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 
 from peerd.sched.rl import cost, memory
-from peerd.sched.rl.baselines import verl_like
+from peerd.sched.rl.baselines import verl_like, verl_like_choice
 from peerd.sched.rl.cluster import Cluster, rl_scenario
-from peerd.sched.rl.group import evaluate_group
+from peerd.sched.rl.group import evaluate_group, shard_groups
 from peerd.sched.rl.layout import Layout, arrange, layouts
 from peerd.sched.rl.workload import CostConstants, ModelSize, Workload
 from peerd.sched.scenario import Device, Regions, Scenario
@@ -189,10 +189,78 @@ def test_verl_like_trains_and_infers_under_fsdp():
     cl = _cluster([(0, 1, 8.0)], tflops=1.0)
     w = toy_workload(prompts=6)
     grouping, _, score = verl_like(cl, w)
+    choice = verl_like_choice(cl, w)
+    assert choice.score == score and choice.fsdp_size in (1, 3)  # the divisors of 3 devices
     sharded = Layout(3, 1, 1, fsdp=True)
-    only = {"generate": Layout(3, 1, 1), "reference": sharded, "actor_train": sharded}
-    r = evaluate_group(cl, w, grouping[0], [0, 1, 2], balanced=False, only=only)
+    full = {"generate": Layout(3, 1, 1), "reference": sharded, "actor_train": sharded}
+    r = evaluate_group(cl, w, grouping[0], [0, 1, 2], balanced=False, only=full)
+    assert score.seconds <= r.busy  # FULL_SHARD at the workload's micro-batch is one candidate
+    chosen = {
+        "generate": Layout(3 // choice.rollout_tp, 1, choice.rollout_tp),
+        **{
+            t: Layout(3, 1, 1, fsdp=True, fsdp_size=choice.fsdp_size, micro_batch=m)
+            for t, m in choice.micro_batch.items()
+        },
+    }
+    r = evaluate_group(cl, w, grouping[0], [0, 1, 2], balanced=False, only=chosen)
     assert score.seconds == pytest.approx(r.busy)  # one group: its tasks run one after another
+
+
+def test_hsdp_shards_inside_groups_and_all_reduces_across_them():
+    cl = _two_regions()  # d0 d1 in r0, d2 d3 in r1: 1 Tbit/s inside a region, 8 Mbit/s and 5 ms across
+    w = toy_workload(prompts=4)
+    compute = 8 * 1e9 * 200 / (1e12 * 0.5)  # 3.2 s per micro-batch of 1 sequence; 1 per device
+    gather = 0.5 * 2e9 / 1.25e11  # inside a region's shard group {d0, d1} or {d2, d3}: 8 ms
+    scatter = 0.5 * 4e9 / 1.25e11  # fp32 gradients: 16 ms
+    allreduce = 2 * 0.5 * (1e9 * 4 / 2) / 1e6 + 2 * 0.005  # fp32 shard of 1/2 over {d0, d2}: 2000.01 s
+    hsdp = Layout(4, 1, 1, fsdp=True, fsdp_size=2)
+    r = evaluate_group(cl, w, ("actor_train",), [0, 1, 2, 3], only={"actor_train": hsdp})
+    assert r.plans["actor_train"].seconds == pytest.approx(max(compute, 2 * gather + scatter + allreduce))
+    r = evaluate_group(cl, w, ("reference",), [0, 1, 2, 3], only={"reference": hsdp})
+    assert r.plans["reference"].seconds == pytest.approx(max(0.8, gather))  # no all-reduce in inference
+    full = Layout(4, 1, 1, fsdp=True)  # FULL_SHARD: every gather crosses the slow link
+    ring = 0.75 * 2e9 / 1e6 + 3 * 0.005
+    r = evaluate_group(cl, w, ("actor_train",), [0, 1, 2, 3], only={"actor_train": full})
+    assert r.plans["actor_train"].seconds == pytest.approx(2 * ring + 0.75 * 4e9 / 1e6 + 3 * 0.005)
+    # colocated with generation: the parked state is sharded over 2 devices, not 4, and the
+    # reshard gathers inside the shard group
+    both = {"generate": Layout(4, 1, 1), "actor_train": hsdp}
+    r = evaluate_group(cl, w, ("generate", "actor_train"), [0, 1, 2, 3], only=both)
+    assert r.plans["actor_train"].seconds == pytest.approx(
+        max(compute, 2 * gather + scatter + allreduce) + gather
+    )
+    parked = 1e9 * (2 + 12) / 2  # actor weights + optimizer state over the shard group
+    assert r.plans["actor_train"].peak[0] == pytest.approx(parked + memory.fsdp_bytes(TOY, w, 2, True))
+
+
+def test_hsdp_groups_follow_device_order_not_links():
+    assert shard_groups([3, 0, 2, 1], 2).tolist() == [[0, 1], [2, 3]]
+    assert shard_groups(np.array([[2], [0], [1], [3]]), 4).tolist() == [[0, 1, 2, 3]]
+    mixed = _two_regions(order=("r0", "r1", "r0", "r1"))  # consecutive ranks now straddle the link
+    w = toy_workload(prompts=4)
+    hsdp = Layout(4, 1, 1, fsdp=True, fsdp_size=2)
+    r = evaluate_group(mixed, w, ("reference",), [0, 1, 2, 3], only={"reference": hsdp})
+    assert r.plans["reference"].seconds == pytest.approx(0.5 * 2e9 / 1e6 + 0.005)  # not regrouped by region
+
+
+def test_verl_like_takes_the_best_fsdp_size_and_micro_batch():
+    cl = _two_regions()
+    w = toy_workload(prompts=8)  # 2 sequences per device: micro-batches of 1 or 2
+    choice = verl_like_choice(cl, w)
+    # sharding inside a region beats FULL_SHARD (gathers over 8 Mbit/s) and plain data parallel
+    # (a full fp32 all-reduce over 8 Mbit/s); one micro-batch of 2 halves the all-reduces
+    assert (choice.fsdp_size, choice.micro_batch) == (2, {"reference": 2, "actor_train": 2})
+    tasks = choice.grouping[0]
+
+    def busy(f: int, m: int) -> float:
+        only = {t: Layout(4, 1, 1, fsdp=True, fsdp_size=f, micro_batch=m) for t in tasks if t != "generate"}
+        only["generate"] = Layout(4 // choice.rollout_tp, 1, choice.rollout_tp)
+        return evaluate_group(cl, w, tasks, [0, 1, 2, 3], balanced=False, only=only).busy
+
+    assert choice.score.seconds == pytest.approx(busy(2, 2))
+    assert busy(2, 2) < busy(2, 1) < busy(4, 1) and busy(2, 2) < busy(1, 2) and busy(2, 2) < busy(4, 2)
+    d = Layout(4, 1, 1, fsdp=True, fsdp_size=2, micro_batch=2).to_dict()
+    assert (d["fsdp_size"], d["micro_batch"]) == (2, 2) and "fsdp" not in Layout(4, 1, 1).to_dict()
 
 
 def _cluster(links: list[tuple[int, int, float]], tflops: float = 100.0) -> Cluster:
@@ -205,6 +273,20 @@ def _cluster(links: list[tuple[int, int, float]], tflops: float = 100.0) -> Clus
     devs = [
         Device(id=f"d{i}", region=names[i], tflops=tflops, memory_gb=1000, memory_bandwidth_gb_s=100)
         for i in range(3)
+    ]
+    sc = Scenario(devices=devs, regions=Regions(names=names, delay_ms=delay, bandwidth_mbps=bw))  # type: ignore[arg-type]
+    return Cluster.of(rl_scenario(sc, toy_workload()))
+
+
+def _two_regions(order: tuple[str, ...] = ("r0", "r0", "r1", "r1")) -> Cluster:
+    """Four devices (d0..d3 in ``order``'s regions): 1 Tbit/s and no delay inside a region, 8 Mbit/s
+    (1e6 B/s) and 5 ms between the two."""
+    names = ["r0", "r1"]
+    bw = [[1e6, 8.0], [8.0, 1e6]]
+    delay = [[0.0, 5.0], [5.0, 0.0]]
+    devs = [
+        Device(id=f"d{i}", region=r, tflops=1.0, memory_gb=1000, memory_bandwidth_gb_s=100)
+        for i, r in enumerate(order)
     ]
     sc = Scenario(devices=devs, regions=Regions(names=names, delay_ms=delay, bandwidth_mbps=bw))  # type: ignore[arg-type]
     return Cluster.of(rl_scenario(sc, toy_workload()))
