@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -66,7 +67,7 @@ class Signer(RecordValidatorBase):
         return RSASignatureValidator._SIGNATURE_RE.sub(b"", record.value)
 
 
-def _honest_spec() -> dict[str, Any]:
+def _honest_spec(checkpoint_interval: int = 100_000) -> dict[str, Any]:
     """A 2-stage job that trains until cancelled (raw activations: nothing to warm up)."""
     spec = load_job_spec(SPEC)
     spec = dataclasses.replace(
@@ -77,7 +78,7 @@ def _honest_spec() -> dict[str, Any]:
         micro_batch=2,
         min_peers=2,
         max_peers=2,
-        checkpoint_interval=100_000,
+        checkpoint_interval=checkpoint_interval,
         parallel=dataclasses.replace(spec.parallel, d_pp=2, d_dp=1),
         compression=dataclasses.replace(
             spec.compression, forward="none", forward_bits=None, backward_bits=None, gradient_bits=None
@@ -200,3 +201,37 @@ def test_a_malformed_job_record_is_refused_and_counted_while_the_other_job_keeps
         f"JOB RECORDS {len(POISONS)} poisoned records (seq_len null, zeros, nulls, wrong types); refused "
         f"CONFIG_INVALID/MALFORMED per daemon {counts}; honest job steps {steps_at_attack} at the attack -> {steps_after}"
     )
+
+
+@pytest.mark.timeout(300)
+def test_a_temporary_left_in_a_running_daemons_checkpoint_directory_is_removed_by_its_next_save(
+    local_swarm: Callable[..., Any], wait_until: Callable[..., Any]
+) -> None:
+    """What a daemon killed mid-save leaves behind (a ``.tmp-*.pt`` beside its checkpoints) goes at the next save."""
+    swarm = local_swarm(2)
+    m0, m1 = swarm.peers
+    wait_until(
+        lambda: m1.info.peer_id in {p["peer_id"] for p in m0.status()["peers"]},
+        60,
+        "the daemons to list each other",
+    )
+    job = m0.control(timeout=60).call("submit", spec=_honest_spec(checkpoint_interval=5), source=str(SPEC))[
+        "job_id"
+    ]
+    root = m0.home / "checkpoints" / job
+    saved = wait_until(
+        lambda: sorted(root.glob("stage*-replica*/step-*.pt")),
+        240,
+        "peer0 to save a checkpoint of the job",
+        detail=lambda: m0.log_tail(30),
+    )
+    directory = saved[-1].parent
+    leftover = directory / f".tmp-step-99999999.pt-killed{int(time.time())}.pt"
+    leftover.write_bytes(bytes(1 << 20))  # a killed save's partial file
+    first = {p.name for p in directory.glob("step-*.pt")}
+    wait_until(  # a save that had already listed the directory may still miss it: the one after does not
+        lambda: not leftover.exists(), 120, "peer0's next checkpoint saves to remove the leftover"
+    )
+    assert {p.name for p in directory.glob("step-*.pt")} - first  # removed by a save, not by accident
+    assert not list(directory.glob(".tmp-*"))
+    m0.control(timeout=60).call("cancel", job_id=job)
