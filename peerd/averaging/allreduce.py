@@ -131,6 +131,7 @@ class GroupAllReduce:
         self.size = len(members)
         self.key = key
         self.initial_timeout = float(timeout)
+        self.any_overflowed = False  # the last step: some member's fp16 gradients overflowed
         self._timeout_source: Callable[[], float] | None = None
         self.protocol = PROTOCOL_PREFIX + key
         self.digest = group_digest(key, [m.to_base58() for m in members])
@@ -214,8 +215,16 @@ class GroupAllReduce:
 
     # ------------------------------------------------------------------ the step
 
-    async def allreduce(self, step: int, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        """The mean over the group of each tensor, identical on every member; new tensors like the inputs."""
+    async def allreduce(
+        self, step: int, tensors: Sequence[torch.Tensor], overflowed: bool = False
+    ) -> list[torch.Tensor]:
+        """The mean over the group of each tensor, identical on every member; new tensors like the inputs.
+
+        ``overflowed``: this member's fp16 gradients overflowed (``tensors`` must then be finite, e.g.
+        zeros). Afterwards ``any_overflowed`` says whether any member's did, the same on every member:
+        then every member skips the step, and no error-feedback residual of it is kept.
+        """
+        self.any_overflowed = overflowed
         if self._closed:
             raise PeerUnavailable("averaging group is closed")
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
@@ -236,35 +245,48 @@ class GroupAllReduce:
         try:
             state = self._steps.begin(step, layout.numel, layout.signature())
             flat_N = await _off_loop(layout.numel, flatten, tensors)
-            result_N = await self._run(state, flat_N)
+            result_N, self.any_overflowed = await self._run(state, flat_N, overflowed)
         except BaseException as exc:
             await self._fail(step, exc)
             raise
-        self.math.commit()
+        if self.any_overflowed:
+            self.math.discard()  # a skipped step leaves the residuals as they were
+        else:
+            self.math.commit()
         self._steps.finish(step)
         self.stats.steps += 1
         self.stats.values_averaged += layout.numel
         self.stats.last_step_s = time.perf_counter() - started
         return unflatten(result_N, tensors)
 
-    async def _run(self, state: StepState, flat_N: torch.Tensor) -> torch.Tensor:
+    async def _run(
+        self, state: StepState, flat_N: torch.Tensor, overflowed: bool
+    ) -> tuple[torch.Tensor, bool]:
+        """The averaged flat vector, and whether any member flagged an overflow (every reducer saw every flag)."""
         total, layout = flat_N.numel(), state.layout
         assert layout is not None
         bounds = share_bounds(total, self.size)
         own, frames = await _off_loop(total, self.math.contributions, flat_N)
-        self._add_part(state, self.rank, own)
-        jobs: dict[int, asyncio.Task[torch.Tensor]] = {self.rank: asyncio.create_task(self._own_share(state))}
+        self._add_part(state, self.rank, own, overflowed)
+        jobs: dict[int, asyncio.Task[tuple[torch.Tensor, bool]]] = {
+            self.rank: asyncio.create_task(self._own_share(state))
+        }
         for j, payload in frames.items():
-            msg = AvgMessage(KIND_PART, self.digest, state.step, self.rank, j, total, layout)
+            msg = AvgMessage(
+                KIND_PART, self.digest, state.step, self.rank, j, total, layout, overflow=overflowed or None
+            )
             jobs[j] = asyncio.create_task(self._exchange(j, msg, payload, bounds[j][1] - bounds[j][0]))
         await _first_error(list(jobs.values()))
         result_N = torch.empty(total, dtype=torch.float32)
+        any_overflowed = False
         for j, (start, end) in enumerate(bounds):
-            result_N[start:end] = jobs[j].result()
-        return result_N
+            share, flagged = jobs[j].result()
+            result_N[start:end] = share
+            any_overflowed = any_overflowed or flagged
+        return result_N, any_overflowed
 
-    async def _own_share(self, state: StepState) -> torch.Tensor:
-        return (await self._wait_result(state)).decoded
+    async def _own_share(self, state: StepState) -> tuple[torch.Tensor, bool]:
+        return (await self._wait_result(state)).decoded, bool(state.overflowed)
 
     async def _wait_result(self, state: StepState) -> Encoded:
         """The reduced share, or PeerUnavailable(TIMEOUT) after ``timeout`` s without a new contribution."""
@@ -283,8 +305,10 @@ class GroupAllReduce:
                 continue
         return state.result.result()
 
-    async def _exchange(self, j: int, msg: AvgMessage, payload: bytes, numel: int) -> torch.Tensor:
-        """Send my contribution to share ``j``; receive the averaged share ``j`` back."""
+    async def _exchange(
+        self, j: int, msg: AvgMessage, payload: bytes, numel: int
+    ) -> tuple[torch.Tensor, bool]:
+        """Send my contribution to share ``j``; receive the averaged share ``j`` back, and its overflow flag."""
         conn = await self._connection(j)
         sent, received = conn.bytes_sent, conn.bytes_received
         try:
@@ -298,7 +322,7 @@ class GroupAllReduce:
             check(
                 answer, Expect(self.digest, src=j, share=j, step=msg.step, total=msg.total, layout=msg.layout)
             )
-            return await _off_loop(numel, decode_share, reply, numel)
+            return await _off_loop(numel, decode_share, reply, numel), bool(answer.overflow)
         except PeerdError as exc:
             self._count(exc.code)
             raise
@@ -343,8 +367,8 @@ class GroupAllReduce:
 
     # ------------------------------------------------------------------ reduction
 
-    def _add_part(self, state: StepState, src: int, part: torch.Tensor) -> None:
-        state.add(src, part)
+    def _add_part(self, state: StepState, src: int, part: torch.Tensor, overflowed: bool = False) -> None:
+        state.add(src, part, overflowed)
         if state.reducing is None and len(state.parts) == self.size:
             state.reducing = asyncio.create_task(self._reduce(state))
 
@@ -406,10 +430,17 @@ class GroupAllReduce:
                 part = await _off_loop(end - start, decode_share, payload, end - start)
                 del payload
                 state = self._steps.admit(msg, self.digest)
-                self._add_part(state, src, part)
+                self._add_part(state, src, part, bool(msg.overflow))
                 encoded = await self._wait_result(state)
                 reply = AvgMessage(
-                    KIND_SHARE, self.digest, msg.step, self.rank, self.rank, msg.total, msg.layout
+                    KIND_SHARE,
+                    self.digest,
+                    msg.step,
+                    self.rank,
+                    self.rank,
+                    msg.total,
+                    msg.layout,
+                    overflow=bool(state.overflowed) or None,  # every contribution is in: the flags are final
                 )
                 await conn.send(reply.header(), encoded.payload, timeout=self.timeout)
             except PeerdError as exc:

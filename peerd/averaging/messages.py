@@ -48,6 +48,9 @@ class AvgMessage(WireStruct):
     layout: Name
     """partition.FlatLayout.signature() of the sender's gradient list."""
     version: int = msgspec.field(default=VERSION, name="v")
+    overflow: bool | None = None
+    """``avg.part``: the sender's fp16 gradients overflowed (its contribution is zeros);
+    ``avg.share``: some contribution to this share overflowed. Absent: neither."""
 
     def header(self) -> dict[str, Any]:
         return to_builtin(self)

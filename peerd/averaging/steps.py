@@ -29,14 +29,18 @@ class StepState:
         self.total: int | None = None
         self.layout: str | None = None
         self.parts: dict[int, torch.Tensor] = {}  # rank -> contribution (share,)
+        self.overflowed: set[int] = set()  # ranks whose contribution says its fp16 gradients overflowed
         self.result: asyncio.Future[Encoded] = loop.create_future()
         self.reducing: asyncio.Task | None = None  # the reduction, once all contributions are in
         self.touched = loop.time()  # last progress: a contribution arrived
 
-    def add(self, src: int, part: torch.Tensor) -> None:
+    def add(self, src: int, part: torch.Tensor, overflowed: bool = False) -> None:
         """Record ``src``'s contribution; a resent one replaces it unless the reduction already started."""
         if self.reducing is None:
             self.parts[src] = part
+            self.overflowed.discard(src)
+            if overflowed:
+                self.overflowed.add(src)
             self.touched = asyncio.get_running_loop().time()
 
     def abort(self, exc: PeerdError) -> None:

@@ -220,7 +220,8 @@ class JobSpec:
     compression: CompressionSpec = field(default_factory=CompressionSpec)
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
     """Compute precision of every stage: fp32, or bf16 / fp16 autocast (master weights, optimizer
-    state and the wire stay fp32). fp16 uses a dynamic loss scale and needs ``parallel`` d_dp: 1."""
+    state and the wire stay fp32). fp16 uses a dynamic loss scale; a step that overflows anywhere is
+    skipped by every stage and replica."""
     checkpoint_interval: Count = 100
     """Steps between checkpoints (every stage, atomically); the last step always checkpoints."""
     init_checkpoint: str | None = None
@@ -244,14 +245,6 @@ class JobSpec:
     def problems(self) -> list[ConfigError]:
         """The checks between fields and sections (each section checked itself already)."""
         out = self._kind_problems() + self._size_problems() + self._batch_problems() + self._peer_problems()
-        if self.precision == "fp16" and self.parallel.known().get("d_dp") != 1:
-            out.append(
-                ConfigError(
-                    "precision",
-                    "fp16 needs parallel d_dp: 1 (replicas cannot yet agree on the steps a loss-scale "
-                    "overflow skips); use bf16 with more replicas",
-                )
-            )
         out += self._validation_problems()
         if self.planning.placement == "random" and len(self.parallel.known()) < 2:
             out.append(

@@ -115,7 +115,7 @@ class TrainConfig:
     ``cuda``, ``cuda:N`` or ``mps``. Each peer sets its own (the daemon's ``--device``)."""
     precision: Precision = "fp32"
     """Compute precision: ``fp32``, or autocast to ``bf16`` / ``fp16`` (``fp16`` with a dynamic loss
-    scale; one replica per stage: the stages agree on skipped steps, replicas cannot yet). Master weights, optimizer state, gradients and
+    scale: every stage and replica skips the steps where any gradient overflowed). Master weights, optimizer state, gradients and
     everything on the wire (activations and their gradients as float32) stay fp32."""
 
     def __post_init__(self) -> None:

@@ -26,7 +26,6 @@ import torch
 
 from peerd.data.dataset import WindowDataset
 from peerd.data.sampler import EpochSampler, micro_batches
-from peerd.errors import ConfigError
 from peerd.models.gpt import lm_loss
 from peerd.pipeline.optim import (
     OptimizerConfig,
@@ -38,7 +37,7 @@ from peerd.pipeline.optim import (
     with_shorthands,
 )
 from peerd.pipeline.partition import StageModule, model_layers, partition
-from peerd.pipeline.precision import FP16_REPLICAS, StagePrecision
+from peerd.pipeline.precision import StagePrecision
 from peerd.pipeline.schedule import Op, Schedule, get_schedule, simulate
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (logits (B,T,V), targets (B,T)) -> mean
@@ -246,8 +245,6 @@ def train_pipelined(
     """
     layers = model_layers(model)
     split = cfg.layers_per_stage or [len(layers)]
-    if cfg.precision == "fp16" and cfg.replicas > 1:
-        raise ConfigError("precision", FP16_REPLICAS)
     stages = partition(model, split)
     precision = StagePrecision(cfg.precision, next(model.parameters()).device)
     pipe = LocalPipeline(stages, cfg.schedule, hook, precision=precision)

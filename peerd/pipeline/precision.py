@@ -9,9 +9,10 @@ to float32 (the wire format's dtype), so the next stage's input and the referenc
 arithmetic of torch's ``GradScaler`` with its defaults): the loss is scaled before backward,
 gradients are unscaled before clipping, and a step whose gradients overflowed is skipped and
 the scale lowered. torch's scaler decides the skip from the gradients it holds; a pipeline's
-stages (and a stage's replicas) must skip the *same* steps, so here the caller decides: the
-stages share one overflow verdict through the norm exchange (``peerd.pipeline.optim``) and
-each passes it to ``StagePrecision.step``.
+stages and a stage's replicas must skip the *same* steps, so here the caller decides: a
+stage's replicas share their overflow flags through the gradient averaging (``overflow`` in
+protocols/averaging.md), the stages share one verdict through the norm exchange
+(``peerd.pipeline.optim``), and each stage passes it to ``StagePrecision.step``.
 """
 
 from __future__ import annotations
@@ -24,13 +25,6 @@ import torch
 
 from peerd.errors import ConfigError
 
-# fp16's loss scaling skips a step whose gradients overflowed: every replica of a stage must skip
-# the same steps, and the averaging wire carries no such verdict yet (stages share theirs through
-# the norm exchange; bf16 needs no scale).
-FP16_REPLICAS = (
-    "fp16 (loss-scaled) trains one replica per stage only: replicas would have to agree on every "
-    "overflowed step and gradient averaging carries no such verdict; use bf16, or parallel d_dp: 1"
-)
 DTYPES: dict[str, torch.dtype | None] = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 

@@ -96,7 +96,7 @@ from peerd.pipeline.optim import (
     squared_norm,
 )
 from peerd.pipeline.partition import build_stage
-from peerd.pipeline.precision import FP16_REPLICAS, StagePrecision
+from peerd.pipeline.precision import StagePrecision
 from peerd.pipeline.schedule import Op, get_schedule
 from peerd.pipeline.sender import StreamSender
 from peerd.pipeline.streams import (
@@ -147,7 +147,12 @@ def out_of_memory(exc: BaseException, device: torch.device, stage: int, step: in
 class Reducer(Protocol):
     """Averages a stage's gradients over its replicas (``peerd.averaging.GroupAllReduce`` has this shape)."""
 
-    async def allreduce(self, step: int, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]: ...
+    any_overflowed: bool
+    """After ``allreduce``: whether any replica flagged its fp16 gradients as overflowed."""
+
+    async def allreduce(
+        self, step: int, tensors: Sequence[torch.Tensor], overflowed: bool = False
+    ) -> list[torch.Tensor]: ...
 
 
 @dataclass(frozen=True)
@@ -220,8 +225,6 @@ class StageWorker:
         self.reducer = reducer
         self.on_report = on_report
         self.device = resolve_device(cfg.device)  # ConfigError naming device if it is not here
-        if cfg.precision == "fp16" and replicas > 1:
-            raise ConfigError("precision", FP16_REPLICAS)
         self.precision = StagePrecision(cfg.precision, self.device)
         logger.info(
             "job %s stage %d replica %d computes on %s in %s",
@@ -680,9 +683,12 @@ class StageWorker:
 
     async def _average_and_step(self, step: int) -> None:
         grads, finite = await self._compute(self._local_grads)
+        overflowed = not finite
         if self.reducer is not None:  # the averaging group works on host tensors
-            grads = await self.reducer.allreduce(step, grads)
-        scale, overflowed = 1.0, not finite
+            # fp16: an overflow anywhere among the replicas is every replica's (the group carries the flag)
+            grads = await self.reducer.allreduce(step, grads, overflowed)
+            overflowed = self.reducer.any_overflowed
+        scale = 1.0
         if self.exchanges_norms:
             total = await self._replica_squared_norm(step, grads, overflowed)
             overflowed = total == OVERFLOWED
@@ -759,10 +765,12 @@ class StageWorker:
     def _local_grads(self) -> tuple[list[torch.Tensor], bool]:
         """This replica's (unscaled) gradients: on the device, or host copies when a reducer averages
         them; and whether they (and, under fp16, the input gradients this stage sent) are finite. Compute thread."""
-        finite = (
-            self.precision.unscale(self.params) and not self._sent_overflow
-        )  # fp16: before norm and update
+        # fp16: unscaled before the norm and the update
+        finite = self.precision.unscale(self.params) and not self._sent_overflow
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
+        if not finite and self.reducer is not None:
+            for g in grads:  # the averaging wire takes no Inf/NaN: the flag says it, the step is skipped
+                g.zero_()
         if self.reducer is None or self.device.type == "cpu":
             return grads, finite
         return [to_host(g) for g in grads], finite

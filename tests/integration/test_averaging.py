@@ -372,3 +372,38 @@ def test_a_group_that_follows_a_deadline_gives_up_on_a_silent_member_at_that_dea
     error, elapsed = cluster.run(go(), timeout=60)
     assert error.code == ErrorCode.TIMEOUT and "within 2 s" in str(error)
     assert elapsed < 30  # far below the configured 120 s (generous: a loaded machine)
+
+
+@pytest.mark.parametrize("compressor", [None, "q8"])
+def test_one_members_overflow_flag_reaches_every_member_and_its_step_keeps_no_residual(
+    cluster: Cluster, compressor
+):
+    """fp16: member 1 flags step 1 (its zeros stand in for Inf gradients). Every member ends the step
+    with ``any_overflowed``, the same bits as ever, and the residuals of before the step: step 2,
+    unflagged, gives what it gives in a group that never ran step 1."""
+    flagged = make_group(cluster, 3, f"overflow-{compressor}", timeout=10.0, compressor=compressor)
+    clean = make_group(cluster, 3, f"clean-{compressor}", timeout=10.0, compressor=compressor)
+    zeros = [torch.zeros(s) for s in SHAPES]
+
+    async def go():
+        for a in [*flagged, *clean]:
+            await a.start()
+        try:
+            await asyncio.gather(*(a.allreduce(0, grads(60 + r)) for r, a in enumerate(flagged)))
+            await asyncio.gather(*(a.allreduce(0, grads(60 + r)) for r, a in enumerate(clean)))
+            middle = await asyncio.gather(
+                *(a.allreduce(1, zeros if r == 1 else grads(70 + r), r == 1) for r, a in enumerate(flagged))
+            )
+            verdicts = [a.any_overflowed for a in flagged]
+            after = await asyncio.gather(*(a.allreduce(2, grads(80 + r)) for r, a in enumerate(flagged)))
+            later = [a.any_overflowed for a in flagged]
+            reference = await asyncio.gather(*(a.allreduce(2, grads(80 + r)) for r, a in enumerate(clean)))
+            return middle, verdicts, after, later, reference
+        finally:
+            for a in [*flagged, *clean]:
+                await a.close()
+
+    middle, verdicts, after, later, reference = cluster.run(go(), timeout=60)
+    assert verdicts == [True] * 3 and later == [False] * 3
+    assert all(torch.equal(flatten(m), flatten(middle[0])) for m in middle)  # still one result everywhere
+    assert all(torch.equal(flatten(a), flatten(r)) for a, r in zip(after, reference, strict=True))

@@ -16,6 +16,7 @@ import dataclasses
 import pytest
 import torch
 
+from peerd.bench.pipeline import group_allreduce
 from peerd.data.config import DataConfig, build_dataset
 from peerd.models.gpt import GPT
 from peerd.pipeline.codec import CompressionConfig
@@ -44,8 +45,9 @@ CFG = TrainConfig(
 )
 
 
-def reference(cfg: TrainConfig, precision: str = "fp32") -> list[float]:
+def reference(cfg: TrainConfig, precision: str = "fp32", replicas: int = 1) -> list[float]:
     local = LocalRunConfig(
+        replicas=replicas,
         steps=cfg.steps,
         global_batch=cfg.global_batch,
         micro_batch_size=cfg.micro_batch_size,
@@ -141,14 +143,17 @@ def test_bf16_two_stage_run_matches_the_single_process_bf16_run():
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("grad_clip", [None, 0.5])
-def test_fp16_stages_skip_the_same_overflowed_steps_as_the_single_process_run(monkeypatch, grad_clip):
+@pytest.mark.parametrize(("replicas", "grad_clip"), [(1, None), (1, 0.5), (2, 0.5)])
+def test_fp16_stages_and_replicas_skip_the_same_overflowed_steps_as_the_single_process_run(
+    monkeypatch, replicas, grad_clip
+):
     """The loss scale starts too high, so the first steps overflow in the last stage's backward: it
-    sends zeros upstream and the verdict through the norm exchange, and both stages skip."""
+    sends zeros upstream and the verdict through the norm exchange, replicas flag it to each other
+    in the gradient averaging, and every tasklet skips the same steps."""
     monkeypatch.setattr(LossScale, "INITIAL", 2.0**24)
     cfg = dataclasses.replace(
         CFG,
-        job=f"devices-fp16-{grad_clip}",
+        job=f"devices-fp16-{replicas}-{grad_clip}",
         precision="fp16",
         data=DataConfig(seq_len=32, max_bytes=64 * 1024),
         optimizer=dataclasses.replace(CFG.optimizer, grad_clip=grad_clip),
@@ -156,9 +161,10 @@ def test_fp16_stages_skip_the_same_overflowed_steps_as_the_single_process_run(mo
     seen: dict[str, object] = {}
 
     async def go():
-        peers = await start_peers(2)
+        peers = await start_peers(2 * replicas)
         try:
-            workers = build_workers(cfg, Placement([[0], [1]]), peers)
+            placement = Placement([[0], [1]]) if replicas == 1 else Placement([[0, 2], [1, 3]])
+            workers = build_workers(cfg, placement, peers, reducer_factory=group_allreduce)
             result = await run_workers(workers)
             seen["skips"] = [w.overflow_skips for w in workers]
             seen["scales"] = [w.precision.loss_scale.value for w in workers]  # type: ignore[union-attr]
@@ -169,8 +175,8 @@ def test_fp16_stages_skip_the_same_overflowed_steps_as_the_single_process_run(mo
     result = asyncio.run(asyncio.wait_for(go(), 240))
     assert result.ok, result.errors
     skips = seen["skips"]
-    assert isinstance(skips, list) and skips[0] == skips[1] and 1 <= skips[0] < cfg.steps, skips
-    assert seen["scales"] == [2.0 ** (24 - skips[0])] * 2
+    assert isinstance(skips, list) and len(set(skips)) == 1 and 1 <= skips[0] < cfg.steps, skips
+    assert seen["scales"] == [2.0 ** (24 - skips[0])] * 2 * replicas
     losses = result.losses()
-    assert rel(losses, reference(cfg, "fp16")) < 1e-3  # the same steps skipped, the same updates
+    assert rel(losses, reference(cfg, "fp16", replicas)) < 1e-3  # the same steps skipped, the same updates
     assert losses[-1] < losses[0] - 0.3  # it trains

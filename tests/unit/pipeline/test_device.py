@@ -180,12 +180,6 @@ def test_device_and_precision_are_checked_when_built():
             dataclasses.replace(CFG, **change).validate()
         assert info.value.field == field_name
     dataclasses.replace(CFG, layers_per_stage=[2, 2], precision="fp16").validate()  # stages share the verdict
-    with pytest.raises(ConfigError, match="one replica per stage") as info:  # replicas cannot yet
-        StageWorker(
-            dataclasses.replace(CFG, precision="fp16"), stage=0, replica=0, replicas=2, transport=None,  # type: ignore[arg-type]
-            upstream=None, downstream=None, reducer=object(),  # type: ignore[arg-type]
-        )  # fmt: skip
-    assert info.value.field == "precision"
     if not torch.cuda.is_available():
         with pytest.raises(ConfigError, match="CUDA is not available") as info:
             one_stage(dataclasses.replace(CFG, device="cuda:0"))
@@ -362,20 +356,13 @@ def test_the_daemons_device_reaches_the_runner_and_the_worker(tmp_path: Path, ca
     asyncio.run(worker.close())
 
 
-def test_fp16_jobs_must_say_one_replica():
-    from peerd.jobs.spec import JobSpecError, parse_job_spec
+def test_fp16_jobs_take_any_shape():
+    from peerd.jobs.spec import parse_job_spec
 
     base = {"kind": "pretrain", "model": {"preset": "tiny"}, "steps": 4, "global_batch": 4, "micro_batch": 2,
             "precision": "fp16"}  # fmt: skip
-    with pytest.raises(JobSpecError) as info:
-        parse_job_spec(base)
-    assert [e.field for e in info.value.errors] == ["precision"]
-    assert parse_job_spec({**base, "parallel": {"d_pp": 1, "d_dp": 1}}).precision == "fp16"
-    assert parse_job_spec({**base, "parallel": {"d_pp": 2, "d_dp": 1}, "min_peers": 2}).precision == "fp16"
-    for parallel in ({"d_pp": 2, "d_dp": 2}, {"d_pp": 2, "d_dp": "auto"}):
-        with pytest.raises(JobSpecError, match="d_dp: 1") as info:
-            parse_job_spec({**base, "parallel": parallel, "min_peers": 4})
-        assert [e.field for e in info.value.errors] == ["precision"]
+    for parallel, peers in (({"d_pp": 2, "d_dp": 2}, 4), ({"d_pp": "auto", "d_dp": "auto"}, 1)):
+        assert parse_job_spec({**base, "parallel": parallel, "min_peers": peers}).precision == "fp16"
 
 
 def test_a_negative_norm_from_a_neighbour_is_only_the_fp16_overflow_verdict():
@@ -402,7 +389,9 @@ def test_the_averaging_group_waits_as_long_as_the_worker_deadline_allows():
         def follow_deadline(self, seconds):
             self.seconds = seconds
 
-        async def allreduce(self, step, tensors):
+        any_overflowed = False
+
+        async def allreduce(self, step, tensors, overflowed=False):
             return list(tensors)
 
     group = Group()
