@@ -108,6 +108,7 @@ class GroupAllReduce:
         epoch: int = 0,
         aggregator: Aggregator | str | None = None,
         max_norm_ratio: float = 1e3,
+        loss_scaled: bool = False,
     ) -> None:
         members = list(group)
         self_id = self_id if self_id is not None else transport.peer_id
@@ -124,6 +125,7 @@ class GroupAllReduce:
         if not (isinstance(max_norm_ratio, int | float) and 1 < max_norm_ratio < float("inf")):
             raise ConfigError("max_norm_ratio", f"must be a finite number > 1, got {max_norm_ratio!r}")
         self.max_norm_ratio = float(max_norm_ratio)
+        self.loss_scaled = loss_scaled  # fp16 jobs: members may flag overflowed steps (others may not)
         self.transport = transport
         self.epoch = epoch
         self.members = members
@@ -224,6 +226,8 @@ class GroupAllReduce:
         zeros). Afterwards ``any_overflowed`` says whether any member's did, the same on every member:
         then every member skips the step, and no error-feedback residual of it is kept.
         """
+        if overflowed and not self.loss_scaled:
+            raise ConfigError("overflowed", "only a loss-scaled (fp16) group's members flag overflowed steps")
         self.any_overflowed = overflowed
         if self._closed:
             raise PeerUnavailable("averaging group is closed")
@@ -422,6 +426,11 @@ class GroupAllReduce:
             try:
                 msg = parse(header, KIND_PART)
                 check(msg, Expect(self.digest, src=src, share=self.rank))
+                if msg.overflow and not self.loss_scaled:
+                    raise ProtocolError(
+                        f"avg.part of step {msg.step} flags an overflow: this group does not scale its loss",
+                        code=ErrorCode.NOT_ALLOWED,
+                    )
                 self._steps.check_window(msg.step)
                 held = self._steps.states.get(msg.step)
                 if held is not None and held.total is not None:  # before decoding: sizes must agree

@@ -83,6 +83,7 @@ def group_allreduce(transport: Transport, group: list, me: Any, key: str, cfg: T
         key=key,
         compressor=cfg.compression.gradient_compressor,
         timeout=cfg.averaging_timeout_s,
+        loss_scaled=cfg.precision == "fp16",
     )
 
 

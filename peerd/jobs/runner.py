@@ -685,6 +685,7 @@ class TaskletRunner:
             compressor=self.cfg.compression.gradient_compressor,
             timeout=self.cfg.averaging_timeout_s,
             epoch=self.commit.epoch,
+            loss_scaled=self.cfg.precision == "fp16",
         )
 
     def _neighbour(self, stage: int) -> Any:

@@ -311,9 +311,8 @@ class StageWorker:
         self.ack_deadline = StepDeadline(cfg.streams.ack_timeout_s, cfg.streams.deadlines)
         # and for the replicas' gradients (the averaging group's waits follow it where it can)
         self.averaging_deadline = StepDeadline(cfg.averaging_timeout_s, cfg.streams.deadlines)
-        follow = getattr(
-            reducer, "follow_deadline", None
-        )  # GroupAllReduce; in-process reducers wait for nothing
+        # GroupAllReduce follows it; in-process reducers wait for nothing
+        follow = getattr(reducer, "follow_deadline", None)
         if follow is not None:
             follow(self.averaging_deadline.seconds)
         self._last_step_end: float | None = None  # perf_counter at the end of the previous step

@@ -18,7 +18,7 @@ from peerd.averaging import allreduce as allreduce_module
 from peerd.averaging.codec import build_codec, parse_compressor
 from peerd.averaging.messages import KIND_PART, AvgMessage, hello
 from peerd.averaging.partition import flatten, layout_of
-from peerd.errors import ErrorCode, PeerUnavailable, ProtocolError
+from peerd.errors import ConfigError, ErrorCode, PeerdError, PeerUnavailable, ProtocolError
 from peerd.swarm.transport import Transport
 
 pytestmark = pytest.mark.integration
@@ -381,8 +381,9 @@ def test_one_members_overflow_flag_reaches_every_member_and_its_step_keeps_no_re
     """fp16: member 1 flags step 1 (its zeros stand in for Inf gradients). Every member ends the step
     with ``any_overflowed``, the same bits as ever, and the residuals of before the step: step 2,
     unflagged, gives what it gives in a group that never ran step 1."""
-    flagged = make_group(cluster, 3, f"overflow-{compressor}", timeout=10.0, compressor=compressor)
-    clean = make_group(cluster, 3, f"clean-{compressor}", timeout=10.0, compressor=compressor)
+    kw = {"timeout": 10.0, "compressor": compressor, "loss_scaled": True}
+    flagged = make_group(cluster, 3, f"overflow-{compressor}", **kw)
+    clean = make_group(cluster, 3, f"clean-{compressor}", **kw)
     zeros = [torch.zeros(s) for s in SHAPES]
 
     async def go():
@@ -407,3 +408,27 @@ def test_one_members_overflow_flag_reaches_every_member_and_its_step_keeps_no_re
     assert verdicts == [True] * 3 and later == [False] * 3
     assert all(torch.equal(flatten(m), flatten(middle[0])) for m in middle)  # still one result everywhere
     assert all(torch.equal(flatten(a), flatten(r)) for a, r in zip(after, reference, strict=True))
+
+
+def test_a_group_that_does_not_scale_its_loss_refuses_overflow_flags(cluster: Cluster):
+    """Only fp16 jobs skip steps: elsewhere a member's flag is NOT_ALLOWED, so no member can make
+    a group of another job drop its error-feedback residuals."""
+    avgs = make_group(cluster, 2, "unscaled", timeout=10.0)
+    with pytest.raises(ConfigError):
+        cluster.run(avgs[0].allreduce(0, grads(90), True), timeout=10)
+    avgs[1].loss_scaled = True  # a member that flags anyway (as a hostile peer would)
+
+    async def go():
+        for a in avgs:
+            await a.start()
+        try:
+            return await asyncio.gather(
+                avgs[0].allreduce(0, grads(91)), avgs[1].allreduce(0, grads(92), True), return_exceptions=True
+            )
+        finally:
+            for a in avgs:
+                await a.close()
+
+    outcomes = cluster.run(go(), timeout=60)
+    assert all(isinstance(o, PeerdError) for o in outcomes), outcomes
+    assert avgs[0].stats.rejected.get("NOT_ALLOWED") == 1
