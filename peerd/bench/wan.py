@@ -53,6 +53,7 @@ arm (when matplotlib is installed).
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import tempfile
 import time
@@ -254,6 +255,89 @@ def regime(spec: dict[str, Any], peers: int, compute_full_s: float, cores: int) 
             f"{compute_full_s:.4g} s/{peers} x {contention:.3g} = {tiny_compute:.4g} s; "
             f"bandwidth factor = ({tiny_bytes:.4g}/{tiny_compute:.4g}) / ({ref_bytes:.4g}/{ref_compute:.4g}) "
             f"= {factor:.4g}"
+        ),
+    }
+
+
+def slowest_link_mbps(shaped: dict[str, Any]) -> float:
+    """The narrowest link between two of the shaped scenario's peers (Mbit/s): what a ring or a
+    pipeline of all peers has to cross."""
+    regions = shaped["regions"]
+    index = {name: i for i, name in enumerate(regions["names"])}
+    used = [index[d["region"]] for d in shaped["devices"]]
+    pairs = {(i, j) for k, i in enumerate(used) for j in used[k + 1 :]}
+    rates = [regions["bandwidth_mbps"][i][j] for i, j in pairs if regions["bandwidth_mbps"][i][j] is not None]
+    return float(min(rates)) if rates else math.inf
+
+
+def crossover(spec_a: dict[str, Any], spec_d: dict[str, Any], compute_full_s: float, peers: int, cores: int,
+              link_mbps: float, bandwidth_factor: float = 1.0) -> dict[str, Any]:  # fmt: skip
+    """When pipeline + compression (arm a) beats data-parallel only (arm d): per-step time of each as
+    ``t(b) = C + V / b`` over the slowest link's ``b`` bytes/s, and the ``b`` where they meet.
+
+    - C, compute per tasklet: the whole batch's forward + backward (one thread) / peers x the
+      cores' contention; arm a adds its pipeline bubble, ``(S - 1) / M`` for S stages and M
+      micro-batches per replica step (GPipe / 1F1B);
+    - V, bytes a tasklet sends per step: arm a its activations forward and their gradients back
+      (``c_pp``, at the forward / backward bits out of 32) plus its ring share of its stage's
+      gradients (``2 (R - 1) / R c_dp``, at the gradient bits); arm d its ring share of the whole
+      model's gradients (``2 (n - 1) / n x 4 params``, at its gradient bits).
+
+    With ``C_a > C_d`` and ``V_a < V_d`` arm a wins below ``b* = (V_d - V_a) / (C_a - C_d)``. Links
+    are taken as not overlapped with compute (the arms overlap alike little on one thread).
+    ``bandwidth_factor`` (the regime's) turns the scaled crossover back into the real links' Mbit/s.
+    """
+    contention = max(1.0, peers / cores)
+    per_peer = compute_full_s / peers * contention
+
+    def side(spec: dict[str, Any]) -> dict[str, float]:
+        job = parse_job_spec(spec)
+        sizes = tiny_sizes(spec)
+        stages, replicas = int(sizes["d_pp"]), int(sizes["d_dp"])
+        micro = job.global_batch // replicas // job.micro_batch
+        bits = job.compression
+        fw, bw = (bits.forward_bits or 32) / 32, (bits.backward_bits or 32) / 32
+        grad = (bits.gradient_bits or 32) / 32
+        c_pp = sizes["c_pp_bytes"] if stages > 1 else 0.0
+        ring = 2 * sizes["c_dp_bytes"] * (replicas - 1) / replicas * grad
+        return {
+            "stages": stages,
+            "replicas": replicas,
+            "micro_batches": micro,
+            "compute_s": per_peer * (1 + (stages - 1) / micro),
+            "bytes": c_pp * (fw + bw) + ring,
+        }
+
+    a, d = side(spec_a), side(spec_d)
+    link_Bps = link_mbps * 1e6 / 8
+
+    def step_s(x: dict[str, float]) -> float:
+        return x["compute_s"] + x["bytes"] / link_Bps
+
+    dc, dv = a["compute_s"] - d["compute_s"], d["bytes"] - a["bytes"]
+    if dv <= 0:
+        verdict, b_star = "d moves no more bytes than a: a never wins on bandwidth", None
+    elif dc <= 0:
+        verdict, b_star = (
+            "a computes no more than d and moves fewer bytes: a wins at every bandwidth",
+            math.inf,
+        )
+    else:
+        b_star = dv / dc
+        verdict = f"a wins below {b_star * 8 / 1e6:.4g} Mbit/s (scaled links), d above"
+    return {
+        "a": a,
+        "d": d,
+        "slowest_link_mbps": link_mbps,
+        "predicted_a_over_d_tokens_per_s": step_s(d) / step_s(a),
+        "crossover_mbps": None if b_star is None else b_star * 8 / 1e6,
+        "crossover_unscaled_mbps": None if b_star is None else b_star * 8 / 1e6 / bandwidth_factor,
+        "verdict": verdict,
+        "arithmetic": (
+            f"C_a = {per_peer:.4g} s x (1 + ({a['stages']:.0f}-1)/{a['micro_batches']:.0f}) = {a['compute_s']:.4g} s, "
+            f"C_d = {d['compute_s']:.4g} s; V_a = {a['bytes'] / 1e6:.4g} MB, V_d = {d['bytes'] / 1e6:.4g} MB; "
+            f"b* = (V_d - V_a) / (C_a - C_d)"
+            + ("" if b_star is None or math.isinf(b_star) else f" = {b_star * 8 / 1e6:.4g} Mbit/s")
         ),
     }
 
@@ -512,6 +596,15 @@ def wan(
         "job": {k: reference_spec[k] for k in ("model", "data", "steps", "global_batch", "micro_batch")},
         "arms": results,
         "ratios": ratios(results),
+        "crossover": crossover(
+            specs.get("a-peerd") or arm_spec(arms(1)[0], peers, steps),
+            specs.get("d-dp-only") or arm_spec(arms(1)[-1], peers, steps),
+            reg["tiny"]["compute_full_batch_one_thread_s"],
+            peers,
+            cores,
+            slowest_link_mbps(shaped),
+            reg["bandwidth_factor"],
+        ),
         "seconds": round(time.monotonic() - started, 1),
     }
     if png:

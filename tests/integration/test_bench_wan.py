@@ -57,6 +57,8 @@ def test_quick_wan_bench_trains_the_searched_and_the_random_arm() -> None:
     expected = random_allocation(commit["roster"], Shape(2, 2), placement_seed(c["job_id"], 0))
     assert Allocation.from_plain(commit["stages"], commit["spares"]).canonical() == expected.canonical()
     assert result["ratios"]["a_over_c_tokens_per_s"] > 0
+    cross = result["crossover"]  # predicted from the regime, for arms a and d at this size
+    assert cross["slowest_link_mbps"] > 0 and cross["predicted_a_over_d_tokens_per_s"] > 0, cross
 
 
 def test_quick_sets_defaults_that_explicit_options_override(monkeypatch: pytest.MonkeyPatch) -> None:
