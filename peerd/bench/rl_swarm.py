@@ -15,7 +15,16 @@ job through peer 0's control socket and follows it (``job_status`` polls) until 
   if the end also beats the start; the largest KL seen;
 - ``compare_async`` (``--compare-async K``): the same job with staleness 0 and K on the same
   swarm, rollouts/s of each (completions trained / seconds between the first and the last
-  iteration seen) and the ratio async / sync;
+  iteration seen) and the ratio async / sync, with each arm's allocation (the same peers) and
+  staleness histogram (every completion within k). ``--link-mbps X --link-delay-ms Y`` shape every
+  link between two daemons to X Mbit/s and Y ms one way (a scenario file the daemons load, as
+  ``peerd bench wan`` does: ``peerd.swarm.shaper``), so the trainer -> rollout weight sync and the
+  shard pushes take real time; its ``regime`` gives the per-iteration compute (replayed on one
+  thread), the weights blob, the modelled transfer and what the sync iteration spent beyond
+  compute. Async overlaps the rollout peers' fetch + sampling + push (R) with the trainer's update
+  (T): sync pays R + T per iteration, k >= 1 about max(R, T), so the gain is largest when the link
+  time makes R comparable to T and falls back toward 1 when either dominates alone.
+  ``--compare-only`` runs just the two arms (no main job, held-out evaluation or prediction);
 - ``prediction``: the RL cost model (``RLRosterScorer``) on the committed allocation and a roster
   rebuilt from the owner's status view (each peer's measured fp32 TFLOPS, free memory and links;
   memory bandwidth from the shared profile cache the daemons read), against the measured
@@ -40,6 +49,7 @@ from typing import Any
 
 import click
 import torch
+import yaml
 from click.core import ParameterSource
 
 from peerd.bench import emit_json
@@ -57,6 +67,7 @@ from peerd.errors import ErrorCode, PeerdError
 from peerd.jobs.rl.learner import Learner
 from peerd.jobs.rl.report import score
 from peerd.jobs.rl.shards import RLPlan, sample_shard, shard_ranges
+from peerd.jobs.rl.trainer import weights_blob
 from peerd.jobs.spec import parse_job_spec
 from peerd.localswarm import LocalSwarm, converged
 from peerd.models import load_checkpoint
@@ -118,6 +129,12 @@ class Settings:
     """Iterations of each comparison job."""
     job_timeout_s: float = 900.0
     """Seconds one job may take before it is cancelled and the bench fails."""
+    link_mbps: float | None = None
+    """Shape every link between two daemons to this many Mbit/s (None: loopback, unshaped)."""
+    link_delay_ms: float = 0.0
+    """One-way delay of every shaped link, ms (with ``link_mbps``)."""
+    compare_only: bool = False
+    """Run only the ``compare_async`` arms: no main job, held-out evaluation or prediction."""
 
 
 def job_spec(s: Settings, *, staleness: int, iterations: int, name: str) -> dict[str, Any]:
@@ -151,6 +168,46 @@ def job_spec(s: Settings, *, staleness: int, iterations: int, name: str) -> dict
 
 
 # -- the swarm -------------------------------------------------------------------------------------
+
+
+def link_scenario(names: list[str], mbps: float, delay_ms: float) -> dict[str, Any]:
+    """A shaping scenario (``peerd.sched.scenario``) with every daemon its own site: ``mbps`` and
+    ``delay_ms`` one way between any two, unshaped within a site."""
+    n = len(names)
+    return {
+        "name": f"rl-swarm-{n}peers-{mbps:g}mbit-{delay_ms:g}ms",
+        "description": f"{n} loopback daemons, each its own site, {mbps:g} Mbit/s and {delay_ms:g} ms one way "
+        "between any two (peerd bench rl-swarm)",
+        "regions": {
+            "names": [f"site-{n}" for n in names],
+            "delay_ms": [[0.0 if i == j else float(delay_ms) for j in range(n)] for i in range(n)],
+            "bandwidth_mbps": [[10000.0 if i == j else float(mbps) for j in range(n)] for i in range(n)],
+        },
+        "devices": [{"id": name, "region": f"site-{name}"} for name in names],
+    }
+
+
+def start_swarm(s: Settings, root: Path, cache: Path) -> LocalSwarm:
+    """``s.peers`` daemons on loopback reading one profile cache, shaped by ``link_scenario`` with ``s.link_mbps``."""
+    names = [f"peer{i}" for i in range(s.peers)]
+    options: dict[str, Any] = {**SWARM_OPTIONS, "profile_cache": str(cache)}
+    if s.link_mbps is not None:
+        scenario = root / "links.yaml"
+        scenario.write_text(
+            yaml.safe_dump(link_scenario(names, s.link_mbps, s.link_delay_ms), sort_keys=False)
+        )
+        options["scenario"] = str(scenario)
+    swarm = LocalSwarm(s.peers, root / "s", options=options, names=names, ready_timeout=180)
+    click.echo(f"starting {s.peers} daemons", err=True)
+    swarm.start()
+    try:
+        swarm.wait_until(
+            lambda v: converged(v, names), timeout=180, what="every daemon to measure the others"
+        )
+    except BaseException:
+        swarm.close()
+        raise
+    return swarm
 
 
 @dataclass
@@ -221,7 +278,7 @@ def assess(model: GPT, plan: RLPlan, s: Settings) -> dict[str, float]:
 
 
 def start_and_phases(
-    plan: RLPlan, s: Settings, rollout_peers: int
+    plan: RLPlan, s: Settings, rollout_peers: int, *, evaluate_start: bool = True
 ) -> tuple[dict[str, float], dict[str, Any]]:
     """The warmed-up policy's held-out figures, then the phases of ``REPLAY_ITERATIONS`` sync iterations.
 
@@ -231,7 +288,7 @@ def start_and_phases(
     with one_thread():
         learner = Learner(plan)
         learner.warm_up()
-        start = assess(learner.policy, plan, s)
+        start = assess(learner.policy, plan, s) if evaluate_start else {}
         rows: list[dict[str, float]] = []
         for t in range(REPLAY_ITERATIONS):
             shard_s, groups = [], []
@@ -276,22 +333,144 @@ def measured_iteration_s(f: Followed, per_iteration: int) -> float | None:
     return statistics.median(per_iteration / r for r in rates) if rates else None
 
 
-def arm(f: Followed, per_iteration: int) -> dict[str, Any]:
+def arm(f: Followed, per_iteration: int, ids: dict[str, str] | None = None) -> dict[str, Any]:
     rl = (f.view.get("progress") or {}).get("rl") or {}
+    alloc = f.view.get("allocation") or {}
+    name = (ids or {}).get
+    rate = throughput(f.seen, per_iteration)
     return {
         "job_id": f.job_id,
         "state": f.view.get("state"),
+        "trainer": sorted(name(p, p) for st in alloc.get("stages") or [] for p in st),
+        "rollout_peers": sorted(name(p, p) for p in alloc.get("spares") or []),
         "iterations_seen": len(f.seen),
         "wall_s": round(f.wall_s, 2),
-        "rollouts_per_s": throughput(f.seen, per_iteration),
+        # seconds from submit to the first and the last iteration the polls saw (planning and warm-up come first)
+        "seen_s": [round(f.seen[0][0], 2), round(f.seen[-1][0], 2)] if f.seen else None,
+        "rollouts_per_s": rate,
+        "iteration_s": per_iteration / rate if rate else None,
         "rollouts_per_s_daemon_median": statistics.median(p["rollouts_per_s"] for p in f.polled.values())
         if f.polled
         else None,
         "staleness": rl.get("staleness"),
+        "completions_trained": sum(n for _, n in rl.get("staleness") or []),
+        "weight_sync_bytes": rl.get("weight_sync_bytes"),
+        "replans": len((f.view.get("planning") or {}).get("replans") or []),
         "dropped_stale": rl.get("dropped_stale"),
         "dropped_late": rl.get("dropped_late"),
         "shards_missing": rl.get("shards_missing"),
     }
+
+
+def compare_arms(swarm: LocalSwarm, s: Settings, main: Followed | None = None) -> dict[str, Any]:
+    """The job at staleness 0 and ``s.compare_async`` on ``swarm``, one after the other (sync first);
+    ``main`` stands for the arm it equals (same staleness and iterations)."""
+    assert s.compare_async is not None
+    per_iteration = s.prompts * s.group_size
+    status = swarm.peers[0].status()
+    ids = {p["peer_id"]: p["name"] for p in status.get("peers", [])}
+    arms: dict[str, Any] = {}
+    for k in sorted({0, s.compare_async}):
+        name = f"rl-swarm-staleness{k}"
+        if main is not None and k == s.staleness and s.compare_iterations == s.iterations:
+            arms[name] = arm(main, per_iteration, ids)
+            continue
+        click.echo(f"comparing: staleness {k}, {s.compare_iterations} iterations", err=True)
+        arm_spec = job_spec(s, staleness=k, iterations=s.compare_iterations, name=name)
+        followed = follow(swarm, arm_spec, s.job_timeout_s)
+        if followed.view.get("state") != "done":
+            raise PeerdError(f"{name} ended {followed.view.get('state')}: {followed.view.get('reason')}")
+        arms[name] = arm(followed, per_iteration, ids)
+    return arms
+
+
+def weights_bytes(plan: RLPlan) -> int:
+    """Bytes of one packed weights blob a rollout peer fetches per version (the trainer's format)."""
+    learner = Learner(plan)
+    return len(weights_blob(0, learner.weights()))
+
+
+def comparison_report(
+    s: Settings, arms: dict[str, Any], phases: dict[str, Any], plan: RLPlan, cores: int
+) -> dict[str, Any]:
+    """``compare_async``: the arms, their ratio, and the regime they ran in (compute vs link per iteration)."""
+    assert s.compare_async is not None
+    sync, lagged = arms.get("rl-swarm-staleness0"), arms.get(f"rl-swarm-staleness{s.compare_async}")
+    compute = dict(phases["median_s"])
+    trainer_s = sum(v for k, v in compute.items() if k != "generate")
+    blob = weights_bytes(plan)
+    link: dict[str, Any] = {"shaped": s.link_mbps is not None}
+    if s.link_mbps is not None:
+        delay = s.link_delay_ms / 1000
+        weights_s = blob * 8 / (s.link_mbps * 1e6)
+        link.update(
+            mbps=s.link_mbps,
+            delay_ms=s.link_delay_ms,
+            topology="every daemon its own site; the same link between any two (a scenario file, "
+            "peerd.swarm.shaper paces each daemon's outgoing bytes)",
+            weights_s=weights_s,
+            # the sync critical path crosses a link 4 times: poll answered, fetch asked, weights back, shard pushed
+            transfer_s_modelled=weights_s + 4 * delay,
+        )
+    sync_s = (sync or {}).get("iteration_s")
+    rollout_s = compute["generate"] + link.get("transfer_s_modelled", 0.0)
+    regime = {
+        "compute_s_per_iteration": {
+            **compute,
+            "trainer": trainer_s,
+            "source": f"replayed here on one thread ({phases['iterations']} sync iterations, "
+            f"{phases['rollout_shards']} shards; generate is the slowest shard)",
+        },
+        "weights_blob_bytes": blob,
+        "link": link,
+        "rollout_side_s_modelled": rollout_s,
+        "sync_iteration_s": sync_s,
+        "sync_beyond_compute_s": sync_s - compute["generate"] - trainer_s if sync_s else None,
+        "async_iteration_s": (lagged or {}).get("iteration_s"),
+        "overlap_bound": (rollout_s + trainer_s) / max(rollout_s, trainer_s),
+        "overlap_bound_note": "sync pays R + T per iteration, k >= 1 about max(R, T) (R: a rollout peer's "
+        "fetch + sampling + push, modelled; T: the trainer's scoring, reference and updates)",
+        "cores": cores,
+        "daemons": s.peers,
+        "load_average": load_average(),
+    }
+
+    def members(a: dict[str, Any] | None, roles: tuple[str, ...]) -> list[str] | None:
+        return sorted(p for r in roles for p in a[r]) if a else None
+
+    both = ("trainer", "rollout_peers")
+    return {
+        "staleness": s.compare_async,
+        "arms": arms,
+        # every link is the same, so the arms differ only by staleness when they run on the same peers
+        # (the consensus plans each job afresh: which of them trains may differ)
+        "same_peers": members(sync, both) is not None and members(sync, both) == members(lagged, both),
+        "same_roles": members(sync, ("trainer",)) is not None
+        and members(sync, ("trainer",)) == members(lagged, ("trainer",)),
+        "regime": regime,
+        **async_ratio(sync, lagged),
+    }
+
+
+def async_comparison(s: Settings) -> dict[str, Any]:
+    """``--compare-only``: start the (shaped) swarm, run the two arms, replay the compute; the ``compare_async`` section."""
+    assert s.compare_async is not None
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    with tempfile.TemporaryDirectory(prefix="peerd-rl-swarm-") as tmp:
+        root = Path(tmp)
+        cache = root / "device_profiles.json"
+        profile_device("cpu", cache_path=cache)
+        swarm = start_swarm(s, root, cache)
+        try:
+            arms = compare_arms(swarm, s)
+        finally:
+            swarm.close()
+    plan = RLPlan(
+        "compare", parse_job_spec(job_spec(s, staleness=0, iterations=s.compare_iterations, name="c"))
+    )
+    rollout_peers = len((arms.get("rl-swarm-staleness0") or {}).get("rollout_peers") or []) or s.peers - 1
+    _, phases = start_and_phases(plan, s, rollout_peers, evaluate_start=False)
+    return comparison_report(s, arms, phases, plan, cores)
 
 
 def rl_swarm(s: Settings, png: str | None = None) -> dict[str, Any]:
@@ -304,15 +483,8 @@ def rl_swarm(s: Settings, png: str | None = None) -> dict[str, Any]:
         cache = root / "device_profiles.json"
         profile = profile_device("cpu", cache_path=cache)  # measured once; every daemon reads it
         assert profile.memory_gb_s is not None
-        names = [f"peer{i}" for i in range(s.peers)]
-        options = {**SWARM_OPTIONS, "profile_cache": str(cache)}
-        swarm = LocalSwarm(s.peers, root / "s", options=options, names=names, ready_timeout=180)
-        click.echo(f"starting {s.peers} daemons", err=True)
-        swarm.start()
+        swarm = start_swarm(s, root, cache)
         try:
-            swarm.wait_until(
-                lambda v: converged(v, names), timeout=180, what="every daemon to measure the others"
-            )
             click.echo(f"submitting {s.iterations} iterations of GRPO on {s.task}", err=True)
             main = follow(swarm, spec, s.job_timeout_s)
             if main.view.get("state") != "done":
@@ -320,16 +492,7 @@ def rl_swarm(s: Settings, png: str | None = None) -> dict[str, Any]:
             alloc = main.view["allocation"]
             status = swarm.peers[0].status()
             model, fetched = end_policy(swarm, main.job_id, root / "fetched")
-            arms: dict[str, Any] = {}
-            if s.compare_async is not None:
-                for k in sorted({0, s.compare_async}):
-                    name = f"rl-swarm-staleness{k}"
-                    if k == s.staleness and s.compare_iterations == s.iterations:
-                        arms[name] = arm(main, per_iteration)
-                        continue
-                    click.echo(f"comparing: staleness {k}, {s.compare_iterations} iterations", err=True)
-                    arm_spec = job_spec(s, staleness=k, iterations=s.compare_iterations, name=name)
-                    arms[name] = arm(follow(swarm, arm_spec, s.job_timeout_s), per_iteration)
+            arms = compare_arms(swarm, s, main) if s.compare_async is not None else {}
         finally:
             swarm.close()
     job = parse_job_spec(spec)
@@ -384,11 +547,7 @@ def rl_swarm(s: Settings, png: str | None = None) -> dict[str, Any]:
         "seconds": round(time.monotonic() - started, 1),
     }
     if s.compare_async is not None:
-        out["compare_async"] = {
-            "staleness": s.compare_async,
-            "arms": arms,
-            **async_ratio(arms.get("rl-swarm-staleness0"), arms.get(f"rl-swarm-staleness{s.compare_async}")),
-        }
+        out["compare_async"] = comparison_report(s, arms, phases, plan, cores)
     if png:
         out["png"] = write_plot(out, Path(png))
     return out
@@ -428,6 +587,20 @@ QUICK: dict[str, Any] = {
     show_default=True,
     help="Iterations of each comparison job.",
 )
+@click.option(
+    "--link-mbps",
+    type=float,
+    default=None,
+    help="Shape every link between two daemons to this many Mbit/s (a scenario file; default: unshaped).",
+)
+@click.option(
+    "--link-delay-ms", default=0.0, show_default=True, help="One-way delay of every shaped link (ms)."
+)
+@click.option(
+    "--compare-only",
+    is_flag=True,
+    help="Only the --compare-async arms (no main job, held-out evaluation or prediction).",
+)
 @click.option("--job-timeout", default=900.0, show_default=True, help="Seconds one job may take.")
 @click.option(
     "--quick",
@@ -453,6 +626,9 @@ def command(
     seed: int,
     compare_async: int | None,
     compare_iterations: int,
+    link_mbps: float | None,
+    link_delay_ms: float,
+    compare_only: bool,
     job_timeout: float,
     quick: bool,
     out: str | None,
@@ -477,6 +653,9 @@ def command(
         compare_async=compare_async,
         compare_iterations=compare_iterations,
         job_timeout_s=job_timeout,
+        link_mbps=link_mbps,
+        link_delay_ms=link_delay_ms,
+        compare_only=compare_only,
     )
     if quick:  # smaller defaults; what the command line gives explicitly still counts
         ctx = click.get_current_context()
@@ -484,8 +663,24 @@ def command(
         s = replace(s, **{k: v for k, v in QUICK.items() if k not in given})
     if s.peers < 2 or s.iterations < 2 or s.compare_iterations < 2:
         raise click.BadParameter("needs --peers >= 2, --iterations >= 2 and --compare-iterations >= 2")
-    result = rl_swarm(s, png)
+    if (s.link_mbps is not None and not s.link_mbps > 0) or s.link_delay_ms < 0:
+        raise click.BadParameter("needs --link-mbps > 0 and --link-delay-ms >= 0")
+    if s.compare_only:
+        if s.compare_async is None:
+            raise click.BadParameter("--compare-only needs --compare-async K")
+        spec = job_spec(s, staleness=0, iterations=s.compare_iterations, name="rl-swarm")
+        result: dict[str, Any] = {
+            "benchmark": "rl-swarm",
+            "settings": asdict(s),
+            "job": {k: spec[k] for k in ("model", "global_batch", "micro_batch", "optimizer", "rl")},
+            "compare_async": async_comparison(s),
+        }
+    else:
+        result = rl_swarm(s, png)
+    flags = {"compare_only"}
     result["command"] = "peerd bench rl-swarm " + " ".join(
-        f"--{k.replace('_', '-')} {v}" for k, v in asdict(s).items() if v is not None and k != "job_timeout_s"
+        f"--{k.replace('_', '-')}" + ("" if k in flags else f" {v}")
+        for k, v in asdict(s).items()
+        if v is not None and k != "job_timeout_s" and (k not in flags or v)
     )
     emit_json(result, out)

@@ -54,8 +54,20 @@ def async_ratio(sync: dict[str, Any] | None, lagged: dict[str, Any] | None) -> d
     ):
         a, b = (lagged or {}).get(key), (sync or {}).get(key)
         if a and b:
-            return {"async_over_sync_rollouts_per_s": a / b, "ratio_source": source}
-    return {"async_over_sync_rollouts_per_s": None, "ratio_source": None}
+            return {
+                "async_over_sync_rollouts_per_s": a / b,
+                "ratio_source": source,
+                **steady_ratio(sync, lagged),
+            }
+    return {"async_over_sync_rollouts_per_s": None, "ratio_source": None, **steady_ratio(sync, lagged)}
+
+
+def steady_ratio(sync: dict[str, Any] | None, lagged: dict[str, Any] | None) -> dict[str, Any]:
+    """Async over sync in steady state: the trainers' per-iteration rates (the time from waiting for an
+    iteration's shards to publishing its weights, the iteration period), median of those the polls saw."""
+    a = (lagged or {}).get("rollouts_per_s_daemon_median")
+    b = (sync or {}).get("rollouts_per_s_daemon_median")
+    return {"async_over_sync_per_iteration": a / b if a and b else None}
 
 
 def curve_points(rewards: list[list[float]], polled: dict[int, dict[str, float]]) -> list[dict[str, Any]]:

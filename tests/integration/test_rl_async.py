@@ -1,0 +1,64 @@
+"""Issue 13's must-show on real daemons: on the same link-bound peers, async GRPO (k = 1) rolls out faster than sync.
+
+Two daemons on loopback (a trainer and a rollout peer: the only allocation, so both arms run on the
+same peers), the link between them shaped to 5 Mbit/s and 10 ms one way (``peerd bench rl-swarm
+--peers 2 --link-mbps 5 --link-delay-ms 10``): a sync iteration is the rollout peer's weight fetch
+(a 192 KB blob, 0.31 s on the wire alone) + sampling + push, then the trainer's update of
+192 x 8 completions; k = 1 overlaps the two. The arms run the same job (only ``rl.staleness``
+differs), sync first.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from peerd.bench.rl_swarm import Settings, async_comparison
+
+pytestmark = pytest.mark.integration
+
+SETTINGS = Settings(
+    peers=2,
+    prompts=192,
+    warmup_steps=40,
+    compare_async=1,
+    compare_iterations=16,
+    link_mbps=5.0,
+    link_delay_ms=10.0,
+    job_timeout_s=240,
+)
+# async / sync rollouts/s between the iterations the polls saw. On a shared 2-core machine at 5 Mbit/s and
+# 10 ms it measured 1.21-1.30 over four runs (the trainer's per-iteration median: 1.17-1.59, fewer samples);
+# at 10 Mbit/s and 5 ms the mean was higher but the spread too wide (1.05-1.71): the more link-bound
+# regime gives the steadier margin
+MARGIN = 1.15
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(420)
+def test_async_k1_rolls_out_faster_than_sync_on_the_same_shaped_peers() -> None:
+    report = async_comparison(SETTINGS)
+    sync, lagged = report["arms"]["rl-swarm-staleness0"], report["arms"]["rl-swarm-staleness1"]
+    per_iteration = SETTINGS.prompts * SETTINGS.group_size
+    for arm, k in ((sync, 0), (lagged, 1)):
+        assert arm["state"] == "done" and arm["replans"] == 0
+        # every completion of every iteration was trained, each within the staleness bound
+        assert arm["completions_trained"] == SETTINGS.compare_iterations * per_iteration
+        assert max(lag for lag, _ in arm["staleness"]) <= k
+        assert arm["dropped_stale"] == 0 and arm["shards_missing"] == 0
+    assert report["same_peers"] and len(sync["rollout_peers"]) == 1
+    assert sum(n for lag, n in lagged["staleness"] if lag == 1) > 0  # the overlap did happen
+
+    regime = report["regime"]
+    assert regime["link"]["shaped"] and regime["link"]["mbps"] == SETTINGS.link_mbps
+    # link-bound: a sync iteration spends longer on the link and waiting than the trainer computes
+    assert regime["sync_beyond_compute_s"] > regime["compute_s_per_iteration"]["trainer"]
+    ratio, steady = report["async_over_sync_rollouts_per_s"], report["async_over_sync_per_iteration"]
+    print(
+        f"async / sync rollouts/s: {ratio:.3f} between the iterations the polls saw, {steady:.3f} per "
+        f"iteration; wall {sync['wall_s']} s vs {lagged['wall_s']} s"
+    )
+    assert report["ratio_source"].startswith("completions between")
+    assert ratio > MARGIN and steady > 1.0, report
+    # end to end too (the same planning and warm-up in both; polls see progress ~2 s late when the
+    # trainer is not peer 0, so the whole job's wall time is the robust end-to-end figure)
+    assert lagged["wall_s"] < sync["wall_s"], report
