@@ -29,8 +29,8 @@ SETTINGS = Settings(
 # async / sync rollouts/s between the iterations the polls saw. On a shared 2-core machine at 5 Mbit/s and
 # 10 ms it measured 1.21-1.30 over four runs (the trainer's per-iteration median: 1.17-1.59, fewer samples);
 # at 10 Mbit/s and 5 ms the mean was higher but the spread too wide (1.05-1.71): the more link-bound
-# regime gives the steadier margin
-MARGIN = 1.15
+# regime gives the steadier margin. The claim is "faster"; the margin leaves room for a loaded CI machine.
+MARGIN = 1.05
 
 
 @pytest.mark.slow
