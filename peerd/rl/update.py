@@ -63,7 +63,9 @@ def grpo_updates(
     for k, part in enumerate(list(parts) * epochs):
         rows = slice(part.start * group_size, part.stop * group_size)
         logp_BT = token_logprobs(policy, batch.tokens_BT[rows], temperature)
-        out = grpo_loss(logp_BT, batch.old_logp_BT[rows], ref_BT[rows], adv_B[rows], batch.mask_BT[rows], loss)
+        out = grpo_loss(
+            logp_BT, batch.old_logp_BT[rows], ref_BT[rows], adv_B[rows], batch.mask_BT[rows], loss
+        )
         optimizer.zero_grad(set_to_none=True)
         out.loss.backward()
         if grad_clip:

@@ -74,7 +74,9 @@ class DeviceProfile(WireStruct, kw_only=True):
         default_factory=dict
     )
     measured_at: Real  # when the TFLOPS were measured (DHT time, seconds)
-    memory_gb_s: PositiveReal | None = None  # measured device-memory copy bandwidth (GB/s); absent from older peers
+    memory_gb_s: PositiveReal | None = (
+        None  # measured device-memory copy bandwidth (GB/s); absent from older peers
+    )
 
 
 class LinkMeasurement(WireStruct, kw_only=True):

@@ -64,7 +64,9 @@ def test_a_suspected_spare_is_gone_once_the_swarm_no_longer_lists_it() -> None:
     progress = {"a": rec("a", 99.0, suspects=("r2",))}
 
     def judge(online):
-        return assess(rl, 3, progress, 100.0, committed_at=50.0, recovering_since={}, config=CFG, online=online)
+        return assess(
+            rl, 3, progress, 100.0, committed_at=50.0, recovering_since={}, config=CFG, online=online
+        )
 
     assert not judge({"a", "r1", "r2"}).replan  # suspected, still listed: a slow shard, not a death
     assert not judge(None).replan  # membership unknown: no verdict on spares
@@ -132,9 +134,15 @@ def test_a_short_handed_job_grows_once_enough_newcomers_have_settled():
 
 
 def test_no_growth_without_a_settled_newcomer_or_without_room_for_a_replica():
-    assert short_handed(SHRUNK, 2, {"a": 0.0, "c": 0.0, "s": 0.0, "n": 90.0}, 100.0, config=CFG) is None  # 10 s
-    assert short_handed(SHRUNK, 2, {"a": 0.0, "c": 0.0, "n": 0.0}, 100.0, config=CFG) is None  # s gone: 1 < d_pp
-    assert short_handed(SHRUNK, 2, {"a": 0.0, "c": 0.0, "s": 0.0}, 100.0, config=CFG) is None  # only the spare
+    assert (
+        short_handed(SHRUNK, 2, {"a": 0.0, "c": 0.0, "s": 0.0, "n": 90.0}, 100.0, config=CFG) is None
+    )  # 10 s
+    assert (
+        short_handed(SHRUNK, 2, {"a": 0.0, "c": 0.0, "n": 0.0}, 100.0, config=CFG) is None
+    )  # s gone: 1 < d_pp
+    assert (
+        short_handed(SHRUNK, 2, {"a": 0.0, "c": 0.0, "s": 0.0}, 100.0, config=CFG) is None
+    )  # only the spare
     full = Allocation.from_plain([["a", "b"], ["c", "d"]])
     assert short_handed(full, 2, {"n": 0.0, "m": 0.0}, 100.0, config=CFG) is None  # at its width
     assert short_handed(SHRUNK, None, {"n": 0.0, "m": 0.0}, 100.0, config=CFG) is None  # no stated target
