@@ -184,7 +184,10 @@ class JobManager:
             raise PeerdError(
                 "no DHT node accepted the cancel record; try again", code=ErrorCode.PEER_UNAVAILABLE
             )
-        await self._stop(entry)
+        # the jobs loop stops this peer's planner and tasklets (as on every peer that reads the
+        # record): closing streams and averaging groups can take tens of seconds on a loaded
+        # machine, longer than a control call should wait for its answer
+        self._wake.set()
         logger.info("cancelled job %s", rec.job_id)
         return {"job_id": rec.job_id, "state": JobState.CANCELLED.value, "changed": True}
 
@@ -477,18 +480,26 @@ class JobManager:
             if entry.runner is not None and entry.record.state not in TERMINAL:
                 await entry.runner.leave(reason)
 
+    def _handed_over(self, entry: JobEntry) -> bool:
+        """Whether ``entry`` no longer needs this peer: ended, or re-planned without it and running again.
+
+        A commit without this peer is not enough: its successor loads the stage state from this
+        peer after the commit, so it is served until every tasklet of the new epoch trains."""
+        commit = entry.commit
+        if entry.record.state in TERMINAL or commit is None:
+            return True
+        if tasklet_of(commit.allocation, self.me) is not None:
+            return False
+        running = (TaskState.RUNNING, TaskState.DONE)
+        return all(
+            (p := entry.progress.get(peer)) is not None and p.epoch >= commit.epoch and p.state in running
+            for peer in commit.allocation.devices
+        )
+
     async def _await_handover(self, grace_s: float) -> None:
         deadline = asyncio.get_running_loop().time() + grace_s
         while asyncio.get_running_loop().time() < deadline:
-            waiting = [
-                e
-                for e in self.jobs.values()
-                if e.runner is not None
-                and e.record.state not in TERMINAL
-                and e.commit is not None
-                and tasklet_of(e.commit.allocation, self.me) is not None
-            ]
-            if not waiting:
+            if all(self._handed_over(e) for e in self.jobs.values() if e.runner is not None):
                 return
             await asyncio.sleep(0.5)
         logger.warning("leaving before every job re-planned without this peer (grace %.0f s over)", grace_s)

@@ -248,3 +248,57 @@ def test_an_rl_job_is_never_short_handed_its_spares_roll_out() -> None:
         await ms.close()
 
     asyncio.run(scenario())
+
+
+def test_a_leaving_peer_serves_its_state_until_its_successor_trains() -> None:
+    """A commit without the leaving peer is not the end of its duty: the successor loads the stage
+    state from it after that commit, so the peer waits until every new tasklet trains (it used to
+    exit at the commit, and the successor fell back to an older copy: steps lost)."""
+    from peerd.jobs.records import Progress, TaskState
+    from peerd.sched.consensus.actions import Commit
+
+    async def scenario() -> None:
+        ms = Managers([OWNER, OTHER, THIRD])
+        manager = ms.by_peer[OTHER]  # the leaving peer
+        entry = JobEntry(
+            new_job_record(
+                OWNER, "default", DEMO, bytes(16), now=T0, epoch0_start=T0, timing=DEMO.planning.timing()
+            ),
+            DEMO,
+        )
+
+        def at(epoch: int, allocation: Allocation) -> Commit:
+            return Commit(epoch, 0, allocation, "00" * 32, "00" * 32, 1.0, record=None)  # type: ignore[arg-type]
+
+        def progress(peer: str, epoch: int, state: TaskState) -> Progress:
+            return Progress(
+                job_id=entry.record.job_id,
+                peer=peer,
+                epoch=epoch,
+                stage=0,
+                replica=0,
+                step=5,
+                steps=100,
+                state=state,
+                tokens_per_s=1.0,
+                updated_at=T0,
+                started_at=T0,
+            )
+
+        entry.commit = at(1, Allocation(((OWNER,), (OTHER,)), (THIRD,)))
+        assert not manager._handed_over(entry)  # still holds a tasklet
+        entry.commit = at(2, Allocation(((OWNER,), (THIRD,))))
+        entry.progress = {
+            OWNER: progress(OWNER, 2, TaskState.RUNNING),
+            THIRD: progress(THIRD, 1, TaskState.RUNNING),
+        }
+        assert not manager._handed_over(entry)  # the successor's record is still the old epoch's
+        entry.progress[THIRD] = progress(THIRD, 2, TaskState.RECOVERING)
+        assert not manager._handed_over(entry)  # loading (from this peer)
+        entry.progress[THIRD] = progress(THIRD, 2, TaskState.RUNNING)
+        assert manager._handed_over(entry)
+        entry.progress.pop(OWNER)
+        assert not manager._handed_over(entry)
+        await ms.close()
+
+    asyncio.run(scenario())
