@@ -282,6 +282,11 @@ async def _out_of_memory(tmp_path: Path, wait: Any, at_step: int) -> tuple[list[
         await asyncio.gather(*(r.adopt(commit(1, allocation), None) for r in runners))
         await wait(lambda: last.state == TaskState.LEFT, 120, "the out-of-memory hand-over")
         published = (await read_progress(dht.client(ids[0]), job.job_id))[ids[1]]
+        for _ in range(120):  # the state changes before its record is stored (the next heartbeat)
+            if published.state == TaskState.LEFT:
+                break
+            await asyncio.sleep(0.25)
+            published = (await read_progress(dht.client(ids[0]), job.job_id))[ids[1]]
         await first.freeze("re-planning: the last stage's peer handed its stage over")
         entry.progress = await read_progress(dht.client(ids[2]), job.job_id)
         remember_curve(entry)
