@@ -456,7 +456,7 @@ class JobManager:
     # -- volunteer controls ---------------------------------------------------------------------
 
     async def drain(self, grace_s: float) -> None:
-        """Leave: hand every tasklet over (``left``), keep serving state until the others re-planned or ``grace_s``."""
+        """Leave: hand every tasklet over (``left``), keep serving state until the others train without it, or ``grace_s``."""
         self.leaving = True
         await self._hand_over("this peer is leaving the swarm")
         await self._await_handover(grace_s)
@@ -502,7 +502,7 @@ class JobManager:
             if all(self._handed_over(e) for e in self.jobs.values() if e.runner is not None):
                 return
             await asyncio.sleep(0.5)
-        logger.warning("leaving before every job re-planned without this peer (grace %.0f s over)", grace_s)
+        logger.warning("leaving before every job trains again without this peer (grace %.0f s over)", grace_s)
 
     async def _supervised(self, run: Callable[[], Awaitable[Any]], what: str) -> Any:
         try:
