@@ -211,6 +211,9 @@ def _watch_frames(home, *args: str, count: int = 3) -> list[str]:
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        # as in a terminal: a suite run in the background (``cmd &``) ignores SIGINT, its children
+        # inherit that, and Python then never turns Ctrl-C into KeyboardInterrupt
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     frames: list[str] = []
     try:
