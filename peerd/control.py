@@ -31,6 +31,7 @@ from typing import Any
 
 from peerd.errors import ConfigError, ErrorCode, PeerdError, PeerUnavailable, ProtocolError
 from peerd.log import get_logger
+from peerd.tasks import within
 
 logger = get_logger(__name__)
 
@@ -93,7 +94,7 @@ class ControlServer:
             task.cancel()
         await asyncio.gather(*self._clients, return_exceptions=True)
         with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(self._server.wait_closed(), timeout=1.0)
+            await within(self._server.wait_closed(), 1.0)
         self._server = None
         with contextlib.suppress(FileNotFoundError):
             self.path.unlink()

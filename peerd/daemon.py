@@ -11,7 +11,8 @@ still alive at the deadline is killed. A leave (``peerd leave``, SIGTERM, SIGINT
 first hands this peer's tasklets over, for at most ``leave_grace_s``, and then
 shuts down; a second signal skips what is left of both grace periods; the
 previous handlers are restored afterwards. ``peerd pause``/``resume`` stop and
-restart training here without leaving the swarm. Background loops are supervised:
+restart training here without leaving the swarm. SIGUSR1 logs the stack of every task
+and thread (a diagnosis of a daemon that seems stuck). Background loops are supervised:
 an error is logged and the loop restarts, so bad input from the network never
 ends the daemon.
 """
@@ -60,7 +61,7 @@ from peerd.swarm.records import DeviceProfile, PeerRecord, PeerState, fit_peer_r
 from peerd.swarm.rejections import Refusals, by_name
 from peerd.swarm.shaper import LinkShaper
 from peerd.swarm.transport import Transport
-from peerd.tasks import cancel_and_wait
+from peerd.tasks import cancel_and_wait, stacks, within
 
 logger = get_logger(__name__)
 
@@ -443,7 +444,7 @@ class Daemon:
                 if results:
                     self.announcer.poke()
             with contextlib.suppress(TimeoutError, asyncio.TimeoutError):
-                await asyncio.wait_for(self._probe_wake.wait(), timeout=self.config.probe_interval)
+                await within(self._probe_wake.wait(), self.config.probe_interval)
 
     # -- pieces ---------------------------------------------------------------------------------
 
@@ -630,17 +631,23 @@ def _set_threads(threads: int | None) -> None:
 def _signals_handled(
     loop: asyncio.AbstractEventLoop, on_signal: Callable[[signal.Signals], None]
 ) -> Iterator[None]:
-    """Route SIGINT/SIGTERM to ``on_signal`` inside the loop; put the previous handlers back on exit."""
-    sigs = (signal.SIGINT, signal.SIGTERM)
+    """Route SIGINT/SIGTERM to ``on_signal`` inside the loop, SIGUSR1 to a log of every task's stack
+    (``kill -USR1 PID`` on a daemon that seems stuck); put the previous handlers back on exit."""
+    sigs = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
     previous = {sig: signal.getsignal(sig) for sig in sigs}
-    for sig in sigs:
+    for sig in sigs[:2]:
         loop.add_signal_handler(sig, on_signal, sig)
+    loop.add_signal_handler(signal.SIGUSR1, _log_stacks)
     try:
         yield
     finally:
         for sig in sigs:
             loop.remove_signal_handler(sig)
             signal.signal(sig, previous[sig])
+
+
+def _log_stacks() -> None:
+    logger.warning("SIGUSR1: the stacks of every task and thread follow\n%s", stacks())
 
 
 async def serve(config: DaemonConfig, on_ready: Callable[[ReadyInfo], None] | None = None) -> None:

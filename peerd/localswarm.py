@@ -80,6 +80,23 @@ class LocalPeer:
         """The daemon's ``status`` view (through its control socket)."""
         return self.control(timeout).call("status")
 
+    def stacks(self, timeout: float = 5.0) -> str:
+        """The stacks of the daemon's tasks and threads (SIGUSR1 makes it log them): why it seems stuck."""
+        if not self.alive:
+            return "(not running)"
+        before = self.log_path.stat().st_size if self.log_path.exists() else 0
+        assert self.process is not None
+        self.process.send_signal(signal.SIGUSR1)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            with contextlib.suppress(OSError), self.log_path.open("rb") as log:
+                log.seek(before)
+                text = log.read().decode(errors="replace")
+                if "SIGUSR1" in text and "threads\n" in text:
+                    return text[text.index("SIGUSR1") :]
+            time.sleep(0.2)
+        return f"(no stacks logged within {timeout:.0f} s)"
+
     def log_tail(self, lines: int = LOG_TAIL_LINES) -> str:
         try:
             text = self.log_path.read_text(errors="replace")

@@ -53,6 +53,7 @@ from peerd.errors import ConfigError, ErrorCode, PeerdError, PeerMisbehaved, Pee
 from peerd.log import get_logger
 from peerd.swarm.framing import FrameLimits
 from peerd.swarm.transport import Connection, Transport
+from peerd.tasks import within
 
 logger = get_logger(__name__)
 T = TypeVar("T")
@@ -304,7 +305,7 @@ class GroupAllReduce:
                     code=ErrorCode.TIMEOUT,
                 )
             try:
-                await asyncio.wait_for(asyncio.shield(state.result), max(left, 0.05))
+                await within(asyncio.shield(state.result), max(left, 0.05))
             except TimeoutError:
                 continue
         return state.result.result()

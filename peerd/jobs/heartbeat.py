@@ -20,7 +20,7 @@ from peerd.jobs.records import Progress, encode_progress
 from peerd.jobs.store import RecordStore
 from peerd.log import get_logger
 from peerd.swarm.keys import progress_key
-from peerd.tasks import cancel_and_wait
+from peerd.tasks import cancel_and_wait, within
 
 logger = get_logger(__name__)
 
@@ -74,7 +74,7 @@ class ProgressPublisher:
         last = -1.0
         while True:
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._dirty.wait(), timeout=self.interval)
+                await within(self._dirty.wait(), self.interval)
             wait = self.interval - (time.monotonic() - last)
             if wait > 0 and self.paced():
                 await asyncio.sleep(wait)

@@ -62,7 +62,7 @@ from peerd.sched.allocation import Allocation
 from peerd.sched.consensus.actions import Commit
 from peerd.sched.consensus.messages import HeldState
 from peerd.swarm.keys import job_key, jobs_key
-from peerd.tasks import cancel_and_wait
+from peerd.tasks import cancel_and_wait, within
 
 logger = get_logger(__name__)
 
@@ -237,7 +237,7 @@ class JobManager:
                     logger.exception("jobs round failed; the runners keep running, the next round retries")
                 self._wake.clear()
                 with contextlib.suppress(TimeoutError, asyncio.TimeoutError):
-                    await asyncio.wait_for(self._wake.wait(), timeout=self.config.discover_s)
+                    await within(self._wake.wait(), self.config.discover_s)
         finally:
             await self.close()
 

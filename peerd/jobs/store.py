@@ -9,7 +9,6 @@ optional lost reads, for offline driver tests and benchmarks.
 
 from __future__ import annotations
 
-import asyncio
 import random
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -19,6 +18,7 @@ from peerd.errors import ErrorCode, PeerdError, ProtocolError
 from peerd.log import get_logger
 from peerd.swarm.identity import peer_id_from_owner_tag
 from peerd.swarm.node import dht_get_latest
+from peerd.tasks import within
 
 logger = get_logger(__name__)
 
@@ -60,7 +60,7 @@ class DhtStore:
             key, value, expiration_time=expires_at, subkey=self.owner_tag, return_future=True
         )
         try:
-            return bool(await asyncio.wait_for(future, timeout=self.timeout))
+            return bool(await within(future, self.timeout))
         except TimeoutError:
             future.cancel()
             logger.info("storing %s timed out", key)

@@ -28,6 +28,7 @@ from peerd.pipeline.streams import PeerRef
 from peerd.pipeline.worker import Reducer, StageWorker, StepReport
 from peerd.swarm.shaper import LinkShaper, LinkSpec
 from peerd.swarm.transport import Transport, create_p2p
+from peerd.tasks import within
 
 logger = get_logger(__name__)
 
@@ -139,10 +140,10 @@ async def stop_peers(peers: list[LocalPeer]) -> None:
     """Close every transport, then every p2pd (in reverse start order); never raises."""
     for peer in reversed(peers):
         with contextlib.suppress(Exception):
-            await asyncio.wait_for(peer.transport.close(), 10)
+            await within(peer.transport.close(), 10)
     for peer in reversed(peers):
         with contextlib.suppress(Exception):
-            await asyncio.wait_for(peer.p2p.shutdown(), 10)
+            await within(peer.p2p.shutdown(), 10)
 
 
 @dataclass

@@ -46,6 +46,7 @@ from peerd.pipeline.worker import StageWorker, StepReport
 from peerd.swarm.node import parse_peer_id
 from peerd.swarm.shaper import LinkShaper, LinkSpec
 from peerd.swarm.transport import Transport, create_p2p
+from peerd.tasks import within
 
 logger = get_logger(__name__)
 
@@ -68,7 +69,7 @@ class _Child:
                 line = await self.proc.stdout.readline()
                 if not line:
                     with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(self.proc.wait(), 5)
+                        await within(self.proc.wait(), 5)
                     raise PeerUnavailable(f"peer process {self.index} exited (code {self.proc.returncode})")
                 msg = json.loads(line)
                 if msg.get("event") == event:
@@ -173,13 +174,13 @@ class PeerProcesses:
                 await child.send({"cmd": "exit"})
         for child in self.children:
             try:
-                await asyncio.wait_for(child.proc.wait(), timeout)
+                await within(child.proc.wait(), timeout)
             except TimeoutError:
                 for sig in (signal.SIGTERM, signal.SIGKILL):
                     with contextlib.suppress(ProcessLookupError, PermissionError):
                         os.killpg(child.proc.pid, sig)
                     try:
-                        await asyncio.wait_for(child.proc.wait(), 5)
+                        await within(child.proc.wait(), 5)
                         break
                     except TimeoutError:
                         continue
@@ -229,7 +230,7 @@ async def _child(reducer_factory: ReducerFactory | None) -> None:
             await _run_plan(p2p, cmd, next_cmd, reducer_factory)
     finally:
         with contextlib.suppress(Exception):
-            await asyncio.wait_for(p2p.shutdown(), 10)
+            await within(p2p.shutdown(), 10)
 
 
 async def _run_plan(

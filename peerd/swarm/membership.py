@@ -33,6 +33,7 @@ from peerd.swarm.identity import check_peer_entry
 from peerd.swarm.keys import peers_key
 from peerd.swarm.node import dht_get_latest
 from peerd.swarm.records import PeerRecord, PeerState, encode_peer_record
+from peerd.tasks import within
 
 logger = get_logger(__name__)
 
@@ -88,7 +89,7 @@ class Announcer:
             self.key, raw, expiration_time=now + self.ttl, subkey=self.owner_tag, return_future=True
         )
         try:
-            stored = await asyncio.wait_for(future, timeout=timeout or self.interval)
+            stored = await within(future, timeout or self.interval)
         except TimeoutError:
             future.cancel()
             logger.warning("publishing peer record seq %d timed out", self.seq)
@@ -120,7 +121,7 @@ class Announcer:
             wait = self.interval if ok else min(retry, self.interval)
             retry = RETRY_MIN_S if ok else min(retry * 2, self.interval)
             with contextlib.suppress(TimeoutError, asyncio.TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), timeout=wait)
+                await within(self._wake.wait(), wait)
 
     async def leave(self, timeout: float = 5.0) -> bool:
         """Announce OFFLINE once (the entry then expires on its own); False if it could not be stored in time."""

@@ -27,6 +27,7 @@ from hivemind.utils import get_dht_time
 from peerd.errors import ConfigError, ErrorCode, PeerdError, PeerUnavailable
 from peerd.log import get_logger
 from peerd.swarm.rejections import dht_rejections
+from peerd.tasks import within
 
 logger = get_logger(__name__)
 
@@ -141,7 +142,7 @@ class SwarmNode:
             raise PeerUnavailable("the DHT process has exited", code=ErrorCode.PEER_UNAVAILABLE)
         future = self.dht.run_coroutine(dht_rejections, return_future=True)
         try:
-            return await asyncio.wait_for(asyncio.wrap_future(future), timeout)
+            return await within(asyncio.wrap_future(future), timeout)
         except TimeoutError:
             future.cancel()
             raise PeerUnavailable(
@@ -154,7 +155,7 @@ class SwarmNode:
             return
         self._closed = True
         with contextlib.suppress(Exception):
-            await asyncio.wait_for(self.p2p.shutdown(), timeout=min(2.0, timeout))
+            await within(self.p2p.shutdown(), min(2.0, timeout))
         await asyncio.get_running_loop().run_in_executor(None, _stop_dht, self.dht, timeout)
         logger.debug("swarm node %s stopped", self.peer_id)
 
@@ -234,7 +235,7 @@ async def dht_get_latest(dht: Any, key: str, *, timeout: float, what: str) -> An
     """``dht.get(key, latest=True)`` awaited from asyncio; ``PeerdError(TIMEOUT)`` naming ``what`` if the DHT is silent."""
     future = dht.get(key, latest=True, return_future=True)
     try:
-        return await asyncio.wait_for(future, timeout=timeout)
+        return await within(future, timeout)
     except TimeoutError:
         future.cancel()
         raise PeerdError(f"reading {what} timed out after {timeout:.0f} s", code=ErrorCode.TIMEOUT) from None

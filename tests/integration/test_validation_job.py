@@ -117,14 +117,22 @@ def _spec(tmp: Path, name: str, validation: dict[str, Any]) -> Path:
 
 def _submit(swarm: LocalSwarm, spec_file: Path) -> dict[str, Any]:
     """``peerd submit --wait --json``: the job's final view (every daemon trains it)."""
-    result = peerd(
-        "submit", str(spec_file), "--home", str(swarm.peers[0].home), "--wait", "--json", timeout=600
-    )
+    try:
+        result = peerd(
+            "submit", str(spec_file), "--home", str(swarm.peers[0].home), "--wait", "--json", timeout=600
+        )
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"peerd submit --wait did not return within 600 s\n{_diagnosis(swarm)}")
     logs = "\n".join(f"--- {p.name}\n{p.log_tail(15)}" for p in swarm.peers)
     assert result.stdout.strip(), f"{result.stderr[-3000:]}\n{logs}"
     final = json.loads(result.stdout)
     final["returncode"], final["logs"] = result.returncode, logs
     return final
+
+
+def _diagnosis(swarm: LocalSwarm) -> str:
+    """Each daemon's log tail and the stacks of its tasks: what a stuck job waits on."""
+    return "\n".join(f"--- {p.name}\n{p.log_tail(15)}\n{p.stacks()}" for p in swarm.peers)
 
 
 def _reference(spec: JobSpec) -> list[tuple[int, float]]:
@@ -208,7 +216,13 @@ def test_a_split_too_small_for_an_evaluation_is_refused_naming_the_field(
     # naming the field, and the daemons keep running
     spec = normalized_spec(load_mapping_spec(spec_file))
     job = swarm.peers[0].control().call("submit", spec=spec, source="control")["job_id"]
-    final = wait_until(lambda: _final(swarm, job), 300, "the job to fail on its tasklets", interval=0.5)
+    final = wait_until(
+        lambda: _final(swarm, job),
+        300,
+        "the job to fail on its tasklets",
+        interval=0.5,
+        detail=lambda: _diagnosis(swarm),
+    )
     assert final["state"] == "failed", final
     assert "data.validation.batches" in final["reason"], final["reason"]
     assert all(p.process is not None and p.process.poll() is None for p in swarm.peers)
@@ -265,6 +279,8 @@ def test_a_peer_whose_copy_differs_fails_naming_the_digest(
     job = result.stdout.strip()
     # the peers read their copy once the job is planned: this one no longer has the submitted bytes
     (corpus / "a.txt").write_text("something else entirely. " * 200)
-    final = wait_until(lambda: _final(swarm, job), 300, f"job {job} to end", interval=0.5)
+    final = wait_until(
+        lambda: _final(swarm, job), 300, f"job {job} to end", interval=0.5, detail=lambda: _diagnosis(swarm)
+    )
     assert final["state"] == "failed", final
     assert "data.expect_digest" in final["reason"], final["reason"]
