@@ -226,6 +226,7 @@ class JobManager:
     async def run(self) -> None:
         try:
             while True:
+                self._wake.clear()  # before the round: a wake set during it (a commit) runs the next at once
                 try:
                     await self.discover()
                     await self.tend()
@@ -235,7 +236,6 @@ class JobManager:
                     # A bug (or bytes no check caught) must not end the loop: its finally stops every
                     # runner of every job, and a restarted loop would meet the same input again.
                     logger.exception("jobs round failed; the runners keep running, the next round retries")
-                self._wake.clear()
                 with contextlib.suppress(TimeoutError, asyncio.TimeoutError):
                     await within(self._wake.wait(), self.config.discover_s)
         finally:
