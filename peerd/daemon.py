@@ -42,6 +42,7 @@ from peerd.log import get_logger
 from peerd.metrics import MetricsServer
 from peerd.swarm.access import access_mode, access_validators
 from peerd.swarm.bans import BanPolicy
+from peerd.swarm.faults import FAULT_INJECTION_ENV, Cut, fault_injection_enabled
 from peerd.swarm.identity import Identity, make_record_validators
 from peerd.swarm.links import LinkProber, ProbeConfig, ProbeResponder
 from peerd.swarm.membership import (
@@ -64,6 +65,9 @@ from peerd.swarm.transport import Transport
 from peerd.tasks import cancel_and_wait, stacks, within
 
 logger = get_logger(__name__)
+
+RECONNECT_S = 30.0  # how often remembered peers out of sight are pinged (at least a record TTL)
+MAX_CUT_PEERS = 1024
 
 READY_PREFIX = "PEERD_READY "
 RESTART_BACKOFF_S = (1.0, 30.0)  # supervised loops restart after min(2^n, 30) s
@@ -132,6 +136,11 @@ class Daemon:
         )
         self.control.register("pause", self._rpc_pause, "Stop training here and take no work until resume.")
         self.control.register("resume", self._rpc_resume, "Take work again after a pause.")
+        self.control.register(
+            "partition",
+            self._rpc_partition,
+            f"Fault injection (only with {FAULT_INJECTION_ENV}=1): cut this peer off from peers for seconds.",
+        )
         self.jobs: JobService | None = None  # submit/cancel/planning/training: peerd.jobs
         self.metrics: MetricsServer | None = None
         self._dht_rejected: dict[str, int] = {}  # peerd.swarm.rejections, as the DHT process last said
@@ -403,8 +412,10 @@ class Daemon:
         await cancel_and_wait(task)
 
     async def _read_loop(self) -> None:
-        """Keep the local peers table fresh (status, shaping names, probe targets)."""
+        """Keep the local peers table fresh (status, shaping names, probe targets); reach out to the
+        remembered peers it lacks."""
         interval = min(max(self.config.refresh_interval / 2, 1.0), 15.0)
+        reached_out = time.monotonic()
         while True:
             if self.node is not None and not self.node.alive:
                 self.failure = "the DHT process (and with it p2pd) died; this peer is cut off from the swarm"
@@ -413,9 +424,25 @@ class Daemon:
                 return
             try:
                 await self._remember(await self.refresh_peers())
+                if time.monotonic() - reached_out >= max(RECONNECT_S, self.config.record_ttl):
+                    reached_out = time.monotonic()
+                    await self._reconnect()
             except PeerdError as exc:
                 logger.warning("reading the peers table failed: %s", exc)
             await asyncio.sleep(interval)
+
+    async def _reconnect(self) -> None:
+        """Ping the remembered peers whose records this peer no longer sees, through the DHT.
+
+        Each side of a healed partition (or a peer that was offline a while) lost the other from
+        its DHT routing table, and a DHT only routes to whom it knows: without a ping across,
+        the two halves would stay two swarms."""
+        assert self.node is not None
+        now = self.node.now()
+        seen = {pid for pid, e in self.entries.items() if e.expires_at > now}
+        missing = tuple(p.peer_id for p in self.known_peers.peers if p.peer_id not in seen)
+        if missing and (answered := await self.node.reconnect(missing)):
+            logger.info("%d of %d remembered peers out of sight answered again", answered, len(missing))
 
     async def refresh_peers(self) -> list[PeerEntry]:
         assert self.node is not None
@@ -595,6 +622,30 @@ class Daemon:
             "grace_s": grace,
             "shutdown_timeout_s": self.config.shutdown_timeout,
         }
+
+    async def _rpc_partition(self, params: dict[str, Any]) -> dict[str, Any]:
+        """Drop the DHT's RPCs and peerd's streams with ``peers`` for ``seconds`` (``peerd.swarm.faults``)."""
+        if not fault_injection_enabled():
+            raise ConfigError(
+                "partition",
+                f"fault injection is off: start the daemon with {FAULT_INJECTION_ENV}=1 to allow it",
+            )
+        peers = params.get("peers")
+        if not isinstance(peers, list) or len(peers) > MAX_CUT_PEERS:
+            raise ConfigError("peers", f"must be a list of at most {MAX_CUT_PEERS} peer ids")
+        for peer in peers:
+            try:
+                parse_peer_id(peer)
+            except Exception:
+                raise ConfigError("peers", f"not a peer id: {str(peer)[:80]!r}") from None
+        seconds = number_param(params, "seconds", default=30.0)
+        if self.node is None or self.transport is None:
+            raise PeerUnavailable("this daemon is still starting: no swarm node to cut off yet")
+        cut = Cut(frozenset(peers), time.time() + seconds)
+        await self.node.cut(tuple(sorted(cut.peers)), cut.until)
+        self.transport.cut_off(cut)
+        logger.warning("fault injection: cut off from %d peers for %.0f s", len(cut.peers), seconds)
+        return {"cut": sorted(cut.peers), "until": cut.until}
 
     async def _rpc_pause(self, params: dict[str, Any]) -> dict[str, Any]:
         manager = self._manager()

@@ -12,13 +12,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import os
 import signal
 import threading
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from hivemind.dht import DHT
 from hivemind.p2p import P2P, PeerID
@@ -26,8 +28,11 @@ from hivemind.utils import get_dht_time
 
 from peerd.errors import ConfigError, ErrorCode, PeerdError, PeerUnavailable
 from peerd.log import get_logger
+from peerd.swarm.faults import install_dht_cut, reconnect_missing
 from peerd.swarm.rejections import dht_rejections
 from peerd.tasks import within
+
+T = TypeVar("T")
 
 logger = get_logger(__name__)
 
@@ -138,9 +143,21 @@ class SwarmNode:
 
     async def dht_rejections(self, timeout: float = 5.0) -> dict[str, int]:
         """DHT records this node's validators rejected, by error code (counted in the DHT process)."""
+        return await self._in_dht_process(dht_rejections, timeout)
+
+    async def cut(self, peers: tuple[str, ...], until: float, timeout: float = 10.0) -> None:
+        """Fault injection: the DHT refuses and drops RPCs with ``peers`` until ``until`` (Unix time)."""
+        await self._in_dht_process(functools.partial(install_dht_cut, peers, until), timeout)
+
+    async def reconnect(self, peers: tuple[str, ...], timeout: float = 30.0) -> int:
+        """Ping those of ``peers`` missing from the DHT's routing table; how many answered."""
+        return await self._in_dht_process(functools.partial(reconnect_missing, peers), timeout)
+
+    async def _in_dht_process(self, fn: Callable[[Any, Any], Awaitable[T]], timeout: float) -> T:
+        """``fn(dht, node)`` run in the DHT process (``fn`` is pickled: module-level, or a partial of one)."""
         if not self.alive:
             raise PeerUnavailable("the DHT process has exited", code=ErrorCode.PEER_UNAVAILABLE)
-        future = self.dht.run_coroutine(dht_rejections, return_future=True)
+        future = self.dht.run_coroutine(fn, return_future=True)
         try:
             return await within(asyncio.wrap_future(future), timeout)
         except TimeoutError:

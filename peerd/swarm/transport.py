@@ -23,6 +23,7 @@ from hivemind.p2p import P2P, P2PDaemonError, PeerID
 from peerd.errors import ConfigError, ErrorCode, PeerdError, PeerUnavailable, ProtocolError
 from peerd.log import get_logger
 from peerd.swarm.bans import GARBAGE_CODES, BanList, BanPolicy, Offence
+from peerd.swarm.faults import Cut
 from peerd.swarm.framing import (
     DEFAULT_LIMITS,
     ERROR_KIND,
@@ -317,6 +318,7 @@ class Transport:
         # swarm access control: when set, only peers it admits may open any stream (NOT_ALLOWED otherwise)
         self.admit: Allowed | None = None
         self.traffic: dict[PeerID, Traffic] = {}
+        self.cut = Cut()  # fault injection: peers this transport neither reaches nor hears for a while
         self._served: dict[str, _Served] = {}
         self._connections: set[Connection] = set()
         self._closed = False
@@ -363,10 +365,19 @@ class Transport:
         for task in list(served.tasks):
             task.cancel()
 
+    def cut_off(self, cut: Cut) -> None:
+        """Fault injection: drop every stream with ``cut``'s peers now, open or accept none until it ends."""
+        self.cut = cut
+        for conn in list(self._connections):
+            if cut.blocks(conn.peer_id.to_base58()):
+                conn._abort()
+
     async def connect(self, peer_id: PeerID, protocol: str, timeout: float = 10.0) -> Connection:
         """Open a stream to ``peer_id`` speaking ``protocol``, retrying within ``timeout`` seconds."""
         if self._closed:
             raise PeerUnavailable("this transport is closed")
+        if self.cut.blocks(peer_id.to_base58()):
+            raise PeerUnavailable(f"cannot open {protocol} to {peer_id}: cut off by fault injection")
         banned = self.bans.remaining(peer_id)
         if banned > 0:
             raise PeerUnavailable(f"{peer_id} is banned for {banned:.1f} s more after repeated failures")
@@ -453,6 +464,9 @@ class Transport:
         reader: asyncio.StreamReader,
         writer: asyncio.StreamWriter,
     ) -> None:
+        if self.cut.blocks(peer_id.to_base58()):  # a partition: no answer at all
+            writer.close()
+            return
         task = asyncio.current_task()
         assert task is not None
         served.tasks.add(task)

@@ -15,6 +15,7 @@ import pytest
 from click.testing import CliRunner
 
 from peerd.cli import cli
+from peerd.control import ControlError
 from peerd.localswarm import converged
 
 pytestmark = pytest.mark.integration
@@ -114,6 +115,10 @@ def test_one_daemon_table_watch_and_home_lock(local_swarm, peerd_cli):
     assert "already running with this home" in result.stderr
     _no_traceback(result)
     assert peer.status()["self"]["state"] == "online"  # the running one is undisturbed
+
+    # fault injection is off unless the daemon's environment turns it on: refused, naming how
+    with pytest.raises(ControlError, match="PEERD_FAULT_INJECTION=1"):
+        peer.control().call("partition", peers=[peer.info.peer_id], seconds=5)
 
     # the control endpoint's shutdown: a graceful exit with code 0
     assert peer.control().call("shutdown") == {"stopping": True}
