@@ -23,10 +23,6 @@ from typing import Any
 from hivemind.p2p import PeerID
 from hivemind.utils.auth import AuthRole, AuthRPCWrapper
 
-from peerd.log import get_logger
-
-logger = get_logger(__name__)
-
 FAULT_INJECTION_ENV = "PEERD_FAULT_INJECTION"
 
 
