@@ -186,8 +186,12 @@ def allocation_of(view: dict[str, Any]) -> Allocation:
     return Allocation.from_plain(a["stages"], a["spares"], a["layers"])
 
 
-def start_swarm(root: Path, peers: int, options: dict[str, Any] | None = None) -> LocalSwarm:
-    swarm = LocalSwarm(peers, root / "s", options={**SWARM_OPTIONS, **(options or {})}, ready_timeout=120)
+def start_swarm(
+    root: Path, peers: int, options: dict[str, Any] | None = None, env: dict[str, str] | None = None
+) -> LocalSwarm:
+    swarm = LocalSwarm(
+        peers, root / "s", options={**SWARM_OPTIONS, **(options or {})}, ready_timeout=120, env=env
+    )
     swarm.start()
     names = [p.name for p in swarm.peers]
     swarm.wait_until(lambda v: converged(v, names), timeout=120, what="every daemon to measure the others")

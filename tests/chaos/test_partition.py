@@ -24,7 +24,7 @@ from typing import Any
 
 import pytest
 
-from peerd.bench.churn import CHURN_SPEC, SWARM_OPTIONS, SwarmJob, allocation_of
+from peerd.bench.churn import CHURN_SPEC, SwarmJob, allocation_of, start_swarm
 from peerd.localswarm import LocalSwarm, converged
 from peerd.swarm.faults import FAULT_INJECTION_ENV
 
@@ -46,45 +46,37 @@ SPEC: dict[str, Any] = {
 
 @pytest.fixture(scope="module")
 def swarm(tmp_path_factory: pytest.TempPathFactory, profile_cache: Path) -> Iterator[LocalSwarm]:
-    local = LocalSwarm(
+    local = start_swarm(
+        tmp_path_factory.mktemp("partition"),
         6,
-        tmp_path_factory.mktemp("partition") / "s",
-        options={**SWARM_OPTIONS, "profile_cache": str(profile_cache)},
-        ready_timeout=120,
+        {"profile_cache": str(profile_cache)},
         env={FAULT_INJECTION_ENV: "1"},
     )
     try:
-        local.start()
-        names = [p.name for p in local.peers]
-        local.wait_until(
-            lambda v: converged(v, names), timeout=120, what="every daemon to measure the others"
-        )
         yield local
     finally:
         local.close()
 
 
-def commits(swarm: LocalSwarm, job: str) -> list[tuple[str, datetime, int, str]]:
+def logged(swarm: LocalSwarm, pattern: str) -> list[tuple[Any, ...]]:
+    """(peer, when, *groups) of every line of every daemon's log that ``pattern`` matches after its time."""
+    line = re.compile(rf"^(\S+ \S+) {pattern}", re.MULTILINE)
+    return [
+        (peer.name, datetime.strptime(when, "%Y-%m-%d %H:%M:%S,%f"), *rest)
+        for peer in swarm.peers
+        for when, *rest in line.findall(peer.log_path.read_text(errors="replace"))
+    ]
+
+
+def commits(swarm: LocalSwarm, job: str) -> list[tuple[Any, ...]]:
     """(peer, when, epoch, allocation hash) of every commit any daemon adopted (each one is logged)."""
-    line = re.compile(
-        rf"^(\S+ \S+) INFO +\S+ job {job}: committed allocation ([0-9a-f]+) \(epoch (\d+), round \d+",
-        re.MULTILINE,
-    )
-    return [
-        (peer.name, datetime.strptime(when, "%Y-%m-%d %H:%M:%S,%f"), int(epoch), allocation)
-        for peer in swarm.peers
-        for when, allocation, epoch in line.findall(peer.log_path.read_text(errors="replace"))
-    ]
+    found = logged(swarm, rf"INFO +\S+ job {job}: committed allocation ([0-9a-f]+) \(epoch (\d+), round \d+")
+    return [(name, when, int(epoch), allocation) for name, when, allocation, epoch in found]
 
 
-def replans(swarm: LocalSwarm) -> list[tuple[str, datetime, str]]:
+def replans(swarm: LocalSwarm) -> list[tuple[Any, ...]]:
     """(peer, when, line) of every re-plan a daemon entered."""
-    line = re.compile(r"^(\S+ \S+) WARN +\S+ (job \S+: re-planning .*)$", re.MULTILINE)
-    return [
-        (peer.name, datetime.strptime(when, "%Y-%m-%d %H:%M:%S,%f"), what)
-        for peer in swarm.peers
-        for when, what in line.findall(peer.log_path.read_text(errors="replace"))
-    ]
+    return logged(swarm, r"WARN +\S+ (job \S+: re-planning .*)$")
 
 
 def test_a_partition_heals_without_two_commits_for_one_epoch(swarm: LocalSwarm) -> None:
@@ -106,10 +98,11 @@ def test_a_partition_heals_without_two_commits_for_one_epoch(swarm: LocalSwarm) 
     minority = {worker, next(p for p in alloc.spares if p != me)}
     ids = {p.info.peer_id: p for p in swarm.peers if p.info is not None}
     majority = set(ids) - minority
+    other_half = {peer.name: majority if pid in minority else minority for pid, peer in ids.items()}
     at = min(v["progress"]["step"] for v in views.values())
     healed_at = 0.0
-    for peer_id, peer in ids.items():
-        others = majority if peer_id in minority else minority
+    for peer in ids.values():
+        others = other_half[peer.name]
         reply = peer.control().call("partition", peers=sorted(others), seconds=CUT_S)
         assert set(reply["cut"]) == others
         healed_at = max(healed_at, reply["until"])
@@ -120,10 +113,7 @@ def test_a_partition_heals_without_two_commits_for_one_epoch(swarm: LocalSwarm) 
         online = {
             name: {p["peer_id"] for p in v["peers"] if p["state"] == "online"} for name, v in vs.items()
         }
-        return len(online) == 6 and all(
-            not (seen & (majority if ids_of(swarm, name) in minority else minority))
-            for name, seen in online.items()
-        )
+        return len(online) == 6 and all(not seen & other_half[name] for name, seen in online.items())
 
     swarm.wait_until(halves_apart, timeout=CUT_S, what="each half to lose sight of the other", interval=1.0)
     assert time.monotonic() - cut_at < CUT_S, "the cut ended before the halves lost sight of each other"
@@ -152,9 +142,3 @@ def test_a_partition_heals_without_two_commits_for_one_epoch(swarm: LocalSwarm) 
     assert {r[0] for r in early} & minority_names and {r[0] for r in early} - minority_names, replans(swarm)
     assert not [c for c in committed if c[0] in minority_names and c[2] > epoch and c[1] < healed], committed
     assert all(p.alive for p in swarm.peers)
-
-
-def ids_of(swarm: LocalSwarm, name: str) -> str:
-    peer = next(p for p in swarm.peers if p.name == name)
-    assert peer.info is not None
-    return peer.info.peer_id
