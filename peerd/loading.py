@@ -24,6 +24,7 @@ import math
 import re
 import reprlib
 import types
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Annotated, Any, Literal, TypeVar, Union, get_args, get_origin, get_type_hints
 
@@ -53,6 +54,19 @@ _WANTS = {
 # libyaml's parser when built in: 10-20x faster on big or hostile files (issue 15's fuzzing)
 class _Loader(getattr(yaml, "CSafeLoader", yaml.SafeLoader)):  # type: ignore[misc]
     """SafeLoader that also reads ``1.3e9`` as a float (YAML 1.1 wants ``1.3e+9``; people don't write that)."""
+
+    def resolve(self, kind: Any, value: Any, implicit: Any) -> Any:
+        # A plain scalar's tag depends on its text alone (no path resolvers here), and matrices repeat
+        # a few texts thousands of times: remember them rather than run ~8 regexes on each.
+        if kind is not yaml.ScalarNode or not implicit[0] or len(value) > 32:
+            return super().resolve(kind, value, implicit)
+        seen = self.__dict__.setdefault("_tags", {})
+        tag = seen.get(value)
+        if tag is None:
+            tag = super().resolve(kind, value, implicit)
+            if len(seen) < 4096:
+                seen[value] = tag
+        return tag
 
 
 _Loader.add_implicit_resolver(
@@ -215,20 +229,28 @@ def check(errors: list[ConfigError], what: str = "the config") -> None:
 
 def collect(cls: type[T], data: Any, path: str = "") -> tuple[T | None, list[ConfigError]]:
     """Both rounds: ``(object, every problem)``; the object is None where some value has the wrong type."""
-    obj, errors = _parse(cls, data, path)
-    errors += _checks(cls, data, path, obj)
+    obj, errors, broken = _parse(cls, data, path)
+    errors += _checks(cls, data, path, obj, broken)
     return obj, list({(e.field, e.detail): e for e in errors}.values())
 
 
-def _checks(cls: Any, data: Any, path: str, obj: Any) -> list[ConfigError]:
-    """Round 2 on ``obj`` built from ``data``, or if it is None, on each dataclass-typed field that can be built."""
+def _checks(
+    cls: Any, data: Any, path: str, obj: Any, broken: set[tuple[str, ...]], at: tuple[str, ...] = ()
+) -> list[ConfigError]:
+    """Round 2 on ``obj`` built from ``data``, or if it is None, on each dataclass-typed field that can be built.
+
+    ``broken``: the field paths (from ``at``, the top) round 1 found a wrong value in or below; a
+    field among them cannot be built, so it is not parsed again (thousands of bad items cost
+    milliseconds per parse), only searched for fields below it that can."""
     if obj is not None:
         return problems(obj, path)
     out: list[ConfigError] = []
     if dataclasses.is_dataclass(cls) and isinstance(data, dict):
         for name, tp in get_type_hints(cls).items():
             if dataclasses.is_dataclass(sub := _bare(tp)) and isinstance(value := data.get(name), dict):
-                out += _checks(sub, value, _join(path, name), _parse(sub, value, path)[0])
+                here = (*at, name)
+                built = None if here in broken else _parse(sub, value, path)[0]
+                out += _checks(sub, value, _join(path, name), built, broken, here)
     return out
 
 
@@ -286,24 +308,41 @@ def _edge(cls: type, extra: Literal["forbid", "ignore"]) -> Any:
     return pydantic.create_model(f"{cls.__name__}FromMapping", __config__=config, value=(cls, ...))
 
 
-def _parse(cls: Any, data: Any, path: str) -> tuple[Any, list[ConfigError]]:
-    """Round 1: ``(object or None, its errors)``; where only keys are unknown, the object built without them."""
+def _parse(cls: Any, data: Any, path: str) -> tuple[Any, list[ConfigError], set[tuple[str, ...]]]:
+    """Round 1: ``(object or None, its errors, broken)``; where only keys are unknown, the object built
+    without them. ``broken``: every chain of keys (stopping at the first list index) leading to a
+    value of the wrong type or a missing one (unknown keys break nothing)."""
     try:
         text = pydantic_core.to_json({"value": data}, inf_nan_mode="constants")
     except pydantic_core.PydanticSerializationError as exc:
-        return None, [ConfigError(path, f"holds a value YAML and JSON cannot: {exc}")]
+        return None, [ConfigError(path, f"holds a value YAML and JSON cannot: {exc}")], {()}
     errors: list[ConfigError] = []
+    broken: set[tuple[str, ...]] = set()
     for extra in ("forbid", "ignore"):
         try:
-            return _edge(cls, extra).model_validate_json(text).value, errors
+            return _edge(cls, extra).model_validate_json(text).value, errors, broken
         except pydantic.ValidationError as exc:
             found = exc.errors(include_url=False)
         errors += _translate(cls, found[:MAX_PROBLEMS], path)
         if len(found) > MAX_PROBLEMS:  # a hostile or broken file can hold thousands: list what a person reads
             errors.append(ConfigError(path, f"... and {len(found) - MAX_PROBLEMS} more problems"))
-        if any(e["type"] not in _UNKNOWN for e in found):
+        for e in found:
+            if e["type"] not in _UNKNOWN:
+                broken.update(_key_chains(e["loc"][1:]))
+        if broken:
             break
-    return None, errors
+    return None, errors, broken
+
+
+def _key_chains(loc: tuple[int | str, ...]) -> Iterator[tuple[str, ...]]:
+    """``()``, then each longer run of ``loc``'s leading keys, up to its first list index."""
+    chain: tuple[str, ...] = ()
+    yield chain
+    for key in loc:
+        if not isinstance(key, str):
+            return
+        chain = (*chain, key)
+        yield chain
 
 
 def _translate(cls: Any, found: list[Any], path: str) -> list[ConfigError]:

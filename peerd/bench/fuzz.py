@@ -210,7 +210,7 @@ def fuzz_target(
     codes: Counter[str] = Counter()
     mutations: Counter[str] = Counter()
     failures: list[dict[str, Any]] = []
-    slowest = (0.0, "", 0)
+    slowest = (0.0, "", b"")
     slowest_wall = 0.0
     peak_max, peak_ratio, memory_ok = 0, 0.0, True
     rss0 = _rss_bytes()
@@ -261,7 +261,7 @@ def fuzz_target(
             else:
                 slowest_wall = max(slowest_wall, elapsed_wall)
                 if elapsed > slowest[0]:
-                    slowest = (elapsed, kind, len(data))
+                    slowest = (elapsed, kind, data)
     gc.unfreeze()
     other, hangs = outcomes["other"], outcomes["hangs"]
     return {
@@ -273,7 +273,11 @@ def fuzz_target(
         "rejected_by_code": dict(codes.most_common()),
         "mutations": dict(sorted(mutations.items())),
         "slowest_ms": round(slowest[0], 3),
-        "slowest_input": {"mutation": slowest[1], "bytes": slowest[2]},
+        "slowest_input": {
+            "mutation": slowest[1],
+            "bytes": len(slowest[2]),
+            "head_hex": slowest[2][:64].hex(),
+        },
         "slowest_wall_ms": round(slowest_wall, 3),
         "peak_heap_bytes": peak_max,
         "peak_over_input": round(peak_ratio, 2),
