@@ -165,6 +165,14 @@ class DaemonConfig:
             metavar="SECONDS",
         ),
     )
+    max_jobs: Annotated[int, Range(ge=1, le=64)] = field(
+        default=4,
+        metadata=_meta(
+            doc="Live jobs this peer applies to at once; it watches the others (a stranger cannot make it "
+            "load a model per job it submits). A refused job is applied to when one of the others ends.",
+            metavar="N",
+        ),
+    )
     startup_timeout: Seconds = field(
         default=30.0,
         metadata=_meta(

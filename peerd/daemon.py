@@ -35,7 +35,7 @@ from peerd import __version__
 from peerd.config import DaemonConfig
 from peerd.control import ControlServer, number_param, text_param
 from peerd.errors import ConfigError, ErrorCode, PeerdError, PeerUnavailable
-from peerd.jobs.manager import JobManager
+from peerd.jobs.manager import JobManager, ManagerConfig
 from peerd.jobs.service import METHODS as JOB_METHODS
 from peerd.jobs.service import JobService
 from peerd.log import get_logger
@@ -212,6 +212,7 @@ class Daemon:
                 profile=lambda: self.profile,
                 links=lambda: list(self.prober.measurements.values()) if self.prober else [],
                 peers=self._live_records,
+                config=ManagerConfig(max_jobs=cfg.max_jobs),
                 device=cfg.device,
             )
             self._spawn("jobs", self.jobs.run)

@@ -244,7 +244,7 @@ def jobs_table(views: list[dict[str, Any]]) -> Table:
             _loss(p.get("loss")),
             _rate(p.get("tokens_per_s")),
             shape,
-            v.get("reason") or "",
+            "; ".join(r for r in (v.get("reason"), v.get("not_applying") and "not applying here") if r),
         )
     return table
 
@@ -273,6 +273,8 @@ def job_panel(view: dict[str, Any], names: dict[str, str]) -> RenderableType:
             lines.append("spares: " + ", ".join(names.get(peer, peer[-8:]) for peer in alloc["spares"]))
     if view.get("reason"):
         lines.append(f"reason: {view['reason']}")
+    if view.get("not_applying"):
+        lines.append(f"not applying here: {view['not_applying']}")
     churn = view.get("churn") or {}
     if churn.get("replans"):
         last = churn["replans"][-1]

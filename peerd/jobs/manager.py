@@ -83,6 +83,8 @@ class ManagerConfig:
     health: HealthConfig = field(default_factory=HealthConfig)
     roster_retry_s: float = 1.0
     """A commit's roster entries not all readable yet: retry this often (they propagate)."""
+    max_jobs: int | None = None
+    """Live jobs this peer applies to at once (None: every one); it only watches the others."""
 
 
 def eligible(job_id: str, me: str, online: list[str], max_peers: int | None) -> bool:
@@ -116,6 +118,7 @@ class JobManager:
         self._expiry: dict[str, float] = {}
         self._discovering = asyncio.Lock()
         self.unusable: set[str] = set()  # jobs whose spec this peer cannot use (logged once)
+        self.over_capacity: set[str] = set()  # jobs watched only because max_jobs others are live here
         self.paused: str | None = None  # why this peer handed its tasklets over and applies for none
         self.leaving = False
         self._recovering_since: dict[str, dict[tuple[int, str], float]] = {}  # job -> (epoch, peer) -> t
@@ -199,12 +202,20 @@ class JobManager:
 
     async def job_status(self, params: dict[str, Any]) -> dict[str, Any]:
         entry = await self.find(params.get("job_id"))
-        return job_view(entry, self.me, self.store.now(), detail=True, online=self._online_with_me())
+        return self._view(entry, self.store.now(), detail=True, online=self._online_with_me())
 
     def views(self, detail: bool = True) -> list[dict[str, Any]]:
         now, online = self.store.now(), self._online_with_me()
         entries = sorted(self.jobs.values(), key=lambda e: e.record.created_at, reverse=True)
-        return [job_view(e, self.me, now, detail=detail, online=online) for e in entries]
+        return [self._view(e, now, detail=detail, online=online) for e in entries]
+
+    def _view(self, entry: JobEntry, now: float, *, detail: bool, online: set[str]) -> dict[str, Any]:
+        view = job_view(entry, self.me, now, detail=detail, online=online)
+        if entry.record.job_id in self.over_capacity:
+            view["not_applying"] = (
+                f"this peer takes part in {self.config.max_jobs} other live jobs (max_jobs)"
+            )
+        return view
 
     def _online_with_me(self) -> set[str]:
         return {*self.online(), self.me}
@@ -293,7 +304,8 @@ class JobManager:
     async def tend(self) -> None:
         """Start, feed and stop planners and runners; the owner's duties for its own jobs."""
         now = self.store.now()
-        for entry in list(self.jobs.values()):
+        # oldest first: with max_jobs, the jobs this peer applies to are the oldest it sees
+        for entry in sorted(self.jobs.values(), key=lambda e: e.record.created_at):
             rec = entry.record
             if rec.state in TERMINAL:
                 # a finished job's checkpoints stay served here: peerd fetch gathers them over p2p
@@ -314,13 +326,14 @@ class JobManager:
                     await self._check_health(entry, now)
             if rec.owner == self.me:
                 await self._owner_duties(entry, now)
+        if self.over_capacity:
+            self._reoffer()
         if self.my_jobs and now - self._index_stored_at > self.config.refresh_s:
             await self._store_index()
 
     def _start_planner(self, entry: JobEntry) -> None:
         rec = entry.record
-        online = self.online()
-        participate = eligible(rec.job_id, self.me, online, entry.spec.max_peers)
+        participate = self._applies(entry)
 
         def on_commit(commit: Commit) -> None:
             self._on_commit(entry, commit)
@@ -424,10 +437,51 @@ class JobManager:
         await planner.replan(cause, held)
 
     def _applies(self, entry: JobEntry) -> bool:
-        """Whether this peer applies for ``entry``'s next roster (max_peers; not after running out of memory)."""
+        """Whether this peer applies for live ``entry``'s next roster: not paused or leaving, not after running
+        out of memory on it, ranked within its ``max_peers``, and taking part in fewer than ``max_jobs``
+        other live jobs (otherwise noted in ``over_capacity``, offered again as others end)."""
+        job_id = entry.record.job_id
+        if self.paused or self.leaving or entry.record.state in TERMINAL:
+            return False
         if entry.runner is not None and entry.runner.unfit:
             return False
-        return eligible(entry.record.job_id, self.me, self.online(), entry.spec.max_peers)
+        if not eligible(job_id, self.me, self.online(), entry.spec.max_peers):
+            return False
+        busy = self._jobs_taken_part_in(besides=entry)
+        if self.config.max_jobs is not None and busy >= self.config.max_jobs:
+            if job_id not in self.over_capacity:
+                logger.info(
+                    "job %s: not applying: this peer takes part in %d live jobs already (max_jobs %d)",
+                    job_id,
+                    busy,
+                    self.config.max_jobs,
+                )
+            self.over_capacity.add(job_id)
+            return False
+        self.over_capacity.discard(job_id)
+        return True
+
+    def _jobs_taken_part_in(self, besides: JobEntry) -> int:
+        """Live jobs other than ``besides`` whose roster this peer applies to or whose tasklet it holds."""
+        return sum(
+            1
+            for e in self.jobs.values()
+            if e is not besides
+            and e.record.state not in TERMINAL
+            and (e.runner is not None or (e.planner is not None and e.planner.participate))
+        )
+
+    def _reoffer(self) -> None:
+        """Apply to the jobs ``max_jobs`` kept this peer out of, as room frees (they take it at their next epoch)."""
+        for job_id in sorted(
+            self.over_capacity & self.jobs.keys(), key=lambda j: self.jobs[j].record.created_at
+        ):
+            entry = self.jobs[job_id]
+            if entry.record.state in TERMINAL or entry.planner is None:
+                self.over_capacity.discard(job_id)
+            elif self._applies(entry):
+                entry.planner.participate = True
+                logger.info("job %s: applying now that another job ended here", job_id)
 
     def _growth(self, entry: JobEntry, allocation: Allocation, now: float) -> str | None:
         """Why a short-handed job should grow back onto the newcomers in sight (``health.short_handed``)."""
@@ -469,7 +523,7 @@ class JobManager:
     async def resume(self) -> None:
         """Apply for rosters again: this peer joins a job at its next re-plan (as a spare or to fill a hole)."""
         self.paused = None
-        for entry in self.jobs.values():
+        for entry in sorted(self.jobs.values(), key=lambda e: e.record.created_at):
             if entry.planner is not None:
                 entry.planner.participate = self._applies(entry)
 

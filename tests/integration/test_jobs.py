@@ -42,6 +42,7 @@ SWARM_OPTIONS = {
     "startup_timeout": 30.0,
     "shutdown_timeout": 10.0,
     "device": "cpu",
+    "max_jobs": 1,  # the cancel test's second job is watched, not applied to
 }
 
 
@@ -293,10 +294,32 @@ def test_cancel_is_for_the_owner_only_and_forged_cancels_are_ignored(ctx: Ctx) -
     assert len(views) == 6
     assert all(v["state"] == "planning" and v["record_state"] != "cancelled" for v in views.values())
 
+    # max_jobs 1: a second job is watched by every daemon, not applied to, until the first ends
+    second = peerd("submit", str(_demo_spec(ctx.tmp, min_peers=7, max_peers=7)), "--home", ctx.home(2))
+    assert second.returncode == 0, second.stderr
+    job2 = second.stdout.strip()
+    views2 = ctx.wait(
+        job2,
+        lambda vs: len(vs) == 6 and all("planning" in v for v in vs.values()),
+        60,
+        "every daemon to start planning the second job",
+    )
+    for v in views2.values():
+        assert "max_jobs" in v["not_applying"] and v["planning"]["participant"] is False
+    listed = peerd("jobs", "--home", ctx.home(3))
+    assert "not applying here" in listed.stdout, listed.stdout
+
     done = peerd("cancel", job[:10], "--home", ctx.home(1))
     assert done.returncode == 0, done.stderr
     assert "cancelled" in done.stdout
     ctx.wait(job, lambda vs: all(v["state"] == "cancelled" for v in vs.values()), 30, "the owner's cancel")
+    ctx.wait(
+        job2,
+        lambda vs: all("not_applying" not in v and v["planning"]["participant"] for v in vs.values()),
+        30,
+        "every daemon to apply to the second job once the first ended",
+    )
+    assert peerd("cancel", job2, "--home", ctx.home(2)).returncode == 0
 
 
 def _store_forged_cancel(bootstrap: list[str], job: str) -> str:

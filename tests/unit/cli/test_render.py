@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from peerd.cli.plot import write_loss_plot
-from peerd.cli.render import console, follow_job, job_line, job_panel, render_status
+from peerd.cli.render import console, follow_job, job_line, job_panel, jobs_table, render_status
 
 DEVICE = "NVIDIA GeForce RTX 4090 Laptop GPU (cuda:0, driver 550.54.14)"
 
@@ -179,3 +179,17 @@ def test_status_says_what_this_peer_refused_by_layer_and_code(capsys) -> None:
         render_status({"peers": [], "self": me, "refusals": {"streams": {}, "bans": 0, "total": 0}})
     )
     assert "refused:   0\n" in capsys.readouterr().out
+
+
+def test_a_job_this_peer_does_not_apply_to_says_why(capsys) -> None:
+    view = {
+        **_job("planning"),
+        "short_id": "abababab",
+        "not_applying": "this peer takes part in 1 other live jobs (max_jobs)",
+    }
+    console().print(jobs_table([view]))
+    assert "not applying here" in capsys.readouterr().out
+    console().print(job_panel(view, {}))
+    assert (
+        "not applying here: this peer takes part in 1 other live jobs (max_jobs)" in capsys.readouterr().out
+    )

@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 
 from peerd.errors import ErrorCode, ProtocolError
-from peerd.jobs.manager import JobManager, eligible
+from peerd.jobs.manager import JobManager, ManagerConfig, eligible
 from peerd.jobs.records import JobState, encode_job, new_job_record
 from peerd.jobs.spec import JobSpecError, ParallelSpec, load_job_spec, parse_job_spec
 from peerd.jobs.store import MemoryDHT
@@ -24,7 +24,7 @@ DEMO = load_job_spec("configs/jobs/gpt-tiny-demo.yaml")
 
 
 class Managers:
-    def __init__(self, peers: list[str]) -> None:
+    def __init__(self, peers: list[str], config: ManagerConfig | None = None) -> None:
         self.clock = [T0]
         self.dht = MemoryDHT(lambda: self.clock[0])
         self.by_peer = {
@@ -33,6 +33,7 @@ class Managers:
                 "default",
                 local=lambda: (RosterDevice(0.1, 1 << 33, "eu"), ()),
                 online=lambda: list(peers),
+                config=config,
             )
             for p in peers
         }
@@ -114,6 +115,44 @@ def test_eligibility_caps_the_roster_deterministically() -> None:
     assert all(eligible("job", p, peers, None) for p in peers)
     assert all(eligible("job", p, peers, 10) for p in peers)
     assert [p for p in peers if eligible("job2", p, peers, 6)] != chosen  # per job, not always the same peers
+
+
+def test_max_jobs_applies_to_the_oldest_jobs_and_to_the_next_when_one_ends() -> None:
+    """A stranger's many jobs cannot make a peer load a model for each: past ``max_jobs`` it only watches."""
+
+    async def scenario() -> None:
+        ms = Managers([OWNER, OTHER], ManagerConfig(max_jobs=2))
+        watcher = ms.by_peer[OTHER]
+        try:
+            jobs = []
+            for i in range(3):
+                ms.clock[0] = T0 + i  # created one after another: the oldest are applied to first
+                spec = dataclasses.replace(DEMO, name=f"job{i}")
+                jobs.append((await ms.by_peer[OWNER].submit({"spec": to_mapping(spec)}))["job_id"])
+            await ms.sync()
+            for m in ms.by_peer.values():
+                applying = [j for j in jobs if m.jobs[j].planner.participate]
+                assert applying == jobs[:2]
+                assert m.over_capacity == {jobs[2]}
+            view = {v["job_id"]: v for v in watcher.views()}
+            assert "max_jobs" in view[jobs[2]]["not_applying"]
+            assert "not_applying" not in view[jobs[0]]
+            await ms.by_peer[OWNER].cancel({"job_id": jobs[0]})
+            await ms.sync()
+            for m in ms.by_peer.values():
+                assert m.jobs[jobs[0]].planner_task.done()
+                assert all(m.jobs[j].planner.participate for j in jobs[1:])
+                assert not m.over_capacity
+            # a paused peer applies to none, and takes the oldest two again on resume
+            await watcher.pause("test")
+            await ms.sync()
+            assert not any(watcher.jobs[j].planner.participate for j in jobs)
+            await watcher.resume()
+            assert [j for j in jobs if watcher.jobs[j].planner.participate] == jobs[1:]
+        finally:
+            await ms.close()
+
+    asyncio.run(scenario())
 
 
 def test_concurrent_discoveries_start_one_planner_per_job() -> None:
