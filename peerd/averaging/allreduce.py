@@ -76,6 +76,9 @@ class AveragingStats:
     steps: int = 0
     failed: int = 0
     bytes_sent: int = 0
+    raw_bytes_sent: int = 0
+    """What the sent parts and shares hold as fp32, counted when ``bytes_sent`` counts their frames
+    (a share is counted once its send ends, which may be after this member's step)."""
     bytes_received: int = 0
     values_averaged: int = 0
     """fp32 elements averaged over all completed steps (x 4 = raw gradient bytes)."""
@@ -315,12 +318,14 @@ class GroupAllReduce:
     ) -> tuple[torch.Tensor, bool]:
         """Send my contribution to share ``j``; receive the averaged share ``j`` back, and its overflow flag."""
         conn = await self._connection(j)
-        sent, received = conn.bytes_sent, conn.bytes_received
+        sent, received, raw = conn.bytes_sent, conn.bytes_received, 0
         try:
             await conn.send(msg.header(), payload, timeout=self.timeout)
+            raw = numel * 4
             header, reply = await conn.recv(timeout=self.timeout)
         finally:
             self.stats.bytes_sent += conn.bytes_sent - sent
+            self.stats.raw_bytes_sent += raw
             self.stats.bytes_received += conn.bytes_received - received
         try:
             answer = parse(header, KIND_SHARE)
@@ -410,7 +415,7 @@ class GroupAllReduce:
         src = self._ranks[conn.peer_id]
         admitted = False  # until the stream's avg.hello named this group and epoch
         while True:
-            sent, received = conn.bytes_sent, conn.bytes_received
+            sent, received, raw = conn.bytes_sent, conn.bytes_received, 0
             try:
                 header, payload = await conn.recv(timeout=self.timeout)
             except PeerUnavailable as exc:
@@ -453,6 +458,7 @@ class GroupAllReduce:
                     overflow=bool(state.overflowed) or None,  # every contribution is in: the flags are final
                 )
                 await conn.send(reply.header(), encoded.payload, timeout=self.timeout)
+                raw = (end - start) * 4
             except PeerdError as exc:
                 # the step's own failures (a member gone, a contribution refused) are counted where they happen
                 if exc.code not in (ErrorCode.PEER_UNAVAILABLE, ErrorCode.TIMEOUT) and not isinstance(
@@ -464,6 +470,7 @@ class GroupAllReduce:
                 await conn.send_error(exc.code, str(exc))
             finally:
                 self.stats.bytes_sent += conn.bytes_sent - sent
+                self.stats.raw_bytes_sent += raw
                 self.stats.bytes_received += conn.bytes_received - received
 
     def _admit(self, conn: Connection, header: dict[str, Any]) -> None:

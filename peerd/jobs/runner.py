@@ -250,8 +250,6 @@ class TaskletRunner:
         self._lock = asyncio.Lock()
         self.banned: dict[str, BanEvent] = {}  # partners this peer's transport banned (their latest ban)
         self._unsubscribe: Callable[[], None] | None = None
-        self._boundary_raw = spec.model.family().hidden * 4  # fp32 bytes per token at a boundary
-        self._avg_raw_per_step = 0
         self._wire_before: dict[str, int] = {}  # bytes sent by the workers of earlier commits
         self._group: GroupAllReduce | None = None
 
@@ -744,12 +742,9 @@ class TaskletRunner:
             on_report=self._on_report,
             epoch=self.commit.epoch,
         )
-        self._avg_raw_per_step = 0
         if reducer is not None:
-            numel = sum(p.numel() for p in worker.params)
-            reducer.max_numel = numel  # the group's frames: this stage's gradients, not the default 1 GiB
-            d = allocation.d_dp
-            self._avg_raw_per_step = int(numel * 4 * 2 * (d - 1) / d)  # fp32 reduce-scatter + all-gather
+            # the group's frames: this stage's gradients, not the default 1 GiB
+            reducer.max_numel = sum(p.numel() for p in worker.params)
         return worker
 
     # ------------------------------------------------------------------ progress
@@ -763,29 +758,25 @@ class TaskletRunner:
             self.val_losses.append((report.step + 1, report.val_loss))
         worker = self.worker
         if worker is not None:
-            self.wire = self._bytes(worker, report)
+            self.wire = self._bytes(worker)
         self.heartbeat.poke()
 
     def _worker_bytes(self, worker: StageWorker) -> dict[str, int]:
-        sent = {"activations": 0, "gradients": 0}
+        sent = {"activations": 0, "gradients": 0, "activations_raw": 0, "gradients_raw": 0}
         names = {"fwd": "activations", "bwd": "gradients", "val": "validation"}  # held-out: outside the ratio
         for (_, traffic), counters in worker.stats.sent.items():
             sent[names[traffic]] = sent.get(names[traffic], 0) + counters.wire_bytes
+            if traffic != "val":
+                sent[f"{names[traffic]}_raw"] += counters.raw_bytes
         stats = getattr(worker.reducer, "stats", None)
         sent["averaging"] = int(getattr(stats, "bytes_sent", 0))
+        sent["averaging_raw"] = int(getattr(stats, "raw_bytes_sent", 0))  # counted with the wire bytes
         return sent
 
-    def _bytes(self, worker: StageWorker, report: StepReport) -> dict[str, int]:
-        assert self.commit is not None and self.stage is not None
+    def _bytes(self, worker: StageWorker) -> dict[str, int]:
+        """Bytes sent for this job so far (this worker's and its predecessors'), wire and raw by kind."""
         now = self._worker_bytes(worker)
-        out = {k: now.get(k, 0) + self._wire_before.get(k, 0) for k in {*now, *self._wire_before}}
-        steps = self.step
-        tokens = report.tokens * steps  # this replica's tokens so far (same every step)
-        d_pp = self.commit.allocation.d_pp
-        out["activations_raw"] = tokens * self._boundary_raw if self.stage + 1 < d_pp else 0
-        out["gradients_raw"] = tokens * self._boundary_raw if self.stage > 0 else 0
-        out["averaging_raw"] = self._avg_raw_per_step * steps
-        return out
+        return {k: now.get(k, 0) + self._wire_before.get(k, 0) for k in {*now, *self._wire_before}}
 
     def progress(self) -> Progress | None:
         """This tasklet's record for the current commit; None for a spare (it runs no tasklet)."""

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -246,6 +247,7 @@ class StreamSender:
             counters.payload_bytes += memoryview(payload).nbytes
             counters.frames += 1
         counters.messages += 1
+        counters.raw_bytes += math.prod(msg.shape) * 4  # counted with its frames, as they leave
 
     async def _read(self, conn: Connection) -> None:
         """Acks and nacks from the receiver; a broken stream wakes the pump to reconnect."""

@@ -136,6 +136,7 @@ class LinkCounters:
 
     wire_bytes: int = 0  # frames of messages: prefix + header + payload
     payload_bytes: int = 0
+    raw_bytes: int = 0  # sent: what the messages' tensors hold as fp32 (the compression ratio's numerator)
     messages: int = 0
     frames: int = 0
 

@@ -117,6 +117,11 @@ def test_uncompressed_mean_is_exact_and_identical_on_every_member(cluster: Clust
         assert ideal <= a.stats.bytes_sent <= 1.03 * ideal
         assert ideal <= a.stats.bytes_received <= 1.03 * ideal
         assert a.stats.steps == 2 and a.stats.failed == 0 and not a.stats.rejected
+        assert (
+            a.stats.raw_bytes_sent <= a.stats.bytes_sent
+        )  # the frames hold what they stand for, plus headers
+    # per step, every member sends each other member's part and its own share to every other: 2 (D-1) numel
+    assert sum(a.stats.raw_bytes_sent for a in avgs) == 2 * 2 * (size - 1) * numel * 4
 
 
 @pytest.mark.parametrize("compressor", [None, "q8"])
@@ -155,6 +160,10 @@ def test_compressed_mean_matches_the_reference_and_the_quantizer_bound(
     raw = 2 * 2 * (size - 1) / size * 4 * sum(math.prod(s) for s in SHAPES)
     for a in avgs:
         assert a.stats.bytes_sent < raw * (bits + 0.5) / 32  # codes, bf16 scales, frame headers
+    # the fp32 the codes stand for, whatever their width
+    assert sum(a.stats.raw_bytes_sent for a in avgs) == 2 * 2 * (size - 1) * 4 * sum(
+        math.prod(s) for s in SHAPES
+    )
 
 
 def test_single_member_group_is_the_identity(cluster: Cluster):

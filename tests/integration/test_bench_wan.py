@@ -51,9 +51,10 @@ def test_quick_wan_bench_trains_the_searched_and_the_random_arm() -> None:
         assert len(r["loss_vs_tokens"]) >= 3 and all(math.isfinite(loss) for _, loss in r["loss_vs_tokens"])
     a, c = by_arm["a-peerd"], by_arm["c-random-s0"]
     assert a["compression_ratio"] > 1.5  # 4/8-bit activations and 8-bit gradients on the wire
-    # uncompressed: about 1, far below arm a's (1.050 seen once in CI at 5 steps, cause not
-    # found yet: raw over wire bytes above 1 means the two counts disagree somewhere)
-    assert c["compression_ratio"] == pytest.approx(1.0, abs=0.1)
+    # uncompressed: the frames carry the fp32 bytes plus headers. Raw bytes are counted with the
+    # frames as they leave (before, from steps done, they ran ahead of shares and gradients
+    # still in flight: 1.050 at 5 steps)
+    assert 0.95 < c["compression_ratio"] <= 1.0
     # the random arm trained exactly the seeded order every peer derives from public data
     commit = c["commit"]
     expected = random_allocation(commit["roster"], Shape(2, 2), placement_seed(c["job_id"], 0))
