@@ -168,8 +168,9 @@ class DaemonConfig:
     max_jobs: Annotated[int, Range(ge=1, le=64)] = field(
         default=4,
         metadata=_meta(
-            doc="Live jobs this peer applies to at once; it watches the others (a stranger cannot make it "
-            "load a model per job it submits). A refused job is applied to when one of the others ends.",
+            doc="Live jobs this peer runs at once: running that many, it applies to no other job (a stranger "
+            "cannot make it load a model per job submitted); it applies again when one ends. Jobs that "
+            "are only planning take no slot.",
             metavar="N",
         ),
     )

@@ -84,7 +84,9 @@ class ManagerConfig:
     roster_retry_s: float = 1.0
     """A commit's roster entries not all readable yet: retry this often (they propagate)."""
     max_jobs: int | None = None
-    """Live jobs this peer applies to at once (None: every one); it only watches the others."""
+    """Live jobs this peer may hold a tasklet (or rollout role) in: holding that many, it applies to no
+    other job's roster (None: no limit). Planning alone holds nothing, so a job that never commits
+    takes no slot."""
 
 
 def eligible(job_id: str, me: str, online: list[str], max_peers: int | None) -> bool:
@@ -118,7 +120,7 @@ class JobManager:
         self._expiry: dict[str, float] = {}
         self._discovering = asyncio.Lock()
         self.unusable: set[str] = set()  # jobs whose spec this peer cannot use (logged once)
-        self.over_capacity: set[str] = set()  # jobs watched only because max_jobs others are live here
+        self.over_capacity: set[str] = set()  # jobs not applied to because max_jobs others run here
         self.paused: str | None = None  # why this peer handed its tasklets over and applies for none
         self.leaving = False
         self._recovering_since: dict[str, dict[tuple[int, str], float]] = {}  # job -> (epoch, peer) -> t
@@ -212,9 +214,7 @@ class JobManager:
     def _view(self, entry: JobEntry, now: float, *, detail: bool, online: set[str]) -> dict[str, Any]:
         view = job_view(entry, self.me, now, detail=detail, online=online)
         if entry.record.job_id in self.over_capacity:
-            view["not_applying"] = (
-                f"this peer takes part in {self.config.max_jobs} other live jobs (max_jobs)"
-            )
+            view["not_applying"] = f"this peer runs {self.config.max_jobs} other live jobs (max_jobs)"
         return view
 
     def _online_with_me(self) -> set[str]:
@@ -438,8 +438,10 @@ class JobManager:
 
     def _applies(self, entry: JobEntry) -> bool:
         """Whether this peer applies for live ``entry``'s next roster: not paused or leaving, not after running
-        out of memory on it, ranked within its ``max_peers``, and taking part in fewer than ``max_jobs``
-        other live jobs (otherwise noted in ``over_capacity``, offered again as others end)."""
+        out of memory on it, ranked within its ``max_peers``, and running fewer than ``max_jobs`` other
+        live jobs (otherwise noted in ``over_capacity``, offered again as others end). Jobs that commit
+        onto this peer at about the same time can still take it past ``max_jobs``: the check is made
+        when it applies, not when it is allocated."""
         job_id = entry.record.job_id
         if self.paused or self.leaving or entry.record.state in TERMINAL:
             return False
@@ -447,11 +449,11 @@ class JobManager:
             return False
         if not eligible(job_id, self.me, self.online(), entry.spec.max_peers):
             return False
-        busy = self._jobs_taken_part_in(besides=entry)
+        busy = self._jobs_running_here(besides=entry)
         if self.config.max_jobs is not None and busy >= self.config.max_jobs:
             if job_id not in self.over_capacity:
                 logger.info(
-                    "job %s: not applying: this peer takes part in %d live jobs already (max_jobs %d)",
+                    "job %s: not applying: this peer runs %d other live jobs (max_jobs %d)",
                     job_id,
                     busy,
                     self.config.max_jobs,
@@ -461,14 +463,12 @@ class JobManager:
         self.over_capacity.discard(job_id)
         return True
 
-    def _jobs_taken_part_in(self, besides: JobEntry) -> int:
-        """Live jobs other than ``besides`` whose roster this peer applies to or whose tasklet it holds."""
+    def _jobs_running_here(self, besides: JobEntry) -> int:
+        """Live jobs other than ``besides`` that this peer holds a runner of (a tasklet, a role, a spare)."""
         return sum(
             1
             for e in self.jobs.values()
-            if e is not besides
-            and e.record.state not in TERMINAL
-            and (e.runner is not None or (e.planner is not None and e.planner.participate))
+            if e is not besides and e.record.state not in TERMINAL and e.runner is not None
         )
 
     def _reoffer(self) -> None:

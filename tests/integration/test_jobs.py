@@ -42,7 +42,7 @@ SWARM_OPTIONS = {
     "startup_timeout": 30.0,
     "shutdown_timeout": 10.0,
     "device": "cpu",
-    "max_jobs": 1,  # the cancel test's second job is watched, not applied to
+    "max_jobs": 1,  # the cancel test: a daemon running a job applies to no other
 }
 
 
@@ -294,32 +294,51 @@ def test_cancel_is_for_the_owner_only_and_forged_cancels_are_ignored(ctx: Ctx) -
     assert len(views) == 6
     assert all(v["state"] == "planning" and v["record_state"] != "cancelled" for v in views.values())
 
-    # max_jobs 1: a second job is watched by every daemon, not applied to, until the first ends
-    second = peerd("submit", str(_demo_spec(ctx.tmp, min_peers=7, max_peers=7)), "--home", ctx.home(2))
-    assert second.returncode == 0, second.stderr
-    job2 = second.stdout.strip()
-    views2 = ctx.wait(
-        job2,
-        lambda vs: len(vs) == 6 and all("planning" in v for v in vs.values()),
-        60,
-        "every daemon to start planning the second job",
-    )
-    for v in views2.values():
-        assert "max_jobs" in v["not_applying"] and v["planning"]["participant"] is False
-    listed = peerd("jobs", "--home", ctx.home(3))
-    assert "not applying here" in listed.stdout, listed.stdout
+    _max_jobs_holds_runners_not_plans(ctx)
 
     done = peerd("cancel", job[:10], "--home", ctx.home(1))
     assert done.returncode == 0, done.stderr
     assert "cancelled" in done.stdout
     ctx.wait(job, lambda vs: all(v["state"] == "cancelled" for v in vs.values()), 30, "the owner's cancel")
-    ctx.wait(
-        job2,
-        lambda vs: all("not_applying" not in v and v["planning"]["participant"] for v in vs.values()),
-        30,
-        "every daemon to apply to the second job once the first ended",
+
+
+def _max_jobs_holds_runners_not_plans(ctx: Ctx) -> None:
+    """max_jobs 1: the job planning forever takes no slot; a job that runs takes one on the peers running it,
+    which then apply to no other job until it ends."""
+    spec = _demo_spec(ctx.tmp, steps=100_000, min_peers=2, max_peers=2, parallel={"d_pp": 2, "d_dp": 1})
+    runs = peerd("submit", str(spec), "--home", ctx.home(2))
+    assert runs.returncode == 0, runs.stderr
+    running = runs.stdout.strip()
+    views = ctx.wait(
+        running,
+        lambda vs: len(vs) == 6 and sum("tasklet" in v for v in vs.values()) == 2,
+        90,
+        "two daemons to run the long job",
     )
-    assert peerd("cancel", job2, "--home", ctx.home(2)).returncode == 0
+    runners = {n for n, v in views.items() if "tasklet" in v}
+    late = peerd("submit", str(_demo_spec(ctx.tmp, min_peers=7, max_peers=7)), "--home", ctx.home(2))
+    assert late.returncode == 0, late.stderr
+    job = late.stdout.strip()
+    views = ctx.wait(
+        job,
+        lambda vs: len(vs) == 6 and all("planning" in v for v in vs.values()),
+        60,
+        "every daemon to start planning the late job",
+    )
+    for name, v in views.items():
+        applies = name not in runners
+        assert v["planning"]["participant"] is applies and ("not_applying" not in v) is applies, (name, v)
+    runner_home = next(str(p.home) for p in ctx.swarm.peers if p.name in runners)
+    listed = peerd("jobs", "--home", runner_home)
+    assert "not applying here" in listed.stdout, listed.stdout
+    assert peerd("cancel", running, "--home", ctx.home(2)).returncode == 0
+    ctx.wait(
+        job,
+        lambda vs: all(v["planning"]["participant"] and "not_applying" not in v for v in vs.values()),
+        60,
+        "the long job's daemons to apply to the late job once it ended",
+    )
+    assert peerd("cancel", job, "--home", ctx.home(2)).returncode == 0
 
 
 def _store_forged_cancel(bootstrap: list[str], job: str) -> str:

@@ -9,7 +9,7 @@ import pytest
 
 from peerd.errors import ErrorCode, ProtocolError
 from peerd.jobs.manager import JobManager, ManagerConfig, eligible
-from peerd.jobs.records import JobState, encode_job, new_job_record
+from peerd.jobs.records import JobState, TaskState, encode_job, new_job_record
 from peerd.jobs.spec import JobSpecError, ParallelSpec, load_job_spec, parse_job_spec
 from peerd.jobs.store import MemoryDHT
 from peerd.jobs.views import JobEntry
@@ -117,8 +117,24 @@ def test_eligibility_caps_the_roster_deterministically() -> None:
     assert [p for p in peers if eligible("job2", p, peers, 6)] != chosen  # per job, not always the same peers
 
 
-def test_max_jobs_applies_to_the_oldest_jobs_and_to_the_next_when_one_ends() -> None:
-    """A stranger's many jobs cannot make a peer load a model for each: past ``max_jobs`` it only watches."""
+class _Holding:
+    """Stands for a runner this peer holds (the daemons' own runners: tests/integration/test_jobs.py)."""
+
+    unfit = None
+    stage = replica = step = 0
+    state = TaskState.RUNNING
+    recoveries = ()
+
+    async def close(self) -> None:
+        pass
+
+    async def leave(self, reason: str) -> None:
+        pass
+
+
+def test_max_jobs_counts_the_jobs_a_peer_runs_not_those_it_plans() -> None:
+    """A stranger's many jobs cannot make a peer load a model for each: running max_jobs, it applies to no
+    other; planning holds nothing, so jobs that never commit cannot lock it out of the others."""
 
     async def scenario() -> None:
         ms = Managers([OWNER, OTHER], ManagerConfig(max_jobs=2))
@@ -126,29 +142,33 @@ def test_max_jobs_applies_to_the_oldest_jobs_and_to_the_next_when_one_ends() -> 
         try:
             jobs = []
             for i in range(3):
-                ms.clock[0] = T0 + i  # created one after another: the oldest are applied to first
+                ms.clock[0] = T0 + i
                 spec = dataclasses.replace(DEMO, name=f"job{i}")
                 jobs.append((await ms.by_peer[OWNER].submit({"spec": to_mapping(spec)}))["job_id"])
             await ms.sync()
-            for m in ms.by_peer.values():
-                applying = [j for j in jobs if m.jobs[j].planner.participate]
-                assert applying == jobs[:2]
-                assert m.over_capacity == {jobs[2]}
+            assert all(watcher.jobs[j].planner.participate for j in jobs)  # three jobs planning: no limit
+            for j in jobs[:2]:  # two of them committed onto this peer
+                watcher.jobs[j].runner = _Holding()
+            ms.clock[0] = T0 + 3
+            late = await ms.by_peer[OWNER].submit(
+                {"spec": to_mapping(dataclasses.replace(DEMO, name="late"))}
+            )
+            await ms.sync()
+            assert not watcher.jobs[late["job_id"]].planner.participate
+            assert watcher.over_capacity == {late["job_id"]}
             view = {v["job_id"]: v for v in watcher.views()}
-            assert "max_jobs" in view[jobs[2]]["not_applying"]
-            assert "not_applying" not in view[jobs[0]]
+            assert "max_jobs" in view[late["job_id"]]["not_applying"]
+            assert "not_applying" not in view[jobs[2]]
+            # a running job ends: the peer applies again (at the job's next epoch)
             await ms.by_peer[OWNER].cancel({"job_id": jobs[0]})
             await ms.sync()
-            for m in ms.by_peer.values():
-                assert m.jobs[jobs[0]].planner_task.done()
-                assert all(m.jobs[j].planner.participate for j in jobs[1:])
-                assert not m.over_capacity
-            # a paused peer applies to none, and takes the oldest two again on resume
+            assert watcher.jobs[late["job_id"]].planner.participate and not watcher.over_capacity
+            # a paused peer applies to none; on resume it applies within the limit again
             await watcher.pause("test")
-            await ms.sync()
-            assert not any(watcher.jobs[j].planner.participate for j in jobs)
+            assert not any(e.planner.participate for e in watcher.jobs.values())
             await watcher.resume()
-            assert [j for j in jobs if watcher.jobs[j].planner.participate] == jobs[1:]
+            live = [j for j in (*jobs[1:], late["job_id"]) if watcher.jobs[j].planner.participate]
+            assert live == [*jobs[1:], late["job_id"]]
         finally:
             await ms.close()
 
