@@ -44,10 +44,13 @@ Per arm the JSON reports the measured seconds per step (steady state: after the 
 ``WARMUP_STEPS`` and before the last step, whose end-of-job teardown is not), tokens/s, the
 loss at equal tokens, bytes on the wire and the compression ratio by kind, the re-plans, the
 compute part of a step (``compute_tiny`` x peers / tasklets) and the rest (link and
-waiting), and the cost model's prediction: the committed candidate's cost (the ``peerd``
-objective on the roster's measured profiles and links, what the planner optimised) with
-the ratio measured / predicted. ``--png`` writes loss vs wall-clock and vs tokens for every
-arm (when matplotlib is installed).
+waiting); what the tasklets measured (``measured_phases``: seconds per step in forward and
+backward passes with their encoding, waiting for and decoding neighbours' messages, sending
+until acknowledged, and averaging with the optimizer step; mean and largest over tasklets,
+each worker's first step left out); and the cost model's prediction: the committed
+candidate's cost (the ``peerd`` objective on the roster's measured profiles and links, what
+the planner optimised) with the ratio measured / predicted. ``--png`` writes loss vs
+wall-clock and vs tokens for every arm (when matplotlib is installed).
 """
 
 from __future__ import annotations
@@ -403,6 +406,7 @@ def run_arm(swarm: LocalSwarm, spec: dict[str, Any], timeout: float) -> dict[str
     view: dict[str, Any] = {}
     deadline = submitted + timeout
     ended = ""
+    phases: list[dict[str, float]] = []
     while not ended:
         with contextlib.suppress(PeerdError):
             view = owner.control().call("job_status", job_id=job)
@@ -422,6 +426,7 @@ def run_arm(swarm: LocalSwarm, spec: dict[str, Any], timeout: float) -> dict[str
             elif trained_out(view, spec["steps"]):
                 ended = f"all steps trained, job still {view.get('state')}: cancelled"
         if ended:
+            phases = tasklet_phases(swarm, job)  # before a cancel closes the tasklets
             break
         if time.monotonic() > deadline:
             with contextlib.suppress(PeerdError):
@@ -452,6 +457,32 @@ def run_arm(swarm: LocalSwarm, spec: dict[str, Any], timeout: float) -> dict[str
         "replans": replans,
         "losses": sorted(curve.items()),
         "bytes": wire,
+        "phases": phases,
+    }
+
+
+def tasklet_phases(swarm: LocalSwarm, job: str) -> list[dict[str, float]]:
+    """Every daemon's measured seconds per step by phase (compute, wait, send, averaging) for its tasklet of ``job``."""
+    out = []
+    for peer in swarm.live_peers():
+        with contextlib.suppress(PeerdError):
+            phases = (peer.control().call("job_status", job_id=job).get("tasklet") or {}).get("phases_s")
+            if phases:
+                out.append(phases)
+    return out
+
+
+def phase_summary(phases: list[dict[str, float]]) -> dict[str, Any]:
+    """Per phase, the mean and the largest of the tasklets' seconds per step, and the phase that dominates."""
+    if not phases:
+        return {}
+    names = sorted({k for p in phases for k in p})
+    mean = {k: sum(p.get(k, 0.0) for p in phases) / len(phases) for k in names}
+    return {
+        "tasklets": len(phases),
+        "mean_s_per_step": mean,
+        "max_s_per_step": {k: max(p.get(k, 0.0) for p in phases) for k in names},
+        "dominant": max(mean, key=lambda k: mean[k]),
     }
 
 
@@ -512,6 +543,7 @@ def arm_result(
         "tokens_per_s_daemons": progress.get("tokens_per_s"),
         "compute_s_per_step": compute,
         "link_and_wait_s_per_step": s_per_step - compute if s_per_step else None,
+        "measured_phases": phase_summary(run.get("phases") or []),
         "predicted_s_per_step": predicted,
         "measured_over_predicted": s_per_step / predicted if s_per_step and predicted else None,
         "final_loss": losses[-1][1] if losses else None,

@@ -300,6 +300,9 @@ def job_panel(view: dict[str, Any], names: dict[str, str]) -> RenderableType:
     lines += rl_lines(p.get("rl"))
     if p.get("tokens_per_s"):
         lines.append(f"throughput {p['tokens_per_s']:,.0f} tokens/s")
+    phases = (view.get("tasklet") or {}).get("phases_s") or {}
+    if phases:
+        lines.append("this tasklet's step: " + ", ".join(f"{k} {v * 1e3:,.0f} ms" for k, v in phases.items()))
     wire = [(k, n) for k, n in sorted((p.get("bytes") or {}).items()) if not k.endswith("_raw") and n]
     if wire:
         ratio = p.get("compression_ratio")

@@ -56,3 +56,6 @@ class JobRunner(Protocol):
 
     def progress(self) -> Progress | None:
         """The record this peer's tasklet publishes now (None: it runs none)."""
+
+    def phases(self) -> dict[str, float]:
+        """Mean seconds per step in each phase of its tasklet's steps (empty: none measured)."""

@@ -236,6 +236,8 @@ class TaskletRunner:
         self.val_losses: list[tuple[int, float]] = []  # (steps completed, held-out loss)
         self.tokens_per_s = 0.0
         self.wire: dict[str, int] = {}
+        self._phase_sums: dict[str, float] = {}  # seconds per phase over the steps counted (``phases``)
+        self._phase_steps = 0
         self.started_at = store.now()
         self.worker: StageWorker | None = None
         self.recoveries: list[dict[str, Any]] = []  # per adopted commit: where the state came from, how long
@@ -750,16 +752,25 @@ class TaskletRunner:
     # ------------------------------------------------------------------ progress
 
     def _on_report(self, report: StepReport) -> None:
+        worker = self.worker
+        if worker is not None and len(worker.reports) > 1:  # a worker's first step warms up: not counted
+            for phase, seconds in report.phases_s.items():
+                self._phase_sums[phase] = self._phase_sums.get(phase, 0.0) + seconds
+            self._phase_steps += 1
         self.step = report.step + 1
         self.tokens_per_s = report.tokens_per_s
         if report.loss is not None:
             self.losses.append((report.step, report.loss))
         if report.val_loss is not None:
             self.val_losses.append((report.step + 1, report.val_loss))
-        worker = self.worker
         if worker is not None:
             self.wire = self._bytes(worker)
         self.heartbeat.poke()
+
+    def phases(self) -> dict[str, float]:
+        """Mean seconds per step in each phase of ``StepReport.phases_s`` (each worker's first step left out)."""
+        n = self._phase_steps
+        return {phase: seconds / n for phase, seconds in self._phase_sums.items()} if n else {}
 
     def _worker_bytes(self, worker: StageWorker) -> dict[str, int]:
         sent = {"activations": 0, "gradients": 0, "activations_raw": 0, "gradients_raw": 0}

@@ -488,6 +488,7 @@ def job_view(
             "state": entry.runner.state.value,
             "step": entry.runner.step,
             "recoveries": list(entry.runner.recoveries),
+            "phases_s": {k: round(v, 6) for k, v in entry.runner.phases().items()},
         }
     return view
 

@@ -165,6 +165,17 @@ class Snapshot:
     scheduler: dict[str, Any]
 
 
+PHASES = ("compute", "wait", "send", "averaging")
+_PHASE_OF = {
+    Op.FORWARD: "compute",
+    Op.BACKWARD: "compute",
+    Op.RECV_ACT: "wait",
+    Op.RECV_GRAD: "wait",
+    Op.SEND_ACT: "send",
+    Op.SEND_GRAD: "send",
+}
+
+
 @dataclass
 class StepReport:
     """What one tasklet did in one step."""
@@ -183,6 +194,11 @@ class StepReport:
         None  # last stage, evaluation steps: this replica's held-out loss after the update
     )
     wire_bytes: dict[str, int] = field(default_factory=dict)  # this step, per boundary/direction/side
+    phases_s: dict[str, float] = field(default_factory=dict)
+    """Where ``step_s`` went (``PHASES``): forward and backward passes with their encoding (``compute``),
+    waiting for and decoding neighbours' messages (``wait``), handing messages to the streams until
+    the neighbours acknowledged them (``send``), gradient averaging with the optimizer step
+    (``averaging``)."""
     rejected: dict[str, int] = field(default_factory=dict)  # cumulative, per error code
     resends: int = 0
     reconnects: int = 0
@@ -499,6 +515,8 @@ class StageWorker:
         loss_sum = 0.0
         self._sent_overflow = False
         await self._compute(self.optimizer.zero_grad, True)
+        mark = time.perf_counter()
+        phases = {**dict.fromkeys(PHASES, 0.0), "compute": mark - started}
         for action in actions:
             mb, op = action.mb, action.op
             ids = chunks[mb]
@@ -531,12 +549,18 @@ class StageWorker:
                 x, payload = inputs.pop(mb), encoded.pop((Op.SEND_GRAD, mb))
                 assert x.grad is not None, "stage input got no gradient"
                 await self.to_prev.send(self._message(KIND_GRAD, step, mb, ids, x.grad, payload), payload)
+            now = time.perf_counter()
+            phases[_PHASE_OF[op]] += now - mark
+            mark = now
         for sender in (self.to_next, self.to_prev):  # everything of this step is accepted downstream
             if sender is not None:
                 await sender.flush()
+        now = time.perf_counter()
+        phases["send"] += now - mark
         # a cancel may land after the update is applied and before the report: keep the loss
         self._last_loss = (step, loss_sum) if self.last else None
         await self._average_and_step(step)  # sets self.step = step + 1
+        phases["averaging"] = time.perf_counter() - now
         elapsed = time.perf_counter() - started  # the training step alone: tokens/s leave evaluation out
         val_loss = await self._evaluate(step) if self.evaluates_after(step) else None
         after = self.stats.wire_bytes()
@@ -553,6 +577,7 @@ class StageWorker:
             finished_at=time.time(),
             val_loss=val_loss,
             wire_bytes={k: v - before.get(k, 0) for k, v in after.items()},
+            phases_s=phases,
             rejected=dict(self.stats.rejected),
             resends=self.stats.resends,
             reconnects=self.stats.reconnects,

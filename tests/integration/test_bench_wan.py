@@ -55,6 +55,12 @@ def test_quick_wan_bench_trains_the_searched_and_the_random_arm() -> None:
     # frames as they leave (before, from steps done, they ran ahead of shares and gradients
     # still in flight: 1.050 at 5 steps)
     assert 0.95 < c["compression_ratio"] <= 1.0
+    # what the tasklets measured: every tasklet of the 2 x 2 shape, its step split into phases
+    for r in (a, c):
+        measured = r["measured_phases"]
+        assert measured["tasklets"] == 4, measured
+        assert set(measured["mean_s_per_step"]) == {"compute", "wait", "send", "averaging"}
+        assert measured["dominant"] in measured["mean_s_per_step"]
     # the random arm trained exactly the seeded order every peer derives from public data
     commit = c["commit"]
     expected = random_allocation(commit["roster"], Shape(2, 2), placement_seed(c["job_id"], 0))

@@ -33,7 +33,7 @@ from peerd.pipeline.launch import (
 from peerd.pipeline.local import LocalRunConfig, train_pipelined, train_unstaged
 from peerd.pipeline.optim import OptimizerConfig
 from peerd.pipeline.streams import StreamConfig
-from peerd.pipeline.worker import StepReport
+from peerd.pipeline.worker import PHASES, StepReport
 
 pytestmark = pytest.mark.integration
 
@@ -142,6 +142,12 @@ def test_four_peers_reproduce_the_single_process_run(cluster: Cluster):
     acts_bytes = 4 * 32 * 64 * 4  # a replica's 4 examples x 32 tokens x 64 channels, fp32
     assert acts_bytes < step.wire_bytes["b0.fwd.sent"] < acts_bytes * 1.05
     assert step.wire_bytes["b0.bwd.received"] > acts_bytes
+    # each step's time is split into its phases, whole: the bench reads the regime from them
+    for r in result.reports:
+        assert set(r.phases_s) == set(PHASES) and min(r.phases_s.values()) >= 0
+        assert sum(r.phases_s.values()) == pytest.approx(r.step_s, rel=0.01, abs=1e-3)
+        assert r.phases_s["compute"] > 0 and r.phases_s["averaging"] > 0  # 2 replicas average
+    assert any(r.phases_s["wait"] > 0 for r in result.reports if r.stage == 1)  # stage 1 waits for inputs
 
 
 def test_gpipe_matches_1f1b(cluster: Cluster):

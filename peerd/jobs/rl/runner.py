@@ -403,6 +403,10 @@ class RLRunner:
 
     # ------------------------------------------------------------------ progress
 
+    def phases(self) -> dict[str, float]:
+        """None: the pipeline's phases do not apply to rl roles (``peerd bench rl-swarm`` times their tasks)."""
+        return {}
+
     def progress(self) -> Progress | None:
         """The trainer's record for the current commit; None for a rollout peer (it runs no tasklet)."""
         if self.commit is None or self.role != "trainer":

@@ -193,3 +193,9 @@ def test_a_job_this_peer_does_not_apply_to_says_why(capsys) -> None:
     assert (
         "not applying here: this peer takes part in 1 other live jobs (max_jobs)" in capsys.readouterr().out
     )
+
+
+def test_the_panel_shows_where_this_tasklets_step_goes(capsys) -> None:
+    view = {**_job("running", 2), "tasklet": {"phases_s": {"compute": 0.012, "wait": 0.25, "send": 0.0031}}}
+    console().print(job_panel(view, {}))
+    assert "this tasklet's step: compute 12 ms, wait 250 ms, send 3 ms" in capsys.readouterr().out

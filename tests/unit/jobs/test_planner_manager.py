@@ -131,6 +131,9 @@ class _Holding:
     async def leave(self, reason: str) -> None:
         pass
 
+    def phases(self) -> dict[str, float]:
+        return {}
+
 
 def test_max_jobs_counts_the_jobs_a_peer_runs_not_those_it_plans() -> None:
     """A stranger's many jobs cannot make a peer load a model for each: running max_jobs, it applies to no
