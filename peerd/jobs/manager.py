@@ -67,6 +67,8 @@ from peerd.tasks import cancel_and_wait, within
 logger = get_logger(__name__)
 
 RunnerFactory = Callable[[JobRecord, JobSpec], JobRunner]
+SUBMIT_TRIES = 3
+SUBMIT_RETRY_S = 1.0  # seconds before the second try, twice that before the third
 
 
 @dataclass(frozen=True)
@@ -158,9 +160,16 @@ class JobManager:
         entry = JobEntry(record, spec)
         self.jobs[record.job_id] = entry
         self.my_jobs.append(record.job_id)
-        if not await self._store_record(entry) or not await self._store_index():
+        # a DHT that has just started (or a loaded machine) may refuse one store: try again before failing
+        for attempt in range(SUBMIT_TRIES):
+            if await self._store_record(entry) and await self._store_index():
+                break
+            if attempt + 1 < SUBMIT_TRIES:
+                logger.info("job %s: storing its records failed, trying again", record.job_id)
+                await asyncio.sleep(SUBMIT_RETRY_S * (attempt + 1))
+        else:
             raise PeerdError(
-                "no DHT node accepted the job record; is this peer connected?",
+                f"no DHT node accepted the job record ({SUBMIT_TRIES} tries); is this peer connected?",
                 code=ErrorCode.PEER_UNAVAILABLE,
             )
         logger.info("submitted job %s (%s)", record.job_id, spec.name or "unnamed")

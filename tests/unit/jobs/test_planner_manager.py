@@ -7,7 +7,8 @@ import dataclasses
 
 import pytest
 
-from peerd.errors import ErrorCode, ProtocolError
+from peerd.errors import ErrorCode, PeerdError, ProtocolError
+from peerd.jobs import manager as manager_module
 from peerd.jobs.manager import JobManager, ManagerConfig, eligible
 from peerd.jobs.records import JobState, TaskState, encode_job, new_job_record
 from peerd.jobs.spec import JobSpecError, ParallelSpec, load_job_spec, parse_job_spec
@@ -102,6 +103,37 @@ def test_discovery_owner_only_cancel_and_forged_cancels() -> None:
             with pytest.raises(Exception) as missing:
                 await ms.by_peer[THIRD].job_status({"job_id": "ffffffff"})
             assert "no job" in str(missing.value)
+        finally:
+            await ms.close()
+
+    asyncio.run(scenario())
+
+
+def test_submit_tries_the_store_again_before_failing(monkeypatch) -> None:
+    """A DHT that has just started may refuse a store: submit tries three times, then fails naming it."""
+    monkeypatch.setattr(manager_module, "SUBMIT_RETRY_S", 0.01)
+
+    async def scenario() -> None:
+        ms = Managers([OWNER])
+        store = ms.by_peer[OWNER].store
+        accept = store.put
+        refusals = [1]
+
+        async def flaky(key, value, expires_at):
+            if refusals[0] > 0:
+                refusals[0] -= 1
+                return False
+            return await accept(key, value, expires_at)
+
+        store.put = flaky
+        try:
+            out = await ms.by_peer[OWNER].submit({"spec": to_mapping(DEMO)})
+            await ms.sync()
+            assert out["job_id"] in ms.by_peer[OWNER].jobs and ms.dht.puts >= 2  # record and index stored
+            store.offline = True
+            with pytest.raises(PeerdError) as err:
+                await ms.by_peer[OWNER].submit({"spec": to_mapping(DEMO)})
+            assert err.value.code == ErrorCode.PEER_UNAVAILABLE and "3 tries" in str(err.value)
         finally:
             await ms.close()
 
