@@ -349,6 +349,8 @@ def arm(f: Followed, per_iteration: int, ids: dict[str, str] | None = None) -> d
         "seen_s": [round(f.seen[0][0], 2), round(f.seen[-1][0], 2)] if f.seen else None,
         "rollouts_per_s": rate,
         "iteration_s": per_iteration / rate if rate else None,
+        # the trainer's own clock: completions over the periods of its iterations after the first
+        "rollouts_per_s_trainer": rl.get("steady_rollouts_per_s"),
         "rollouts_per_s_daemon_median": statistics.median(p["rollouts_per_s"] for p in f.polled.values())
         if f.polled
         else None,

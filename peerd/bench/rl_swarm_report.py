@@ -47,8 +47,17 @@ def throughput(seen: list[tuple[float, int]], per_iteration: int) -> float | Non
 
 
 def async_ratio(sync: dict[str, Any] | None, lagged: dict[str, Any] | None) -> dict[str, Any]:
-    """Rollouts/s async over sync: between the iterations the polls saw, else the trainers' own medians."""
+    """Rollouts/s async over sync: on the trainers' own clocks, else between the iterations the polls saw,
+    else the medians of the trainers' per-iteration rates the polls saw.
+
+    The polls see a trainer on another daemon late (its progress record travels through the DHT),
+    which moves either end of a short run by up to a publish interval: the trainers' clocks do not.
+    """
     for key, source in (
+        (
+            "rollouts_per_s_trainer",
+            "the trainer's own clock: completions over its iteration periods after the first",
+        ),
         ("rollouts_per_s", "completions between the first and last iteration the polls saw"),
         ("rollouts_per_s_daemon_median", "the trainer's per-iteration rates the polls saw, median"),
     ):

@@ -145,6 +145,9 @@ class RLFigures(FrozenWireStruct, frozen=True):
     kl: AnyReal = 0.0  # mean k3 KL to the reference, latest iteration
     response_len: Real = 0.0  # mean completion tokens, latest iteration
     rollouts_per_s: Real = 0.0  # completions trained on per second, latest iteration
+    # completions trained on per second of the iterations after the first (their completions over the
+    # sum of their periods, the trainer's own clock); absent before the second iteration
+    steady_rollouts_per_s: Real | None = None
     # (version lag, completions trained on with it) over the whole run, lags strictly ascending
     staleness: Annotated[tuple[tuple[Count, Count], ...], Meta(max_length=MAX_STALENESS_BINS)] = ()
     dropped_stale: Count = 0  # completions refused as older than the staleness bound

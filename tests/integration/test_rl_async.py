@@ -54,11 +54,13 @@ def test_async_k1_rolls_out_faster_than_sync_on_the_same_shaped_peers() -> None:
     assert regime["sync_beyond_compute_s"] > regime["compute_s_per_iteration"]["trainer"]
     ratio, steady = report["async_over_sync_rollouts_per_s"], report["async_over_sync_per_iteration"]
     print(
-        f"async / sync rollouts/s: {ratio:.3f} between the iterations the polls saw, {steady:.3f} per "
-        f"iteration; wall {sync['wall_s']} s vs {lagged['wall_s']} s"
+        f"async / sync rollouts/s: {ratio:.3f} on the trainers' clocks, {steady} median of the polled "
+        f"iterations; wall {sync['wall_s']} s vs {lagged['wall_s']} s"
     )
-    assert report["ratio_source"].startswith("completions between")
-    assert ratio > MARGIN and steady > 1.0, report
+    # the trainers' clocks: the polls see a trainer on another daemon up to a publish interval late
+    # at either end of the run, which moved a 16-iteration ratio by +-8 % in CI
+    assert report["ratio_source"].startswith("the trainer's own clock")
+    assert ratio > MARGIN, report
     # end to end too (the same planning and warm-up in both; polls see progress ~2 s late when the
     # trainer is not peer 0, so the whole job's wall time is the robust end-to-end figure)
     assert lagged["wall_s"] < sync["wall_s"], report

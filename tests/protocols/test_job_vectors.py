@@ -243,6 +243,7 @@ def _write_vectors() -> None:  # pragma: no cover - run by hand
             kl=0.0312,
             response_len=3.5,
             rollouts_per_s=212.25,
+            steady_rollouts_per_s=208.5,
             staleness=((0, 2048), (1, 512)),
             dropped_stale=64,
             shards_missing=1,

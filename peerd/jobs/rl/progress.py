@@ -25,12 +25,16 @@ def figures(reports: Sequence[IterationReport], version: int) -> RLFigures:
         for lag, n in r.staleness.items():
             lags[lag] = lags.get(lag, 0) + n
     last = reports[-1] if reports else None
+    # the first iteration waits for the first rollouts of the run: the steady rate leaves it out
+    steady = [r for r in reports[1:] if r.rollouts_per_s > 0]
+    busy_s = sum(r.rollouts / r.rollouts_per_s for r in steady)
     return RLFigures(
         version=version,
         rewards=tuple((i, points[i][0], points[i][1]) for i, _ in kept),
         kl=last.kl if last else 0.0,
         response_len=last.response_len if last else 0.0,
         rollouts_per_s=last.rollouts_per_s if last else 0.0,
+        steady_rollouts_per_s=sum(r.rollouts for r in steady) / busy_s if busy_s > 0 else None,
         staleness=tuple(sorted((lag, n) for lag, n in lags.items() if lag < MAX_STALENESS_BINS)),
         dropped_stale=sum(r.dropped_stale for r in reports),
         dropped_late=sum(r.dropped_late for r in reports),
@@ -63,6 +67,7 @@ def summary(records: Iterable[Progress]) -> dict[str, Any] | None:
         "kl": rl.kl,
         "response_len": rl.response_len,
         "rollouts_per_s": rl.rollouts_per_s,
+        "steady_rollouts_per_s": rl.steady_rollouts_per_s,
         "staleness": [[lag, n] for lag, n in rl.staleness],
         "dropped_stale": rl.dropped_stale,
         "dropped_late": rl.dropped_late,

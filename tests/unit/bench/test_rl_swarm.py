@@ -67,6 +67,10 @@ def test_rates_errors_and_curve() -> None:
     got = async_ratio({"rollouts_per_s": None, "rollouts_per_s_daemon_median": 250.0}, fast)
     assert got["async_over_sync_rollouts_per_s"] == pytest.approx(2.0) and "median" in got["ratio_source"]
     assert async_ratio(None, fast)["async_over_sync_rollouts_per_s"] is None
+    # the trainers' own clocks come first: the polls' ends move with the DHT's delay
+    clocked = async_ratio({**slow, "rollouts_per_s_trainer": 80.0}, {**fast, "rollouts_per_s_trainer": 120.0})
+    assert clocked["async_over_sync_rollouts_per_s"] == pytest.approx(1.5)
+    assert clocked["ratio_source"].startswith("the trainer's own clock")
     table = comparison({"generate": 2.0, "sync": 1.0}, {"generate": 1.6})
     assert set(table) == {"generate"} and table["generate"]["relative_error"] == pytest.approx(0.25)
 

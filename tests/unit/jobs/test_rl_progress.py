@@ -65,6 +65,9 @@ def test_figures_sum_the_run_and_keep_the_latest() -> None:
     assert fig.staleness == ((0, 144), (1, 48))
     assert (fig.dropped_stale, fig.shards_missing, fig.weight_sync_bytes) == (24, 1, 3000)
     assert (fig.kl, fig.response_len, fig.rollouts_per_s) == (0.02, 5.0, 102.0)
+    # iterations 1 and 2 (the first waits for the run's first rollouts): 128 completions in 64/101 + 64/102 s
+    assert fig.steady_rollouts_per_s == pytest.approx(128 / (64 / 101 + 64 / 102))
+    assert figures(reports[:1], version=1).steady_rollouts_per_s is None
 
 
 def test_a_long_run_is_downsampled_and_round_trips_the_wire() -> None:
