@@ -18,7 +18,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -363,6 +363,10 @@ class LocalSwarm:
             peer._reader.join(timeout=2.0)
         return code
 
+    def cpu_seconds(self) -> float | None:
+        """CPU seconds the live daemons' sessions (daemon, DHT process, p2pd, tasklet workers) used so far."""
+        return sessions_cpu_seconds(p.pid for p in self.live_peers() if p.pid is not None)
+
     def __enter__(self) -> LocalSwarm:
         return self.start()
 
@@ -383,9 +387,8 @@ def _read_stdout(peer: LocalPeer) -> None:
     peer.process.stdout.close()
 
 
-def _session_members(sid: int) -> list[int]:
-    """Live (non-zombie) processes of session ``sid`` (Linux /proc); empty where /proc is missing."""
-    members = []
+def _process_stats() -> Iterator[tuple[int, list[str]]]:
+    """(pid, the fields of ``/proc/<pid>/stat`` after its command name) of every process (Linux; none elsewhere)."""
     with contextlib.suppress(OSError):
         for entry in os.scandir("/proc"):
             if not entry.name.isdigit():
@@ -396,9 +399,27 @@ def _session_members(sid: int) -> list[int]:
             except OSError:
                 continue
             fields = stat.rpartition(")")[2].split()  # after "(comm)", which may contain spaces
-            if len(fields) > 3 and fields[0] != "Z" and int(fields[3]) == sid:
-                members.append(int(entry.name))
-    return members
+            if len(fields) > 14:
+                yield int(entry.name), fields
+
+
+def _session_members(sid: int) -> list[int]:
+    """Live (non-zombie) processes of session ``sid`` (Linux /proc); empty where /proc is missing."""
+    return [pid for pid, f in _process_stats() if f[0] != "Z" and int(f[3]) == sid]
+
+
+def sessions_cpu_seconds(sids: Iterable[int]) -> float | None:
+    """CPU seconds (user + system) the processes of sessions ``sids`` used so far, with the children they
+    reaped; None where /proc is missing. A child still unreaped or reaped by init since is not counted."""
+    wanted = set(sids)
+    if not os.path.isdir("/proc"):
+        return None
+    ticks = sum(
+        sum(int(x) for x in f[11:15])  # utime, stime, cutime, cstime
+        for _, f in _process_stats()
+        if int(f[3]) in wanted
+    )
+    return ticks / os.sysconf("SC_CLK_TCK")
 
 
 def _reap_session(sid: int, grace: float = 3.0) -> None:

@@ -39,6 +39,11 @@ scales every bandwidth of the scenario::
 so that ``bytes / (bandwidth x compute)`` -- the communication-to-compute ratio per step
 -- is the paper's on every link; one-way delays scale by ``compute_tiny / compute_ref`` (a
 delay is time, not bytes). Both factors and every input are in the JSON (``regime``).
+``--link-scale`` multiplies the bandwidth factor: the daemons spend CPU per step beyond the
+forward + backward counted here (encoding, framing, p2pd, the event loops), so on a machine
+whose cores the swarm keeps busy the matched links are not what paces a step; each arm's
+``host_cpu`` (the daemons' CPU seconds per step and their share of the cores over the steady
+steps, from ``/proc``) says which regime it ran in.
 
 Per arm the JSON reports the measured seconds per step (steady state: after the first
 ``WARMUP_STEPS`` and before the last step, whose end-of-job teardown is not), tokens/s, the
@@ -94,6 +99,8 @@ REF_PFLOP_PER_STEP = 23.64  # 24 layers, 1024 sequences
 REF_DEVICES = 64
 REF_DEVICE_TFLOPS = 125.0  # V100 fp16 tensor-core peak, as the DT-FM scenarios list it
 
+# the swarm keeping this share of the machine's cores busy means the cores pace a step, not the links
+HOST_BOUND_SHARE = 0.8
 WARMUP_STEPS = 2  # first steps: AC-SGD first visits, buffers and streams being set up
 POLL_S = 0.5
 
@@ -219,15 +226,23 @@ def measure_compute(spec: dict[str, Any], repeats: int = 5) -> float:
         torch.set_num_threads(threads)
 
 
-def regime(spec: dict[str, Any], peers: int, compute_full_s: float, cores: int) -> dict[str, Any]:
-    """The bandwidth and delay factors that give the tiny job GPT3-XL's communication-to-compute ratio."""
+def regime(
+    spec: dict[str, Any], peers: int, compute_full_s: float, cores: int, link_scale: float = 1.0
+) -> dict[str, Any]:
+    """The bandwidth and delay factors that give the tiny job GPT3-XL's communication-to-compute ratio.
+
+    ``link_scale`` multiplies the bandwidth factor (``--link-scale``): below 1 the links carry the
+    paper's bytes per compute-second more slowly, for a swarm whose daemons spend more CPU per step
+    than the forward + backward this arithmetic counts (``host_cpu`` of each arm says how much).
+    """
     ref_bytes = comm_bytes_per_tasklet(REF_C_PP_BYTES, REF_C_DP_BYTES, REF_D_DP)
     ref_compute = REF_PFLOP_PER_STEP * 1e15 / REF_DEVICES / (REF_DEVICE_TFLOPS * 1e12)
     tiny = tiny_sizes(spec)
     tiny_bytes = comm_bytes_per_tasklet(tiny["c_pp_bytes"], tiny["c_dp_bytes"], int(tiny["d_dp"]))
     contention = max(1.0, peers / cores)
     tiny_compute = compute_full_s / peers * contention
-    factor = (tiny_bytes / tiny_compute) / (ref_bytes / ref_compute)
+    matched = (tiny_bytes / tiny_compute) / (ref_bytes / ref_compute)
+    factor = matched * link_scale
     return {
         "reference": {
             "model": REF_MODEL,
@@ -251,13 +266,15 @@ def regime(spec: dict[str, Any], peers: int, compute_full_s: float, cores: int) 
             "bytes_per_compute_s": tiny_bytes / tiny_compute,
         },
         "bandwidth_factor": factor,
+        "link_scale": link_scale,
         "delay_factor": tiny_compute / ref_compute,
         "arithmetic": (
             f"bytes/tasklet/step: ref 2*c_pp + 2*c_dp*7/8 = {ref_bytes / 1e9:.4g} GB, tiny {tiny_bytes / 1e6:.4g} MB; "
             f"compute/tasklet/step: ref 23.64 PFLOP/64/125 TFLOPS = {ref_compute:.4g} s, tiny "
             f"{compute_full_s:.4g} s/{peers} x {contention:.3g} = {tiny_compute:.4g} s; "
             f"bandwidth factor = ({tiny_bytes:.4g}/{tiny_compute:.4g}) / ({ref_bytes:.4g}/{ref_compute:.4g}) "
-            f"= {factor:.4g}"
+            f"= {matched:.4g}"
+            + (f", x link scale {link_scale:.4g} = {factor:.4g}" if link_scale != 1.0 else "")
         ),
     }
 
@@ -407,6 +424,7 @@ def run_arm(swarm: LocalSwarm, spec: dict[str, Any], timeout: float) -> dict[str
     deadline = submitted + timeout
     ended = ""
     phases: list[dict[str, float]] = []
+    cpu: dict[int, tuple[float | None, float | None]] = {}  # step -> (swarm CPU s, machine busy CPU s)
     while not ended:
         with contextlib.suppress(PeerdError):
             view = owner.control().call("job_status", job_id=job)
@@ -421,6 +439,7 @@ def run_arm(swarm: LocalSwarm, spec: dict[str, Any], timeout: float) -> dict[str
                 )
             if view.get("state") in ("running", "recovering") and (not samples or step > samples[-1][1]):
                 samples.append((time.monotonic() - submitted, step))
+                cpu[step] = (swarm.cpu_seconds(), machine_busy_seconds())
             if view.get("state") in ("done", "failed", "cancelled"):
                 ended = view["state"]
             elif trained_out(view, spec["steps"]):
@@ -458,6 +477,48 @@ def run_arm(swarm: LocalSwarm, spec: dict[str, Any], timeout: float) -> dict[str
         "losses": sorted(curve.items()),
         "bytes": wire,
         "phases": phases,
+        "cpu": cpu,
+    }
+
+
+def machine_busy_seconds() -> float | None:
+    """CPU seconds every core of this machine spent not idle so far (``/proc/stat``); None elsewhere."""
+    try:
+        with open("/proc/stat") as fh:
+            fields = [int(x) for x in fh.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    idle = sum(fields[3:5])  # idle, iowait
+    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")  # up to steal; guest time is inside user
+
+
+def host_cpu(
+    cpu: dict[int, tuple[float | None, float | None]], steady: list[tuple[float, int]], cores: int
+) -> dict[str, Any] | None:
+    """The swarm's and the machine's CPU use per step over the steady window, and the regime it implies.
+
+    A step of a swarm that keeps (nearly) every core of this machine busy is paced by the cores the
+    daemons share, whatever the links: its ratios say little about the links.
+    """
+    if len(steady) < 2:
+        return None
+    (t0, s0), (t1, s1) = steady[0], steady[-1]
+    (swarm0, busy0), (swarm1, busy1) = cpu.get(s0, (None, None)), cpu.get(s1, (None, None))
+    if swarm0 is None or swarm1 is None or busy0 is None or busy1 is None or s1 <= s0 or t1 <= t0:
+        return None
+    wall = t1 - t0
+    swarm_share = (swarm1 - swarm0) / (wall * cores)
+    regime = (
+        f"host-CPU-bound: the daemons kept {swarm_share:.0%} of {cores} cores busy; a step waits for cores, not links"
+        if swarm_share >= HOST_BOUND_SHARE
+        else f"link- or wait-bound: the daemons kept {swarm_share:.0%} of {cores} cores busy"
+    )
+    return {
+        "swarm_cpu_s_per_step": (swarm1 - swarm0) / (s1 - s0),
+        "swarm_share_of_cores": swarm_share,
+        "machine_share_of_cores": (busy1 - busy0) / (wall * cores),
+        "over_steps": [s0, s1],
+        "regime": regime,
     }
 
 
@@ -497,6 +558,7 @@ def _holds(status: dict[str, Any], job: str) -> bool:
 def arm_result(
     arm: Arm, spec: dict[str, Any], run: dict[str, Any], names: dict[str, str], reg: dict[str, Any]
 ) -> dict[str, Any]:
+    cores = int(reg["tiny"]["cores"])
     view, samples = run["view"], run["samples"]
     progress = view.get("progress") or {}
     tokens_per_step = spec["global_batch"] * spec["data"]["seq_len"]
@@ -544,6 +606,7 @@ def arm_result(
         "compute_s_per_step": compute,
         "link_and_wait_s_per_step": s_per_step - compute if s_per_step else None,
         "measured_phases": phase_summary(run.get("phases") or []),
+        "host_cpu": host_cpu(run.get("cpu") or {}, steady, cores) if source == "polls" else None,
         "predicted_s_per_step": predicted,
         "measured_over_predicted": s_per_step / predicted if s_per_step and predicted else None,
         "final_loss": losses[-1][1] if losses else None,
@@ -587,13 +650,14 @@ def wan(
     arm_timeout: float = 300.0,
     only: tuple[str, ...] = (),
     png: str | None = None,
+    link_scale: float = 1.0,
 ) -> dict[str, Any]:
     path = scenario_path(scenario)
     chosen = [a for a in arms(seeds) if not only or any(a.name.startswith(o) for o in only)]
     specs = {a.name: arm_spec(a, peers, steps) for a in chosen}
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     reference_spec = arm_spec(Arm("b", ""), peers, steps)  # the regime is set by the uncompressed pipeline
-    reg = regime(reference_spec, peers, measure_compute(reference_spec), cores)
+    reg = regime(reference_spec, peers, measure_compute(reference_spec), cores, link_scale)
     names = [f"peer{i}" for i in range(peers)]
     results = []
     started = time.monotonic()
@@ -726,6 +790,14 @@ def write_plot(results: list[dict[str, Any]], path: Path, title: str) -> str | N
 @click.option(
     "--quick", is_flag=True, help="CI smoke: defaults of 4 peers, 1 seed, 8 steps (under 5 minutes)."
 )
+@click.option(
+    "--link-scale",
+    default=1.0,
+    show_default=True,
+    type=click.FloatRange(min=0.001, max=1000.0),
+    help="Multiply the matched bandwidth factor by this (below 1: slower links, a more link-bound "
+    "regime; each arm's host_cpu says whether the cores or the links pace its steps).",
+)
 @click.option("--out", default=None, type=click.Path(dir_okay=False), help="Also write the JSON here.")
 @click.option("--png", default=None, type=click.Path(dir_okay=False), help="Write the loss plot here.")
 def command(
@@ -735,6 +807,7 @@ def command(
     steps: int,
     only: tuple[str, ...],
     quick: bool,
+    link_scale: float,
     out: str | None,
     png: str | None,
 ) -> None:
@@ -753,10 +826,13 @@ def command(
         raise click.BadParameter("needs an even number of peers, at least 4", param_hint="--peers")
     if seeds < 1 or steps < WARMUP_STEPS + 2:
         raise click.BadParameter(f"needs --seeds >= 1 and --steps >= {WARMUP_STEPS + 2}")
-    result = wan(peers=peers, scenario=scenario, seeds=seeds, steps=steps, only=only, png=png)
+    result = wan(
+        peers=peers, scenario=scenario, seeds=seeds, steps=steps, only=only, png=png, link_scale=link_scale
+    )
     result["command"] = "peerd bench wan " + " ".join(
         [f"--peers {peers}", f"--scenario {scenario}", f"--seeds {seeds}", f"--steps {steps}"]
         + [f"--arm {o}" for o in only]
+        + ([f"--link-scale {link_scale:g}"] if link_scale != 1.0 else [])
         + (["--quick"] if quick else [])
     )
     emit_json(result, out)

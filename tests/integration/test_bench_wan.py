@@ -61,6 +61,11 @@ def test_quick_wan_bench_trains_the_searched_and_the_random_arm() -> None:
         assert measured["tasklets"] == 4, measured
         assert set(measured["mean_s_per_step"]) == {"compute", "wait", "send", "averaging"}
         assert measured["dominant"] in measured["mean_s_per_step"]
+        # the daemons' CPU over the steady steps the polls timed (a /proc machine), and the regime it implies
+        host = r["host_cpu"]
+        if r["s_per_step_source"] == "polls":
+            assert host["swarm_cpu_s_per_step"] > 0 and 0 < host["swarm_share_of_cores"] <= 1.25, host
+            assert host["machine_share_of_cores"] > 0 and host["regime"], host
     # the random arm trained exactly the seeded order every peer derives from public data
     commit = c["commit"]
     expected = random_allocation(commit["roster"], Shape(2, 2), placement_seed(c["job_id"], 0))
@@ -87,5 +92,9 @@ def test_quick_sets_defaults_that_explicit_options_override(monkeypatch: pytest.
     assert runner.invoke(bench.command, ["--quick", "--steps", "12", "--peers", "6"]).exit_code == 0
     assert (seen[0]["peers"], seen[0]["seeds"], seen[0]["steps"]) == (4, 1, 8)
     assert (seen[1]["peers"], seen[1]["seeds"], seen[1]["steps"]) == (6, 1, 12)
+    assert seen[0]["link_scale"] == 1.0
+    assert runner.invoke(bench.command, ["--quick", "--link-scale", "0.25"]).exit_code == 0
+    assert seen[2]["link_scale"] == 0.25
+    assert runner.invoke(bench.command, ["--link-scale", "0"]).exit_code == 2
     bad = runner.invoke(bench.command, ["--peers", "5"])
     assert bad.exit_code == 2 and "even number of peers" in bad.output

@@ -1,0 +1,74 @@
+"""``peerd bench wan``'s host CPU accounting: a session's CPU seconds from /proc, and the regime it implies."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import pytest
+
+from peerd.bench.wan import HOST_BOUND_SHARE, arm_spec, arms, host_cpu, machine_busy_seconds, regime
+from peerd.localswarm import sessions_cpu_seconds
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+
+BURN = "import time\nend = time.process_time() + {s}\nwhile time.process_time() < end: pass\n"
+
+
+def test_a_session_counts_its_live_processes_and_the_children_they_reaped() -> None:
+    # a session leader that runs a CPU-bound child to the end (reaped: in the leader's cutime), then burns itself
+    script = (
+        "import subprocess, sys, time\n"
+        f"subprocess.run([sys.executable, '-c', {BURN.format(s=0.4)!r}])\n"
+        + BURN.format(s=0.3)
+        + "time.sleep(30)\n"
+    )
+    leader = subprocess.Popen([sys.executable, "-c", script], start_new_session=True)
+    try:
+        deadline = time.monotonic() + 20
+        used = 0.0
+        while time.monotonic() < deadline:
+            used = sessions_cpu_seconds([leader.pid]) or 0.0
+            if used >= 0.7:
+                break
+            time.sleep(0.1)
+        assert 0.7 <= used < 3.0  # the child's 0.4 s, the leader's 0.3 s, and the interpreters' start-up
+        assert sessions_cpu_seconds([]) == 0.0
+        assert sessions_cpu_seconds([leader.pid + 10_000_000]) == 0.0  # no such session
+    finally:
+        leader.kill()
+        leader.wait()
+
+
+def test_the_machine_busy_counter_grows_with_work() -> None:
+    before = machine_busy_seconds()
+    end = time.process_time() + 0.2
+    while time.process_time() < end:
+        pass
+    after = machine_busy_seconds()
+    assert before is not None and after is not None and after - before >= 0.15
+
+
+def test_a_swarm_that_keeps_the_cores_busy_is_host_bound() -> None:
+    steady = [(10.0, 2), (20.0, 7)]  # 5 steps in 10 s
+    busy = host_cpu({2: (100.0, 150.0), 7: (118.0, 169.0)}, steady, cores=2)
+    assert busy is not None
+    assert busy["swarm_cpu_s_per_step"] == pytest.approx(18 / 5)
+    assert busy["swarm_share_of_cores"] == pytest.approx(0.9) and busy[
+        "machine_share_of_cores"
+    ] == pytest.approx(0.95)
+    assert busy["regime"].startswith("host-CPU-bound") and busy["over_steps"] == [2, 7]
+    idle = host_cpu({2: (100.0, 150.0), 7: (105.0, 160.0)}, steady, cores=2)
+    assert idle is not None and idle["swarm_share_of_cores"] < HOST_BOUND_SHARE
+    assert idle["regime"].startswith("link- or wait-bound")
+    assert host_cpu({2: (None, None), 7: (1.0, 1.0)}, steady, cores=2) is None  # no /proc
+    assert host_cpu({}, steady[:1], cores=2) is None
+
+
+def test_the_link_scale_multiplies_the_matched_bandwidth_factor() -> None:
+    spec = arm_spec(arms(1)[1], 8, 20)
+    matched, slower = regime(spec, 8, 0.14, 2), regime(spec, 8, 0.14, 2, link_scale=0.25)
+    assert slower["bandwidth_factor"] == pytest.approx(matched["bandwidth_factor"] * 0.25)
+    assert slower["delay_factor"] == matched["delay_factor"] and slower["link_scale"] == 0.25
+    assert "x link scale 0.25" in slower["arithmetic"] and "link scale" not in matched["arithmetic"]
