@@ -127,7 +127,8 @@ class DaemonConfig:
     probe_interval: Seconds = field(
         default=30.0,
         metadata=_meta(
-            doc="Seconds between link-probe rounds.",
+            doc="Seconds between link-probe rounds (while this peer works for a job, a round probes only "
+            "links never measured or last seen failing).",
             metavar="SECONDS",
         ),
     )

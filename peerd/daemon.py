@@ -459,7 +459,15 @@ class Daemon:
 
     def _probe_targets(self) -> list[str]:
         me = self.node.peer_id if self.node else None
-        return [pid for pid, e in self.entries.items() if pid != me and e.record.state != PeerState.OFFLINE]
+        targets = [
+            pid for pid, e in self.entries.items() if pid != me and e.record.state != PeerState.OFFLINE
+        ]
+        if self.prober is not None and self.jobs is not None and self.jobs.manager.holds_work:
+            # A bulk probe fills a link for seconds each way, against the job's own traffic on it
+            # and the compute it needs: while this peer works for a job, only links never measured
+            # (newcomers) or last seen failing are probed; the others keep their measurement.
+            targets = self.prober.unmeasured(targets)
+        return targets
 
     async def _probe_loop(self) -> None:
         assert self.prober is not None and self.announcer is not None

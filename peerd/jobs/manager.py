@@ -472,7 +472,12 @@ class JobManager:
         self.over_capacity.discard(job_id)
         return True
 
-    def _jobs_running_here(self, besides: JobEntry) -> int:
+    @property
+    def holds_work(self) -> bool:
+        """Whether this peer holds a runner of a live job (its links carry that job's traffic)."""
+        return self._jobs_running_here(besides=None) > 0
+
+    def _jobs_running_here(self, besides: JobEntry | None) -> int:
         """Live jobs other than ``besides`` that this peer holds a runner of (a tasklet, a role, a spare)."""
         return sum(
             1

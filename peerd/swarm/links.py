@@ -319,6 +319,11 @@ class LinkProber:
         ordered = sorted(unique.items(), key=age_key)
         return [peer for _, peer in ordered[: self.config.peers_per_refresh]]
 
+    def unmeasured(self, peers: Iterable[str]) -> list[str]:
+        """Those of ``peers`` (base58 ids) without a measurement whose status is OK."""
+        ok = LinkStatus.OK
+        return [p for p in peers if (m := self.measurements.get(p)) is None or m.status is not ok]
+
     async def refresh(self, peers: Iterable[PeerID]) -> list[LinkMeasurement]:
         """Probe the stalest few of ``peers`` one after another (bulk transfers must not share the uplink)."""
         results = []

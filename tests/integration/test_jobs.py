@@ -16,6 +16,7 @@ import json
 import socket
 import subprocess
 import sys
+import time
 import urllib.request
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -316,6 +317,7 @@ def _max_jobs_holds_runners_not_plans(ctx: Ctx) -> None:
         "two daemons to run the long job",
     )
     runners = {n for n, v in views.items() if "tasklet" in v}
+    _working_peers_leave_their_measured_links_alone(ctx, runners)
     late = peerd("submit", str(_demo_spec(ctx.tmp, min_peers=7, max_peers=7)), "--home", ctx.home(2))
     assert late.returncode == 0, late.stderr
     job = late.stdout.strip()
@@ -339,6 +341,28 @@ def _max_jobs_holds_runners_not_plans(ctx: Ctx) -> None:
         "the long job's daemons to apply to the late job once it ended",
     )
     assert peerd("cancel", job, "--home", ctx.home(2)).returncode == 0
+
+
+def _own_link_stamps(swarm: LocalSwarm) -> dict[str, dict[str, float]]:
+    """name -> (peer -> when it last measured its link to that peer), from each daemon's published record."""
+    out = {}
+    for name, view in swarm.statuses().items():
+        me = view["self"]["peer_id"]
+        out[name] = {link["dst"]: link["measured_at"] for link in view["links"] if link["src"] == me}
+    return out
+
+
+def _working_peers_leave_their_measured_links_alone(ctx: Ctx, runners: set[str]) -> None:
+    """A daemon running a tasklet does not re-probe links it measured (a bulk probe would compete with the
+    job's traffic); idle daemons keep re-probing every round (probe_interval 4 s)."""
+    time.sleep(8)  # a probe round begun before the job committed ends, and its records are republished
+    before = _own_link_stamps(ctx.swarm)
+    time.sleep(10)
+    after = _own_link_stamps(ctx.swarm)
+    for name in runners:
+        assert after[name] == before[name], (name, before[name], after[name])
+    idle = [n for n in after if n not in runners and n in before]
+    assert idle and all(after[n] != before[n] for n in idle), (before, after)
 
 
 def _store_forged_cancel(bootstrap: list[str], job: str) -> str:

@@ -166,6 +166,9 @@ def test_refresh_probes_a_bounded_number_stalest_first_and_marks_dead_peers(peer
     # a dead peer ends at its connect deadline (UNREACHABLE), not at the probe budget (that is TIMEOUT)
     assert prober.measurements[nobody].status == LinkStatus.UNREACHABLE
     assert prober.measurements[a].status == prober.measurements[c].status == LinkStatus.OK
+    # what a peer that works for a job still probes: links never measured, or last seen failing
+    newcomer = "QmNewcomer"
+    assert prober.unmeasured([a, c, nobody, newcomer]) == [nobody, newcomer]
     prober.forget([peers.a.peer_id])
     assert list(prober.measurements) == [a]
 

@@ -182,8 +182,10 @@ def test_max_jobs_counts_the_jobs_a_peer_runs_not_those_it_plans() -> None:
                 jobs.append((await ms.by_peer[OWNER].submit({"spec": to_mapping(spec)}))["job_id"])
             await ms.sync()
             assert all(watcher.jobs[j].planner.participate for j in jobs)  # three jobs planning: no limit
+            assert not watcher.holds_work  # planning holds nothing (the daemon still re-probes its links)
             for j in jobs[:2]:  # two of them committed onto this peer
                 watcher.jobs[j].runner = _Holding()
+            assert watcher.holds_work
             ms.clock[0] = T0 + 3
             late = await ms.by_peer[OWNER].submit(
                 {"spec": to_mapping(dataclasses.replace(DEMO, name="late"))}
