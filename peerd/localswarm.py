@@ -410,7 +410,8 @@ def _session_members(sid: int) -> list[int]:
 
 def sessions_cpu_seconds(sids: Iterable[int]) -> float | None:
     """CPU seconds (user + system) the processes of sessions ``sids`` used so far, with the children they
-    reaped; None where /proc is missing. A child still unreaped or reaped by init since is not counted."""
+    reaped (zombies too); None where /proc is missing. A child whose parent died before it (reaped by
+    init) takes its seconds out of the count."""
     wanted = set(sids)
     if not os.path.isdir("/proc"):
         return None
