@@ -36,7 +36,10 @@ CUT_S = 45.0
 SPEC: dict[str, Any] = {
     **CHURN_SPEC,
     "name": "partition",
-    "steps": 60,
+    # long enough to be running when the cut lands: 60 steps took 3.5 s once the training peers
+    # stopped re-probing their links, and ended 1 s before the cut
+    "steps": 300,
+    "checkpoint_interval": 25,
     "parallel": {"d_pp": 2, "d_dp": 1},
     # two peers could run it as 2 x 1: only the majority rule keeps the minority from committing
     "min_peers": 2,
