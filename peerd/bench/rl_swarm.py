@@ -503,7 +503,8 @@ def rl_swarm(s: Settings, png: str | None = None) -> dict[str, Any]:
     start, phases = start_and_phases(plan, s, len(alloc["spares"]))
     with one_thread():
         end = assess(model, plan, s)
-    predicted = predict(job, committed_roster(status, alloc, profile.memory_gb_s * 1e9), alloc)
+    launch_s = profile.launch_us * 1e-6 if profile.launch_us is not None else None
+    predicted = predict(job, committed_roster(status, alloc, profile.memory_gb_s * 1e9, launch_s), alloc)
     ids = {p["peer_id"]: p["name"] for p in status.get("peers", [])}
     polled_kls = [p["kl"] for p in main.polled.values()]
     iteration_s = measured_iteration_s(main, per_iteration)
@@ -518,7 +519,11 @@ def rl_swarm(s: Settings, png: str | None = None) -> dict[str, Any]:
             "torch_threads_per_daemon": 1,
             "load_average_start": load_start,
             "load_average_end": load_average(),
-            "profile": {"fp32_tflops": profile.tflops.get("fp32"), "memory_gb_s": profile.memory_gb_s},
+            "profile": {
+                "fp32_tflops": profile.tflops.get("fp32"),
+                "memory_gb_s": profile.memory_gb_s,
+                "launch_us": profile.launch_us,
+            },
             "note": f"{s.peers} daemons share {cores} cores with whatever else runs on the machine",
         },
         "allocation": {

@@ -104,11 +104,14 @@ def comparison(predicted: dict[str, float], measured: dict[str, float]) -> dict[
     }
 
 
-def committed_roster(status: dict[str, Any], alloc: dict[str, Any], memory_bandwidth: float) -> Roster:
+def committed_roster(
+    status: dict[str, Any], alloc: dict[str, Any], memory_bandwidth: float, launch_s: float | None
+) -> Roster:
     """The committed roster's peers as the owner's status shows them, in the form the RL cost model reads.
 
     Each entry as ``peerd.jobs.service`` builds it: fp32 TFLOPS, free memory, measured links (one-way
-    delay = RTT / 2, upload bandwidth); ``memory_bandwidth`` (bytes/s) from the shared profile cache.
+    delay = RTT / 2, upload bandwidth); ``memory_bandwidth`` (bytes/s) and ``launch_s`` (seconds per
+    dispatched op) from the shared profile cache.
     """
     rows = {p["peer_id"]: p for p in status.get("peers", [])}
     members = list(alloc["roster"])
@@ -118,7 +121,7 @@ def committed_roster(status: dict[str, Any], alloc: dict[str, Any], memory_bandw
         memory = (
             row["memory_free_bytes"] if row["memory_free_bytes"] is not None else row["memory_total_bytes"]
         )
-        device = RosterDevice(float(row["tflops"]["fp32"]), int(memory), "", memory_bandwidth)
+        device = RosterDevice(float(row["tflops"]["fp32"]), int(memory), "", memory_bandwidth, launch_s)
         links = {
             x["dst"]: RosterLink(x["dst"], x["rtt_ms"] / 2e3, x["bw_up_mbps"] * 1e6)
             for x in status.get("links", [])

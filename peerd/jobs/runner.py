@@ -43,6 +43,7 @@ from peerd.averaging import GroupAllReduce
 from peerd.errors import ConfigError, ErrorCode, PeerdError, PeerUnavailable
 from peerd.jobs.catalog import read_progress
 from peerd.jobs.heartbeat import ProgressPublisher
+from peerd.jobs.optimizer import optimizer_config
 from peerd.jobs.records import (
     MAX_SUSPECTS,
     MAX_VAL_POINTS,
@@ -59,13 +60,12 @@ from peerd.jobs.recovery import (
     resume_step,
     stage_layers,
 )
-from peerd.jobs.spec import JobSpec, OptimizerSpec
+from peerd.jobs.spec import JobSpec
 from peerd.jobs.store import RecordStore
 from peerd.log import get_logger
 from peerd.pipeline import checkpoint
 from peerd.pipeline.codec import CompressionConfig
 from peerd.pipeline.config import ModelBuild, TrainConfig
-from peerd.pipeline.optim import OptimizerConfig
 from peerd.pipeline.partition import balanced_layers_per_stage
 from peerd.pipeline.replicas import CheckpointReplicas, replicate
 from peerd.pipeline.statesync import (
@@ -118,21 +118,6 @@ def unsupported(spec: JobSpec) -> tuple[list[ConfigError], list[str]]:
     """
     errors: list[ConfigError] = []
     return errors, []
-
-
-def optimizer_config(opt: OptimizerSpec) -> OptimizerConfig:
-    """The spec's optimizer section as the stage workers run it (the spec's documented defaults filled in)."""
-    return OptimizerConfig(
-        name=opt.name,
-        lr=opt.lr,
-        betas=opt.betas if opt.betas is not None else (0.9, 0.95),
-        momentum=opt.momentum if opt.momentum is not None else 0.0,
-        weight_decay=opt.weight_decay,
-        warmup_steps=opt.warmup_steps,
-        schedule=opt.schedule,
-        min_lr_ratio=opt.min_lr_ratio,
-        grad_clip=opt.grad_clip,
-    )
 
 
 def train_config(

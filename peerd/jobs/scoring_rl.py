@@ -12,7 +12,9 @@ same arithmetic as ``peerd plan --kind rl``:
 - the spec becomes a ``Workload``: the built-in GPT's sizes, ``global_batch / group_size``
   prompts of the task's longest prompt, ``max_new_tokens`` decode steps, one optimizer update
   per ``micro_batch`` completions (times ``epochs``), staleness ``k``, fp32 everywhere (what the
-  runtime computes in: 4-byte weights, gradients, KV cache and two Adam moments);
+  runtime computes in: 4-byte weights, gradients, KV cache and two Adam moments), and the ops the
+  runtime dispatches per unit of work, counted on its own code (``peerd.rl.launches``; each costs
+  the peer's measured ``launch_s``);
 - the plan is the grouping ``generate | reference + actor_train`` with the layouts the runtime
   runs (data-parallel generation over the rollout peers with equal shares, one trainer); its
   iteration time (sync: the critical path; async: the steady state) is the cost.
@@ -26,12 +28,18 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections import OrderedDict
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from peerd.errors import ConfigError
+from peerd.jobs.optimizer import optimizer_config
 from peerd.jobs.scoring import CACHE_ROSTERS, JobModel, RosterScorer, job_model, roster_scenario
 from peerd.jobs.spec import JobSpec
+from peerd.pipeline.optim import build_optimizer, build_scheduler
+from peerd.rl.launches import IterationShape, count_launches
 from peerd.rl.tasks import make_task
 from peerd.sched.allocation import Allocation
 from peerd.sched.consensus.messages import Roster
@@ -75,8 +83,27 @@ def rl_workload(spec: JobSpec) -> Workload:
         vocab=cfg.vocab_size,
         name=spec.model.preset,
     )
+    shape = IterationShape(
+        task=task,
+        sampling=rl.sampling,
+        group_size=rl.group_size,
+        prompts=spec.global_batch // rl.group_size,
+        groups_per_update=spec.micro_batch // rl.group_size,
+        epochs=rl.epochs,
+        loss=rl.loss,
+        grad_clip=spec.optimizer.grad_clip,
+    )
+    optimizer = optimizer_config(spec.optimizer)
+
+    def runtime_optimizer(
+        params: Iterable[torch.nn.Parameter],
+    ) -> tuple[torch.optim.Optimizer, Callable[[], object]]:
+        built = build_optimizer(params, optimizer)  # and its schedule, as the trainer steps it
+        return built, build_scheduler(built, optimizer, spec.steps * shape.prompts).step
+
     return Workload(
         actor=actor,
+        launches=count_launches(cfg, shape, runtime_optimizer),
         prompts=spec.global_batch // rl.group_size,
         responses_per_prompt=rl.group_size,
         prompt_len=task.max_prompt_len,
@@ -200,17 +227,22 @@ class RLRosterScorer:
 
 
 def with_bandwidths(roster: Roster, jm: JobModel) -> Scenario:
-    """``roster_scenario`` with every device's memory bandwidth from its roster entry."""
+    """``roster_scenario`` with every device's memory bandwidth and seconds per op from its roster entry
+    (a peer that predates the op measurement is priced without launches)."""
     base = roster_scenario(roster, jm)
-    bandwidth = {}
+    measured: dict[str, tuple[float, float | None]] = {}
     for i, e in enumerate(roster.entries):
         if e.profile.memory_bandwidth is None:
             raise ConfigError(
                 f"roster.entries[{i}].profile.memory_bandwidth",
                 f"peer {e.peer} did not measure its memory bandwidth: an rl job cannot time its generation",
             )
-        bandwidth[e.peer] = e.profile.memory_bandwidth / 1e9
-    devices = [dataclasses.replace(d, memory_bandwidth_gb_s=bandwidth[d.id]) for d in base.devices]
+        launch_us = e.profile.launch_s * 1e6 if e.profile.launch_s is not None else None
+        measured[e.peer] = (e.profile.memory_bandwidth / 1e9, launch_us)
+    devices = [
+        dataclasses.replace(d, memory_bandwidth_gb_s=measured[d.id][0], launch_us=measured[d.id][1])
+        for d in base.devices
+    ]
     return dataclasses.replace(base, devices=devices)
 
 

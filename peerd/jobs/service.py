@@ -52,8 +52,8 @@ SERVICE_METHODS = {"fetch"}  # served by JobService itself (it holds the transpo
 
 
 def roster_profile(profile: DeviceProfile | None, region: str) -> RosterDevice:
-    """What this peer tells a roster about its device: fp32 TFLOPS (what training runs), usable memory
-    and memory bandwidth (bytes/s, when its profile measured it)."""
+    """What this peer tells a roster about its device: fp32 TFLOPS (what training runs), usable memory,
+    memory bandwidth (bytes/s) and seconds per dispatched op (when its profile measured them)."""
     if profile is None:
         return RosterDevice(0.0, 0, region)
     tflops = profile.tflops.get("fp32") or max(profile.tflops.values(), default=0.0)
@@ -61,7 +61,8 @@ def roster_profile(profile: DeviceProfile | None, region: str) -> RosterDevice:
         profile.memory_free_bytes if profile.memory_free_bytes is not None else profile.memory_total_bytes
     )
     bandwidth = profile.memory_gb_s * 1e9 if profile.memory_gb_s is not None else None
-    return RosterDevice(round(float(tflops), 6), int(memory), region, bandwidth)
+    launch = profile.launch_us * 1e-6 if profile.launch_us is not None else None
+    return RosterDevice(round(float(tflops), 6), int(memory), region, bandwidth, launch)
 
 
 def roster_links(measurements: list[LinkMeasurement], peers: set[str]) -> tuple[RosterLink, ...]:

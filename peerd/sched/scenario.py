@@ -59,6 +59,10 @@ class Device:
     memory_bandwidth_gb_s: Annotated[float | None, Range(gt=0)] = None
     """Accelerator memory bandwidth in GB/s (1e9 bytes/s); None = unknown. The RL scheduler needs it
     (decoding is memory-bound); the training objectives ignore it."""
+    launch_us: Annotated[float | None, Range(gt=0)] = None
+    """Microseconds one dispatched device op costs beyond its arithmetic (framework and launch
+    overhead, measured on a small model); None = not modelled. The RL scheduler adds it per op
+    counted in the workload's ``launches`` (what dominates models too small to fill the device)."""
 
     def problems(self) -> list[ConfigError]:
         return [] if self.id else [ConfigError("id", "must be a non-empty string")]

@@ -2,7 +2,9 @@
 
 TFLOPS come from timing dense square matmuls (2·n³ flops each) per dtype the device
 supports, memory bandwidth from timing a large device-to-device copy (what decoding with a
-KV cache is bound by: the RL cost model's generation term); the measurement is cached in a JSON file under a key made of the hardware
+KV cache is bound by: the RL cost model's generation term), the seconds per dispatched op from
+timing a toy-width GPT's training steps (what a model too small to fill the device costs:
+``peerd.models.launches``); the measurement is cached in a JSON file under a key made of the hardware
 and software versions (CPU model / GPU name, device string, torch, peerd, CUDA), so a
 restart skips it and an upgrade re-measures. Free memory is always read live.
 """
@@ -18,7 +20,7 @@ import statistics
 import subprocess
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard
 
 import msgspec
 import torch
@@ -28,6 +30,7 @@ from peerd import __version__
 from peerd.durable import remove_leftovers, replace_file
 from peerd.errors import ConfigError
 from peerd.log import get_logger
+from peerd.models.launches import launch_seconds
 from peerd.swarm.records import DeviceKind, DeviceProfile
 
 logger = get_logger(__name__)
@@ -277,19 +280,27 @@ def _load_cache(path: Path) -> dict[str, Any]:
     return data["entries"]
 
 
-def _cached_profile(entry: Any, fingerprint: dict[str, Any]) -> tuple[dict[str, float], float, float] | None:
-    """(tflops, memory GB/s, measured_at) from a cache entry, or None if it is not a well-formed entry
-    for this fingerprint (entries written before the bandwidth was measured count as missing)."""
+def _positive(x: Any) -> TypeGuard[float]:
+    return isinstance(x, int | float) and not isinstance(x, bool) and x > 0
+
+
+def _cached_profile(
+    entry: Any, fingerprint: dict[str, Any]
+) -> tuple[dict[str, float], float, float, float] | None:
+    """(tflops, memory GB/s, launch µs, measured_at) from a cache entry, or None if it is not a
+    well-formed entry for this fingerprint (entries written before the bandwidth or the launch
+    cost was measured count as missing)."""
     if not isinstance(entry, dict) or entry.get("fingerprint") != fingerprint:
         return None
-    tflops, measured_at, gb_s = entry.get("tflops"), entry.get("measured_at"), entry.get("memory_gb_s")
+    tflops, measured_at = entry.get("tflops"), entry.get("measured_at")
+    gb_s, launch_us = entry.get("memory_gb_s"), entry.get("launch_us")
     if not isinstance(tflops, dict) or not isinstance(measured_at, int | float) or "fp32" not in tflops:
         return None
-    if not all(isinstance(k, str) and isinstance(v, int | float) and v > 0 for k, v in tflops.items()):
+    if not all(isinstance(k, str) and _positive(v) for k, v in tflops.items()):
         return None
-    if not isinstance(gb_s, int | float) or isinstance(gb_s, bool) or not gb_s > 0:
+    if not _positive(gb_s) or not _positive(launch_us):
         return None
-    return {k: float(v) for k, v in tflops.items()}, float(gb_s), float(measured_at)
+    return {k: float(v) for k, v in tflops.items()}, float(gb_s), float(launch_us), float(measured_at)
 
 
 def _store_cache(path: Path, entries: dict[str, Any]) -> None:
@@ -326,25 +337,28 @@ def profile_device(
     entries = _load_cache(path) if path is not None else {}
     cached = None if refresh else _cached_profile(entries.get(key), fingerprint)
     if cached is not None:
-        tflops, gb_s, measured_at = cached
+        tflops, gb_s, launch_us, measured_at = cached
         logger.debug("device profile for %s from cache %s", dev, path)
     else:
         start = time.perf_counter()
         tflops = measure_tflops(dev, budget_s=budget_s)
         gb_s = measure_memory_bandwidth(dev)
+        launch_us = launch_seconds(dev) * 1e6
         measured_at = get_dht_time()
         logger.info(
-            "measured %s in %.1f s: %s, memory %.3g GB/s",
+            "measured %s in %.1f s: %s, memory %.3g GB/s, %.3g µs per op",
             dev,
             time.perf_counter() - start,
             ", ".join(f"{k} {v:.3g} TFLOPS" for k, v in tflops.items()),
             gb_s,
+            launch_us,
         )
         if path is not None:
             entries[key] = {
                 "fingerprint": fingerprint,
                 "tflops": tflops,
                 "memory_gb_s": gb_s,
+                "launch_us": launch_us,
                 "measured_at": measured_at,
             }
             _store_cache(path, entries)
@@ -357,4 +371,5 @@ def profile_device(
         tflops=tflops,
         measured_at=measured_at,
         memory_gb_s=round(gb_s, 3),
+        launch_us=round(launch_us, 3),
     )

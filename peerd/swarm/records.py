@@ -77,6 +77,9 @@ class DeviceProfile(WireStruct, kw_only=True):
     memory_gb_s: PositiveReal | None = (
         None  # measured device-memory copy bandwidth (GB/s); absent from older peers
     )
+    launch_us: PositiveReal | None = (
+        None  # measured µs per dispatched op (small models); absent from older peers
+    )
 
 
 class LinkMeasurement(WireStruct, kw_only=True):

@@ -18,8 +18,8 @@ from typing import Any
 import torch
 
 from peerd.compress.device import host_copy
+from peerd.jobs.optimizer import optimizer_config
 from peerd.jobs.rl.shards import RLPlan
-from peerd.jobs.runner import optimizer_config
 from peerd.models.gpt import GPT
 from peerd.pipeline import checkpoint
 from peerd.pipeline.optim import build_optimizer, build_scheduler

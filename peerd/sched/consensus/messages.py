@@ -43,6 +43,7 @@ class RosterDevice(FrozenWireStruct, frozen=True):
     memory_bytes: Count  # usable accelerator memory
     region: str = ""  # free-form label (clustering seed), "" when unknown
     memory_bandwidth: PositiveReal | None = None  # measured bytes/s of a device-memory copy (RL decode cost)
+    launch_s: PositiveReal | None = None  # measured seconds per dispatched op (RL cost of small models)
 
 
 class RosterLink(FrozenWireStruct, frozen=True):

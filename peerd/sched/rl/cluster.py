@@ -121,6 +121,8 @@ class Cluster:
     memory: np.ndarray
     """Usable bytes (``memory_usable`` x memory)."""
     mem_bw: np.ndarray
+    launch: np.ndarray
+    """Seconds per dispatched op (``launch_us``; 0 where not modelled)."""
     delay: np.ndarray
     """One-way delay in seconds, (N, N)."""
     bw: np.ndarray
@@ -143,7 +145,14 @@ class Cluster:
         classes = []
         for d in devs:
             # a device with its own links is a class of its own
-            key: tuple = (d.tflops, d.memory_gb, d.memory_bandwidth_gb_s, d.region, d.access_mbps)
+            key: tuple = (
+                d.tflops,
+                d.memory_gb,
+                d.memory_bandwidth_gb_s,
+                d.launch_us,
+                d.region,
+                d.access_mbps,
+            )
             key = (*key, d.id) if d.id in linked else key
             classes.append(keys.setdefault(key, len(keys)))
         return cls(
@@ -151,6 +160,7 @@ class Cluster:
             flops=np.array([d.tflops * 1e12 for d in devs]),
             memory=np.array([d.memory_gb * 1e9 * k.memory_usable for d in devs]),
             mem_bw=np.array([(d.memory_bandwidth_gb_s or 0.0) * 1e9 for d in devs]),
+            launch=np.array([(d.launch_us or 0.0) * 1e-6 for d in devs]),
             delay=delay,
             bw=bw,
             cls=np.array(classes, dtype=np.intp),
@@ -195,6 +205,7 @@ class Cluster:
             flops=self.flops[idx],
             memory=self.memory[idx],
             mem_bw=self.mem_bw[idx],
+            launch=self.launch[idx],
             delay=self.delay[np.ix_(idx, idx)],
             bw=self.bw[np.ix_(idx, idx)],
             cls=cls.astype(np.intp),

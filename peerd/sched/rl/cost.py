@@ -52,6 +52,11 @@ all-reduce of x bytes over n devices (reduce-scatter + all-gather).
 - **Colocated reshard** (FSDP actor training that shares its devices with generation): after the
   update each device gathers the full new weights for the rollout engine inside its shard group,
   ``ag(P b_w, f)`` once per iteration, counted in actor training.
+- **Launches**: every op the runtime dispatches costs the device's λ (``launch``, seconds) on top of
+  its arithmetic; the workload counts them per unit (``Launches``): a generation wave adds
+  ``λ (n_gen + n_seq · c + n_dec · T_r)``, an inference or training micro-batch adds ``λ n_mb / pp``
+  to its stage's compute, an optimizer step ``λ n_opt / pp``, and each task's per-iteration set-up
+  ``λ n_task`` once (λ of the slowest device holding the task). A tiny model is all launches.
 - **Weight sync** (actor bytes X = P b_w) when generation and actor training use different
   devices: into the generator group over its best link from the trainers, then along the
   generators' maximum-bandwidth spanning tree (pipelined chunks):
@@ -139,6 +144,8 @@ class ReplicaGen:
     """Least memory (bytes) left on a rank for the KV cache after parked state and the weight shard."""
     alpha: float
     beta: float
+    launch: float = 0.0
+    """Largest seconds per dispatched op among the tp ranks."""
 
 
 def generation_time(model: ModelSize, w: Workload, rep: ReplicaGen, tp: int, seqs: float) -> float:
@@ -161,7 +168,9 @@ def generation_time(model: ModelSize, w: Workload, rep: ReplicaGen, tp: int, seq
     prefill = 2.0 * model.params * c * w.prompt_len / flops + tp_p
     read = model.params * k.weight_bytes + c * kv_tok * (w.prompt_len + w.response_len / 2.0)
     step = max(read / bw, 2.0 * model.params * c / flops) + tp_d
-    return waves * (prefill + w.response_len * step)
+    n = w.launches
+    ops = n.generate + n.generate_per_sequence * c + n.decode_step * w.response_len
+    return waves * (prefill + w.response_len * step + ops * rep.launch)
 
 
 @dataclass(frozen=True)
@@ -176,6 +185,8 @@ class Pipelines:
     hop_alpha: np.ndarray
     hop_beta: np.ndarray
     """(dp, pp - 1, tp) delay and bandwidth from stage s rank t to stage s+1 rank t."""
+    stage_launch: np.ndarray | None = None
+    """(dp, pp) the slowest rank's seconds per dispatched op (None: not modelled)."""
 
     @classmethod
     def of(cls, cluster: Cluster, grid: np.ndarray) -> Pipelines:
@@ -188,6 +199,7 @@ class Pipelines:
             stage_beta=pair_b.min(axis=(2, 3)),
             hop_alpha=cluster.delay[grid[:, :-1], grid[:, 1:]],
             hop_beta=cluster.bw[grid[:, :-1], grid[:, 1:]],
+            stage_launch=cluster.launch[grid].max(axis=2),
         )
 
 
@@ -216,6 +228,11 @@ def pipeline_slots(model: ModelSize, w: Workload, pipes: Pipelines, tp: int, tra
     factor = (8.0 if k.recompute else 6.0) if train else 2.0
     per_layer = 4 if train else 2
     compute = factor * (model.params / pp) * tokens / (tp * pipes.stage_flops * k.compute_efficiency)
+    if pipes.stage_launch is not None:
+        n = w.launches
+        compute = compute + (n.train_per_micro_batch if train else n.inference_per_micro_batch) / pp * (
+            pipes.stage_launch
+        )
     compute = compute + tp_traffic_array(
         tokens,
         model.layers / pp,
@@ -233,6 +250,14 @@ def pipeline_slots(model: ModelSize, w: Workload, pipes: Pipelines, tp: int, tra
         )
         slot = np.maximum(slot, (2.0 if train else 1.0) * xfer)
     return slot
+
+
+def task_launches(w: Workload, train: bool, pp: int, launch: float) -> tuple[float, float]:
+    """(seconds per iteration, seconds per optimizer step) of a task's launches outside its micro-batches."""
+    n = w.launches
+    if train:
+        return n.train * launch, n.optimizer_step / pp * launch
+    return n.inference * launch, 0.0
 
 
 def pipeline_time(micro_batches: int, pp: int, slot: float) -> float:

@@ -173,14 +173,20 @@ def _generate(
     pair_b = cluster.bw[devs[:, :, None], devs[:, None, :]]
     reps = [
         cost.ReplicaGen(
-            flops=lay.tp * float(f), mem_bw=lay.tp * float(b), free=float(fr), alpha=float(a), beta=float(bt)
+            flops=lay.tp * float(f),
+            mem_bw=lay.tp * float(b),
+            free=float(fr),
+            alpha=float(a),
+            beta=float(bt),
+            launch=float(ln),
         )
-        for f, b, fr, a, bt in zip(
+        for f, b, fr, a, bt, ln in zip(
             cluster.flops[devs].min(axis=1),
             cluster.mem_bw[devs].min(axis=1),
             room,
             pair_d.max(axis=(1, 2)),
             pair_b.min(axis=(1, 2)),
+            cluster.launch[devs].max(axis=1),
             strict=True,
         )
     ]
@@ -227,6 +233,7 @@ def _pipeline_task(
 
     split = cost.balanced_split(w.sequences, lay.dp, replica_time, balanced)
     pipe = max(replica_time(r, s) for r, s in enumerate(split))
+    setup, step_ops = cost.task_launches(w, train, lay.pp, float(cluster.launch[grid].max()))
     if train:
         grads = model.params / (lay.pp * lay.tp) * w.constants.grad_bytes
         ar = 0.0
@@ -238,9 +245,9 @@ def _pipeline_task(
                 cost.allreduce(grads, lay.dp, float(a), float(b))
                 for a, b in zip(alpha.ravel(), beta.ravel(), strict=True)
             )
-        seconds = per_step * (pipe + ar)
+        seconds = per_step * (pipe + ar + step_ops) + setup
     else:
-        seconds = pipe
+        seconds = pipe + setup
     peak = {int(d): float(b) for d, b in zip(grid.ravel(), need.ravel(), strict=True)}
     return TaskPlan(task, lay, seconds, grid, peak), None
 
@@ -278,7 +285,8 @@ def _fsdp_task(
     slot = max(float(compute.max()), collectives)
     steps = w.optimizer_steps if train else 1
     micro = math.ceil(w.sequences / (lay.dp * w.micro_batch * steps) - 1e-9)
-    seconds = steps * micro * slot
+    setup, step_ops = cost.task_launches(w, train, 1, float(cluster.launch[devs].max()))
+    seconds = steps * (micro * slot + step_ops) + setup
     if task == "actor_train" and with_generation:  # reshard into the rollout engine's layout
         weights = model.params * w.constants.weight_bytes
         seconds += max(cost.allgather(weights, f, a, b) for a, b in gathers)

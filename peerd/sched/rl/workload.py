@@ -97,6 +97,34 @@ class CostConstants:
 
 
 @dataclass
+class Launches:
+    """Device ops the runtime dispatches per unit of work, counted on its own code (default: none).
+
+    Each op costs a device's ``launch_us`` on top of its arithmetic: negligible for large models,
+    the whole cost of tiny ones (a 2-layer GPT of width 32 dispatches ~500 ops to sample a batch of
+    three tokens, each ~6 µs on a CPU, against microseconds of FLOPs). Counts per replica; a
+    pipeline stage of pp takes 1/pp of the per-micro-batch and per-step counts.
+    """
+
+    generate: Annotated[float, Range(ge=0)] = 0.0
+    """Per generation wave: prompt set-up, prefill and the result's gathering."""
+    generate_per_sequence: Annotated[float, Range(ge=0)] = 0.0
+    """Per sequence of a wave (per-row set-up the runtime does in a loop)."""
+    decode_step: Annotated[float, Range(ge=0)] = 0.0
+    """Per decode step of a wave: one token's forward with the KV cache and its sampling."""
+    inference: Annotated[float, Range(ge=0)] = 0.0
+    """Per iteration of an inference task (reference, reward, critic log-probs): its set-up and passes."""
+    inference_per_micro_batch: Annotated[float, Range(ge=0)] = 0.0
+    """Per micro-batch forward of an inference task."""
+    train: Annotated[float, Range(ge=0)] = 0.0
+    """Per iteration of a training task: its set-up (advantages, packing)."""
+    train_per_micro_batch: Annotated[float, Range(ge=0)] = 0.0
+    """Per micro-batch forward + backward."""
+    optimizer_step: Annotated[float, Range(ge=0)] = 0.0
+    """Per optimizer step: gradient clipping, the update, zeroing."""
+
+
+@dataclass
 class Workload:
     """One RL post-training job: its models and the size of one iteration."""
 
@@ -126,6 +154,8 @@ class Workload:
     """Async depth k: generation may run k iterations ahead of training (0 = synchronous, on-policy)."""
     name: str = ""
     constants: CostConstants = field(default_factory=CostConstants)
+    launches: Launches = field(default_factory=Launches)
+    """Device ops per unit of work, each costing the device's ``launch_us`` (none by default)."""
 
     @property
     def sequences(self) -> int:

@@ -101,7 +101,7 @@ def _status() -> dict:
 def test_the_rebuilt_roster_scores_like_the_daemons_entries() -> None:
     status = _status()
     alloc = {"epoch": 3, "roster": ["QmA", "QmB", "QmC"], "stages": [["QmB"]], "spares": ["QmA", "QmC"]}
-    roster = committed_roster(status, alloc, memory_bandwidth=12e9)
+    roster = committed_roster(status, alloc, memory_bandwidth=12e9, launch_s=4e-6)
     assert roster.peers == ("QmA", "QmB", "QmC")
     a = roster.entry("QmA")
     assert a is not None and [link.peer for link in a.links] == ["QmB", "QmC"]
@@ -115,7 +115,7 @@ def test_the_rebuilt_roster_scores_like_the_daemons_entries() -> None:
             for x in mine
             if x["status"] == "ok"
         )
-        return RosterEntry("j", 3, peer, 0.0, RosterDevice(0.05 * (i + 1), 4 << 30, "", 12e9), links)
+        return RosterEntry("j", 3, peer, 0.0, RosterDevice(0.05 * (i + 1), 4 << 30, "", 12e9, 4e-6), links)
 
     direct = Roster.of(3, [entry(i, p) for i, p in enumerate(alloc["roster"])])
     spec = parse_job_spec(job_spec(Settings(peers=3), staleness=0, iterations=5, name="r"))

@@ -173,6 +173,11 @@ def test_a_roster_entry_carries_the_free_memory_the_peer_measured() -> None:
     # a record from a platform that cannot tell free memory (the field is optional): the total
     unknown = DeviceProfile(name="cpu", kind=DeviceKind.CPU, memory_total_bytes=8 << 30, measured_at=1.0)
     assert roster_profile(unknown, "eu").memory_bytes == 8 << 30
+    assert roster_profile(unknown, "eu").launch_s is None  # a peer that predates the measurement
+    measured = DeviceProfile(
+        name="cpu", kind=DeviceKind.CPU, memory_total_bytes=8 << 30, measured_at=1.0, launch_us=3.5
+    )
+    assert roster_profile(measured, "eu").launch_s == pytest.approx(3.5e-6)
 
 
 def test_a_peer_whose_free_memory_cannot_hold_a_stage_is_never_allocated_one() -> None:

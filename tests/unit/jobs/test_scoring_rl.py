@@ -25,15 +25,21 @@ RL_JOB: dict[str, Any] = {
 }
 
 
-def roster(tflops: list[float], bandwidth: list[float | None], link_bps: float = 1e9) -> Roster:
+def roster(
+    tflops: list[float],
+    bandwidth: list[float | None],
+    link_bps: float = 1e9,
+    launch: list[float | None] | None = None,
+) -> Roster:
     peers = PEERS[: len(tflops)]
+    launch = launch or [None] * len(tflops)
     entries = [
         RosterEntry(
             job="j" * 32,
             epoch=0,
             peer=p,
             issued_at=0.0,
-            profile=RosterDevice(tflops[i], 8 << 30, "eu", bandwidth[i]),
+            profile=RosterDevice(tflops[i], 8 << 30, "eu", bandwidth[i], launch[i]),
             links=tuple(RosterLink(q, 0.001, link_bps) for q in peers if q > p),
         )
         for i, p in enumerate(peers)
@@ -81,6 +87,19 @@ def test_generation_is_timed_by_memory_bandwidth() -> None:
     slow = RLRosterScorer(spec).predict(roster([0.1, 0.1], [1e10, 1e8]), alloc)
     assert slow.tasks["generate"] > fast.tasks["generate"]
     assert slow.tasks["actor_train"] == fast.tasks["actor_train"]
+
+
+def test_a_peer_that_measured_its_launch_cost_pays_it_per_counted_op() -> None:
+    spec = parse_job_spec(RL_JOB)
+    ops = rl_workload(spec).launches
+    alloc = Allocation(((PEERS[0],),), (PEERS[1],))
+    plain = RLRosterScorer(spec).predict(roster([0.1, 0.1], [1e10, 1e10]), alloc)
+    # the trainer (PEERS[0]) at 10 µs per op, the rollout peer predating the measurement
+    costly = RLRosterScorer(spec).predict(roster([0.1, 0.1], [1e10, 1e10], launch=[1e-5, None]), alloc)
+    assert costly.tasks["generate"] == plain.tasks["generate"]
+    assert costly.tasks["reference"] - plain.tasks["reference"] == pytest.approx(ops.inference * 1e-5)
+    updates = ops.train + ops.train_per_micro_batch * 2  # two optimizer steps of one micro-batch each
+    assert costly.tasks["actor_train"] - plain.tasks["actor_train"] == pytest.approx(updates * 1e-5)
 
 
 def test_a_slow_link_makes_a_rollout_peer_not_worth_it() -> None:

@@ -101,9 +101,10 @@ def test_cache_is_written_and_reused(measured, monkeypatch):
 
     monkeypatch.setattr(profiling, "measure_tflops", must_not_measure)
     monkeypatch.setattr(profiling, "measure_memory_bandwidth", must_not_measure)
+    monkeypatch.setattr(profiling, "launch_seconds", must_not_measure)
     again = profile_device("cpu", cache_path=cache)
     assert again.tflops == first.tflops and again.measured_at == first.measured_at
-    assert again.memory_gb_s == first.memory_gb_s
+    assert again.memory_gb_s == first.memory_gb_s and again.launch_us == first.launch_us
 
 
 def test_free_memory_is_read_live(measured, monkeypatch):
@@ -154,16 +155,22 @@ def test_memory_bandwidth_is_measured_and_carried(measured):
     assert prof.memory_gb_s is not None and 0.1 < prof.memory_gb_s < 10_000
 
 
-def test_an_entry_from_before_the_bandwidth_is_remeasured(tmp_path):
+def test_the_launch_cost_is_measured_and_carried(measured):
+    _, prof = measured
+    assert prof.launch_us is not None and 0.01 < prof.launch_us < 10_000
+
+
+@pytest.mark.parametrize("field", ["memory_gb_s", "launch_us"])
+def test_an_entry_from_before_a_measurement_is_remeasured(tmp_path, field):
     cache = tmp_path / "profiles.json"
     profile_device("cpu", cache_path=cache, budget_s=BUDGET)
     data = json.loads(cache.read_text())
     for entry in data["entries"].values():
-        del entry["memory_gb_s"]
+        del entry[field]
     cache.write_text(json.dumps(data))
     again = profile_device("cpu", cache_path=cache, budget_s=BUDGET)
-    assert again.memory_gb_s is not None and again.memory_gb_s > 0
-    assert all("memory_gb_s" in e for e in json.loads(cache.read_text())["entries"].values())
+    assert getattr(again, field) is not None and getattr(again, field) > 0
+    assert all(field in e for e in json.loads(cache.read_text())["entries"].values())
 
 
 def test_tampered_entry_is_remeasured(tmp_path):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -12,7 +13,7 @@ from peerd.sched.rl.baselines import verl_like, verl_like_choice
 from peerd.sched.rl.cluster import Cluster, rl_scenario
 from peerd.sched.rl.group import evaluate_group, shard_groups
 from peerd.sched.rl.layout import Layout, arrange, layouts
-from peerd.sched.rl.workload import CostConstants, ModelSize, Workload
+from peerd.sched.rl.workload import CostConstants, Launches, ModelSize, Workload
 from peerd.sched.scenario import Device, Regions, Scenario
 
 # one layer, one head of 64: a token's KV is 2 (K, V) x 1 x 1 x 64 x 2 bytes = 256 bytes
@@ -261,6 +262,74 @@ def test_verl_like_takes_the_best_fsdp_size_and_micro_batch():
     assert busy(2, 2) < busy(2, 1) < busy(4, 1) and busy(2, 2) < busy(1, 2) and busy(2, 2) < busy(4, 2)
     d = Layout(4, 1, 1, fsdp=True, fsdp_size=2, micro_batch=2).to_dict()
     assert (d["fsdp_size"], d["micro_batch"]) == (2, 2) and "fsdp" not in Layout(4, 1, 1).to_dict()
+
+
+OPS = Launches(
+    generate=50,
+    generate_per_sequence=3,
+    decode_step=100,
+    inference=400,
+    inference_per_micro_batch=60,
+    train=10,
+    train_per_micro_batch=200,
+    optimizer_step=30,
+)
+
+
+def test_generation_pays_its_launches_per_wave():
+    w = toy_workload(launches=OPS)
+    fast = cost.ReplicaGen(flops=1e12, mem_bw=1e11, free=256 * 200 * 10, alpha=0.0, beta=math.inf)
+    slow = cost.ReplicaGen(**{**vars(fast), "launch": 5e-6})
+    c = 25 / 3  # three waves, as in the roofline test
+    ops = 50 + 3 * c + 100 * 100  # set-up, per sequence, per decode step (T_r = 100)
+    extra = cost.generation_time(TOY, w, slow, 1, 25) - cost.generation_time(TOY, w, fast, 1, 25)
+    assert extra == pytest.approx(3 * ops * 5e-6)
+
+
+def test_pipeline_micro_batches_and_steps_pay_their_launches_per_stage():
+    w = toy_workload(launches=OPS)
+    pipes = cost.Pipelines(
+        stage_flops=np.array([[1e12, 5e11]]),
+        stage_alpha=np.zeros((1, 2)),
+        stage_beta=np.full((1, 2), np.inf),
+        hop_alpha=np.array([[[0.01]]]),
+        hop_beta=np.array([[[1e6]]]),
+        stage_launch=np.array([[1e-3, 2e-3]]),
+    )
+    # each stage runs half the layers: half the per-micro-batch ops at its own cost per op
+    assert cost.pipeline_slots(TOY, w, pipes, 1, train=False)[0] == pytest.approx(0.8 + 30 * 2e-3)
+    assert cost.pipeline_slots(TOY, w, pipes, 1, train=True)[0] == pytest.approx(3.2 + 100 * 2e-3)
+    assert cost.task_launches(w, True, 2, 1e-3) == pytest.approx((10 * 1e-3, 15 * 1e-3))
+    assert cost.task_launches(w, False, 2, 1e-3) == pytest.approx((400 * 1e-3, 0.0))
+
+
+def test_tasks_on_devices_with_a_launch_cost_add_it_and_others_do_not():
+    w = toy_workload(prompts=4, optimizer_steps=2, launches=OPS)
+    plain = _cluster([], tflops=1.0)
+    costly = dataclasses.replace(plain, launch=np.full(3, 1e-3))
+    one = {"actor_train": Layout(1, 1, 1), "reference": Layout(1, 1, 1)}
+    base = evaluate_group(plain, w, ("reference", "actor_train"), [0], only=one)
+    paid = evaluate_group(costly, w, ("reference", "actor_train"), [0], only=one)
+    assert base.plans["actor_train"].seconds == pytest.approx(2 * 2 * 3.2)  # 2 steps x 2 micro-batches
+    # training: the set-up once, per step its two micro-batches' ops and the optimizer step
+    train_ops = 10 + 2 * (2 * 200 + 30)
+    assert paid.plans["actor_train"].seconds - base.plans["actor_train"].seconds == pytest.approx(
+        train_ops * 1e-3
+    )
+    # inference: the set-up once and every micro-batch's forward (4 micro-batches of 1)
+    assert paid.plans["reference"].seconds - base.plans["reference"].seconds == pytest.approx(
+        (400 + 4 * 60) * 1e-3
+    )
+
+
+def test_a_scenario_device_declares_its_launch_cost():
+    devs = [Device(id="a", tflops=1.0, memory_gb=100, memory_bandwidth_gb_s=10, launch_us=4.0)]
+    cl = Cluster.of(rl_scenario(Scenario(devices=devs), toy_workload()))
+    assert cl.launch.tolist() == pytest.approx([4e-6])
+    without = Cluster.of(
+        rl_scenario(Scenario(devices=[dataclasses.replace(devs[0], launch_us=None)]), toy_workload())
+    )
+    assert without.launch.tolist() == [0.0]
 
 
 def _cluster(links: list[tuple[int, int, float]], tflops: float = 100.0) -> Cluster:

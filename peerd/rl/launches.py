@@ -1,0 +1,132 @@
+"""The device ops one GRPO iteration of the runtime dispatches, counted on its own code (``Launches``).
+
+The RL cost model prices a tiny policy by its ops (``peerd.sched.rl.cost``: each costs the
+device's measured seconds per op). The counts come from running the runtime's functions (the
+rollout peers' ``rollout``, the trainer's ``pack`` + ``token_logprobs`` of the reference and
+``grpo_updates``) on a copy of the job's GPT narrowed to two dims per head: the same ops, no
+arithmetic to speak of. Generation is counted at two batch sizes and two lengths, under a policy
+whose weights are all zero (uniform sampling, so no batch ends before its last step), and split
+into a fixed part, a part per sequence and a part per decode step. The trainer is counted at the
+iteration's real batch: the reference pass is an inference task's per-iteration ops; the updates
+are counted (after a first step has built the optimizer's state) at one and two epochs, the difference being the ops of one update (one micro-batch
+and its optimizer step: the runtime steps once per micro-batch) and the rest the set-up.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from collections.abc import Callable, Iterable
+
+import torch
+
+from peerd.models.gpt import GPT, GPTConfig
+from peerd.models.launches import OpCounter, count_ops
+from peerd.rl.loss import GRPOLossConfig
+from peerd.rl.rollout import SamplingConfig, pack, rollout, token_logprobs
+from peerd.rl.tasks import Task
+from peerd.rl.update import frozen_copy, grpo_updates
+from peerd.sched.rl.workload import Launches
+
+OptimizerFactory = Callable[
+    [Iterable[torch.nn.Parameter]], tuple[torch.optim.Optimizer, Callable[[], object] | None]
+]
+"""The runtime's optimizer over some parameters and what it runs after each step (its LR schedule)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class IterationShape:
+    """What the counts depend on: the task, the sampling, the batch and how it is split into updates."""
+
+    task: Task
+    sampling: SamplingConfig
+    group_size: int
+    prompts: int
+    """Prompts per iteration (``global_batch / group_size``)."""
+    groups_per_update: int
+    epochs: int
+    loss: GRPOLossConfig
+    grad_clip: float | None
+
+
+def narrow(cfg: GPTConfig) -> GPTConfig:
+    """``cfg`` at two dims per head: every op of the real model, almost none of its arithmetic."""
+    return dataclasses.replace(cfg, d_model=2 * cfg.n_head, d_ff=None)
+
+
+def _zero_policy(cfg: GPTConfig) -> GPT:
+    model = GPT(narrow(cfg))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+    return model
+
+
+def _generation_ops(model: GPT, shape: IterationShape, prompts: int, steps: int) -> int:
+    """Ops of one ``rollout`` of ``prompts`` problems sampled for exactly ``steps`` tokens."""
+    sampling = dataclasses.replace(shape.sampling, max_new_tokens=steps, temperature=1.0, top_k=0)
+    problems = shape.task.problems(prompts, seed=0)
+    for seed in range(8):  # uniform sampling: every row ending early is a 256^-rows event, retried
+        gen = torch.Generator().manual_seed(seed)
+        with OpCounter() as counter:
+            groups = rollout(model, problems, shape.group_size, sampling, gen, 0)
+        if max(len(c) for g in groups for c in g.completions) == steps:
+            return counter.ops
+    raise RuntimeError("every generation ended before its last step under uniform sampling")
+
+
+def count_launches(cfg: GPTConfig, shape: IterationShape, make_optimizer: OptimizerFactory) -> Launches:
+    """The ops of one iteration of a GRPO job of the built-in GPT ``cfg`` (see the module docstring)."""
+    model = _zero_policy(cfg)
+    small, steps = max(1, shape.prompts // 4), min(2, shape.sampling.max_new_tokens)
+    base = _generation_ops(model, shape, small, 1)
+    per_prompt = (_generation_ops(model, shape, 2 * small, 1) - base) / small
+    per_step = (_generation_ops(model, shape, small, steps) - base) / (steps - 1) if steps > 1 else 0.0
+    per_sequence = per_prompt / shape.group_size
+    fixed = base - per_prompt * small - per_step
+
+    gen = torch.Generator().manual_seed(0)
+    groups = rollout(
+        model, shape.task.problems(shape.prompts, seed=0), shape.group_size, shape.sampling, gen, 0
+    )
+    for g in groups:
+        g.scores = [shape.task.score(g.problem, c) for c in g.completions]
+    reference = frozen_copy(model)
+    temperature = shape.sampling.temperature
+    inference = count_ops(lambda: token_logprobs(reference, pack(groups).tokens_BT, temperature))
+
+    per = shape.groups_per_update
+    parts = [range(a, min(a + per, len(groups))) for a in range(0, len(groups), per)]
+
+    policy = copy.deepcopy(model)
+    optimizer, after_step = make_optimizer(policy.parameters())
+    batch = pack(groups)
+    ref_BT = token_logprobs(reference, batch.tokens_BT, temperature)
+
+    def updates(epochs: int) -> None:
+        grpo_updates(
+            policy,
+            optimizer,
+            batch,
+            ref_BT,
+            [g.rewards for g in groups],
+            parts,
+            group_size=shape.group_size,
+            epochs=epochs,
+            temperature=temperature,
+            loss=shape.loss,
+            grad_clip=shape.grad_clip,
+            after_step=after_step,
+        )
+
+    updates(1)  # the optimizer's first step creates its state: a one-off, not a per-iteration cost
+    once = count_ops(lambda: updates(1))
+    per_update = (count_ops(lambda: updates(2)) - once) / len(parts)
+    return Launches(
+        generate=max(fixed, 0.0),
+        generate_per_sequence=per_sequence,
+        decode_step=per_step,
+        inference=float(inference),
+        train=max(once - per_update * len(parts), 0.0),
+        train_per_micro_batch=per_update,
+    )

@@ -1,0 +1,42 @@
+"""The op counts of the RL cost model predict what the runtime really dispatches in an iteration."""
+
+from __future__ import annotations
+
+import pytest
+
+from peerd.bench.rl_swarm import Settings, job_spec
+from peerd.jobs.rl.learner import Learner
+from peerd.jobs.rl.report import score
+from peerd.jobs.rl.shards import RLPlan, sample_shard, shard_ranges
+from peerd.jobs.scoring_rl import rl_workload
+from peerd.jobs.spec import parse_job_spec
+from peerd.models.launches import OpCounter
+
+
+@pytest.mark.parametrize("task", ["addition", "reversal"])
+def test_counted_launches_match_the_rollout_peers_and_the_trainers_ops(task: str):
+    spec = parse_job_spec(
+        job_spec(
+            Settings(task=task, prompts=8, group_size=4, d_model=16), staleness=0, iterations=3, name="c"
+        )
+    )
+    ops = rl_workload(spec).launches
+    assert ops.decode_step > 0 and ops.inference > 0 and ops.train_per_micro_batch > 0
+    plan = RLPlan("c", spec)
+    learner = Learner(plan)  # its own random weights: completions of every length
+    groups = []
+    for shard, indices in enumerate(shard_ranges(plan.prompts, 2)):
+        with OpCounter() as counted:
+            part = sample_shard(learner.policy, plan, 0, shard, indices, 0)
+        steps = max(len(c) for g in part for c in g.completions)
+        sequences = len(indices) * plan.group_size
+        predicted = ops.generate + ops.generate_per_sequence * sequences + ops.decode_step * steps
+        assert predicted == pytest.approx(counted.ops, rel=0.03)
+        groups += part
+    score(plan.task, groups)
+    learner.train(groups)  # the optimizer's state is built on the first step: not a per-iteration cost
+    with OpCounter() as counted:
+        figures = learner.train(groups)
+    predicted = ops.inference + ops.train + ops.train_per_micro_batch * figures.updates
+    # rows shorter than the longest take one slicing op more to pack than the counts' full-length rows
+    assert predicted == pytest.approx(counted.ops, rel=0.05)
