@@ -547,7 +547,9 @@ def rl_swarm(s: Settings, png: str | None = None) -> dict[str, Any]:
             "start_source": "the spec's warm-up re-run in this process on one thread (deterministic)",
             "end_source": {"fetched": fetched},
         },
-        "prediction": prediction_report(predicted, phases, iteration_s, alloc.get("cost")),
+        "prediction": prediction_report(
+            predicted, phases, iteration_s, alloc.get("cost"), main.view["progress"]["rl"].get("phases_s")
+        ),
         "measured_iteration_s_polls": per_iteration / rate
         if (rate := throughput(main.seen, per_iteration))
         else None,

@@ -145,16 +145,46 @@ def predict(spec: JobSpec, roster: Roster, alloc: dict[str, Any]) -> dict[str, A
     return RLRosterScorer(spec).predict(roster, allocation).to_dict()
 
 
+# The trainer's phases (``peerd.jobs.rl.report``) under the cost model's task names.
+SWARM_TASKS = {"generate": "generate", "reference": "reference", "actor_train": "train"}
+
+
+def swarm_tasks(phases_s: dict[str, float] | None) -> dict[str, float]:
+    """The swarm's median seconds per task, from the trainer's published phases, and ``sync``: what the
+    trainer waited for its shards beyond the slowest shard's sampling (weights to the rollout peers
+    and their load, the shards back, every message's turn through the daemons)."""
+    if not phases_s:
+        return {}
+    out = {task: phases_s[phase] for task, phase in SWARM_TASKS.items() if phase in phases_s}
+    if "wait" in phases_s and "generate" in phases_s:
+        out["sync"] = max(phases_s["wait"] - phases_s["generate"], 0.0)
+    return out
+
+
 def prediction_report(
-    predicted: dict[str, Any], phases: dict[str, Any], iteration_s: float | None, committed: float | None
+    predicted: dict[str, Any],
+    phases: dict[str, Any],
+    iteration_s: float | None,
+    committed: float | None,
+    swarm_phases_s: dict[str, float] | None = None,
 ) -> dict[str, Any]:
-    """The cost model's seconds per task and per iteration against the measured ones."""
+    """The cost model's seconds per task and per iteration against the measured ones: in the swarm
+    (the trainer's published phase medians) and replayed on one thread here."""
     tasks = dict(predicted["tasks"])
     replayed = sum(phases["median_s"].values())
+    swarm = swarm_tasks(swarm_phases_s)
     return {
         "predicted": predicted,
         "committed_cost_s": committed,
         "rebuilt_over_committed": predicted["seconds"] / committed if committed else None,
+        "per_task_swarm": comparison({**tasks, "sync": predicted["sync"] + predicted["transfers"]}, swarm),
+        "per_task_swarm_source": (
+            "the trainer's phase medians over the iterations after the first (protocols/jobs.md "
+            "phases_s): generate = the slowest shard's sampling as its rollout peer timed it; sync = "
+            "the trainer's wait for the shards beyond that, against the predicted weight sync + "
+            "rollout transfers"
+        ),
+        "swarm_phases_s": swarm_phases_s,
         "per_task": comparison(tasks, phases["median_s"]),
         "per_task_source": (
             f"phases of {phases['iterations']} sync iterations replayed in this process on one thread "

@@ -136,6 +136,10 @@ class JobIndex(FrozenWireStruct, frozen=True, tag_field="kind", tag="jobs"):
     version: int = msgspec.field(default=PROTOCOL_VERSION, name="v")
 
 
+MAX_PHASES = 16
+PhaseName = Annotated[str, Meta(pattern=r"^[a-z_]{1,32}$")]
+
+
 class RLFigures(FrozenWireStruct, frozen=True):
     """An ``rl`` job's trainer: what GRPO did so far (inside its progress record, protocols/jobs.md)."""
 
@@ -154,6 +158,10 @@ class RLFigures(FrozenWireStruct, frozen=True):
     dropped_late: Count = 0  # completions that came after their iteration was trained
     shards_missing: Count = 0  # rollout shards the trainer stopped waiting for
     weight_sync_bytes: Count = 0  # policy bytes served to rollout peers
+    # median seconds per phase of the iterations after the first (the trainer's wait, score, reference,
+    # train, publish, checkpoint; generate: the slowest shard's sampling as its peer reported it);
+    # absent before the second iteration
+    phases_s: Annotated[dict[PhaseName, Real], Meta(max_length=MAX_PHASES)] | None = None
 
 
 class Progress(FrozenWireStruct, frozen=True, tag_field="kind", tag="progress"):

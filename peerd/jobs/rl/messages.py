@@ -26,7 +26,7 @@ from msgspec import Meta
 from peerd.errors import ErrorCode, ProtocolError
 from peerd.rl.tasks import END_TOKEN
 from peerd.wire import Schema, WireStruct, to_builtin
-from peerd.wire.types import Count
+from peerd.wire.types import Count, Real
 
 VERSION = 1
 KIND_ROLLOUTS = "rl.rollouts"
@@ -83,6 +83,8 @@ class Rollouts(WireStruct, kw_only=True):
     version: Count
     """Policy version of the weights that sampled every completion here."""
     groups: Annotated[list[RolloutGroupWire], Meta(max_length=MAX_GROUPS)]
+    sample_s: Real | None = None
+    """Seconds the sender spent sampling this shard (its generation time); absent from older peers."""
     v: int = VERSION
 
 

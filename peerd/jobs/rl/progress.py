@@ -2,16 +2,24 @@
 
 ``figures`` folds the trainer's per-iteration reports into the record's ``RLFigures`` (the
 reward and pass-rate curve downsampled like the loss curve, run totals of drops, staleness and
-weight-sync bytes, the latest KL, length and rate); ``summary`` turns the records a daemon reads
+weight-sync bytes, the latest KL, length and rate, the median seconds of each phase); ``summary`` turns the records a daemon reads
 into the ``progress.rl`` section of a job view (``peerd status --json``, the panel, ``/metrics``).
 """
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from peerd.jobs.records import MAX_LOSS_POINTS, MAX_STALENESS_BINS, Progress, RLFigures, downsample
+from peerd.jobs.records import (
+    MAX_LOSS_POINTS,
+    MAX_PHASES,
+    MAX_STALENESS_BINS,
+    Progress,
+    RLFigures,
+    downsample,
+)
 from peerd.jobs.rl.report import IterationReport
 
 
@@ -40,7 +48,16 @@ def figures(reports: Sequence[IterationReport], version: int) -> RLFigures:
         dropped_late=sum(r.dropped_late for r in reports),
         shards_missing=sum(r.shards_missing for r in reports),
         weight_sync_bytes=sum(r.weight_sync_bytes for r in reports),
+        phases_s=phase_medians(steady),
     )
+
+
+def phase_medians(reports: Sequence[IterationReport]) -> dict[str, float] | None:
+    """Median seconds of each phase over ``reports`` (None for none)."""
+    names = sorted({k for r in reports for k in r.seconds})[:MAX_PHASES]
+    if not names:
+        return None
+    return {k: statistics.median(r.seconds[k] for r in reports if k in r.seconds) for k in names}
 
 
 def summary(records: Iterable[Progress]) -> dict[str, Any] | None:
@@ -73,4 +90,5 @@ def summary(records: Iterable[Progress]) -> dict[str, Any] | None:
         "dropped_late": rl.dropped_late,
         "shards_missing": rl.shards_missing,
         "weight_sync_bytes": rl.weight_sync_bytes,
+        "phases_s": dict(rl.phases_s) if rl.phases_s is not None else None,
     }

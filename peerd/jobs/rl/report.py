@@ -9,6 +9,8 @@ from peerd.rl.rollout import RolloutGroup
 from peerd.rl.tasks import Task
 
 PHASES = ("wait", "score", "reference", "train", "publish", "checkpoint")
+"""The trainer's phases of an iteration, back to back; ``generate`` (the slowest shard's sampling, as
+its rollout peer reported it) overlaps ``wait``."""
 
 
 def score(task: Task, groups: list[RolloutGroup]) -> None:
@@ -52,7 +54,7 @@ class IterationReport:
     weight_sync_bytes: int = 0
     """Weight bytes served to rollout peers since the last report."""
     seconds: dict[str, float] = field(default_factory=dict)
-    """Seconds per phase (``PHASES``)."""
+    """Seconds per phase (``PHASES``, and ``generate`` when the shards said)."""
     rollouts_per_s: float = 0.0
     """Completions trained on per second of this iteration's wall-clock time."""
 

@@ -39,6 +39,7 @@ from peerd.jobs.rl.trainer import WEIGHTS_STAGE
 from peerd.log import get_logger
 from peerd.models.gpt import GPT
 from peerd.pipeline.statesync import StateSyncConfig, fetch_state, unpack_state
+from peerd.rl.rollout import RolloutGroup
 from peerd.swarm.framing import FrameLimits
 from peerd.swarm.transport import Connection, Transport
 
@@ -178,9 +179,8 @@ class RolloutPeer:
     async def _push(self, u: int) -> Ack:
         assert self.model is not None
         model, version = self.model, self.held
-        started = time.perf_counter()
-        groups = await asyncio.to_thread(sample_shard, model, self.plan, u, self.shard, self.indices, version)
-        self.stats.generate_s += time.perf_counter() - started
+        groups, sampled = await asyncio.to_thread(self._sample, model, u, version)
+        self.stats.generate_s += sampled
         msg = Rollouts(
             iteration=u,
             shard=self.shard,
@@ -188,6 +188,7 @@ class RolloutPeer:
             groups=to_wire(
                 [(i, g.completions, g.logprobs) for i, g in zip(self.indices, groups, strict=True)]
             ),
+            sample_s=sampled,
         )
         ack: Ack = await self._request(header(msg), KIND_ACK)
         self.stats.shards += 1
@@ -206,6 +207,13 @@ class RolloutPeer:
                 ack.reason,
             )
         return ack
+
+    def _sample(self, model: GPT, u: int, version: int) -> tuple[list[RolloutGroup], float]:
+        """The shard of iteration ``u`` and the seconds its sampling took (timed in the worker thread,
+        so the event loop's turns do not count)."""
+        started = time.perf_counter()
+        groups = sample_shard(model, self.plan, u, self.shard, self.indices, version)
+        return groups, time.perf_counter() - started
 
     async def _poll(self, want: int) -> Status:
         status: Status = await self._request(header(Poll(want=want)), KIND_STATUS)

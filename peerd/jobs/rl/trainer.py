@@ -96,6 +96,13 @@ def weights_blob(version: int, weights: dict[str, Any]) -> bytes:
     return pack_state({"version": version, "module": weights})
 
 
+def generation_seconds(shards: dict[int, Rollouts]) -> dict[str, float]:
+    """``{"generate": s}``: the slowest shard's sampling time its peer reported (the rollout peers
+    sample in parallel); empty when no shard said (older peers)."""
+    said = [m.sample_s for m in shards.values() if m.sample_s is not None]
+    return {"generate": max(said)} if said else {}
+
+
 class RLTrainer:
     """Trains an ``rl`` job with the rollouts of ``rollout_peers``; ``run`` returns one report per iteration."""
 
@@ -384,6 +391,7 @@ class RLTrainer:
             dropped_late=self.dropped_late - self._late_seen,
             weight_sync_bytes=served - self._bytes_seen,
             seconds={
+                **generation_seconds(shards),
                 "wait": waited - began,
                 "score": scored - waited,
                 "reference": figures.reference_s,

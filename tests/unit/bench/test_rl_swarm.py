@@ -14,6 +14,7 @@ from peerd.bench.rl_swarm_report import (
     predict,
     prediction_report,
     relative_error,
+    swarm_tasks,
     target,
     throughput,
 )
@@ -139,3 +140,25 @@ def test_the_rebuilt_roster_scores_like_the_daemons_entries() -> None:
     assert report["iteration"]["replayed_s"] == pytest.approx(0.31)
     assert report["iteration"]["measured_over_replayed"] == pytest.approx(2 * got["seconds"] / 0.31)
     assert set(report["per_task"]) == {"generate", "reference", "actor_train"}
+    assert report["per_task_swarm"] == {}  # no phases published
+
+
+def test_the_swarms_phases_become_tasks_and_the_sync_residue() -> None:
+    phases = {"wait": 0.025, "generate": 0.006, "reference": 0.005, "train": 0.011, "publish": 0.0015}
+    assert swarm_tasks(phases) == pytest.approx(
+        {"generate": 0.006, "reference": 0.005, "actor_train": 0.011, "sync": 0.019}
+    )
+    assert swarm_tasks({"wait": 0.02, "train": 0.01}) == {"actor_train": 0.01}  # older rollout peers
+    assert swarm_tasks(None) == {}
+    predicted = {
+        "seconds": 0.02,
+        "tasks": {"generate": 0.003, "reference": 0.006, "actor_train": 0.008},
+        "sync": 0.0012,
+        "transfers": 0.0002,
+    }
+    phases_replayed = {"iterations": 3, "rollout_shards": 2, "median_s": {"generate": 0.004}}
+    report = prediction_report(predicted, phases_replayed, 0.05, None, phases)
+    swarm = report["per_task_swarm"]
+    assert swarm["sync"]["predicted_s"] == pytest.approx(0.0014)
+    assert swarm["sync"]["measured_s"] == pytest.approx(0.019)
+    assert swarm["actor_train"]["relative_error"] == pytest.approx((0.008 - 0.011) / 0.011)

@@ -84,3 +84,16 @@ def test_status_says_not_ready_before_the_first_version():
     assert not box.status().ready
     box.version = 0
     assert box.status().ready and box.status().version == 0
+
+
+def test_the_slowest_shards_sampling_is_the_iterations_generation_time() -> None:
+    from peerd.jobs.rl.messages import Rollouts
+    from peerd.jobs.rl.trainer import generation_seconds
+
+    def shard(k: int, sample_s: float | None) -> Rollouts:
+        return Rollouts(iteration=0, shard=k, version=0, groups=[], sample_s=sample_s)
+
+    assert generation_seconds({0: shard(0, 0.004), 1: shard(1, 0.007), 2: shard(2, None)}) == {
+        "generate": 0.007
+    }
+    assert generation_seconds({0: shard(0, None)}) == {}

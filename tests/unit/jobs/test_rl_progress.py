@@ -146,3 +146,17 @@ def test_the_reward_curve_spans_a_trainer_hand_over() -> None:
     assert [point[0] for point in view["rewards"]] == [1, 2, 3, 4, 5, 6]
     assert view["rewards"][2][1] == 2.5  # iteration 3 from the newer record
     assert view["reward_mean"] == 5.5 and view["iteration"] == 6
+
+
+def test_phase_medians_leave_the_first_iteration_out_and_reach_the_job_view() -> None:
+    reports = [
+        report(0, seconds={"wait": 9.0, "train": 9.0}),  # the first waits for the first rollouts
+        report(1, seconds={"wait": 0.02, "train": 0.010, "generate": 0.004}),
+        report(2, seconds={"wait": 0.04, "train": 0.012}),  # shards of older peers say nothing
+        report(3, seconds={"wait": 0.03, "train": 0.014, "generate": 0.006}),
+    ]
+    assert figures(reports[:1], version=1).phases_s is None
+    record = decode_progress(encode_progress(trainer_record(reports)))
+    view = summary([record])
+    assert view is not None
+    assert view["phases_s"] == pytest.approx({"wait": 0.03, "train": 0.012, "generate": 0.005})
