@@ -106,9 +106,16 @@ def swarm() -> Iterator[Swarm]:
         s.loop.close()
 
 
-def rollout_peers(swarm: Swarm, p: RLPlan, transports: list[Transport]) -> list[RolloutPeer]:
+def rollout_peers(
+    swarm: Swarm, p: RLPlan, transports: list[Transport], inline_weights_bytes: int = 16 << 20
+) -> list[RolloutPeer]:
     ids = sorted((t.peer_id for t in transports), key=str)
-    cfg = RolloutConfig(request_timeout_s=30, trainer_timeout_s=30, statesync=FAST_SYNC)
+    cfg = RolloutConfig(
+        request_timeout_s=30,
+        trainer_timeout_s=30,
+        statesync=FAST_SYNC,
+        inline_weights_bytes=inline_weights_bytes,
+    )
     return [
         RolloutPeer(t, p, swarm.trainer.peer_id, ids.index(t.peer_id), len(ids), config=cfg)
         for t in transports
@@ -122,6 +129,7 @@ async def train(
     *,
     also: Callable[[RLTrainer, list[asyncio.Future]], Awaitable[None]] | None = None,
     tolerate: bool = False,
+    inline_weights_bytes: int = 16 << 20,
     **options: Any,
 ) -> tuple[RLTrainer, list]:
     """Run the job to its end; ``also(trainer, rollout tasks)`` runs beside it; ``tolerate``: rollout peers may fail."""
@@ -132,7 +140,7 @@ async def train(
         [t.peer_id for t in transports],
         config=TrainerConfig(poll_hold_s=5, statesync=FAST_SYNC, **options),
     )
-    workers = rollout_peers(swarm, p, transports)
+    workers = rollout_peers(swarm, p, transports, inline_weights_bytes)
     tasks = [asyncio.ensure_future(w.run()) for w in workers]  # they poll while the trainer warms up
     await trainer.start()
     try:
@@ -145,9 +153,18 @@ async def train(
     return trainer, stats
 
 
-def test_sync_job_equals_the_single_process_reference(swarm: Swarm, tmp_path):
-    p = plan("a1" * 16)
-    trainer, stats = swarm.run(train(swarm, p, [swarm.r1, swarm.r2], checkpoint_root=tmp_path))
+@pytest.mark.parametrize("inline", [True, False], ids=["weights-in-poll-answers", "weights-by-state-sync"])
+def test_sync_job_equals_the_single_process_reference(swarm: Swarm, tmp_path, inline: bool):
+    p = plan(("a1" if inline else "a2") * 16)
+    trainer, stats = swarm.run(
+        train(
+            swarm,
+            p,
+            [swarm.r1, swarm.r2],
+            checkpoint_root=tmp_path,
+            inline_weights_bytes=(16 << 20) if inline else 0,
+        )
+    )
     ref = reference_run(p, shards=2)
     got = trainer.reports
     assert [r.iteration for r in got] == [0, 1, 2, 3]
@@ -163,6 +180,8 @@ def test_sync_job_equals_the_single_process_reference(swarm: Swarm, tmp_path):
     assert [s.versions for s in stats] == [[0, 1, 2, 3]] * 2
     assert all(s.weight_fetches == 4 for s in stats)
     assert sum(r.weight_sync_bytes for r in got) + 0 >= sum(s.weight_bytes for s in stats) > 0
+    # the poll's answer carried the weights, or every version was fetched by state sync
+    assert (trainer._weights.bytes_served == 0) == inline
     assert trainer.refused == {} and trainer.missing_shards == 0
     # the checkpoint is the one-stage format: peerd fetch assembles it and load_checkpoint loads it
     fetched = assemble(p.job_id, p.spec, [tmp_path], tmp_path / "out")

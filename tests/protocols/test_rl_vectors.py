@@ -72,7 +72,7 @@ def _files(kind: str) -> list[Path]:
 def _limits(case: dict[str, Any]) -> FrameLimits:
     if case["side"] == "request":
         return FrameLimits(max_header=bounds_of(case).frame_bytes(), max_payload=0)
-    return REPLY_LIMITS
+    return FrameLimits(max_header=REPLY_LIMITS.max_header, max_payload=case.get("payload_limit", 0))
 
 
 def _kinds(side: str) -> tuple[str, ...]:
@@ -115,14 +115,16 @@ ROLLOUTS = Rollouts(
 )
 
 
-def _frame(side: str, desc: str, head: dict[str, Any], **extra: Any) -> dict[str, Any]:
+def _frame(side: str, desc: str, head: dict[str, Any], payload: bytes = b"", **extra: Any) -> dict[str, Any]:
+    if payload:  # read with a payload limit of its size: the poller's inline_bytes
+        extra |= {"payload_hex": payload.hex(), "payload_limit": len(payload)}
     return {
         "type": "frame",
         "side": side,
         "description": desc,
         "bounds": BOUNDS,
         "header": head,
-        "frame_hex": encode_frame(head).hex(),
+        "frame_hex": encode_frame(head, payload).hex(),
         **extra,
     }
 
@@ -165,6 +167,17 @@ def generate() -> dict[str, dict[str, Any]]:
             ),
         ),
         "valid-poll": _frame("request", "answer when you hold version 4", header(Poll(want=4))),
+        "valid-poll-inline": _frame(
+            "request",
+            "answer when you hold version 4; I hold version 3 and take weights up to 1 MiB inline",
+            header(Poll(want=4, held=3, inline_bytes=1 << 20)),
+        ),
+        "valid-status-weights": _frame(
+            "reply",
+            "version 4, its packed weights in the payload (8 stand-in bytes here)",
+            header(Status(version=4, done=False, weights=True)),
+            b"weights!",
+        ),
         "valid-status": _frame("reply", "the latest version is 4", header(Status(version=4, done=False))),
         "valid-status-done": _frame("reply", "the job is over", header(Status(version=8, done=True))),
         "valid-status-warming-up": _frame(
@@ -403,19 +416,20 @@ def test_frame_vectors_decode_and_reencode_byte_exact(path: Path):
     case = _load(path)
     frame = bytes.fromhex(case["frame_hex"])
     got_header, payload, wire = _decode(frame, _limits(case))
-    assert wire == len(frame) and bytes(payload) == b""
+    carried = bytes.fromhex(case.get("payload_hex", ""))
+    assert wire == len(frame) and bytes(payload) == carried
     if "error" in case:
         assert got_header["code"] == ErrorCode[case["error"]]
         return
     msg = _read(case)
-    again = encode_frame(header(msg))
+    again = encode_frame(header(msg), carried)
     if case.get("decode_only"):
         assert again != frame and _read({**case, "frame_hex": again.hex()}) == msg
     else:
-        assert again == frame and encode_frame(case["header"]) == frame
+        assert again == frame and encode_frame(case["header"], carried) == frame
         # the same bytes from the spec's encoding rules alone, not from peerd's encoder
         raw = canonical_msgpack.canonical(case["header"])
-        assert encode_prefix(len(raw), 0) + raw == frame
+        assert encode_prefix(len(raw), len(carried)) + raw + carried == frame
 
 
 @pytest.mark.parametrize("path", _files("invalid"), ids=lambda p: p.stem)

@@ -108,6 +108,10 @@ class Poll(WireStruct, kw_only=True):
 
     kind: str = KIND_POLL
     want: Count
+    held: Count | None = None
+    """The policy version the poller holds (absent: none)."""
+    inline_bytes: Count | None = None
+    """Largest weights blob the poller takes inside the answer (absent: none; it fetches by state sync)."""
     v: int = VERSION
 
 
@@ -121,6 +125,9 @@ class Status(WireStruct, kw_only=True):
     ready: bool = True
     """False while the trainer has published no version yet (its warm-up runs): ``version`` means
     nothing then, poll again."""
+    weights: bool | None = None
+    """True: the frame's payload is the packed weights of ``version`` (the poller held an older one
+    and takes a blob that size inline); absent: no payload."""
     v: int = VERSION
 
 

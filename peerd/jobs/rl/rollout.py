@@ -4,7 +4,8 @@ For ``u = 0, 1, ...``: ask the trainer (``rl.poll``) until it holds a version ``
 (and is ready: its warm-up may take a while)
 (sync mode: exactly ``u``); skip to the trainer's iteration when the trainer has moved past
 ``u`` (a shard for a trained iteration would only be dropped); fetch the newest version over
-state sync when it is newer than the weights held; sample the shard (``sample_shard``, in a
+state sync when it is newer than the weights held (or take it from the poll's answer, which
+carries blobs up to ``inline_weights_bytes``); sample the shard (``sample_shard``, in a
 worker thread: the event loop keeps serving); push it as ``rl.rollouts``; stop when the trainer
 says it is done. Every remote wait is bounded: a trainer that stays unreachable for
 ``trainer_timeout_s`` ends the loop with ``PeerUnavailable``.
@@ -54,6 +55,9 @@ class RolloutConfig:
     """Longest wait for one answer of the trainer (a poll is held up to the trainer's poll_hold_s)."""
     trainer_timeout_s: float = 120.0
     """Longest the trainer may stay unreachable before the loop gives up."""
+    inline_weights_bytes: int = 16 << 20
+    """Weights blobs up to this size (and the job's bound) come inside the poll's answer, in the
+    round trip the poll makes anyway; bigger ones are fetched by state sync in chunks."""
     statesync: StateSyncConfig = field(default_factory=StateSyncConfig)
 
 
@@ -93,6 +97,7 @@ class RolloutPeer:
         self.device = torch.device(device)
         self.shard = rank
         self.indices = shard_ranges(plan.prompts, peers)[rank]
+        self.inline_bytes = min(config.inline_weights_bytes, plan.weights_bound)
         self.model: GPT | None = None
         self.held = -1
         self.stats = RolloutStats(versions=[])
@@ -107,7 +112,7 @@ class RolloutPeer:
         try:
             while True:
                 # past the last iteration only "done" is left to hear of: no version satisfies the want
-                status = await self._poll(max(0, u - k) if u < plan.iterations else plan.iterations + 1)
+                status, blob = await self._poll(max(0, u - k) if u < plan.iterations else plan.iterations + 1)
                 if status.done:
                     return self.stats
                 if not status.ready:
@@ -117,7 +122,9 @@ class RolloutPeer:
                 u = max(u, status.version)  # the trainer is past u: those shards would be dropped
                 if u >= plan.iterations:
                     continue  # nothing left to sample: wait for done
-                if status.version > self.held:
+                if status.weights:
+                    await self._take_weights(blob, status.version)
+                elif status.version > self.held:
                     await self._fetch(status.version)
                 if not self.indices:
                     u += 1
@@ -143,12 +150,15 @@ class RolloutPeer:
             max_bytes=self.plan.weights_bound,
             config=self.config.statesync,
         )
+        await self._take_weights(blob, version)
+
+    async def _take_weights(self, blob: bytes | bytearray, version: int) -> None:
         model = await asyncio.to_thread(self._load, blob, version)
         self.model, self.held = model, version
         self.stats.weight_fetches += 1
         self.stats.weight_bytes += len(blob)
 
-    def _load(self, blob: bytes, version: int) -> GPT:
+    def _load(self, blob: bytes | bytearray, version: int) -> GPT:
         state = unpack_state(blob)
         if state.get("version") != version or not isinstance(state.get("module"), dict):
             raise ProtocolError(
@@ -190,7 +200,10 @@ class RolloutPeer:
             ),
             sample_s=sampled,
         )
-        ack: Ack = await self._request(header(msg), KIND_ACK)
+        ack: Ack
+        ack, payload = await self._request(header(msg), KIND_ACK)
+        if payload:
+            raise ProtocolError(f"rl ack with a {len(payload)}-byte payload", code=ErrorCode.OVERSIZED)
         self.stats.shards += 1
         self.stats.completions += sum(g.size for g in groups)
         assert self.stats.versions is not None
@@ -215,18 +228,28 @@ class RolloutPeer:
         groups = sample_shard(model, self.plan, u, self.shard, self.indices, version)
         return groups, time.perf_counter() - started
 
-    async def _poll(self, want: int) -> Status:
-        status: Status = await self._request(header(Poll(want=want)), KIND_STATUS)
-        return status
+    async def _poll(self, want: int) -> tuple[Status, bytearray]:
+        """The trainer's status and, when it says ``weights``, the packed weights of its version."""
+        held = self.held if self.held >= 0 else None
+        poll = Poll(want=want, held=held, inline_bytes=self.inline_bytes or None)
+        status, blob = await self._request(header(poll), KIND_STATUS)
+        if bool(status.weights) != bool(blob):
+            raise ProtocolError(
+                f"rl status of version {status.version} says weights={status.weights} with a "
+                f"{len(blob)}-byte payload",
+                code=ErrorCode.MALFORMED,
+            )
+        return status, blob
 
-    async def _request(self, head: dict[str, Any], reply_kind: str) -> Any:
-        """One request and its answer, reconnecting while the trainer is unreachable (bounded)."""
+    async def _request(self, head: dict[str, Any], reply_kind: str) -> tuple[Any, bytearray]:
+        """One request, its answer and the answer's payload, reconnecting while the trainer is
+        unreachable (bounded)."""
         deadline = time.monotonic() + self.config.trainer_timeout_s
         while True:
             try:
                 conn = await self._connection()
-                raw, _ = await conn.request(head, timeout=self.config.request_timeout_s)
-                return parse(raw, (reply_kind,))
+                raw, payload = await conn.request(head, timeout=self.config.request_timeout_s)
+                return parse(raw, (reply_kind,)), payload
             except PeerUnavailable as exc:
                 if self._conn is not None:
                     await self._conn.close(timeout=1.0)
@@ -243,5 +266,5 @@ class RolloutPeer:
             self._conn = await self.transport.connect(
                 self.trainer, rl_protocol(self.plan.job_id), timeout=10.0
             )
-            self._conn.limits = FrameLimits(max_header=4096, max_payload=0)
+            self._conn.limits = FrameLimits(max_header=4096, max_payload=self.inline_bytes)
         return self._conn

@@ -4,7 +4,8 @@
 protocols: ``state_protocol(weights_job(job))`` (``peerd.pipeline.statesync``: stage 0, step =
 policy version, the packed weights of the last ``staleness + 2`` versions) and
 ``rl_protocol(job)`` (``peerd.jobs.rl.messages``: shards of rollouts in, acks out, and long
-polls for the latest version), open to the job's rollout peers only.
+polls for the latest version, answered with the weights inside when the poller holds an older
+version and takes a blob that size), open to the job's rollout peers only.
 
 Iteration ``t`` waits for every expected rollout peer's shard at most ``rl.rollout_timeout_s``;
 a shard still missing then is dropped and counted, and its peer is not waited for again until
@@ -149,7 +150,7 @@ class RLTrainer:
         self._weights = StateServer(
             transport, weights_job(plan.job_id), self._provide, config=config.statesync
         )
-        self._stale_seen = self._late_seen = self._bytes_seen = 0
+        self._stale_seen = self._late_seen = self._bytes_seen = self._inline_bytes = 0
         self.told: set[str] = set()
         """Rollout peers that were answered ``done``."""
 
@@ -191,7 +192,8 @@ class RLTrainer:
 
     @property
     def weight_sync_bytes(self) -> int:
-        return self._weights.bytes_served
+        """Policy bytes served to rollout peers: by state sync and inside poll answers."""
+        return self._weights.bytes_served + self._inline_bytes
 
     async def start(self) -> None:
         """Serve weights and rollouts, warm up (unless resumed), publish the current version.
@@ -245,28 +247,38 @@ class RLTrainer:
                 return
             try:
                 msg = parse(raw, REQUEST_KINDS)
+                payload = b""
                 if isinstance(msg, Rollouts):
                     reply: Ack | Status = await self._take(conn.peer_id, msg)
                 else:
-                    reply = await self._status(msg)
+                    reply, payload = await self._status(msg)
             except ProtocolError as exc:
                 self.refused[exc.code] += 1
                 log.warning("rl job %s: refused a frame of %s: %s", self.plan.job_id, conn.peer_id, exc)
                 raise  # the Transport answers with the code and ends the stream
-            await conn.send(header(reply), timeout=30.0)
+            await conn.send(header(reply), payload, timeout=30.0)
+            self._inline_bytes += len(payload)
             if reply.done:
                 async with self._changed:
                     self.told.add(str(conn.peer_id))
                     self._changed.notify_all()
 
-    async def _status(self, poll: Poll) -> Status:
+    async def _status(self, poll: Poll) -> tuple[Status, bytes]:
+        """The status a poll waits for, with the weights of its version inside when the poller holds
+        an older one and takes a blob that size (one round trip instead of a state-sync fetch)."""
         async with self._changed:
             try:
                 async with asyncio.timeout(self.config.poll_hold_s):
                     await self._changed.wait_for(lambda: self.done or self.version >= poll.want)
             except TimeoutError:
                 pass
-            return self.intake.status()
+            status = self.intake.status()
+        blob = self._blobs.get(status.version) if status.ready and not status.done else None
+        newer = poll.held is None or poll.held < status.version
+        if blob is None or not newer or len(blob) > (poll.inline_bytes or 0):
+            return status, b""
+        status.weights = True
+        return status, blob
 
     async def _take(self, peer: Hashable, msg: Rollouts) -> Ack:
         async with self._changed:
