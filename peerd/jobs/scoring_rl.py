@@ -15,6 +15,8 @@ same arithmetic as ``peerd plan --kind rl``:
   runtime computes in: 4-byte weights, gradients, KV cache and two Adam moments), and the ops the
   runtime dispatches per unit of work, counted on its own code (``peerd.rl.launches``; each costs
   the peer's measured ``launch_s``);
+- the weights reach the rollout peers as the runtime sends them: each from the trainer
+  (``weight_sync: star``);
 - the plan is the grouping ``generate | reference + actor_train`` with the layouts the runtime
   runs (data-parallel generation over the rollout peers with equal shares, one trainer); its
   iteration time (sync: the critical path; async: the steady state) is the cost.
@@ -111,6 +113,7 @@ def rl_workload(spec: JobSpec) -> Workload:
         micro_batch=spec.micro_batch,
         optimizer_steps=spec.global_batch // spec.micro_batch * rl.epochs,
         staleness=rl.staleness,
+        weight_sync="star",  # every rollout peer takes the weights from the trainer
         name=spec.name or f"rl-{rl.task.name}",
         constants=FP32,
     )

@@ -85,8 +85,24 @@ def _sample(
         if 0 < cfg.top_k < logits_BV.shape[-1]:
             kth_B1 = logp_BV.topk(cfg.top_k, dim=-1).values[:, -1:]
             draw_BV = logp_BV.masked_fill(logp_BV < kth_B1, float("-inf"))
-        tokens_B = torch.multinomial(draw_BV.exp(), 1, generator=gen).squeeze(1)
+        tokens_B = draw(draw_BV.exp(), gen)
     return tokens_B, logp_BV.gather(1, tokens_B[:, None]).squeeze(1)
+
+
+def draw(probs_BV: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+    """One index per row, with probability proportional to ``probs_BV`` (>= 0, a positive row sum).
+
+    The inverse of each row's CDF at one uniform draw: one random number per row, where
+    ``torch.multinomial`` takes per-row set-up that made it ~20x slower for a batch of 128 rows of
+    256 on a CPU. The CDF accumulates in float64, and the first index whose CDF passes the draw
+    is taken, so a zero-probability index is never drawn.
+    """
+    cdf_BV = probs_BV.double().cumsum(dim=-1)
+    u_B1 = torch.rand((probs_BV.shape[0], 1), generator=gen, dtype=torch.float64, device=probs_BV.device)
+    picked_B = torch.searchsorted(cdf_BV, u_B1 * cdf_BV[:, -1:], right=True).squeeze(1)
+    # u * total rounding up to total (u < 1) runs past the end: the row's last possible index
+    last_B = probs_BV.shape[1] - 1 - (probs_BV > 0).flip(-1).int().argmax(dim=-1)
+    return torch.minimum(picked_B, last_B)
 
 
 @torch.no_grad()

@@ -60,7 +60,10 @@ all-reduce of x bytes over n devices (reduce-scatter + all-gather).
 - **Weight sync** (actor bytes X = P b_w) when generation and actor training use different
   devices: into the generator group over its best link from the trainers, then along the
   generators' maximum-bandwidth spanning tree (pipelined chunks):
-  ``max(min_{i,j} α_ij + X/β_ij,  X/β_tree + α_max)``, β_tree = the tree's narrowest edge.
+  ``max(min_{i,j} α_ij + X/β_ij,  X/β_tree + α_max)``, β_tree = the tree's narrowest edge
+  (``relay``); or (``star``, what peerd's rl runtime does) every generator g receives X from one
+  trainer h, whose uplink sends the copies one after another:
+  ``min_h (max_g α_hg + Σ_g X/β_hg)``.
 """
 
 from __future__ import annotations
@@ -314,3 +317,15 @@ def sync_internal(cluster: Cluster, gen_devices: list[int], nbytes: float) -> fl
         return 0.0
     alpha, _ = link_extremes(cluster, np.asarray(gen_devices))
     return nbytes / tree_bottleneck(cluster, gen_devices) + alpha
+
+
+def sync_star(delay: np.ndarray, bw: np.ndarray, counts: np.ndarray, nbytes: float) -> float:
+    """Star sync from the best sender: ``min_h (max_g α_hg + Σ_g n_g · X/β_hg)``.
+
+    ``delay``, ``bw``: (senders, receiver kinds) links; ``counts``: receivers of each kind.
+    """
+    if not counts.any():
+        return 0.0
+    used = counts > 0
+    per_sender = delay[:, used].max(axis=1) + (counts[used] * nbytes / bw[:, used]).sum(axis=1)
+    return float(per_sender.min())

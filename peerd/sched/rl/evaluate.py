@@ -108,6 +108,11 @@ class Evaluator:
         g_train = next(i for i, g in enumerate(groups) if "actor_train" in g)
         if g_gen == g_train:
             return 0.0
+        if self.workload.weight_sync == "star":
+            senders = np.flatnonzero(np.asarray(counts[g_train]) > 0)
+            return cost.sync_star(
+                self.class_delay[senders], self.class_bw[senders], np.asarray(counts[g_gen]), self.sync_bytes
+            )
         cross = self.transfer(counts[g_train], counts[g_gen], self.sync_bytes)
         return max(cross, self.sync_internal(counts[g_gen]))
 

@@ -66,6 +66,13 @@ def count_vectors(sizes: np.ndarray) -> list[Counts]:
 
 def solve(ev: Evaluator, cfg: ExactConfig) -> ExactResult:
     start = time.perf_counter()
+    if ev.workload.weight_sync != "relay":
+        # the star's time couples the trainers' class with every generator count: not linear here
+        raise ConfigError(
+            "workload.weight_sync",
+            f"the exact mode models the relay weight sync only, got {ev.workload.weight_sync!r}; "
+            "use the hybrid mode",
+        )
     groupings = ev.workflow.groupings(cfg.max_groups)
     task_sets = sorted({g for grouping in groupings for g in grouping})
     n_vectors = math.prod(int(s) + 1 for s in ev.cluster.class_sizes) - 1

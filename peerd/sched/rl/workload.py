@@ -23,6 +23,7 @@ from peerd.errors import ConfigError
 from peerd.loading import Range
 
 Algo = Literal["grpo", "ppo"]
+WeightSync = Literal["relay", "star"]
 Count = Annotated[int, Range(ge=1)]
 Fraction = Annotated[float, Range(gt=0, le=1)]
 Bytes = Annotated[float, Range(gt=0)]
@@ -152,6 +153,10 @@ class Workload:
     """Optimizer steps (mini-batches) per iteration; each ends in a gradient all-reduce."""
     staleness: Annotated[int, Range(ge=0)] = 0
     """Async depth k: generation may run k iterations ahead of training (0 = synchronous, on-policy)."""
+    weight_sync: WeightSync = "relay"
+    """How new weights reach the generators: ``relay`` (over the best link into their group, then
+    along their widest spanning tree, chunks pipelined) or ``star`` (every generator receives them
+    from one trainer, whose uplink carries the copies one after another: peerd's rl runtime)."""
     name: str = ""
     constants: CostConstants = field(default_factory=CostConstants)
     launches: Launches = field(default_factory=Launches)

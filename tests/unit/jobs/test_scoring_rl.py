@@ -65,7 +65,7 @@ def test_roles_and_their_errors() -> None:
 
 def test_the_fastest_peer_trains_and_more_rollout_peers_generate_faster() -> None:
     spec = parse_job_spec(RL_JOB)
-    r = roster([0.05, 0.2, 0.05, 0.05], [5e9] * 4)
+    r = roster([0.05, 0.2, 0.05, 0.05], [5e9] * 4, link_bps=1e11)  # each copy of the weights is cheap
     scorer = RLRosterScorer(spec)
     island = scorer.island(scorer.scenario(r), seed=0, time_budget=1.0)
     island.step(5)

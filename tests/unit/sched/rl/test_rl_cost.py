@@ -8,9 +8,11 @@ import math
 import numpy as np
 import pytest
 
-from peerd.sched.rl import cost, memory
+from peerd.errors import ConfigError
+from peerd.sched.rl import cost, exact, memory
 from peerd.sched.rl.baselines import verl_like, verl_like_choice
 from peerd.sched.rl.cluster import Cluster, rl_scenario
+from peerd.sched.rl.evaluate import Evaluator
 from peerd.sched.rl.group import evaluate_group, shard_groups
 from peerd.sched.rl.layout import Layout, arrange, layouts
 from peerd.sched.rl.workload import CostConstants, Launches, ModelSize, Workload
@@ -359,3 +361,25 @@ def _two_regions(order: tuple[str, ...] = ("r0", "r0", "r1", "r1")) -> Cluster:
     ]
     sc = Scenario(devices=devs, regions=Regions(names=names, delay_ms=delay, bandwidth_mbps=bw))  # type: ignore[arg-type]
     return Cluster.of(rl_scenario(sc, toy_workload()))
+
+
+def test_star_sync_sends_one_copy_per_generator_from_the_best_sender():
+    delay = np.array([[0.01, 0.02], [0.001, 0.001]])
+    bw = np.array([[1e6, 2e6], [1e5, 1e5]])
+    counts = np.array([2, 1])
+    # sender 0: 0.02 + 2 x 1e6/1e6 + 1e6/2e6 = 2.52 s; sender 1: 0.001 + 3 x 10 s
+    assert cost.sync_star(delay, bw, counts, 1e6) == pytest.approx(2.52)
+    assert cost.sync_star(delay, bw, np.array([0, 0]), 1e6) == 0.0
+
+
+def test_a_star_workload_syncs_as_a_star_and_the_exact_mode_refuses_it():
+    cl = _cluster([(0, 1, 8.0), (0, 2, 8.0)], tflops=1.0)  # d0 reaches d1 and d2 at 1e6 B/s, 5 ms
+    w = toy_workload(weight_sync="star")
+    ev = Evaluator(cl, w)
+    grouping = (("generate",), ("reference", "actor_train"))
+    counts = [cl.counts_of([1, 2]), cl.counts_of([0])]
+    assert ev.sync_time(grouping, counts) == pytest.approx(0.005 + 2 * 2e9 / 1e6)
+    relay = Evaluator(cl, toy_workload())
+    assert relay.sync_time(grouping, counts) < ev.sync_time(grouping, counts)
+    with pytest.raises(ConfigError, match="weight_sync"):
+        exact.solve(ev, exact.ExactConfig())
