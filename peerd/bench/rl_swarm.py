@@ -461,7 +461,8 @@ def async_comparison(s: Settings) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="peerd-rl-swarm-") as tmp:
         root = Path(tmp)
         cache = root / "device_profiles.json"
-        profile_device("cpu", cache_path=cache)
+        with one_thread():  # as the daemons compute: they read this entry instead of measuring at once
+            profile_device("cpu", cache_path=cache)
         swarm = start_swarm(s, root, cache)
         try:
             arms = compare_arms(swarm, s)
@@ -483,7 +484,8 @@ def rl_swarm(s: Settings, png: str | None = None) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="peerd-rl-swarm-") as tmp:
         root = Path(tmp)
         cache = root / "device_profiles.json"
-        profile = profile_device("cpu", cache_path=cache)  # measured once; every daemon reads it
+        with one_thread():  # the daemons' thread count: its entry is theirs, measured once, read by all
+            profile = profile_device("cpu", cache_path=cache)
         assert profile.memory_gb_s is not None
         swarm = start_swarm(s, root, cache)
         try:
