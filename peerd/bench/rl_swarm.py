@@ -27,11 +27,14 @@ job through peer 0's control socket and follows it (``job_status`` polls) until 
   ``--compare-only`` runs just the two arms (no main job, held-out evaluation or prediction);
 - ``prediction``: the RL cost model (``RLRosterScorer``) on the committed allocation and a roster
   rebuilt from the owner's status view (each peer's measured fp32 TFLOPS, free memory and links;
-  memory bandwidth from the shared profile cache the daemons read), against the measured
-  iteration time (the trainer's own: completions / its rollouts/s, median over iterations) and,
-  per task, against the phases timed here by replaying the job's code on one thread (a shard's
-  sampling = ``generate``, the reference log-probs, the actor's updates), with the relative
-  errors; ``regime``: cores, load average at start and end, threads.
+  memory bandwidth and seconds per op from the shared profile cache the daemons read), against the
+  measured iteration time (the trainer's own: completions / its rollouts/s, median over
+  iterations); per task against the swarm's own phases (``per_task_swarm``: the trainer's
+  published medians, ``generate`` as the rollout peers timed their sampling, ``sync`` the rest of
+  the trainer's wait for shards, against the predicted weight sync + transfers) and against the
+  phases timed here by replaying the job's code on one thread (``per_task``: a shard's sampling =
+  ``generate``, the reference log-probs, the actor's updates), with the relative errors;
+  ``regime``: cores, load average at start and end, threads.
 
 ``--png`` plots the curve (reward, pass rate, held-out start/end and the target; KL and length).
 """
