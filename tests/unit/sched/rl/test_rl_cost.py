@@ -58,15 +58,21 @@ def test_generation_roofline_with_waves():
     assert cost.generation_time(TOY, w, short, 1, 25) == math.inf  # not one sequence's KV fits
 
 
-def test_pipeline_slot_and_time():
-    w = toy_workload()
-    pipes = cost.Pipelines(
+def two_stages(stage_launch: np.ndarray | None = None) -> cost.Pipelines:
+    """One replica of two stages (1 and 0.5 TFLOP/s, no tensor parallelism), 10 ms / 1 MB/s apart."""
+    return cost.Pipelines(
         stage_flops=np.array([[1e12, 5e11]]),
         stage_alpha=np.zeros((1, 2)),
         stage_beta=np.full((1, 2), np.inf),
         hop_alpha=np.array([[[0.01]]]),
         hop_beta=np.array([[[1e6]]]),
+        stage_launch=stage_launch,
     )
+
+
+def test_pipeline_slot_and_time():
+    w = toy_workload()
+    pipes = two_stages()
     # forward of a micro-batch (200 tokens) on half the params: 2 x 5e8 x 200 / (F x 0.5) = 0.4 s, 0.8 s
     # boundary: 0.01 + 200 x 64 x 2 / 1e6 = 0.0356 s, below the slower stage
     assert cost.pipeline_slots(TOY, w, pipes, 1, train=False)[0] == pytest.approx(0.8)
@@ -290,14 +296,7 @@ def test_generation_pays_its_launches_per_wave():
 
 def test_pipeline_micro_batches_and_steps_pay_their_launches_per_stage():
     w = toy_workload(launches=OPS)
-    pipes = cost.Pipelines(
-        stage_flops=np.array([[1e12, 5e11]]),
-        stage_alpha=np.zeros((1, 2)),
-        stage_beta=np.full((1, 2), np.inf),
-        hop_alpha=np.array([[[0.01]]]),
-        hop_beta=np.array([[[1e6]]]),
-        stage_launch=np.array([[1e-3, 2e-3]]),
-    )
+    pipes = two_stages(stage_launch=np.array([[1e-3, 2e-3]]))
     # each stage runs half the layers: half the per-micro-batch ops at its own cost per op
     assert cost.pipeline_slots(TOY, w, pipes, 1, train=False)[0] == pytest.approx(0.8 + 30 * 2e-3)
     assert cost.pipeline_slots(TOY, w, pipes, 1, train=True)[0] == pytest.approx(3.2 + 100 * 2e-3)
