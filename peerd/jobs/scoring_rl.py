@@ -91,7 +91,6 @@ def rl_workload(spec: JobSpec) -> Workload:
         group_size=rl.group_size,
         prompts=spec.global_batch // rl.group_size,
         groups_per_update=spec.micro_batch // rl.group_size,
-        epochs=rl.epochs,
         loss=rl.loss,
         grad_clip=spec.optimizer.grad_clip,
     )

@@ -8,8 +8,10 @@ arithmetic to speak of. Generation is counted at two batch sizes and two lengths
 whose weights are all zero (uniform sampling, so no batch ends before its last step), and split
 into a fixed part, a part per sequence and a part per decode step. The trainer is counted at the
 iteration's real batch: the reference pass is an inference task's per-iteration ops; the updates
-are counted (after a first step has built the optimizer's state) at one and two epochs, the difference being the ops of one update (one micro-batch
-and its optimizer step: the runtime steps once per micro-batch) and the rest the set-up.
+are counted (after a first step has built the optimizer's state) at one and two epochs, the
+difference being the ops of one update (one micro-batch and its optimizer step: the runtime steps
+once per micro-batch) and the rest the set-up. Rows shorter than the longest take one slicing op
+more to pack than these full-length ones: the trainer's count is a few percent low.
 """
 
 from __future__ import annotations
@@ -36,7 +38,8 @@ OptimizerFactory = Callable[
 
 @dataclasses.dataclass(frozen=True)
 class IterationShape:
-    """What the counts depend on: the task, the sampling, the batch and how it is split into updates."""
+    """What the counts depend on: the task, the sampling, the batch and how it is split into updates
+    (the epochs only multiply the updates: the cost model counts those as optimizer steps)."""
 
     task: Task
     sampling: SamplingConfig
@@ -44,7 +47,6 @@ class IterationShape:
     prompts: int
     """Prompts per iteration (``global_batch / group_size``)."""
     groups_per_update: int
-    epochs: int
     loss: GRPOLossConfig
     grad_clip: float | None
 
