@@ -39,7 +39,11 @@ from peerd.sched.allocation import Allocation
 # Each test trains a job through several failures on eight daemons: minutes, not the suite's 300 s.
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 
-STEPS = CHURN_SPEC["steps"]
+# The tiny job trains fast once nothing fails (test_partition's job once ran 60 steps in 3.5 s): at
+# CHURN_SPEC's 80 steps it finished in CI between a recovery and the next strike, the views lagging by
+# a publish interval, so these jobs run long enough to outlast both.
+SPEC = {**CHURN_SPEC, "steps": 300, "checkpoint_interval": 20}
+STEPS = SPEC["steps"]
 RECOVERY_BOUND_S = 60.0  # the bound for one failure (aim: 15 s)
 
 
@@ -105,7 +109,7 @@ def assert_uninterrupted_weights(swarm: LocalSwarm, job: SwarmJob, spec: dict[st
 
 
 def test_a_killed_peer_and_a_leaving_peer_are_replaced_without_losing_a_step(swarm: LocalSwarm) -> None:
-    job = submit(swarm, CHURN_SPEC)
+    job = submit(swarm, SPEC)
     killed = job.strike("replica", 1)
     left = job.strike("leave", 2)
     for event in (killed, left):
@@ -115,12 +119,13 @@ def test_a_killed_peer_and_a_leaving_peer_are_replaced_without_losing_a_step(swa
         lambda vs: len(vs) >= 6 and all(v["state"] == "done" for v in vs.values()), 240, "the end"
     )
     view = next(iter(done.values()))
-    _, reference = reference_run(job.job, CHURN_SPEC)
+    _, reference = reference_run(job.job, SPEC)
     losses = {int(s): float(v) for s, v in view["progress"]["losses"]}
-    assert set(range(left["resumed_at"] + 1, STEPS)) <= set(losses), sorted(losses)
+    # the record carries a downsampled curve: it reaches the end, and every listed step matches
+    assert max(losses) == STEPS - 1 and any(s > left["resumed_at"] for s in losses), sorted(losses)
     off = [(s, losses[s], reference[s]) for s in sorted(losses) if abs(losses[s] / reference[s] - 1) > 1e-4]
     assert not off, f"(step, got, expected) off the uninterrupted run: {off}; failures {killed}, {left}"
-    trained = assert_uninterrupted_weights(swarm, job, CHURN_SPEC, "fetched")
+    trained = assert_uninterrupted_weights(swarm, job, SPEC, "fetched")
     churn = view["churn"]
     assert len(churn["replans"]) >= 2 and {"stopped answering", "left the swarm"} <= {
         why for r in churn["replans"] for why in ("stopped answering", "left the swarm") if why in r["cause"]
@@ -128,7 +133,7 @@ def test_a_killed_peer_and_a_leaving_peer_are_replaced_without_losing_a_step(swa
     # peerd fetch over p2p, from a daemon holding at most one stage itself: the same model
     asker = next(p for p in swarm.live_peers() if p.index != 0)
     got = asker.control(timeout=120).call("fetch", job_id=job.job, out=str(swarm.root / "p2p"))
-    assert (got["step"], got["stages"]) == (STEPS, CHURN_SPEC["parallel"]["d_pp"])
+    assert (got["step"], got["stages"]) == (STEPS, SPEC["parallel"]["d_pp"])
     gathered, _ = load_model(got["path"])
     assert all(torch.equal(gathered.state_dict()[k], v) for k, v in trained.state_dict().items())
 
@@ -137,7 +142,7 @@ def test_a_whole_stage_lost_resumes_from_checkpoint_copies_and_a_short_job_waits
     swarm: LocalSwarm,
 ) -> None:
     join_through_survivor(swarm, 8)  # the first test's victims are replaced by newcomers
-    spec = {**CHURN_SPEC, "name": "churn-2"}
+    spec = {**SPEC, "name": "churn-2"}
     job = submit(swarm, spec)
     stage = job.strike("stage", 1)
     every = spec["checkpoint_interval"]

@@ -210,7 +210,9 @@ def entry(runner: RLRunner, epoch: int) -> RosterEntry:
 
 
 async def _trainer_lost(tmp_path: Path, wait: Any) -> None:
-    spec = rl_spec(9)
+    iterations = 24
+    spec = rl_spec(iterations)
+    every = spec.checkpoint_interval
     peers = await start_peers(3)
     dht = MemoryDHT(time.time)
     ids = [p.peer_id.to_base58() for p in peers]
@@ -225,9 +227,13 @@ async def _trainer_lost(tmp_path: Path, wait: Any) -> None:
             await r.start()
         first = commit(1, Allocation.from_plain([[ids[0]]], spares=[ids[1], ids[2]]))
         await asyncio.gather(*(r.adopt(first, None) for r in runners))
-        # both rollout peers keep copies of the trainer's checkpoint of iteration 3
+        # both rollout peers keep copies of the trainer's newest checkpoint; a loaded machine may see
+        # the trainer pass a checkpoint before its copy is made, so any early one counts
+        early = set(range(every, iterations // 2 + 1, every))
         await wait(
-            lambda: all(3 in s.steps(job.job_id, 0) for s in stores[1:]), 120, "copies of checkpoint 3"
+            lambda: all(early & set(s.steps(job.job_id, 0)) for s in stores[1:]),
+            120,
+            f"copies of one of the checkpoints {sorted(early)}",
         )
         # the trainer's peer dies; the others stop where they are and re-plan without it
         await old.close()
@@ -240,11 +246,12 @@ async def _trainer_lost(tmp_path: Path, wait: Any) -> None:
         assert (b.role, c.role) == ("trainer", "rollout")
         await wait(lambda: b.state == TaskState.DONE, 120, "the new trainer to finish")
         resumed = b.recoveries[-1]
-        assert resumed["source"] == "replica" and resumed["resume_step"] in (3, 6)
-        assert [r.iteration for r in b.reports] == list(range(resumed["resume_step"], 9))
-        assert b.reports[-1].version == 9 and b.step == 9
+        assert resumed["source"] == "replica"
+        assert resumed["resume_step"] % every == 0 and every <= resumed["resume_step"] < iterations
+        assert [r.iteration for r in b.reports] == list(range(resumed["resume_step"], iterations))
+        assert b.reports[-1].version == iterations and b.step == iterations
         directory = checkpoint.tasklet_dir(tmp_path / "p1", job.job_id, 0, 0)
-        assert checkpoint.saved_steps(directory)[-1] == 9  # the new trainer checkpoints on
+        assert checkpoint.saved_steps(directory)[-1] == iterations  # the new trainer checkpoints on
     finally:
         for r in (b, c):
             await r.close()
