@@ -13,8 +13,8 @@ and the loss against wall-clock and against tokens:
   seeded random order, ``peerd.sched.placement``), nothing compressed, one run per seed;
 - ``d-dp-only``: ``d_pp = 1``, the model replicated on every peer, 8-bit gradient averaging.
 
-Arms a-c share one shape (``d_pp = N / 2`` stages x 2 replicas), so they differ only in
-placement and compression.
+Arms a-c share one shape (``shape``: ``N / 2`` stages x 2 replicas up to 8 peers, 4 x 4 at 16),
+so they differ only in placement and compression.
 
 The regime (why the links are scaled, and by how much)
 ------------------------------------------------------
@@ -139,8 +139,20 @@ def arms(seeds: int) -> list[Arm]:
     ]
 
 
+PEER_COUNTS = (4, 8, 16)  # arm d replicates over every peer: the global batch (16) splits evenly
+MAX_STAGES = 4  # the tiny-4 GPT's blocks: a stage of its own for each at most
+
+
+def shape(peers: int) -> tuple[int, int]:
+    """(d_pp, d_dp) of arms a-c on ``peers`` (one of ``PEER_COUNTS``): 2 replicas of ``peers / 2``
+    stages, at most ``MAX_STAGES`` of them (16 peers: 4 x 4)."""
+    d_pp = min(MAX_STAGES, peers // 2)
+    return d_pp, peers // d_pp
+
+
 def base_spec(peers: int, steps: int) -> dict[str, Any]:
     """The job every arm trains: tiny-4 GPT on a small corpus, so examples repeat and AC-SGD engages."""
+    d_pp, d_dp = shape(peers)
     return {
         "name": "wan",
         "kind": "pretrain",
@@ -152,7 +164,7 @@ def base_spec(peers: int, steps: int) -> dict[str, Any]:
         "global_batch": 16,
         "micro_batch": 2,
         "optimizer": {"name": "adamw", "lr": 0.003, "warmup_steps": 2, "schedule": "constant"},
-        "parallel": {"d_pp": max(1, peers // 2), "d_dp": 2 if peers >= 2 else 1},
+        "parallel": {"d_pp": d_pp, "d_dp": d_dp},
         "compression": {
             "forward": "none",
             "forward_bits": None,
@@ -777,7 +789,12 @@ def write_plot(results: list[dict[str, Any]], path: Path, title: str) -> str | N
 
 
 @click.command("wan")
-@click.option("--peers", default=8, show_default=True, help="Daemons in the local swarm (even, at least 4).")
+@click.option(
+    "--peers",
+    default=8,
+    show_default=True,
+    help="Daemons in the local swarm: 4, 8 or 16 (4 stages x 4 replicas).",
+)
 @click.option(
     "--scenario",
     default="world-wide",
@@ -822,8 +839,12 @@ def command(
         peers = peers if "peers" in given else 4
         seeds = seeds if "seeds" in given else 1
         steps = steps if "steps" in given else 8
-    if peers < 4 or peers % 2:
-        raise click.BadParameter("needs an even number of peers, at least 4", param_hint="--peers")
+    if peers not in PEER_COUNTS:
+        raise click.BadParameter(
+            f"one of {', '.join(map(str, PEER_COUNTS))}: the 16-sequence batch splits evenly over "
+            "the replicas of every arm (d: one per peer)",
+            param_hint="--peers",
+        )
     if seeds < 1 or steps < WARMUP_STEPS + 2:
         raise click.BadParameter(f"needs --seeds >= 1 and --steps >= {WARMUP_STEPS + 2}")
     result = wan(

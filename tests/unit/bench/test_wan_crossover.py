@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from peerd.bench.wan import arm_spec, arms, crossover, slowest_link_mbps, tiny_sizes
+from peerd.bench.wan import PEER_COUNTS, arm_spec, arms, crossover, shape, slowest_link_mbps, tiny_sizes
 
 
 def test_pipeline_with_compression_wins_below_the_bandwidth_the_arithmetic_predicts():
@@ -50,3 +50,12 @@ def test_the_slowest_link_is_between_two_used_regions():
     }
     assert slowest_link_mbps(shaped) == 5.0  # z holds no peer
     assert math.isinf(slowest_link_mbps({**shaped, "devices": shaped["devices"][:1]}))
+
+
+@pytest.mark.parametrize(("peers", "expected"), [(4, (2, 2)), (8, (4, 2)), (16, (4, 4))])
+def test_every_peer_count_the_cli_accepts_gets_a_shape_the_job_spec_accepts(peers, expected):
+    assert peers in PEER_COUNTS and shape(peers) == expected
+    for arm in arms(1):
+        spec = arm_spec(arm, peers, 20)  # parses the job spec: 16 peers once asked for 8 stages of 6 layers
+        parallel = spec["parallel"]
+        assert parallel["d_pp"] * parallel["d_dp"] == peers
