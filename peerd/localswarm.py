@@ -6,7 +6,8 @@ gets its own state directory (identity, control socket, ``peerd.yaml``,
 ``daemon.log``) and runs in its own session, so the launcher can find and reap
 everything it started (the daemon, its DHT process and p2pd) even after a
 SIGKILL. Readiness is the ``PEERD_READY`` line the daemon prints once it is
-ONLINE; there are no fixed sleeps.
+ONLINE; there are no fixed sleeps. While a swarm runs, a SIGTERM to the launching
+process unwinds it like Ctrl-C, so its ``close`` still reaps the daemons.
 """
 
 from __future__ import annotations
@@ -139,6 +140,7 @@ class LocalSwarm:
         self.log_level = log_level
         self.env = {**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"}
         self.python = python
+        self._trapped = False  # holds the SIGTERM trap (``_trap_sigterm``) from start to close
         extra = peer_options or [{} for _ in range(size)]
         self.peers = [
             LocalPeer(index=i, name=names[i], home=self.root / names[i], options={**self.options, **extra[i]})
@@ -149,6 +151,8 @@ class LocalSwarm:
 
     def start(self) -> LocalSwarm:
         """Start peer 0, wait until it is ready, then start the others together and wait for them."""
+        if not self._trapped:
+            self._trapped = _trap_sigterm()
         try:
             self._launch(self.peers[0], initial_peers=[])
             self._wait_ready([self.peers[0]])
@@ -345,6 +349,9 @@ class LocalSwarm:
         deadline = time.monotonic() + self.grace_s
         for peer in started:
             self._reap(peer, max(0.0, deadline - time.monotonic()))
+        if self._trapped:
+            self._trapped = False
+            _release_sigterm()
 
     def _reap(self, peer: LocalPeer, grace: float) -> int | None:
         process = peer.process
@@ -372,6 +379,39 @@ class LocalSwarm:
 
     def __exit__(self, *exc_info: Any) -> None:
         self.close()
+
+
+_sigterm_traps = 0  # live swarms that asked for the trap
+_sigterm_before: Any = None  # the handler the first of them replaced
+
+
+def _exit_on_sigterm(signum: int, frame: Any) -> None:
+    raise SystemExit(128 + signum)
+
+
+def _trap_sigterm() -> bool:
+    """Make a SIGTERM to this process (``kill``, a CI runner's timeout) unwind like Ctrl-C, so the
+    ``close`` in a ``finally`` or ``with`` reaps the daemons instead of leaving them running.
+
+    Only from the main thread, and only over the default handler (a program with its own keeps
+    it); True when this swarm holds the trap.
+    """
+    global _sigterm_traps, _sigterm_before
+    if threading.current_thread() is not threading.main_thread():
+        return False
+    if _sigterm_traps == 0:
+        if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+            return False
+        _sigterm_before = signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    _sigterm_traps += 1
+    return True
+
+
+def _release_sigterm() -> None:
+    global _sigterm_traps
+    _sigterm_traps -= 1
+    if _sigterm_traps == 0 and threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _sigterm_before)
 
 
 def _read_stdout(peer: LocalPeer) -> None:

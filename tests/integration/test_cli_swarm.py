@@ -206,6 +206,33 @@ def test_demo_runs_a_swarm_and_cleans_up(peerd_cli, tmp_path):
     assert _processes_mentioning(str(root)) == []  # no daemon, DHT process or p2pd of the demo survived
 
 
+def test_a_terminated_demo_still_reaps_its_daemons(tmp_path, wait_until):
+    # `kill` or a CI runner's timeout sends SIGTERM, which once ended the launcher at once and left
+    # every daemon, DHT process and p2pd of its swarm running
+    root = tmp_path / "demo"
+    args = ["demo", "--no-job", "--peers", "2", "--timeout", "90", "--dir", str(root)]
+    demo = subprocess.Popen(
+        [sys.executable, "-c", "from peerd.cli import main; main()", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache")},
+    )
+    try:
+        wait_until(
+            lambda: all((root / n / "control.sock").exists() for n in ("peer0", "peer1")), 120, "both daemons"
+        )
+        assert _processes_mentioning(str(root)), "the daemons should run before the SIGTERM"
+        demo.send_signal(signal.SIGTERM)
+        output, _ = demo.communicate(timeout=60)
+    finally:
+        if demo.poll() is None:
+            demo.kill()
+    assert demo.returncode == 128 + signal.SIGTERM, output[-3000:]
+    assert "shutting the swarm down" in output
+    assert _processes_mentioning(str(root)) == []  # no daemon, DHT process or p2pd survived the launcher
+
+
 def _watch_frames(home, *args: str, count: int = 3) -> list[str]:
     """The first ``count`` refreshes of ``peerd status --watch`` into a pipe, then Ctrl-C (a normal exit).
 
