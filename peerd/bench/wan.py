@@ -681,8 +681,10 @@ def wan(
         swarm = LocalSwarm(peers, root / "s", options=options, names=names, ready_timeout=180)
         swarm.start()
         try:
-            swarm.wait_until(
-                lambda v: converged(v, names), timeout=180, what="every daemon to measure the others"
+            swarm.wait_until(  # every ordered pair's link is probed: the wait grows with their number
+                lambda v: converged(v, names),
+                timeout=180 * max(1.0, peers / 8) ** 2,
+                what="every daemon to measure the others",
             )
             ids = {p.info.peer_id: p.name for p in swarm.peers if p.info is not None}
             for arm in chosen:
