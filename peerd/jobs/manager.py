@@ -128,6 +128,9 @@ class JobManager:
         self._recovering_since: dict[str, dict[tuple[int, str], float]] = {}  # job -> (epoch, peer) -> t
         self._online_since: dict[str, float] = {}  # peer -> when this daemon first saw it online
         self._declined: dict[str, set[str]] = {}  # job -> newcomers a growth re-plan was made for
+        # job -> (the epoch it grew from, the newcomers it was for): settled at the next commit
+        self._growth_asked: dict[str, tuple[int, frozenset[str]]] = {}
+        self._growth_retried: dict[str, set[str]] = {}  # job -> newcomers given their one more try
         self._stalls: dict[str, StallWatch] = {}  # job -> the committed epoch's step clock
         self._adopting: dict[str, asyncio.Task] = {}
         self._wake = asyncio.Event()
@@ -431,7 +434,9 @@ class JobManager:
             verdict.cause()
             if verdict.replan
             else watch.stalled(now, self.config.health)
-            or self._growth(entry, commit.allocation, now)
+            or self._growth(
+                entry, commit.allocation, now, epoch=commit.epoch, roster={p for p, _ in commit.record.roster}
+            )
             or following(commit.allocation, self.me, planner.others_replanning())
         )
         if not cause:
@@ -497,8 +502,19 @@ class JobManager:
                 entry.planner.participate = True
                 logger.info("job %s: applying now that another job ended here", job_id)
 
-    def _growth(self, entry: JobEntry, allocation: Allocation, now: float) -> str | None:
-        """Why a short-handed job should grow back onto the newcomers in sight (``health.short_handed``)."""
+    def _growth(
+        self,
+        entry: JobEntry,
+        allocation: Allocation,
+        now: float,
+        *,
+        epoch: int = 0,
+        roster: set[str] | None = None,
+    ) -> str | None:
+        """Why a short-handed job should grow back onto the newcomers in sight (``health.short_handed``).
+
+        ``allocation`` is the one committed in ``epoch`` from ``roster`` (the peers that applied).
+        """
         online = self.online()
         first = {p: self._online_since.get(p, now) for p in online}
         self._online_since = first  # forget who went offline: a return counts as new
@@ -509,6 +525,16 @@ class JobManager:
         job_id = entry.record.job_id
         declined = self._declined.setdefault(job_id, set())
         declined &= set(online)  # one that went offline and came back may count again
+        asked = self._growth_asked.get(job_id)
+        if asked is not None and epoch > asked[0] and roster is not None:
+            # the re-plan committed. A newcomer whose entry missed its roster (its daemon still
+            # read the epoch before: it applied to the next one) was not left out by the
+            # consensus: it gets one more re-plan, and a second miss declines it for good
+            del self._growth_asked[job_id]
+            retried = self._growth_retried.setdefault(job_id, set())
+            missed = {p for p in asked[1] if p not in roster and p not in retried}
+            declined -= missed
+            retried |= missed
         applying = {
             p: t for p, t in first.items() if p not in declined and eligible(job_id, p, online, max_peers)
         }
@@ -518,7 +544,9 @@ class JobManager:
             # use to the search) stays out until it reconnects, instead of re-planning forever
             members = {*allocation.devices, *allocation.spares}
             settle = self.config.health.grow_settle_s
-            declined.update(p for p, t in applying.items() if p not in members and now - t >= settle)
+            newcomers = frozenset(p for p, t in applying.items() if p not in members and now - t >= settle)
+            declined.update(newcomers)
+            self._growth_asked[job_id] = (epoch, newcomers)
         return cause
 
     # -- volunteer controls ---------------------------------------------------------------------

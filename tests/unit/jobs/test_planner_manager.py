@@ -346,6 +346,45 @@ def test_an_rl_job_is_never_short_handed_its_spares_roll_out() -> None:
     asyncio.run(scenario())
 
 
+def test_a_newcomer_whose_entry_missed_the_growth_roster_gets_one_more_replan() -> None:
+    """CI once saw a newcomer's daemon read the job an epoch late: its roster entry went to the epoch
+    after the growth re-plan it had triggered, that re-plan committed the old shape without it, and
+    it was declined for good, so the job never grew. Only the consensus leaving it out declines it."""
+
+    async def scenario() -> None:
+        fourth = "QmFourth" + "w" * 22
+        ms = Managers([OWNER, OTHER, THIRD, fourth])
+        manager = ms.by_peer[OWNER]
+        manager.config = dataclasses.replace(
+            manager.config, health=dataclasses.replace(manager.config.health, grow_settle_s=0.0)
+        )
+        spec = dataclasses.replace(DEMO, min_peers=2, max_peers=4, parallel=ParallelSpec("auto", "auto"))
+        alloc = Allocation(((OWNER,),), (OTHER, THIRD))  # one tasklet, two spares, the fourth peer is new
+        old = {OWNER, OTHER, THIRD}
+
+        def entry(nonce: bytes) -> JobEntry:
+            record = new_job_record(
+                OWNER, "default", spec, nonce, now=T0, epoch0_start=T0, timing=spec.planning.timing()
+            )
+            return JobEntry(record, spec)
+
+        lagging = entry(bytes(16))
+        assert manager._growth(lagging, alloc, T0 + 100.0, epoch=1, roster=old)
+        assert (
+            manager._growth(lagging, alloc, T0 + 101.0, epoch=1, roster=old) is None
+        )  # asked once per epoch
+        # the re-plan committed epoch 2 from a roster without the newcomer: one more try
+        assert manager._growth(lagging, alloc, T0 + 110.0, epoch=2, roster=old)
+        assert manager._growth(lagging, alloc, T0 + 120.0, epoch=3, roster=old) is None  # missed twice
+
+        left_out = entry(b"x" * 16)  # it applied, and the consensus kept the old shape: declined
+        assert manager._growth(left_out, alloc, T0 + 100.0, epoch=1, roster=old)
+        assert manager._growth(left_out, alloc, T0 + 110.0, epoch=2, roster={*old, fourth}) is None
+        await ms.close()
+
+    asyncio.run(scenario())
+
+
 def test_a_leaving_peer_serves_its_state_until_its_successor_trains() -> None:
     """A commit without the leaving peer is not the end of its duty: the successor loads the stage
     state from it after that commit, so the peer waits until every new tasklet trains (it used to
