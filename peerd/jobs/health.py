@@ -30,7 +30,9 @@ A job running **short-handed** (fewer replicas than its target width: it shrank 
 died) re-plans to grow back once newcomers are in sight (``short_handed``): peers not in the
 allocation that have been online for ``grow_settle_s`` (their links are measured by then),
 enough of them, with the allocation's live spares, for one more replica. A newcomer that
-would not widen the job waits as a spare: it joins at the next re-plan.
+would not widen the job waits as a spare: it joins at the next re-plan. ``GrowthLedger``
+remembers whom each growth re-plan was for, so a newcomer the consensus leaves out does not
+re-plan the job forever.
 """
 
 from __future__ import annotations
@@ -253,3 +255,37 @@ def short_handed(
         f"running {allocation.d_dp} of {target_width} replicas and {len(settled)} new peer(s) "
         f"(with {len(spares)} spare(s)) can add one"
     )
+
+
+@dataclass
+class GrowthLedger:
+    """One job's newcomers that growth re-plans were made for, so none re-plans the job forever.
+
+    A settled newcomer triggers a re-plan (``short_handed``) and is then declined: one the
+    consensus leaves out (paused, or of no use to the search) must not trigger another. The
+    decline settles at the next commit: a newcomer missing from its roster (its daemon still
+    read the epoch before, so it applied to the next one) was not left out by the consensus and
+    is asked for once more; a second miss declines it for good. A peer that goes offline and
+    comes back counts as new.
+    """
+
+    declined: set[str] = field(default_factory=set)
+    retried: set[str] = field(default_factory=set)
+    asked: tuple[int, frozenset[str]] | None = None
+    """The epoch a growth re-plan started from, and the newcomers it was for."""
+
+    def observe(self, online: Collection[str], epoch: int, roster: Collection[str] | None) -> None:
+        """Forget the peers that went offline; settle the last ask once ``epoch`` (from ``roster``) passed it."""
+        self.declined &= set(online)
+        self.retried &= set(online)
+        if self.asked is None or roster is None or epoch <= self.asked[0]:
+            return
+        missed = {p for p in self.asked[1] if p not in roster and p not in self.retried}
+        self.declined -= missed
+        self.retried |= missed
+        self.asked = None
+
+    def ask(self, epoch: int, newcomers: Collection[str]) -> None:
+        """A growth re-plan from ``epoch`` was triggered for ``newcomers``."""
+        self.declined.update(newcomers)
+        self.asked = (epoch, frozenset(newcomers))

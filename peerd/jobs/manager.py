@@ -29,7 +29,7 @@ from typing import Any
 
 from peerd.errors import ConfigError, ErrorCode, PeerdError, ProtocolError
 from peerd.jobs import catalog
-from peerd.jobs.health import HealthConfig, StallWatch, assess, following, short_handed
+from peerd.jobs.health import GrowthLedger, HealthConfig, StallWatch, assess, following, short_handed
 from peerd.jobs.planner import JobPlanner, LocalInfo, PlannerConfig
 from peerd.jobs.records import (
     NONCE_BYTES,
@@ -127,10 +127,7 @@ class JobManager:
         self.leaving = False
         self._recovering_since: dict[str, dict[tuple[int, str], float]] = {}  # job -> (epoch, peer) -> t
         self._online_since: dict[str, float] = {}  # peer -> when this daemon first saw it online
-        self._declined: dict[str, set[str]] = {}  # job -> newcomers a growth re-plan was made for
-        # job -> (the epoch it grew from, the newcomers it was for): settled at the next commit
-        self._growth_asked: dict[str, tuple[int, frozenset[str]]] = {}
-        self._growth_retried: dict[str, set[str]] = {}  # job -> newcomers given their one more try
+        self._growth_ledgers: dict[str, GrowthLedger] = {}  # job -> newcomers its growth re-plans were for
         self._stalls: dict[str, StallWatch] = {}  # job -> the committed epoch's step clock
         self._adopting: dict[str, asyncio.Task] = {}
         self._wake = asyncio.Event()
@@ -322,6 +319,7 @@ class JobManager:
             if rec.state in TERMINAL:
                 # a finished job's checkpoints stay served here: peerd fetch gathers them over p2p
                 await self._stop(entry, keep_serving=rec.state == JobState.DONE)
+                self._forget_health(rec.job_id)
             elif entry.planner_task is None:
                 self._start_planner(entry)
             if entry.commit is None and rec.state in TERMINAL and not entry.records_read:
@@ -502,6 +500,12 @@ class JobManager:
                 entry.planner.participate = True
                 logger.info("job %s: applying now that another job ended here", job_id)
 
+    def _forget_health(self, job_id: str) -> None:
+        """Drop what health checks kept of a job that ended."""
+        self._recovering_since.pop(job_id, None)
+        self._stalls.pop(job_id, None)
+        self._growth_ledgers.pop(job_id, None)
+
     def _growth(
         self,
         entry: JobEntry,
@@ -523,30 +527,18 @@ class JobManager:
         rl = entry.spec.kind == "rl"
         target = 1 if rl else target_width(entry.spec.parallel.d_dp, max_peers, allocation.d_pp)
         job_id = entry.record.job_id
-        declined = self._declined.setdefault(job_id, set())
-        declined &= set(online)  # one that went offline and came back may count again
-        asked = self._growth_asked.get(job_id)
-        if asked is not None and epoch > asked[0] and roster is not None:
-            # the re-plan committed. A newcomer whose entry missed its roster (its daemon still
-            # read the epoch before: it applied to the next one) was not left out by the
-            # consensus: it gets one more re-plan, and a second miss declines it for good
-            del self._growth_asked[job_id]
-            retried = self._growth_retried.setdefault(job_id, set())
-            missed = {p for p in asked[1] if p not in roster and p not in retried}
-            declined -= missed
-            retried |= missed
+        ledger = self._growth_ledgers.setdefault(job_id, GrowthLedger())
+        ledger.observe(online, epoch, roster)
         applying = {
-            p: t for p, t in first.items() if p not in declined and eligible(job_id, p, online, max_peers)
+            p: t
+            for p, t in first.items()
+            if p not in ledger.declined and eligible(job_id, p, online, max_peers)
         }
         cause = short_handed(allocation, target, applying, now, config=self.config.health)
         if cause:
-            # each newcomer triggers one re-plan: one the consensus leaves out (paused, or of no
-            # use to the search) stays out until it reconnects, instead of re-planning forever
             members = {*allocation.devices, *allocation.spares}
             settle = self.config.health.grow_settle_s
-            newcomers = frozenset(p for p, t in applying.items() if p not in members and now - t >= settle)
-            declined.update(newcomers)
-            self._growth_asked[job_id] = (epoch, newcomers)
+            ledger.ask(epoch, [p for p, t in applying.items() if p not in members and now - t >= settle])
         return cause
 
     # -- volunteer controls ---------------------------------------------------------------------

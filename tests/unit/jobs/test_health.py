@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from peerd.errors import ConfigError
-from peerd.jobs.health import HealthConfig, StallWatch, assess, following, short_handed
+from peerd.jobs.health import GrowthLedger, HealthConfig, StallWatch, assess, following, short_handed
 from peerd.jobs.records import Progress, TaskState
 from peerd.sched.allocation import Allocation
 
@@ -193,3 +193,35 @@ def test_spares_follow_one_tasklet_peer_into_a_replan_and_tasklet_peers_follow_h
     why = following(ALLOC, "b", frozenset({"a", "c"}))
     assert why is not None and "2 of the job's 4" in why
     assert following(ALLOC, "b", frozenset()) is None
+
+
+def test_the_growth_ledger_declines_a_newcomer_the_consensus_left_out():
+    ledger = GrowthLedger()
+    ledger.ask(1, ["n"])
+    assert ledger.declined == {"n"}
+    ledger.observe({"a", "n"}, 1, {"a"})  # the re-plan has not committed yet
+    assert ledger.declined == {"n"} and ledger.asked == (1, frozenset({"n"}))
+    ledger.observe({"a", "n"}, 2, {"a", "n"})  # it applied, and was left out: stays declined
+    assert ledger.declined == {"n"} and ledger.asked is None
+
+
+def test_the_growth_ledger_asks_once_more_for_a_newcomer_that_missed_the_roster():
+    ledger = GrowthLedger()
+    ledger.ask(1, ["n"])
+    ledger.observe({"a", "n"}, 2, {"a"})  # its entry missed the roster: one more try
+    assert "n" not in ledger.declined
+    ledger.ask(2, ["n"])
+    ledger.observe({"a", "n"}, 3, {"a"})  # missed twice: declined for good
+    assert ledger.declined == {"n"}
+
+
+def test_the_growth_ledger_forgets_a_peer_that_went_offline():
+    ledger = GrowthLedger()
+    ledger.ask(1, ["n"])
+    ledger.observe({"a", "n"}, 2, {"a"})
+    ledger.ask(2, ["n"])
+    ledger.observe({"a"}, 2, None)  # offline: a return counts as new, with its retry again
+    assert not ledger.declined and not ledger.retried
+    ledger.ask(2, ["n"])
+    ledger.observe({"a", "n"}, 3, {"a"})
+    assert "n" not in ledger.declined
