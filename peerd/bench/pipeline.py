@@ -35,6 +35,12 @@ directions in series), the setting the paper's 100 Mbit/s numbers describe: meas
 delay-free links (speed-ups at 100 Mbit/s ~1.45x for 2x2, ~2.1x for 2x1), but keeps only 2
 micro-batches in flight, so a 25 ms link makes it latency-bound, compressed or not.
 
+Fixed bandwidths put the two layouts in different regimes, so their speed-ups do not compare.
+``--match`` (default 4, the paper's ~4-6) adds, per layout, a link whose bandwidth makes the
+fp32 link time per direction that multiple of the layout's own unshaped step, measured just
+before on the same processes; ``speedup_at_matched_regimes`` lists the speed-ups there, the
+figures to hold against the paper's.
+
 Run as a module (``python -m peerd.bench.pipeline``) this file is the peer process.
 """
 
@@ -189,7 +195,9 @@ async def training(
             for schedule in schedules:
                 cfg = job_config(args, schedule, replicas)
                 rows: dict[str, Any] = {}
-                for name, spec in [("unshaped", None), *links]:
+
+                async def measure(name: str, spec: LinkSpec | None) -> None:
+                    nonlocal runs
                     results: dict[str, list[RunResult]] = {}
                     for _ in range(args["train_repeats"]):  # codecs interleaved: noise hits them alike
                         for codec in codecs if spec is not None else ["none"]:
@@ -199,10 +207,18 @@ async def training(
                                 await procs.run(job, allocation, link=spec, timeout=900)
                             )
                     rows[name] = _row(results, cfg, args["warmup"])
+
+                await measure("unshaped", None)
+                # the matched links follow from this layout's own unshaped step on these cores
+                matched = matched_links(
+                    args["match"], cfg, replicas, rows["unshaped"]["none"].get("step_s_median")
+                )
+                for name, spec in [*links, *matched]:
+                    await measure(name, spec)
                 by_setup[f"2x{replicas}-{schedule}"] = {
                     "layout": f"2 stages x {replicas} replicas: {2 * replicas} peer processes on {_cores()} cores",
                     "global_batch": cfg.global_batch,
-                    **_with_regime(rows, cfg, links, replicas),
+                    **_with_regime(rows, cfg, [*links, *matched], replicas),
                 }
     finally:
         await procs.close()
@@ -231,6 +247,15 @@ async def training(
             "uncompressed baseline without link delay)"
         ),
         "by_setup": by_setup,
+        # the same regime for every layout: the speed-ups that compare across layouts and with the paper
+        "speedup_at_matched_regimes": {
+            setup: {
+                name: {codec: r.get("speedup_vs_none") for codec, r in row.items() if codec != "none"}
+                for name, row in v["by_link"].items()
+                if name.startswith("matched-")
+            }
+            for setup, v in by_setup.items()
+        },
     }
 
 
@@ -254,16 +279,35 @@ def _with_regime(
         for r in row.values():
             if ceiling and "tokens_per_s" in r:
                 r["fraction_of_unshaped"] = round(r["tokens_per_s"] / ceiling, 2)
-    # one replica's boundary link, one direction: its share of the step's activations
-    per_link = cfg.global_batch // replicas * cfg.data.seq_len * cfg.model.gpt().d_model * 4
+    per_link = boundary_bytes(cfg, replicas)
     regime: dict[str, Any] = {"unshaped_step_s": compute_s}
     for name, spec in links:
         link_s = per_link * 8 / spec.bandwidth_bps if spec.bandwidth_bps else 0.0
         regime[name] = {
+            "mbit_s": round(spec.bandwidth_bps / 1e6, 2) if spec.bandwidth_bps else None,
             "fp32_link_s_per_direction": round(link_s, 4),
             "link_over_compute": round(link_s / compute_s, 2) if compute_s else None,
         }
     return {"regime": regime, "by_link": rows}
+
+
+def boundary_bytes(cfg: TrainConfig, replicas: int) -> int:
+    """fp32 activation bytes one replica's boundary link carries per step in one direction."""
+    return cfg.global_batch // replicas * cfg.data.seq_len * cfg.model.gpt().d_model * 4
+
+
+def matched_links(
+    ratios: list[float], cfg: TrainConfig, replicas: int, unshaped_step_s: float | None
+) -> list[tuple[str, LinkSpec]]:
+    """Per target ``link_over_compute``, the bandwidth at which fp32 link time per direction is that
+    multiple of the layout's unshaped step: the same regime for every layout, whatever its cores."""
+    if not unshaped_step_s:
+        return []
+    out = []
+    for ratio in ratios:
+        bps = boundary_bytes(cfg, replicas) * 8 / (ratio * unshaped_step_s)
+        out.append((f"matched-x{ratio:g}", LinkSpec(delay_s=0.0, bandwidth_bps=bps)))
+    return out
 
 
 def _stage_params(cfg: TrainConfig) -> list[int]:
@@ -275,6 +319,13 @@ def _stage_params(cfg: TrainConfig) -> list[int]:
 @click.command("pipeline")
 @click.option(
     "--links", default="1000,100,20+25", show_default=True, help="Link settings: MBIT[+DELAY_MS],..."
+)
+@click.option(
+    "--match",
+    default="4",
+    show_default=True,
+    help="Also run each layout at links matched to these regimes: fp32 link time per direction = "
+    "RATIO x that layout's unshaped step (the AC-SGD paper's 100 Mbit/s runs: ~4-6). Empty: none.",
 )
 @click.option(
     "--codecs",
@@ -322,6 +373,12 @@ def _stage_params(cfg: TrainConfig) -> list[int]:
 def command(**args: Any) -> None:
     """Tokens/s of 2-stage pipelines (2x2, 2x1) on shaped links, uncompressed vs AC-SGD; stream vs raw throughput."""
     links = parse_links(args["links"])
+    try:
+        args["match"] = [float(x) for x in args["match"].split(",") if x.strip()]
+    except ValueError:
+        raise click.BadParameter("--match: comma-separated ratios, e.g. 1,4") from None
+    if not all(r > 0 for r in args["match"]):
+        raise click.BadParameter("--match: ratios must be > 0")
     codecs = [c.strip() for c in args["codecs"].split(",") if c.strip()]
     unknown = [c for c in codecs if c not in CODECS]
     if unknown:
