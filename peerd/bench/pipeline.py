@@ -47,9 +47,11 @@ Run as a module (``python -m peerd.bench.pipeline``) this file is the peer proce
 from __future__ import annotations
 
 import asyncio
+import itertools
 import statistics
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import replace
 from typing import Any
 
@@ -187,34 +189,19 @@ async def training(
     procs = PeerProcesses(
         2 * max(layouts), [sys.executable, "-m", "peerd.bench.pipeline"], threads=1, log_dir=args["log_dir"]
     )
-    runs = 0
+    job_ids = itertools.count(1)
     try:
         await procs.start()
         for replicas in layouts:  # a layout with fewer replicas runs on the first peer processes
             allocation = Placement.grid(2, replicas)
             for schedule in schedules:
                 cfg = job_config(args, schedule, replicas)
-                rows: dict[str, Any] = {}
-
-                async def measure(name: str, spec: LinkSpec | None) -> None:
-                    nonlocal runs
-                    results: dict[str, list[RunResult]] = {}
-                    for _ in range(args["train_repeats"]):  # codecs interleaved: noise hits them alike
-                        for codec in codecs if spec is not None else ["none"]:
-                            runs += 1
-                            job = replace(cfg, job=f"bench-{runs}", compression=CODECS[codec])
-                            results.setdefault(codec, []).append(
-                                await procs.run(job, allocation, link=spec, timeout=900)
-                            )
-                    rows[name] = _row(results, cfg, args["warmup"])
-
-                await measure("unshaped", None)
+                rows = {"unshaped": await measure(procs, cfg, allocation, None, ["none"], args, job_ids)}
                 # the matched links follow from this layout's own unshaped step on these cores
-                matched = matched_links(
-                    args["match"], cfg, replicas, rows["unshaped"]["none"].get("step_s_median")
-                )
+                unshaped_s = rows["unshaped"]["none"].get("step_s_median")
+                matched = matched_links(args["match"], cfg, replicas, unshaped_s)
                 for name, spec in [*links, *matched]:
-                    await measure(name, spec)
+                    rows[name] = await measure(procs, cfg, allocation, spec, codecs, args, job_ids)
                 by_setup[f"2x{replicas}-{schedule}"] = {
                     "layout": f"2 stages x {replicas} replicas: {2 * replicas} peer processes on {_cores()} cores",
                     "global_batch": cfg.global_batch,
@@ -257,6 +244,25 @@ async def training(
             for setup, v in by_setup.items()
         },
     }
+
+
+async def measure(
+    procs: PeerProcesses,
+    cfg: TrainConfig,
+    allocation: Placement,
+    link: LinkSpec | None,
+    codecs: list[str],
+    args: dict[str, Any],
+    job_ids: Iterator[int],
+) -> dict[str, Any]:
+    """One row: the job under each codec on ``link``, ``--train-repeats`` times, codecs interleaved
+    (noise on the shared machine hits them alike)."""
+    results: dict[str, list[RunResult]] = {}
+    for _ in range(args["train_repeats"]):
+        for codec in codecs:
+            job = replace(cfg, job=f"bench-{next(job_ids)}", compression=CODECS[codec])
+            results.setdefault(codec, []).append(await procs.run(job, allocation, link=link, timeout=900))
+    return _row(results, cfg, args["warmup"])
 
 
 def _row(results: dict[str, list[RunResult]], cfg: TrainConfig, warmup: int) -> dict[str, Any]:

@@ -14,6 +14,8 @@ import os
 import re
 import secrets
 import stat
+import struct
+from collections import OrderedDict
 from collections.abc import Iterable
 from functools import lru_cache
 from pathlib import Path
@@ -241,14 +243,59 @@ class PeerRecordValidator(RecordValidatorBase):
         return True
 
 
+VERDICT_CACHE_SIZE = 4096
+"""Signature verdicts a DHT process remembers (32-byte digests: ~0.5 MiB at most)."""
+
+
+def record_digest(record: DHTRecord) -> bytes:
+    """A collision-resistant digest of everything a signature verdict depends on."""
+    h = hashlib.blake2b(digest_size=32)
+    for part in (record.key, record.subkey, record.value):
+        if part is None:
+            h.update(b"\xff" * 8)  # no subkey differs from an empty one
+        else:
+            h.update(len(part).to_bytes(8, "little"))
+            h.update(part)
+    h.update(struct.pack("<d", record.expiration_time))
+    return h.digest()
+
+
 class CountingRSAValidator(RSASignatureValidator):
-    """hivemind's signature check, counting the records it rejects (a forged or missing owner signature)."""
+    """hivemind's signature check, counting the records it rejects (a forged or missing owner
+    signature) and remembering its verdicts.
+
+    Every peer re-reads the same signed records every few seconds (peer entries, job progress),
+    and each read re-parses the owner's key and re-verifies its RSA signature (~70 us here; the
+    DHT process's largest cost while a job runs). A verdict depends on the record's bytes alone,
+    so the last ``cache_size`` verdicts are kept under ``record_digest``: a record seen before
+    costs a hash, a changed byte anywhere is verified afresh. Rejections count on every sight.
+    """
+
+    def __init__(self, private_key: RSAPrivateKey | None = None, *, cache_size: int = VERDICT_CACHE_SIZE):
+        super().__init__(private_key)
+        self._verdicts: OrderedDict[bytes, bool] = OrderedDict()
+        self._cache_size = cache_size
+        self.verified = 0
+        """Signatures actually verified (the rest were remembered)."""
 
     def validate(self, record: DHTRecord) -> bool:
-        if super().validate(record):
-            return True
-        count_dht(ErrorCode.BAD_SIGNATURE)
-        return False
+        if not self._PUBLIC_KEY_RE.search(record.key) and (
+            record.subkey is None or not self._PUBLIC_KEY_RE.search(record.subkey)
+        ):
+            return True  # not a protected record: nothing to verify or remember
+        digest = record_digest(record)
+        verdict = self._verdicts.get(digest)
+        if verdict is None:
+            verdict = super().validate(record)
+            self.verified += 1
+            self._verdicts[digest] = verdict
+            if len(self._verdicts) > self._cache_size:
+                self._verdicts.popitem(last=False)
+        else:
+            self._verdicts.move_to_end(digest)
+        if not verdict:
+            count_dht(ErrorCode.BAD_SIGNATURE)
+        return verdict
 
 
 def make_record_validators(

@@ -30,7 +30,9 @@ def test_matched_links_put_the_uncompressed_run_in_the_asked_regime_where_acsgd_
     assert row["none"]["step_s_median"] > 4 * unshaped_s
     assert row["acsgd-fw4-bw8"]["speedup_vs_none"] > 1.5
     summary = json.loads(result.output)["training"]["speedup_at_matched_regimes"]
-    assert summary == {"2x1-gpipe": {"matched-x4": {"acsgd-fw4-bw8": row["acsgd-fw4-bw8"]["speedup_vs_none"]}}}
+    assert summary == {
+        "2x1-gpipe": {"matched-x4": {"acsgd-fw4-bw8": row["acsgd-fw4-bw8"]["speedup_vs_none"]}}
+    }
 
 
 def test_a_bad_match_ratio_is_refused_by_name() -> None:

@@ -277,3 +277,50 @@ def test_check_peer_entry_is_what_readers_use(alice, bob):
     with pytest.raises(ProtocolError) as info:
         check_peer_entry(alice.owner_tag.decode(), raw, now + 30, now)
     assert info.value.code == ErrorCode.BAD_SIGNATURE
+
+
+# ---------------------------------------------------------------- remembered signature verdicts
+
+
+def signed_record(ident: Identity, value: bytes = b"payload", expiration: float = 1e9) -> DHTRecord:
+    validator = make_record_validators(ident)[0]
+    record = DHTRecord(key=b"k" + ident.owner_tag, subkey=b"s", value=value, expiration_time=expiration)
+    return dataclasses.replace(record, value=validator.sign_value(record))
+
+
+def test_a_signature_seen_before_is_not_verified_again(alice):
+    from peerd.swarm.rejections import DHT_REJECTED
+
+    validator = make_record_validators(alice)[0]
+    genuine = signed_record(alice)
+    assert validator.validate(genuine) and validator.validate(genuine)
+    assert validator.verified == 1
+    # the remembered verdict is for those bytes only: any change is verified afresh, and rejected
+    signature = genuine.value[len(b"payload") :]
+    for forged in (
+        dataclasses.replace(genuine, value=b"payloaX" + signature),
+        dataclasses.replace(genuine, expiration_time=genuine.expiration_time + 1),
+        dataclasses.replace(genuine, subkey=b"t"),
+        dataclasses.replace(genuine, subkey=None),
+    ):
+        assert not validator.validate(forged)
+    assert validator.verified == 5
+    before = DHT_REJECTED["BAD_SIGNATURE"]
+    forged = dataclasses.replace(genuine, value=b"payloaX" + signature)
+    assert not validator.validate(forged) and not validator.validate(forged)
+    assert validator.verified == 5  # a replayed forgery costs a hash, and still counts each time
+    assert DHT_REJECTED["BAD_SIGNATURE"] == before + 2
+
+
+def test_remembered_verdicts_are_bounded_oldest_out(alice):
+    from peerd.swarm.identity import CountingRSAValidator
+
+    validator = CountingRSAValidator(alice.private_key, cache_size=2)
+    first, second, third = (signed_record(alice, value=v) for v in (b"1", b"2", b"3"))
+    for record in (first, second, first, third):  # first was used again: second is the oldest
+        assert validator.validate(record)
+    assert validator.verified == 3
+    assert validator.validate(first) and validator.verified == 3
+    assert validator.validate(second) and validator.verified == 4
+    unprotected = DHTRecord(key=b"k", subkey=b"s", value=b"v", expiration_time=1e9)
+    assert validator.validate(unprotected) and validator.verified == 4
