@@ -21,7 +21,10 @@ Checkpoints outlive their stage: for every stage, ``checkpoint_replicas`` peers 
 allocation outside it (spares included; ranked by a hash of job, stage and peer, so every
 peer agrees) pull each new checkpoint of that stage into their ``CheckpointReplicas`` store
 and declare it in ``held``. When every peer of a stage is gone, the job resumes from the
-newest checkpoint some member still holds for every stage.
+newest checkpoint some member still holds for every stage. A peer that leaves applies to no
+roster, so the state it stopped at reaches the next epoch only through such copies: before a
+re-plan reads ``held``, ``freeze`` brings them up to date, taking the exact step a stopped
+stage holds (the poll can be seconds behind, and a stage of one replica has no other copy).
 
 Progress (step, loss history, tokens/s, bytes on the wire by kind and what they would have
 been uncompressed, suspects) goes to ``progress_key(job)`` under this peer's subkey every
@@ -88,6 +91,7 @@ logger = get_logger(__name__)
 
 READY_POLL_S = 0.5
 REPLICATE_POLL_S = 2.0  # how often a replica peer looks for a newer checkpoint of its stages
+REPLAN_COPY_S = 30.0  # the longest a re-plan waits for this peer's copies of its stages' newest state
 RETAIN_CHECKPOINTS_S = 60.0
 """A stage keeps every checkpoint this young. When a whole stage dies, the job resumes from the
 newest copy of its checkpoint, which lags behind its own (a poll, a progress record, a
@@ -234,6 +238,7 @@ class TaskletRunner:
             store, job.job_id, self.progress, interval=interval, paced=lambda: self.state == TaskState.RUNNING
         )
         self._replicator: asyncio.Task | None = None
+        self._copying = asyncio.Lock()  # the poll and a re-plan's copy pass take turns
         self._lock = asyncio.Lock()
         self.banned: dict[str, BanEvent] = {}  # partners this peer's transport banned (their latest ban)
         self._unsubscribe: Callable[[], None] | None = None
@@ -307,10 +312,23 @@ class TaskletRunner:
         return tuple(held_state(stage, span, steps) for (stage, span), steps in sorted(found.items()))
 
     async def freeze(self, reason: str) -> None:
-        """Stop a running tasklet where it is and keep its state for the re-plan (no-op when none runs)."""
+        """Stop a running tasklet where it is and keep its state for the re-plan; bring this peer's
+        checkpoint copies up to date first, so ``held`` carries a leaving peer's last state."""
         async with self._lock:
             if self.running:
                 await self._stop_tasklet(reason, TaskState.RECOVERING)
+        if self._replicator is None:
+            return
+        try:
+            await asyncio.wait_for(self._replicate_once(exact=True), REPLAN_COPY_S)
+        except TimeoutError:
+            logger.warning(
+                "job %s: copies for the re-plan took over %.0f s; planning without",
+                self.job.job_id,
+                REPLAN_COPY_S,
+            )
+        except Exception:  # the re-plan goes on with what this peer holds
+            logger.exception("job %s: copying checkpoints for the re-plan failed", self.job.job_id)
 
     async def leave(self, reason: str) -> None:
         """Hand the tasklet over: stop it, publish ``left`` (the others re-plan without this peer), keep serving state."""
@@ -610,40 +628,55 @@ class TaskletRunner:
 
     async def _replicate_loop(self) -> None:
         """Pull each new checkpoint of the stages this peer keeps copies of from that stage's peers."""
-        assert self.replicas is not None
-        every, job = self.spec.checkpoint_interval, self.job.job_id
         while True:
             await asyncio.sleep(REPLICATE_POLL_S)
             try:
-                await self._replicate_once(every, job)
+                await self._replicate_once()
             except asyncio.CancelledError:
                 raise
             except Exception:  # a bug must not end the copies silently: the next round tries again
-                logger.exception("job %s: copying checkpoints failed", job)
+                logger.exception("job %s: copying checkpoints failed", self.job.job_id)
 
-    async def _replicate_once(self, every: int, job: str) -> None:
+    async def _replicate_once(self, *, exact: bool = False) -> None:
+        """Copy the newest checkpoint of each stage this peer keeps copies of, if it lacks it.
+
+        ``exact``: a stage whose peers have all stopped (left, or frozen for a re-plan) is copied
+        at the step they stopped at, which they serve from memory, before its last checkpoint.
+        """
         assert self.replicas is not None
-        commit = self.commit
-        stages = self.replica_stages()
-        if commit is None or not stages:
-            return
-        try:
-            progress = await read_progress(self.store, job)
-        except PeerdError:
-            return
-        for stage in stages:
-            members = commit.allocation.stages[stage]
-            done = [progress[p].step for p in members if p in progress and progress[p].epoch == commit.epoch]
-            if len(done) < len(members):
-                continue
-            target = min(done) // every * every
-            latest = self.replicas.latest(job, stage)
-            if target <= 0 or (latest is not None and latest >= target):
-                continue
+        async with self._copying:
+            commit, job, every = self.commit, self.job.job_id, self.spec.checkpoint_interval
+            stages = self.replica_stages()
+            if commit is None or not stages:
+                return
+            try:
+                progress = await read_progress(self.store, job)
+            except PeerdError:
+                return
+            for stage in stages:
+                members = commit.allocation.stages[stage]
+                records = [
+                    progress[p] for p in members if p in progress and progress[p].epoch == commit.epoch
+                ]
+                if len(records) < len(members):
+                    continue
+                reached = min(r.step for r in records)
+                targets = [reached // every * every]
+                if exact and all(r.state != TaskState.RUNNING for r in records):
+                    targets.insert(0, reached)
+                await self._copy_newest(commit, job, stage, [t for t in dict.fromkeys(targets) if t > 0])
+
+    async def _copy_newest(self, commit: Commit, job: str, stage: int, targets: list[int]) -> None:
+        """Copy ``stage``'s state at the first of ``targets`` its peers serve (none newer than held here)."""
+        assert self.replicas is not None
+        latest = self.replicas.latest(job, stage)
+        for target in targets:
+            if latest is not None and latest >= target:
+                return
             try:
                 await replicate(
                     self.transport,
-                    [self.peer_ref(p) for p in members],
+                    [self.peer_ref(p) for p in commit.allocation.stages[stage]],
                     job,
                     stage,
                     target,
@@ -652,6 +685,7 @@ class TaskletRunner:
                     config=self.statesync,
                 )
                 logger.info("job %s: keeps a copy of stage %d's checkpoint of step %d", job, stage, target)
+                return
             except PeerdError as exc:  # not saved yet, or its peers are busy: the next round retries
                 logger.debug("job %s: replicating stage %d step %d: %s", job, stage, target, exc)
 

@@ -28,6 +28,7 @@ import torch
 
 from peerd.bench.churn import CHURN_SPEC
 from peerd.data.config import build_dataset
+from peerd.jobs import runner as runner_module
 from peerd.jobs.catalog import read_progress
 from peerd.jobs.records import TaskState, new_job_record
 from peerd.jobs.runner import TaskletRunner, train_config
@@ -37,6 +38,7 @@ from peerd.jobs.views import JobEntry, loss_curve, remember_curve
 from peerd.models.gpt import GPT
 from peerd.pipeline.launch import start_peers, stop_peers
 from peerd.pipeline.local import LocalRunConfig, train_pipelined
+from peerd.pipeline.replicas import CheckpointReplicas
 from peerd.sched.allocation import Allocation
 from peerd.sched.consensus.actions import Commit
 from peerd.sched.consensus.messages import RosterDevice, RosterEntry
@@ -80,7 +82,10 @@ def entry_of(runner: TaskletRunner, epoch: int) -> RosterEntry:
     )
 
 
-def make_runners(spec: Any, peers: list[Any], dht: MemoryDHT, tmp_path: Path) -> list[TaskletRunner]:
+def make_runners(
+    spec: Any, peers: list[Any], dht: MemoryDHT, tmp_path: Path, *, copies: bool = False
+) -> list[TaskletRunner]:
+    """One runner per peer; ``copies``: each keeps checkpoint copies of the stages it is ranked for."""
     ids = [p.peer_id.to_base58() for p in peers]
     job = new_job_record(
         ids[0], "s", spec, b"n" * 16, now=time.time(), epoch0_start=0.0, timing=spec.planning.timing()
@@ -96,6 +101,7 @@ def make_runners(spec: Any, peers: list[Any], dht: MemoryDHT, tmp_path: Path) ->
             interval=0.5,
             ready_timeout=60.0,
             device="cpu",
+            replicas=CheckpointReplicas(tmp_path / f"copies{i}", budget_bytes=1 << 30) if copies else None,
         )
         for i, peer in enumerate(peers)
     ]
@@ -224,6 +230,42 @@ def test_a_handed_over_last_stage_continues_the_curve_and_keeps_its_history(
     assert resumed >= 20
     assert [s for s, _ in curve] == list(range(HANDOVER.steps))  # nothing before the hand-over is lost
     assert [loss for _, loss in curve] == reference
+
+
+async def _leave_outside_the_roster(tmp_path: Path, wait: Any) -> tuple[int, int]:
+    peers = await start_peers(3)
+    dht = MemoryDHT(time.time)
+    ids = [p.peer_id.to_base58() for p in peers]
+    first, last, spare = runners = make_runners(HANDOVER, peers, dht, tmp_path, copies=True)
+    try:
+        for r in runners:
+            await r.start()
+        allocation = Allocation.from_plain([[ids[0]], [ids[1]]], [ids[2]])
+        await asyncio.gather(*(r.adopt(commit(1, allocation), None) for r in runners))
+        await wait(lambda: last.step >= 7, 120, "step 7")  # past a checkpoint (every 5), mid-interval
+        await last.leave("its volunteer left")
+        await asyncio.gather(first.freeze("re-planning"), spare.freeze("re-planning"))
+        roster = [entry_of(r, 2) for r in (first, spare)]  # a leaving peer applies to no roster
+        second = commit(2, Allocation.from_plain([[ids[0]], [ids[2]]]))
+        await asyncio.gather(first.adopt(second, roster), spare.adopt(second, roster))
+        await wait(lambda: first.state == spare.state == TaskState.DONE, 180, "the job to finish")
+        return spare.recoveries[-1]["resume_step"], last.step
+    finally:
+        for r in runners:
+            await r.close()
+        await stop_peers(peers)
+
+
+def test_a_leaving_peer_outside_the_roster_hands_over_through_the_copies_the_re_plan_makes(
+    tmp_path: Path, async_wait_until: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The CI failure of 2026-12-04: a one-replica stage's peer left, and the survivors' roster
+    entries were read 30 ms before their periodic copy of its last state; the job fell back 100
+    steps to an older checkpoint. Here the periodic copy never runs: only the pass ``freeze``
+    makes before the re-plan can carry the leaver's state, at the exact step it stopped at."""
+    monkeypatch.setattr(runner_module, "REPLICATE_POLL_S", 3600.0)
+    resumed, left_at = asyncio.run(_leave_outside_the_roster(tmp_path, async_wait_until))
+    assert left_at >= 7 and resumed == left_at
 
 
 async def _ban(tmp_path: Path, wait: Any) -> tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...], str]:
