@@ -91,7 +91,9 @@ logger = get_logger(__name__)
 
 READY_POLL_S = 0.5
 REPLICATE_POLL_S = 2.0  # how often a replica peer looks for a newer checkpoint of its stages
-REPLAN_COPY_S = 30.0  # the longest a re-plan waits for this peer's copies of its stages' newest state
+REPLAN_COPY_S = 30.0
+"""The longest a re-plan waits for this peer's copies of its stages' newest state; never over half
+the roster window, so the copies cannot make this peer's roster entry miss the epoch."""
 RETAIN_CHECKPOINTS_S = 60.0
 """A stage keeps every checkpoint this young. When a whole stage dies, the job resumes from the
 newest copy of its checkpoint, which lags behind its own (a poll, a progress record, a
@@ -319,13 +321,12 @@ class TaskletRunner:
                 await self._stop_tasklet(reason, TaskState.RECOVERING)
         if self._replicator is None:
             return
+        limit = min(REPLAN_COPY_S, self.spec.planning.timing().roster_s / 2)
         try:
-            await asyncio.wait_for(self._replicate_once(exact=True), REPLAN_COPY_S)
+            await asyncio.wait_for(self._replicate_once(exact=True), limit)
         except TimeoutError:
             logger.warning(
-                "job %s: copies for the re-plan took over %.0f s; planning without",
-                self.job.job_id,
-                REPLAN_COPY_S,
+                "job %s: copies for the re-plan took over %.1f s; planning without", self.job.job_id, limit
             )
         except Exception:  # the re-plan goes on with what this peer holds
             logger.exception("job %s: copying checkpoints for the re-plan failed", self.job.job_id)
