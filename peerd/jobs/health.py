@@ -230,6 +230,14 @@ def following(allocation: Allocation, me: str, replanning: frozenset[str]) -> st
     return f"following the re-plan of {len(movers)} of the job's {len(devices)} tasklet peers"
 
 
+def settled_newcomers(
+    allocation: Allocation, online_since: Mapping[str, float], now: float, *, config: HealthConfig
+) -> list[str]:
+    """Peers of ``online_since`` outside ``allocation`` (not even spares) online for ``grow_settle_s``."""
+    members = {*allocation.devices, *allocation.spares}
+    return [p for p, t in online_since.items() if p not in members and now - t >= config.grow_settle_s]
+
+
 def short_handed(
     allocation: Allocation,
     target_width: int | None,
@@ -246,8 +254,7 @@ def short_handed(
     """
     if target_width is None or allocation.d_dp >= target_width:
         return None
-    members = {*allocation.devices, *allocation.spares}
-    settled = [p for p, t in online_since.items() if p not in members and now - t >= config.grow_settle_s]
+    settled = settled_newcomers(allocation, online_since, now, config=config)
     spares = [p for p in allocation.spares if p in online_since]
     if not settled or len(settled) + len(spares) < allocation.d_pp:
         return None

@@ -29,7 +29,15 @@ from typing import Any
 
 from peerd.errors import ConfigError, ErrorCode, PeerdError, ProtocolError
 from peerd.jobs import catalog
-from peerd.jobs.health import GrowthLedger, HealthConfig, StallWatch, assess, following, short_handed
+from peerd.jobs.health import (
+    GrowthLedger,
+    HealthConfig,
+    StallWatch,
+    assess,
+    following,
+    settled_newcomers,
+    short_handed,
+)
 from peerd.jobs.planner import JobPlanner, LocalInfo, PlannerConfig
 from peerd.jobs.records import (
     NONCE_BYTES,
@@ -536,9 +544,7 @@ class JobManager:
         }
         cause = short_handed(allocation, target, applying, now, config=self.config.health)
         if cause:
-            members = {*allocation.devices, *allocation.spares}
-            settle = self.config.health.grow_settle_s
-            ledger.ask(epoch, [p for p, t in applying.items() if p not in members and now - t >= settle])
+            ledger.ask(epoch, settled_newcomers(allocation, applying, now, config=self.config.health))
         return cause
 
     # -- volunteer controls ---------------------------------------------------------------------
