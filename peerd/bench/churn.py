@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import re
 import signal
 import tempfile
 import time
@@ -68,6 +69,8 @@ SWARM_OPTIONS = {
 }
 
 Views = dict[str, dict[str, Any]]
+LOG_RECORD = re.compile(r"\d{4}-\d\d-\d\d ")  # peerd.log's records start with their date
+WARNING_LINES = 12  # per daemon, in a timed-out wait's error
 MIN_VIEWS = 4  # daemons whose views must agree before a wait counts as done
 SCENARIO = "mixed-gpus.yaml"  # the repaired-vs-fresh comparison's cluster (configs/scenarios/)
 
@@ -79,6 +82,7 @@ class SwarmJob:
         self.swarm, self.job = swarm, job
         self.min_views = min_views  # daemons whose views must agree that the job trains again
         self.last: dict[str, Any] = {}
+        self.reasons: dict[str, str] = {}  # name -> the job's reason in that daemon's last view
 
     def views(self) -> Views:
         """name -> job view of every live daemon that knows the job and its allocation.
@@ -96,6 +100,7 @@ class SwarmJob:
             n: (v["state"], v["progress"]["step"], (v.get("allocation") or {}).get("epoch"))
             for n, v in out.items()
         }
+        self.reasons = {n: v["reason"] for n, v in out.items() if v.get("reason")}
         return out
 
     def wait(self, predicate: Callable[[Views], bool], timeout: float, what: str) -> Views:
@@ -107,10 +112,28 @@ class SwarmJob:
                 return views
             if time.monotonic() > deadline:
                 raise PeerdError(
-                    f"timed out after {timeout:.0f} s waiting for {what}; last views {self.last}",
+                    f"timed out after {timeout:.0f} s waiting for {what}; last views {self.last}"
+                    f"; reasons {self.reasons}; the daemons' last warnings:\n{self.warnings()}",
                     code=ErrorCode.TIMEOUT,
                 )
             time.sleep(0.5)
+
+    def warnings(self, per_peer: int = WARNING_LINES) -> str:
+        """The last WARNING/ERROR lines (and tracebacks) of every daemon's log: why a wait failed."""
+        out = []
+        for peer in self.swarm.peers:
+            try:
+                lines = peer.log_path.read_text(errors="replace").splitlines()
+            except OSError:
+                continue
+            flagged, keep = [], False
+            for line in lines:
+                if LOG_RECORD.match(line):  # a new record; the lines that follow belong to it
+                    keep = " WARN" in line or " ERROR" in line
+                if keep:
+                    flagged.append(line)
+            out += [f"{peer.name}: {ln}" for ln in flagged[-per_peer:]]
+        return "\n".join(out) or "(none)"
 
     def peer_of(self, peer_id: str) -> LocalPeer | None:
         return next(
