@@ -495,6 +495,19 @@ class TaskletRunner:
                 worker.step,
                 exc,
             )
+        except OSError as exc:  # this machine's disk or sockets, not a partner and not a bug: re-plan
+            self._recovering(f"{type(exc).__name__} on this peer: {exc}")
+            self.suspects = ()  # no partner to blame; the health check re-plans a stuck tasklet
+            with contextlib.suppress(PeerdError):  # else they wait out their receive timeouts
+                await worker.tell_neighbours_stopped(self.reason)
+            logger.warning(
+                "job %s: tasklet s%sr%s stopped at step %d by a local error, waiting for a re-plan: %r",
+                self.job.job_id,
+                self.stage,
+                self.replica,
+                worker.step,
+                exc,
+            )
         except Exception as exc:  # a bug: this tasklet cannot go on, the job must not wait for it forever
             logger.exception("job %s: tasklet s%sr%s crashed", self.job.job_id, self.stage, self.replica)
             self.state, self.reason = TaskState.FAILED, f"{type(exc).__name__}: {exc}"[:200]

@@ -354,7 +354,13 @@ class Transport:
         async def on_stream(info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
             await self._handle_stream(protocol, served, info.peer_id, reader, writer)
 
-        await self.p2p.add_binary_stream_handler(protocol, on_stream)
+        try:
+            await self.p2p.add_binary_stream_handler(protocol, on_stream)
+        except (P2PDaemonError, ConnectionError, OSError) as exc:  # the local p2pd did not take it
+            self._served.pop(protocol, None)
+            raise PeerUnavailable(
+                f"cannot serve {protocol}: the p2p daemon refused the handler: {exc}"
+            ) from None
 
     async def stop_serving(self, protocol: str) -> None:
         served = self._served.pop(protocol, None)

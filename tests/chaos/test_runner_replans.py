@@ -394,3 +394,59 @@ def test_a_stage_out_of_memory_is_handed_over_and_the_job_finishes_on_the_same_c
     assert resumed == at_step  # the last finished step: nothing is lost
     assert [s for s, _ in curve] == list(range(HANDOVER.steps))
     assert [loss for _, loss in curve] == reference
+
+
+async def _disk_full(tmp_path: Path, wait: Any) -> tuple[TaskletRunner, int, list[Any]]:
+    """The last stage's checkpoint write fails (ENOSPC); both peers re-plan into the same allocation."""
+    peers = await start_peers(2)
+    dht = MemoryDHT(time.time)
+    ids = [p.peer_id.to_base58() for p in peers]
+    runners = make_runners(HANDOVER, peers, dht, tmp_path)
+    first, last = runners
+    allocation = Allocation.from_plain([[ids[0]], [ids[1]]])
+    try:
+        for r in runners:
+            await r.start()
+        await asyncio.gather(*(r.adopt(commit(1, allocation), None) for r in runners))
+        await wait(lambda: last.worker is not None and last.worker.closed, 120, "the failed save")
+        stopped = (last.state, last.suspects, last.reason)
+        await wait(lambda: first.state == TaskState.RECOVERING, 20, "the first stage to hear of it")
+        assert "stage 1 stopped: OSError on this peer" in first.reason
+        for r in runners:
+            await r.freeze("re-planning: the last stage's tasklet is stuck")
+        roster = [entry_of(r, 2) for r in runners]
+        await asyncio.gather(*(r.adopt(commit(2, allocation), roster) for r in runners))
+        await wait(lambda: all(r.state == TaskState.DONE for r in runners), 180, "the job to finish")
+        return last, last.recoveries[-1]["resume_step"], list(stopped)
+    finally:
+        for r in runners:
+            await r.close()
+        await stop_peers(peers)
+
+
+def test_a_local_disk_error_stops_the_tasklet_for_a_re_plan_and_does_not_fail_the_job(
+    tmp_path: Path, async_wait_until: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A checkpoint write of the last stage fails with ENOSPC at step 10 (injected into the real
+    worker's save). It is this machine's trouble, not a partner's and not a bug: the tasklet
+    publishes ``recovering`` with the error as its reason and suspects no partner (before, the
+    tasklet was ``failed`` and took the whole job with it). The re-plan resumes it, and the job
+    trains to its end. Its neighbour hears of the stop at once instead of waiting out its
+    receive timeout."""
+    from peerd.pipeline import checkpoint
+
+    save, raised = checkpoint.save, []
+
+    def failing_save(directory: Any, state: dict[str, Any], *args: Any) -> Any:
+        if state["stage"] == 1 and state["step"] == 10 and not raised:
+            raised.append(state["step"])
+            raise OSError(28, "No space left on device")
+        return save(directory, state, *args)
+
+    monkeypatch.setattr(checkpoint, "save", failing_save)
+    last, resumed, (state, suspects, reason) = asyncio.run(_disk_full(tmp_path, async_wait_until))
+    assert raised == [10]
+    assert (state, suspects) == (TaskState.RECOVERING, ())
+    assert reason == "OSError on this peer: [Errno 28] No space left on device"
+    assert 5 <= resumed <= 10  # the frozen live step, or at worst the last checkpoint
+    assert last.step == HANDOVER.steps

@@ -262,6 +262,38 @@ def test_connect_waits_for_a_protocol_the_peer_starts_serving_late(swarm: Swarm)
     assert header == {"kind": "late-answer", "got": "hello"}
 
 
+def test_a_handler_the_p2p_daemon_refuses_fails_typed_and_can_be_served_again(
+    swarm: Swarm, monkeypatch: pytest.MonkeyPatch
+):
+    """The local p2pd's control socket drops while a handler is added (a loaded machine): ``serve``
+    raises PeerUnavailable, a transient error the runner recovers from, not a crash that fails
+    the job; nothing stays half-registered, so the next ``serve`` of the protocol works."""
+    add = swarm.a.add_binary_stream_handler
+
+    async def dropped(*args, **kwargs):
+        raise ConnectionResetError("[Errno 104] Connection reset by peer")
+
+    async def answer(conn: Connection) -> None:
+        header, _ = await conn.recv(timeout=10)
+        await conn.send({"kind": "again", "got": header["kind"]})
+
+    async def go():
+        monkeypatch.setattr(swarm.a, "add_binary_stream_handler", dropped)
+        with pytest.raises(PeerUnavailable, match="cannot serve test/refused/1: the p2p daemon refused"):
+            await swarm.server.serve("test/refused/1", answer)
+        monkeypatch.setattr(swarm.a, "add_binary_stream_handler", add)
+        await swarm.server.serve("test/refused/1", answer)
+        conn = await swarm.client.connect(swarm.a.peer_id, "test/refused/1", timeout=10)
+        try:
+            return await conn.request({"kind": "hello"}, timeout=10)
+        finally:
+            await conn.close(timeout=1.0)
+            await swarm.server.stop_serving("test/refused/1")
+
+    header, _ = swarm.run(go())
+    assert header == {"kind": "again", "got": "hello"}
+
+
 def test_connect_to_missing_protocol_or_peer_fails_typed_then_bans(swarm: Swarm):
     async def go():
         with pytest.raises(PeerUnavailable):
