@@ -320,6 +320,7 @@ class Transport:
         self.traffic: dict[PeerID, Traffic] = {}
         self.cut = Cut()  # fault injection: peers this transport neither reaches nor hears for a while
         self._served: dict[str, _Served] = {}
+        self._stale: set[str] = set()  # protocols p2pd may hold a handler of that no serve() owns
         self._connections: set[Connection] = set()
         self._closed = False
 
@@ -352,24 +353,44 @@ class Transport:
         )
 
         async def on_stream(info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            if self._served.get(protocol) is not served:  # a registration its serve() gave up on
+                writer.close()
+                return
             await self._handle_stream(protocol, served, info.peer_id, reader, writer)
 
         try:
+            if protocol in self._stale:  # p2pd refuses a second handler for a protocol
+                await self._remove_handler(protocol)
             await self.p2p.add_binary_stream_handler(protocol, on_stream)
         except (P2PDaemonError, ConnectionError, OSError) as exc:  # the local p2pd did not take it
             self._served.pop(protocol, None)
+            self._stale.add(protocol)
             raise PeerUnavailable(
                 f"cannot serve {protocol}: the p2p daemon refused the handler: {exc}"
             ) from None
+        except BaseException:
+            # cancelled (a re-plan stopping a tasklet that was starting): the protocol must not stay
+            # "served" with nobody to stop it, or the next epoch's serve fails; p2pd may hold the
+            # handler until the next serve replaces it, and on_stream drops what reaches it
+            self._served.pop(protocol, None)
+            self._stale.add(protocol)
+            raise
+        self._stale.discard(protocol)
 
     async def stop_serving(self, protocol: str) -> None:
         served = self._served.pop(protocol, None)
         if served is None:
+            if protocol in self._stale:
+                await self._remove_handler(protocol)
             return
-        with suppress(P2PDaemonError, ConnectionError, OSError):
-            await self.p2p.remove_binary_stream_handler(protocol)
+        await self._remove_handler(protocol)
         for task in list(served.tasks):
             task.cancel()
+
+    async def _remove_handler(self, protocol: str) -> None:
+        with suppress(P2PDaemonError, ConnectionError, OSError):
+            await self.p2p.remove_binary_stream_handler(protocol)
+        self._stale.discard(protocol)
 
     def cut_off(self, cut: Cut) -> None:
         """Fault injection: drop every stream with ``cut``'s peers now, open or accept none until it ends."""

@@ -450,3 +450,50 @@ def test_a_local_disk_error_stops_the_tasklet_for_a_re_plan_and_does_not_fail_th
     assert reason == "OSError on this peer: [Errno 28] No space left on device"
     assert 5 <= resumed <= 10  # the frozen live step, or at worst the last checkpoint
     assert last.step == HANDOVER.steps
+
+
+async def _stopped_while_starting(tmp_path: Path, wait: Any) -> tuple[list[Any], list[Any]]:
+    """Stage 0's tasklet of epoch 1 is stopped by a re-plan while its p2pd registers the stage protocol."""
+    peers = await start_peers(2)
+    dht = MemoryDHT(time.time)
+    ids = [p.peer_id.to_base58() for p in peers]
+    runners = make_runners(SPEC, peers, dht, tmp_path)
+    first = runners[0]
+    p2p = peers[0].p2p
+    add, registering = p2p.add_binary_stream_handler, asyncio.Event()
+
+    async def slow_add(protocol: str, *args: Any, **kwargs: Any) -> Any:
+        await add(protocol, *args, **kwargs)
+        if "/pp/" in protocol and not registering.is_set():
+            registering.set()
+            await asyncio.sleep(30)  # p2pd holds the handler; serve() has not returned
+
+    p2p.add_binary_stream_handler = slow_add  # type: ignore[method-assign]
+    allocation = Allocation.from_plain([[ids[0]], [ids[1]]])
+    try:
+        for r in runners:
+            await r.start()
+        await first.adopt(commit(1, allocation), None)
+        await registering.wait()
+        await first.freeze("re-planning: a newcomer can add a replica")  # cancels the starting tasklet
+        stopped = [first.state, first.reason]
+        await asyncio.gather(*(r.adopt(commit(2, allocation), None) for r in runners))
+        ended = (TaskState.DONE, TaskState.FAILED)
+        await wait(lambda: all(r.state in ended for r in runners), 120, "epoch 2 to end")
+        return stopped, [(r.state, r.step) for r in runners]
+    finally:
+        for r in runners:
+            await r.close()
+        await stop_peers(peers)
+
+
+def test_a_tasklet_stopped_while_it_registers_its_protocol_runs_the_next_epoch(
+    tmp_path: Path, async_wait_until: Any
+) -> None:
+    """The CI sequence of `test_growth`'s failure: a re-plan stopped a tasklet 17 ms after it began,
+    while p2pd was taking its stage protocol's handler. The protocol stayed "served" with no worker
+    to stop it, and the next epoch's tasklet failed the job: "'peerd/pp/1/<job>/s0' is already
+    served". Now the next epoch's tasklet serves the protocol again and the job trains to its end."""
+    stopped, ended = asyncio.run(_stopped_while_starting(tmp_path, async_wait_until))
+    assert stopped[0] == TaskState.RECOVERING, stopped
+    assert ended == [(TaskState.DONE, SPEC.steps)] * 2

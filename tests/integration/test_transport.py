@@ -294,6 +294,53 @@ def test_a_handler_the_p2p_daemon_refuses_fails_typed_and_can_be_served_again(
     assert header == {"kind": "again", "got": "hello"}
 
 
+def test_a_serve_cancelled_mid_registration_leaves_nothing_served_and_can_be_served_again(
+    swarm: Swarm, monkeypatch: pytest.MonkeyPatch
+):
+    """A re-plan cancels a tasklet while its worker registers the stage protocol (CI found it: the
+    protocol stayed "served" with no worker to stop it, and the next epoch's worker failed the job
+    with "already served"). p2pd has taken the handler when the cancel lands: the dead handler never
+    runs for a stream that reaches it, and the next ``serve`` of the protocol works."""
+    add = swarm.a.add_binary_stream_handler
+    registered = asyncio.Event()
+    dead_calls = []
+
+    async def slow_add(*args, **kwargs):
+        await add(*args, **kwargs)
+        registered.set()
+        await asyncio.sleep(30)  # still inside serve() when the cancel lands
+
+    async def dead(conn: Connection) -> None:
+        dead_calls.append(conn.peer_id)
+
+    async def answer(conn: Connection) -> None:
+        header, _ = await conn.recv(timeout=10)
+        await conn.send({"kind": "again", "got": header["kind"]})
+
+    async def go():
+        monkeypatch.setattr(swarm.a, "add_binary_stream_handler", slow_add)
+        serving = asyncio.ensure_future(swarm.server.serve("test/cancelled/1", dead))
+        await registered.wait()
+        serving.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await serving
+        monkeypatch.setattr(swarm.a, "add_binary_stream_handler", add)
+        with pytest.raises(PeerdError):  # reaches p2pd's stale handler, which drops it
+            conn = await swarm.client.connect(swarm.a.peer_id, "test/cancelled/1", timeout=5)
+            await conn.request({"kind": "hello"}, timeout=5)
+        await swarm.server.serve("test/cancelled/1", answer)
+        conn = await swarm.client.connect(swarm.a.peer_id, "test/cancelled/1", timeout=10)
+        try:
+            return await conn.request({"kind": "hello"}, timeout=10)
+        finally:
+            await conn.close(timeout=1.0)
+            await swarm.server.stop_serving("test/cancelled/1")
+
+    header, _ = swarm.run(go())
+    assert header == {"kind": "again", "got": "hello"}
+    assert dead_calls == []
+
+
 def test_connect_to_missing_protocol_or_peer_fails_typed_then_bans(swarm: Swarm):
     async def go():
         with pytest.raises(PeerUnavailable):
