@@ -379,17 +379,19 @@ class Transport:
 
     async def stop_serving(self, protocol: str) -> None:
         served = self._served.pop(protocol, None)
-        if served is None:
-            if protocol in self._stale:
-                await self._remove_handler(protocol)
-            return
-        await self._remove_handler(protocol)
-        for task in list(served.tasks):
+        if served is not None:
+            self._stale.add(protocol)  # until p2pd has dropped the handler: a cancel may cut that short
+        if protocol in self._stale:
+            await self._remove_handler(protocol)
+        for task in list(served.tasks if served is not None else ()):
             task.cancel()
 
     async def _remove_handler(self, protocol: str) -> None:
-        with suppress(P2PDaemonError, ConnectionError, OSError):
+        try:
             await self.p2p.remove_binary_stream_handler(protocol)
+        except (P2PDaemonError, ConnectionError, OSError) as exc:  # stays stale: the next serve retries
+            logger.debug("removing the p2p handler of %s failed: %s", protocol, exc)
+            return
         self._stale.discard(protocol)
 
     def cut_off(self, cut: Cut) -> None:

@@ -341,6 +341,45 @@ def test_a_serve_cancelled_mid_registration_leaves_nothing_served_and_can_be_ser
     assert dead_calls == []
 
 
+def test_a_stop_serving_cancelled_before_p2pd_dropped_the_handler_does_not_block_the_next_serve(
+    swarm: Swarm, monkeypatch: pytest.MonkeyPatch
+):
+    """A re-plan cancels a stopping tasklet while its worker's ``stop_serving`` waits for p2pd (CI
+    found it once the cancelled serve was fixed: p2pd kept the handler, and the next epoch's serve
+    got "handler ... already set"). The next ``serve`` removes the old handler first."""
+    remove = swarm.a.remove_binary_stream_handler
+    removing = asyncio.Event()
+
+    async def slow_remove(*args, **kwargs):
+        removing.set()
+        await asyncio.sleep(30)  # the cancel lands before p2pd heard of the removal
+        await remove(*args, **kwargs)
+
+    async def answer(conn: Connection) -> None:
+        header, _ = await conn.recv(timeout=10)
+        await conn.send({"kind": "again", "got": header["kind"]})
+
+    async def go():
+        await swarm.server.serve("test/unstopped/1", answer)
+        monkeypatch.setattr(swarm.a, "remove_binary_stream_handler", slow_remove)
+        stopping = asyncio.ensure_future(swarm.server.stop_serving("test/unstopped/1"))
+        await removing.wait()
+        stopping.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await stopping
+        monkeypatch.setattr(swarm.a, "remove_binary_stream_handler", remove)
+        await swarm.server.serve("test/unstopped/1", answer)
+        conn = await swarm.client.connect(swarm.a.peer_id, "test/unstopped/1", timeout=10)
+        try:
+            return await conn.request({"kind": "hello"}, timeout=10)
+        finally:
+            await conn.close(timeout=1.0)
+            await swarm.server.stop_serving("test/unstopped/1")
+
+    header, _ = swarm.run(go())
+    assert header == {"kind": "again", "got": "hello"}
+
+
 def test_connect_to_missing_protocol_or_peer_fails_typed_then_bans(swarm: Swarm):
     async def go():
         with pytest.raises(PeerUnavailable):
