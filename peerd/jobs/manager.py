@@ -168,14 +168,7 @@ class JobManager:
         entry = JobEntry(record, spec)
         self.jobs[record.job_id] = entry
         self.my_jobs.append(record.job_id)
-        # a DHT that has just started (or a loaded machine) may refuse one store: try again before failing
-        for attempt in range(SUBMIT_TRIES):
-            if await self._store_record(entry) and await self._store_index():
-                break
-            if attempt + 1 < SUBMIT_TRIES:
-                logger.info("job %s: storing its records failed, trying again", record.job_id)
-                await asyncio.sleep(SUBMIT_RETRY_S * (attempt + 1))
-        else:
+        if not await self._store_tries(entry, index=True):
             raise PeerdError(
                 f"no DHT node accepted the job record ({SUBMIT_TRIES} tries); is this peer connected?",
                 code=ErrorCode.PEER_UNAVAILABLE,
@@ -202,9 +195,12 @@ class JobManager:
         if rec.state in TERMINAL:
             return {"job_id": rec.job_id, "state": rec.state.value, "changed": False}
         entry.record = rec.with_state(JobState.CANCELLED, self.store.now(), str(params.get("reason") or ""))
-        if not await self._store_record(entry):
+        if not await self._store_tries(entry):
+            # the record stays cancelled here and this daemon re-stores it every refresh
             raise PeerdError(
-                "no DHT node accepted the cancel record; try again", code=ErrorCode.PEER_UNAVAILABLE
+                f"no DHT node accepted the cancel record ({SUBMIT_TRIES} tries); this daemon keeps"
+                " storing it, so the other peers will still read it; is this peer connected?",
+                code=ErrorCode.PEER_UNAVAILABLE,
             )
         # the jobs loop stops this peer's planner and tasklets (as on every peer that reads the
         # record): closing streams and averaging groups can take tens of seconds on a loaded
@@ -639,6 +635,17 @@ class JobManager:
         expires = max(self.store.now() + self.config.record_ttl_s, self._expiry.get(key, 0.0) + 1e-3)
         self._expiry[key] = expires
         return await self.store.put(key, raw, expires)
+
+    async def _store_tries(self, entry: JobEntry, *, index: bool = False) -> bool:
+        """Store ``entry``'s record (``index``: and this peer's job index) in up to SUBMIT_TRIES tries:
+        a DHT that has just started, or a loaded machine, may refuse one store."""
+        for attempt in range(SUBMIT_TRIES):
+            if await self._store_record(entry) and (not index or await self._store_index()):
+                return True
+            if attempt + 1 < SUBMIT_TRIES:
+                logger.info("job %s: storing its records failed, trying again", entry.record.job_id)
+                await asyncio.sleep(SUBMIT_RETRY_S * (attempt + 1))
+        return False
 
     async def _store_record(self, entry: JobEntry) -> bool:
         now = self.store.now()

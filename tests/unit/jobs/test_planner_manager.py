@@ -140,6 +140,46 @@ def test_submit_tries_the_store_again_before_failing(monkeypatch) -> None:
     asyncio.run(scenario())
 
 
+def test_cancel_tries_the_store_again_and_a_refused_cancel_still_reaches_the_peers(monkeypatch) -> None:
+    """CI saw `peerd cancel` fail on one refused store under load ("try again"), and a second cancel
+    then answered "not changed" without storing anything. The cancel now tries three times like a
+    submit; when every try fails it says so, and the record, cancelled here, still reaches the other
+    peers with the owner's next re-store."""
+    monkeypatch.setattr(manager_module, "SUBMIT_RETRY_S", 0.01)
+
+    async def scenario() -> None:
+        ms = Managers([OWNER, OTHER])
+        owner = ms.by_peer[OWNER]
+        store, accept, refusals = owner.store, owner.store.put, [1]
+
+        async def flaky(key, value, expires_at):
+            if refusals[0] > 0:
+                refusals[0] -= 1
+                return False
+            return await accept(key, value, expires_at)
+
+        try:
+            first = (await owner.submit({"spec": to_mapping(DEMO)}))["job_id"]
+            second = (await owner.submit({"spec": to_mapping(DEMO)}))["job_id"]
+            await ms.sync()
+            store.put = flaky
+            assert (await owner.cancel({"job_id": first}))["changed"] is True
+            store.offline = True
+            with pytest.raises(PeerdError) as err:
+                await owner.cancel({"job_id": second})
+            assert err.value.code == ErrorCode.PEER_UNAVAILABLE and "3 tries" in str(err.value)
+            store.offline = False
+            ms.clock[0] += owner.config.refresh_s + 1  # the owner's next re-store
+            await ms.sync()
+            await ms.sync()
+            seen = {v["job_id"]: v["state"] for v in ms.by_peer[OTHER].views()}
+            assert seen == {first: "cancelled", second: "cancelled"}
+        finally:
+            await ms.close()
+
+    asyncio.run(scenario())
+
+
 def test_eligibility_caps_the_roster_deterministically() -> None:
     peers = [f"Qm{i:030d}" for i in range(10)]
     chosen = [p for p in peers if eligible("job", p, peers, 6)]
