@@ -273,25 +273,14 @@ def test_a_handler_the_p2p_daemon_refuses_fails_typed_and_can_be_served_again(
     async def dropped(*args, **kwargs):
         raise ConnectionResetError("[Errno 104] Connection reset by peer")
 
-    async def answer(conn: Connection) -> None:
-        header, _ = await conn.recv(timeout=10)
-        await conn.send({"kind": "again", "got": header["kind"]})
-
     async def go():
         monkeypatch.setattr(swarm.a, "add_binary_stream_handler", dropped)
         with pytest.raises(PeerUnavailable, match="cannot serve test/refused/1: the p2p daemon refused"):
-            await swarm.server.serve("test/refused/1", answer)
+            await swarm.server.serve("test/refused/1", _idle)
         monkeypatch.setattr(swarm.a, "add_binary_stream_handler", add)
-        await swarm.server.serve("test/refused/1", answer)
-        conn = await swarm.client.connect(swarm.a.peer_id, "test/refused/1", timeout=10)
-        try:
-            return await conn.request({"kind": "hello"}, timeout=10)
-        finally:
-            await conn.close(timeout=1.0)
-            await swarm.server.stop_serving("test/refused/1")
+        return await _served_again(swarm, "test/refused/1")
 
-    header, _ = swarm.run(go())
-    assert header == {"kind": "again", "got": "hello"}
+    assert swarm.run(go()) == {"kind": "again", "got": "hello"}
 
 
 def test_a_serve_cancelled_mid_registration_leaves_nothing_served_and_can_be_served_again(
@@ -313,10 +302,6 @@ def test_a_serve_cancelled_mid_registration_leaves_nothing_served_and_can_be_ser
     async def dead(conn: Connection) -> None:
         dead_calls.append(conn.peer_id)
 
-    async def answer(conn: Connection) -> None:
-        header, _ = await conn.recv(timeout=10)
-        await conn.send({"kind": "again", "got": header["kind"]})
-
     async def go():
         monkeypatch.setattr(swarm.a, "add_binary_stream_handler", slow_add)
         serving = asyncio.ensure_future(swarm.server.serve("test/cancelled/1", dead))
@@ -328,16 +313,9 @@ def test_a_serve_cancelled_mid_registration_leaves_nothing_served_and_can_be_ser
         with pytest.raises(PeerdError):  # reaches p2pd's stale handler, which drops it
             conn = await swarm.client.connect(swarm.a.peer_id, "test/cancelled/1", timeout=5)
             await conn.request({"kind": "hello"}, timeout=5)
-        await swarm.server.serve("test/cancelled/1", answer)
-        conn = await swarm.client.connect(swarm.a.peer_id, "test/cancelled/1", timeout=10)
-        try:
-            return await conn.request({"kind": "hello"}, timeout=10)
-        finally:
-            await conn.close(timeout=1.0)
-            await swarm.server.stop_serving("test/cancelled/1")
+        return await _served_again(swarm, "test/cancelled/1")
 
-    header, _ = swarm.run(go())
-    assert header == {"kind": "again", "got": "hello"}
+    assert swarm.run(go()) == {"kind": "again", "got": "hello"}
     assert dead_calls == []
 
 
@@ -355,12 +333,8 @@ def test_a_stop_serving_cancelled_before_p2pd_dropped_the_handler_does_not_block
         await asyncio.sleep(30)  # the cancel lands before p2pd heard of the removal
         await remove(*args, **kwargs)
 
-    async def answer(conn: Connection) -> None:
-        header, _ = await conn.recv(timeout=10)
-        await conn.send({"kind": "again", "got": header["kind"]})
-
     async def go():
-        await swarm.server.serve("test/unstopped/1", answer)
+        await swarm.server.serve("test/unstopped/1", _idle)
         monkeypatch.setattr(swarm.a, "remove_binary_stream_handler", slow_remove)
         stopping = asyncio.ensure_future(swarm.server.stop_serving("test/unstopped/1"))
         await removing.wait()
@@ -368,16 +342,30 @@ def test_a_stop_serving_cancelled_before_p2pd_dropped_the_handler_does_not_block
         with pytest.raises(asyncio.CancelledError):
             await stopping
         monkeypatch.setattr(swarm.a, "remove_binary_stream_handler", remove)
-        await swarm.server.serve("test/unstopped/1", answer)
-        conn = await swarm.client.connect(swarm.a.peer_id, "test/unstopped/1", timeout=10)
-        try:
-            return await conn.request({"kind": "hello"}, timeout=10)
-        finally:
-            await conn.close(timeout=1.0)
-            await swarm.server.stop_serving("test/unstopped/1")
+        return await _served_again(swarm, "test/unstopped/1")
 
-    header, _ = swarm.run(go())
-    assert header == {"kind": "again", "got": "hello"}
+    assert swarm.run(go()) == {"kind": "again", "got": "hello"}
+
+
+async def _idle(conn: Connection) -> None:
+    """A handler for a serve whose streams the test never opens."""
+
+
+async def _served_again(swarm: Swarm, protocol: str) -> dict:
+    """Serve ``protocol`` on A again and ask it once from B: the answer's header."""
+
+    async def answer(conn: Connection) -> None:
+        header, _ = await conn.recv(timeout=10)
+        await conn.send({"kind": "again", "got": header["kind"]})
+
+    await swarm.server.serve(protocol, answer)
+    conn = await swarm.client.connect(swarm.a.peer_id, protocol, timeout=10)
+    try:
+        header, _ = await conn.request({"kind": "hello"}, timeout=10)
+        return header
+    finally:
+        await conn.close(timeout=1.0)
+        await swarm.server.stop_serving(protocol)
 
 
 def test_connect_to_missing_protocol_or_peer_fails_typed_then_bans(swarm: Swarm):
