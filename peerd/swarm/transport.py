@@ -362,28 +362,27 @@ class Transport:
             if protocol in self._stale:  # p2pd refuses a second handler for a protocol
                 await self._remove_handler(protocol)
             await self.p2p.add_binary_stream_handler(protocol, on_stream)
-        except (P2PDaemonError, ConnectionError, OSError) as exc:  # the local p2pd did not take it
+        except BaseException as exc:
+            # refused by the local p2pd, or cancelled (a re-plan stopping a tasklet that was
+            # starting): the protocol must not stay "served" with nobody to stop it, or the next
+            # epoch's serve fails; p2pd may hold the handler until the next serve replaces it,
+            # and on_stream drops what reaches it
             self._served.pop(protocol, None)
             self._stale.add(protocol)
-            raise PeerUnavailable(
-                f"cannot serve {protocol}: the p2p daemon refused the handler: {exc}"
-            ) from None
-        except BaseException:
-            # cancelled (a re-plan stopping a tasklet that was starting): the protocol must not stay
-            # "served" with nobody to stop it, or the next epoch's serve fails; p2pd may hold the
-            # handler until the next serve replaces it, and on_stream drops what reaches it
-            self._served.pop(protocol, None)
-            self._stale.add(protocol)
+            if isinstance(exc, (P2PDaemonError, ConnectionError, OSError)):
+                raise PeerUnavailable(
+                    f"cannot serve {protocol}: the p2p daemon refused the handler: {exc}"
+                ) from None
             raise
         self._stale.discard(protocol)
 
     async def stop_serving(self, protocol: str) -> None:
         served = self._served.pop(protocol, None)
-        if served is not None:
-            self._stale.add(protocol)  # until p2pd has dropped the handler: a cancel may cut that short
-        if protocol in self._stale:
-            await self._remove_handler(protocol)
-        for task in list(served.tasks if served is not None else ()):
+        if served is None and protocol not in self._stale:
+            return
+        self._stale.add(protocol)  # until p2pd has dropped the handler: a cancel may cut that short
+        await self._remove_handler(protocol)
+        for task in list(served.tasks) if served is not None else []:
             task.cancel()
 
     async def _remove_handler(self, protocol: str) -> None:
