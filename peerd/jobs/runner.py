@@ -178,6 +178,24 @@ def train_config(
     )
 
 
+def carried_losses(
+    own: Sequence[tuple[int, float]],
+    history: Sequence[tuple[int, float]],
+    resume: int,
+    shared_steps: set[int],
+) -> list[tuple[int, float]]:
+    """The loss points before ``resume`` that a last-stage tasklet's record carries into a new epoch.
+
+    ``history`` is the job's curve as the daemon saw it (the mean over the replicas of the
+    time): its values win. This tasklet's own losses fill the steps it lacks, but only those
+    it trained as the stage's only replica: beside other replicas its loss was one share of
+    the mean, and in the new epoch's record it would stand for the whole job's.
+    """
+    mine = {s: loss for s, loss in own if s < resume and s not in shared_steps}
+    job = {s: loss for s, loss in history if s < resume}
+    return sorted({**mine, **job}.items())
+
+
 @dataclass
 class _Frozen:
     """A stopped tasklet's stage state, by step (what ``held`` declares and the state server serves)."""
@@ -224,6 +242,7 @@ class TaskletRunner:
         self.suspects: tuple[str, ...] = ()
         self.step = 0
         self.losses: list[tuple[int, float]] = []
+        self._shared_steps: set[int] = set()  # steps of self.losses trained beside other replicas
         self.val_losses: list[tuple[int, float]] = []  # (steps completed, held-out loss)
         self.tokens_per_s = 0.0
         self.wire: dict[str, int] = {}
@@ -376,17 +395,16 @@ class TaskletRunner:
                 return
             if (self.stage, self.replica) != where:
                 self.losses, self.val_losses = [], []  # another replica's shard: its losses are not ours
+                self._shared_steps = set()
             self.stage, self.replica = where
             spans = stage_layers(self.cfg.layers_per_stage)
             resume = resume_step(roster or [], spans)
             self.state, self.reason, self.suspects = TaskState.RECOVERING, "loading state", ()
             self.step = resume
-            self.losses = [(s, loss) for s, loss in self.losses if s < resume]
             if self.stage == commit.allocation.d_pp - 1:
-                # the job's values (the mean over the replicas of the time) win over this
-                # replica's own; its own fill the points the daemon's memory lacks
-                before = {s: loss for s, loss in history if s < resume}
-                self.losses = sorted({**dict(self.losses), **before}.items())
+                self.losses = carried_losses(self.losses, history, resume, self._shared_steps)
+            else:
+                self.losses = [(s, loss) for s, loss in self.losses if s < resume]
             self.val_losses = [(k, loss) for k, loss in self.val_losses if k <= resume]
             try:
                 worker = await asyncio.get_running_loop().run_in_executor(None, self._build_worker)
@@ -557,7 +575,7 @@ class TaskletRunner:
             return  # never ran a step: the state held from before stays the better one
         missed = worker.unreported_loss()  # cancelled between its update and its report
         if missed is not None and missed[0] not in {s for s, _ in self.losses}:
-            self.losses.append(missed)
+            self._add_loss(*missed)
             self.step = max(self.step, missed[0] + 1)
         held = await worker.held_states()  # host copies made in the worker's compute thread
         states = {step: {**state, "codecs": None, "averaging": None} for step, state in held.items()}
@@ -793,12 +811,17 @@ class TaskletRunner:
         self.step = report.step + 1
         self.tokens_per_s = report.tokens_per_s
         if report.loss is not None:
-            self.losses.append((report.step, report.loss))
+            self._add_loss(report.step, report.loss)
         if report.val_loss is not None:
             self.val_losses.append((report.step + 1, report.val_loss))
         if worker is not None:
             self.wire = self._bytes(worker)
         self.heartbeat.poke()
+
+    def _add_loss(self, step: int, loss: float) -> None:
+        self.losses.append((step, loss))
+        if self.commit is not None and self.commit.allocation.d_dp > 1:
+            self._shared_steps.add(step)  # one replica's loss, not the job's
 
     def phases(self) -> dict[str, float]:
         """Mean seconds per step in each phase of ``StepReport.phases_s`` (each worker's first step left out)."""

@@ -336,12 +336,16 @@ def loss_curve(
     replicas evaluate equal shards of one held-out set, so their mean is that set's loss).
 
     After a re-plan a step's loss may sit in the record of a peer that is gone (the steps
-    before its death) or of its successor (the steps after): per (step, replica) the record
-    of the newest epoch that has it counts. A step counts once every replica of that epoch
-    (its records say how many there are) has completed it and every one whose record reaches
-    back to it lists it: a replica that joined at a re-plan lists only the steps since (or the
-    ones it inherited), so the steps before a growth stay on the curve, while a step one
-    replica's downsampled record skipped is left out rather than shown as a partial mean.
+    before its death) or of its successor (the steps after). Per step, the records of the
+    newest epoch that lists it count, and only those: a record lists the steps before its
+    epoch's resume step as the job's values (``carried_losses``), so averaging them with an
+    older epoch's per-replica values would mix a mean into a mean. A step counts once every
+    replica of that epoch (its records say how many there are) has completed it and every one
+    whose record reaches back to it lists it: a replica that joined at a re-plan lists only the
+    steps since (or the ones it inherited), so the steps before a growth stay on the curve,
+    while a step one replica's downsampled record skipped is left out rather than shown as a
+    partial mean. Held-out points are carried as each replica's own shard's loss, so for them
+    per (step, replica) the newest epoch's record counts and their mean is the set's loss.
     """
     best: dict[tuple[int, int], tuple[int, float]] = {}  # (step, replica) -> (epoch, loss)
     width: dict[int, int] = {}  # epoch -> replicas of the last stage seen in its records
@@ -365,6 +369,8 @@ def loss_curve(
     curve = []
     for s, values in sorted(per_step.items()):
         epoch = max(e for e, _ in values.values())
+        if not held_out:  # carried training losses are the job's: the newest epoch's alone count
+            values = {r: value for r, value in values.items() if value[0] == epoch}
         replicas = span.get(epoch, {})
         reached = len(replicas) >= width.get(epoch, 0) and all(end >= s for _, end in replicas.values())
         listed = all(r in values for r, (first, _) in replicas.items() if first <= s)

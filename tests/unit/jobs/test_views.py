@@ -144,7 +144,9 @@ def test_the_loss_curve_merges_epochs_and_counts_a_step_only_with_every_replica(
 
     records = [
         last("dead", 3, 0, [(0, 4.0), (1, 3.0), (2, 2.0)]),  # died after step 2; its record stays
-        last("kept", 5, 1, [(0, 6.0), (1, 5.0), (2, 4.0), (3, 3.0), (4, 2.5)]),  # the surviving replica
+        # the surviving replica: the job's values before the resume step (its own were 6, 5, 4),
+        # then its own; an older epoch's share must not be averaged into the job's values
+        last("kept", 5, 1, [(0, 5.0), (1, 4.0), (2, 3.0), (3, 3.0), (4, 2.5)]),
         last("new", 5, 0, [(3, 1.0), (4, 0.5)]),  # the spare in the dead one's slot, from step 3
         # an overwritten record of epoch 4 shows one replica only: its steps still need both
         last("moved", 4, 0, [(5, 9.0)]),
@@ -172,3 +174,36 @@ def test_the_steps_before_a_growth_stay_on_the_curve() -> None:
     newcomer = last("new", 1, 6, [(3, 1.0), (4, 0.5), (5, 0.0)])  # joined at step 3; step 6 not done yet
     curve = loss_curve([survivor, newcomer], last_stage=1)
     assert curve == [(0, 6.0), (1, 5.0), (2, 4.0), (3, 2.0), (5, 1.0)]
+
+
+def test_a_step_trained_beside_another_replica_is_never_carried_as_the_jobs_loss() -> None:
+    """A re-plan after a 2-replica epoch: the daemon's curve lacks a step one replica's
+    downsampled record skipped; the survivor's own loss there is one share of the mean, so its
+    new record must not carry it (CI once showed one replica's 2.58 for the job's 2.80)."""
+    from peerd.jobs.records import Progress, TaskState
+    from peerd.jobs.runner import carried_losses
+    from peerd.jobs.views import loss_curve
+
+    def last(peer: str, epoch: int, replica: int, step: int, losses, replicas: int) -> Progress:
+        return Progress(
+            job_id="0" * 32, peer=peer, epoch=epoch, stage=1, replica=replica, step=step, steps=20,
+            state=TaskState.RUNNING, tokens_per_s=1.0, updated_at=1.0, started_at=0.0,
+            losses=tuple(losses), replicas=replicas,
+        )  # fmt: skip
+
+    alone = [(0, 9.0), (1, 8.0), (2, 7.0)]  # epoch 1: the survivor was the only replica
+    beside = [(s, 1.0) for s in range(3, 9)]  # epoch 2: its share; the other replica's is 3.0
+    survivor = last("kept", 2, 0, 9, alone + beside, replicas=2)
+    leaver = last("gone", 2, 1, 9, [(s, 3.0) for s in (3, 4, 6, 7, 8)], replicas=2)  # 5: downsampled
+    history = loss_curve([survivor, leaver], last_stage=1)
+    assert history == [*alone, (3, 2.0), (4, 2.0), (6, 2.0), (7, 2.0), (8, 2.0)]
+
+    carried = carried_losses(alone + beside, history, resume=9, shared_steps={s for s, _ in beside})
+    assert carried == history
+    # the daemon's memory lost the solo steps (say it restarted): the survivor's own fill them
+    assert carried_losses(alone + beside, [], 9, {s for s, _ in beside}) == alone
+
+    again = last("kept", 3, 0, 11, [*carried, (9, 0.5), (10, 0.4)], replicas=1)  # alone in epoch 3
+    curve = loss_curve([again, leaver], last_stage=1)
+    assert 5 not in dict(curve)  # left out, not shown as one replica's loss
+    assert curve == [*history, (9, 0.5), (10, 0.4)]
