@@ -23,8 +23,9 @@ s = seq, h = hidden, p_l = parameters of layer l (mean p̄ used for the split).
   symmetrised), call it E_e. Stage time T_k = n_k t_k. Both schedules have the
   same bubble: ``pipe = sum_k T_k + sum_e E_e + (M - 1) max(max_k T_k, max_e E_e)``
   (fill and drain once, then the slowest station paces every micro-batch).
-- Data parallel. Stage k exchanges c_k = n_k * p̄ * gradient_bytes * r_g bytes
-  (or c_dp_bytes scaled by n_k / (L / G)): ``dp_k = max_{d in group k} sum_{d'} 2
+- Data parallel. Stage k exchanges c_k = sum of p_l over its n_k layers (taken in order)
+  * gradient_bytes * r_g bytes, so an embedding or a head weighs what it holds (or c_dp_bytes
+  scaled by n_k / (L / G)): ``dp_k = max_{d in group k} sum_{d'} 2
   (α + 8 c_k / (D β))``; DP = max_k dp_k (after the pipeline, not overlapped).
 - total = pipe + DP seconds per iteration. Spare devices cost nothing.
 - Stage order: open-loop TSP over the E_e (the sum term), then the better of the
@@ -123,10 +124,14 @@ class PeerdObjective(Objective):
             else np.minimum(self.micro_batches, shape.d_pp - g)
         ).astype(float)
         if tr.c_dp_bytes is not None:
-            grad_layer = tr.c_dp_bytes / (model.layers / shape.d_pp)
+            grads = np.full(model.layers, tr.c_dp_bytes / (model.layers / shape.d_pp))
         else:
-            grad_layer = float(params.mean()) * tr.gradient_bytes
-        self.layer_grad = grad_layer * tr.gradient_ratio
+            grads = params.astype(float) * tr.gradient_bytes
+        grads = grads * tr.gradient_ratio
+        self.layer_grad = float(grads.mean())
+        # gradient bytes of layers [0, i): a stage's exchange carries its own layers' parameters
+        # (an embedding or a head is not a mean layer), whatever the split assumed
+        self.grad_prefix = np.concatenate([[0.0], np.cumsum(grads)])
         self.c_act = (
             tr.c_pp_bytes / self.micro_batches
             if tr.c_pp_bytes is not None
@@ -184,7 +189,7 @@ class PeerdObjective(Objective):
         cap = np.floor(memory / per_layer_mem).astype(np.int64)
         n, short = split_layers(t, np.minimum(cap, n_layers - g + 1), n_layers)
         stage = n * t  # (P, G)
-        c = n * self.layer_grad  # (P, G) gradient bytes per stage
+        c = self.stage_grad_bytes(n)  # (P, G)
         dp = (a + c[..., None] * b).max(axis=2)  # (P, G)
         bubble = stage.max(axis=1)
         if g > 1:
@@ -194,6 +199,11 @@ class PeerdObjective(Objective):
         total = np.where(short > 0, INFEASIBLE * (1.0 + short), total)
         soft = dp.mean(axis=1) + emean.sum(axis=1) + stage.mean(axis=1)
         return BatchDetail(total, soft, n, dp, pipe, stage)
+
+    def stage_grad_bytes(self, n: np.ndarray) -> np.ndarray:
+        """(P, G) gradient bytes each stage exchanges, for layers per stage ``n`` taken in order."""
+        ends = np.minimum(np.cumsum(n, axis=-1), self.layers)  # short layouts hold fewer layers
+        return self.grad_prefix[ends] - self.grad_prefix[ends - np.minimum(n, ends)]
 
     def _arrays(self, groups: list[PeerdGroup], edges: list[Edge]) -> LayoutArrays:
         tflops = np.array([[x.tflops for x in groups]])
@@ -232,7 +242,7 @@ class PeerdObjective(Objective):
                 mem = self.problem.memory_bytes[grp.members]
                 out.extend(int(d) for d in grp.members[mem <= mem.min()])
             if dp[0, k] >= top - 1e-12:
-                vals = grp.a + n[0, k] * self.layer_grad * grp.b
+                vals = grp.a + self.stage_grad_bytes(n)[0, k] * grp.b
                 out.extend(int(d) for d in grp.members[vals >= vals.max() - 1e-12])
         out += edge_culprits([g.members for g in groups], edges)
         return list(dict.fromkeys(out))

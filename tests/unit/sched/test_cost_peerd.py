@@ -170,3 +170,25 @@ def test_dtfm_vectorised_swaps_match_the_generic_rescoring():
     np.testing.assert_allclose(
         obj.swap_scores(grid, NONE, up, cand), Objective.swap_scores(obj, grid, NONE, up, cand), rtol=1e-9
     )
+
+
+def test_a_stage_exchanges_the_gradients_of_its_own_layers_not_a_mean_layers() -> None:
+    """An embedding-heavy first layer: the stage holding it averages more bytes (the wan bench's
+    tiny GPT put two blocks on one stage and only the head on another; priced at the mean layer,
+    the two-block stage's all-reduce came out 30 % short)."""
+    layer_params = [8e6, 1e6, 1e6, 1e5]  # embedding, two blocks, head
+    devices = [Device(id=f"d{i}", region="r", tflops=1e3, memory_gb=80.0) for i in range(4)]
+    sc = Scenario(
+        name="uneven-layers",
+        devices=devices,
+        regions=Regions(names=["r"], delay_ms=[[0.0]], bandwidth_mbps=[[100.0]]),
+        model=ModelShape(layers=4, hidden=64, seq=32, layer_params=layer_params),
+        training=TrainingSpec(global_batch=4, micro_batch=1, d_pp=2, d_dp=2, gradient_bytes=4),
+    )
+    obj = PeerdObjective(Problem(sc), Shape(2, 2))
+    n = np.array([[2, 2]])
+    assert obj.stage_grad_bytes(n).tolist() == [[9e6 * 4, 1.1e6 * 4]]
+    assert obj.stage_grad_bytes(np.array([[1, 3]])).tolist() == [[8e6 * 4, 2.1e6 * 4]]
+    cost = obj.evaluate([np.array([0, 1]), np.array([2, 3])], NONE).cost  # even split: 2 + 2 layers
+    # the embedding's stage is the slowest: its 9e6 parameters, not twice the mean layer's 2.5e6
+    assert cost.parts["dp"] == pytest.approx(9e6 * 4 * obj.bi[0, 1], rel=1e-9)
