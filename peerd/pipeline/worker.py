@@ -165,7 +165,7 @@ class Snapshot:
     scheduler: dict[str, Any]
 
 
-PHASES = ("compute", "wait", "send", "averaging")
+PHASES = ("compute", "wait", "send", "averaging", "norm", "update")
 _PHASE_OF = {
     Op.FORWARD: "compute",
     Op.BACKWARD: "compute",
@@ -197,8 +197,9 @@ class StepReport:
     phases_s: dict[str, float] = field(default_factory=dict)
     """Where ``step_s`` went (``PHASES``): forward and backward passes with their encoding (``compute``),
     waiting for and decoding neighbours' messages (``wait``), handing messages to the streams until
-    the neighbours acknowledged them (``send``), gradient averaging with the optimizer step
-    (``averaging``)."""
+    the neighbours acknowledged them (``send``), gradient averaging among the replicas
+    (``averaging``), the replica-wide gradient norm's trip along the pipeline that clipping needs
+    (``norm``: it waits for every stage's averaging), and the optimizer step (``update``)."""
     rejected: dict[str, int] = field(default_factory=dict)  # cumulative, per error code
     resends: int = 0
     reconnects: int = 0
@@ -559,8 +560,7 @@ class StageWorker:
         phases["send"] += now - mark
         # a cancel may land after the update is applied and before the report: keep the loss
         self._last_loss = (step, loss_sum) if self.last else None
-        await self._average_and_step(step)  # sets self.step = step + 1
-        phases["averaging"] = time.perf_counter() - now
+        await self._average_and_step(step, phases)  # sets self.step = step + 1
         elapsed = time.perf_counter() - started  # the training step alone: tokens/s leave evaluation out
         val_loss = await self._evaluate(step) if self.evaluates_after(step) else None
         after = self.stats.wire_bytes()
@@ -705,19 +705,27 @@ class StageWorker:
             nbytes=memoryview(payload).nbytes,
         )
 
-    async def _average_and_step(self, step: int) -> None:
+    async def _average_and_step(self, step: int, phases: dict[str, float]) -> None:
+        """Average, exchange the norm and update; adds each part's seconds to ``phases``."""
+        mark = time.perf_counter()
         grads, finite = await self._compute(self._local_grads)
         overflowed = not finite
         if self.reducer is not None:  # the averaging group works on host tensors
             # fp16: an overflow anywhere among the replicas is every replica's (the group carries the flag)
             grads = await self.reducer.allreduce(step, grads, overflowed)
             overflowed = self.reducer.any_overflowed
+        now = time.perf_counter()
+        phases["averaging"] += now - mark
+        mark = now
         scale = 1.0
         if self.exchanges_norms:
             total = await self._replica_squared_norm(step, grads, overflowed)
             overflowed = total == OVERFLOWED
             if self.clip is not None and not overflowed:
                 scale = clip_coefficient(total, self.clip)
+            now = time.perf_counter()
+            phases["norm"] += now - mark
+            mark = now
         if overflowed:
             self.overflow_skips += 1
             logger.info(
@@ -725,6 +733,7 @@ class StageWorker:
                 self.cfg.job, self.stage, step, self.precision.loss_scale.value if self.precision.loss_scale else 0,
             )  # fmt: skip
         await self._compute(self._apply, step, grads, scale, overflowed)
+        phases["update"] += time.perf_counter() - mark
 
     async def _replica_squared_norm(self, step: int, grads: list[torch.Tensor], overflowed: bool) -> float:
         """The sum of squares of the whole replica's gradients: partial sums go up, stage 0's total comes down.
