@@ -27,6 +27,7 @@ import asyncio
 import re
 import time
 from collections.abc import Callable, Sequence
+from contextlib import suppress
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -147,6 +148,9 @@ class GroupAllReduce:
         self._ranks = {m: r for r, m in enumerate(members)}
         self._steps = StepBook(self.rank)
         self._conns: dict[int, Connection] = {}
+        self._replying = 0  # averaged shares being handed to the streams we serve
+        self._replies_sent = asyncio.Event()  # set while none is
+        self._replies_sent.set()
         self._serving = False
         self._closed = False
         self.max_numel: int | None = None
@@ -188,8 +192,15 @@ class GroupAllReduce:
         """Abort pending steps, close streams, stop serving."""
         self._closed = True
         self._steps.abort_all(PeerUnavailable(f"rank {self.rank} closed its averaging group"))
+        flush_s = min(self.timeout, FINAL_FLUSH_S)
         # the last step's chunks may still be queued behind a slow (shaped) link: let them go out
-        await self._close_connections(flush_s=min(self.timeout, FINAL_FLUSH_S))
+        await self._close_connections(flush_s=flush_s)
+        # a member whose step is done may still be sending another member its averaged share (a
+        # paced send returns only once the frame is queued): stopping the handler now would cut
+        # that frame short and fail the other member's step, at the job's last step its re-plan
+        with suppress(TimeoutError):
+            async with asyncio.timeout(flush_s):
+                await self._replies_sent.wait()
         if self._serving:
             self._serving = False
             await self.transport.stop_serving(self.protocol)
@@ -457,7 +468,14 @@ class GroupAllReduce:
                     msg.layout,
                     overflow=bool(state.overflowed) or None,  # every contribution is in: the flags are final
                 )
-                await conn.send(reply.header(), encoded.payload, timeout=self.timeout)
+                self._replying += 1
+                self._replies_sent.clear()
+                try:
+                    await conn.send(reply.header(), encoded.payload, timeout=self.timeout)
+                finally:
+                    self._replying -= 1
+                    if not self._replying:
+                        self._replies_sent.set()
                 raw = (end - start) * 4
             except PeerdError as exc:
                 # the step's own failures (a member gone, a contribution refused) are counted where they happen

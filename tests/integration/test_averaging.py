@@ -441,3 +441,48 @@ def test_a_group_that_does_not_scale_its_loss_refuses_overflow_flags(cluster: Cl
     outcomes = cluster.run(go(), timeout=60)
     assert all(isinstance(o, PeerdError) for o in outcomes), outcomes
     assert avgs[0].stats.rejected.get("NOT_ALLOWED") == 1
+
+
+def test_a_member_that_closes_right_after_its_step_still_delivers_the_share_it_was_sending(
+    cluster: Cluster,
+):
+    """X's link to Y is slow, Y's to X fast, and Y joins the step late: X gets its share back
+    while its handler is still pacing Y's averaged share out. X closing then (a job's last step)
+    must let that frame finish: cut short, it failed Y's step and re-planned the job at its end."""
+    from peerd.swarm.shaper import LinkShaper, LinkSpec
+
+    numel = 250_000  # two 500 KB fp32 shares: 1 s each over the 4 Mbit/s link
+    late_s = 0.5
+
+    async def go():
+        (x_p2p, x), (y_p2p, y) = await cluster.new_peer(), await cluster.new_peer()
+        x.shaper = LinkShaper.uniform(LinkSpec(bandwidth_bps=4e6))
+        try:
+            ids = [x.peer_id, y.peer_id]
+            gx, gy = (GroupAllReduce(t, ids, key="last-step", timeout=20) for t in (x, y))
+            await gx.start()
+            await gy.start()
+            g = torch.Generator().manual_seed(7)
+            values = [torch.randn(numel, generator=g) for _ in range(2)]
+
+            async def late_y():
+                await asyncio.sleep(late_s)
+                return await gy.allreduce(0, [values[1]])
+
+            y_task = asyncio.create_task(late_y())
+            (x_mean,) = await gx.allreduce(0, [values[0]])
+            still_sending = gx._replying  # Y's share is still going out on X's slow link
+            await gx.close()
+            (y_mean,) = await y_task
+            await gy.close()
+            return still_sending, x_mean, y_mean, (values[0] + values[1]) / 2
+        finally:
+            for t, p in ((x, x_p2p), (y, y_p2p)):
+                await t.close()
+                cluster.transports.remove(t)
+                cluster.p2ps.remove(p)
+                await p.shutdown()
+
+    still_sending, x_mean, y_mean, mean = cluster.run(go(), timeout=60)
+    assert still_sending == 1  # the case under test: X's step ended before its reply had left
+    assert torch.equal(x_mean, y_mean) and torch.allclose(x_mean, mean, atol=1e-6)
