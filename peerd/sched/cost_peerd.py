@@ -234,6 +234,7 @@ class PeerdObjective(Objective):
         total, _, n, dp, _, stage = self.batch_detail(self._arrays(groups, edges))
         out: list[int] = []
         top = dp[0].max()
+        grad_bytes = self.stage_grad_bytes(n)[0]
         for k, grp in enumerate(groups):
             tfl = self.problem.tflops[grp.members]
             if stage[0, k] >= stage[0].max() - 1e-12 or total[0] >= INFEASIBLE:
@@ -242,7 +243,7 @@ class PeerdObjective(Objective):
                 mem = self.problem.memory_bytes[grp.members]
                 out.extend(int(d) for d in grp.members[mem <= mem.min()])
             if dp[0, k] >= top - 1e-12:
-                vals = grp.a + self.stage_grad_bytes(n)[0, k] * grp.b
+                vals = grp.a + grad_bytes[k] * grp.b
                 out.extend(int(d) for d in grp.members[vals >= vals.max() - 1e-12])
         out += edge_culprits([g.members for g in groups], edges)
         return list(dict.fromkeys(out))
