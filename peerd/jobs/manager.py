@@ -57,10 +57,13 @@ from peerd.jobs.scoring import job_model
 from peerd.jobs.spec import JobSpec, parse_job_spec
 from peerd.jobs.store import RecordStore
 from peerd.jobs.views import (
+    FINAL_READS,
     JobEntry,
     effective_state,
     failure_reason,
     job_view,
+    merge_final_records,
+    records_complete,
     remember_curve,
     resolve_job_id,
     start_warnings,
@@ -333,9 +336,17 @@ class JobManager:
                     entry.records_read = True
             if entry.commit is not None and not entry.final_progress:
                 with contextlib.suppress(PeerdError):
-                    entry.progress = await catalog.read_progress(self.store, rec.job_id)
+                    read = await catalog.read_progress(self.store, rec.job_id)
+                    if rec.state in TERMINAL:  # read until every tasklet's last record is in
+                        entry.progress = merge_final_records(entry.progress, read)
+                        entry.final_reads += 1
+                        entry.final_progress = (
+                            records_complete(entry.progress, entry.commit.epoch, entry.commit.allocation)
+                            or entry.final_reads >= FINAL_READS
+                        )
+                    else:
+                        entry.progress = read
                     remember_curve(entry)
-                    entry.final_progress = rec.state in TERMINAL  # one last read after the end
                 if rec.state not in TERMINAL:
                     await self._check_health(entry, now)
             if rec.owner == self.me:

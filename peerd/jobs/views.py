@@ -53,7 +53,8 @@ class JobEntry:
     commit: Commit | None = None
     progress: dict[str, Progress] = field(default_factory=dict)
     stored_at: float = 0.0  # owner only: when the record was last stored
-    final_progress: bool = False  # progress read once after the job ended: nothing changes any more
+    final_progress: bool = False  # progress read in full after the job ended: nothing changes any more
+    final_reads: int = 0  # reads of the progress records since the job ended
     records_read: bool = (
         False  # the commit was looked up in the public records (a job this peer did not plan)
     )
@@ -377,6 +378,27 @@ def loss_curve(
         if reached and listed:
             curve.append((s, sum(loss for _, loss in values.values()) / len(values)))
     return curve
+
+
+FINAL_READS = 5
+"""Reads of an ended job's progress records before this daemon settles for what it has."""
+
+
+def merge_final_records(held: dict[str, Progress], read: dict[str, Progress]) -> dict[str, Progress]:
+    """An ended job's records: per peer the newer of what this daemon held and what a read found
+    (a read after the end may miss a record that DHT propagation has not brought yet)."""
+    out = dict(held)
+    for peer, p in read.items():
+        mine = out.get(peer)
+        if mine is None or (p.epoch, p.step, p.updated_at) >= (mine.epoch, mine.step, mine.updated_at):
+            out[peer] = p
+    return out
+
+
+def records_complete(progress: dict[str, Progress], epoch: int, allocation: Allocation) -> bool:
+    """Whether ``progress`` holds a record of ``epoch`` for every tasklet of its ``allocation``."""
+    have = {(p.stage, p.replica) for p in progress.values() if p.epoch == epoch}
+    return all((s, r) in have for s in range(allocation.d_pp) for r in range(allocation.d_dp))
 
 
 CURVE_MEMORY = 4 * MAX_LOSS_POINTS

@@ -207,3 +207,26 @@ def test_a_step_trained_beside_another_replica_is_never_carried_as_the_jobs_loss
     curve = loss_curve([again, leaver], last_stage=1)
     assert 5 not in dict(curve)  # left out, not shown as one replica's loss
     assert curve == [*history, (9, 0.5), (10, 0.4)]
+
+
+def test_an_ended_jobs_records_are_read_until_every_tasklets_last_one_is_in() -> None:
+    """A read right after the end may miss the final record of a tasklet (CI: another daemon's
+    view of a finished rl job showed no trainer figures, for good); later reads merge newest-wins."""
+    from peerd.jobs.records import Progress, TaskState
+    from peerd.jobs.views import merge_final_records, records_complete
+
+    def rec(peer: str, epoch: int, stage: int, replica: int, step: int) -> Progress:
+        return Progress(
+            job_id="0" * 32, peer=peer, epoch=epoch, stage=stage, replica=replica, step=step, steps=4,
+            state=TaskState.DONE if step == 4 else TaskState.RUNNING, tokens_per_s=1.0,
+            updated_at=float(step), started_at=0.0, replicas=2,
+        )  # fmt: skip
+
+    alloc = Allocation.from_plain([["a", "b"], ["c", "d"]])
+    first = {"a": rec("a", 2, 0, 0, 4), "b": rec("b", 2, 0, 1, 4), "c": rec("c", 2, 1, 0, 4)}
+    assert not records_complete(first, 2, alloc)  # d's (stage 1, replica 1) record has not arrived
+    assert not records_complete({**first, "d": rec("d", 1, 1, 1, 3)}, 2, alloc)  # an older epoch's
+    later = {"a": rec("a", 2, 0, 0, 3), "d": rec("d", 2, 1, 1, 4)}  # a stale copy of a, d's last
+    merged = merge_final_records(first, later)
+    assert records_complete(merged, 2, alloc)
+    assert merged["a"].step == 4  # the newer record stays
