@@ -57,7 +57,6 @@ from peerd.jobs.scoring import job_model
 from peerd.jobs.spec import JobSpec, parse_job_spec
 from peerd.jobs.store import RecordStore
 from peerd.jobs.views import (
-    FINAL_READS,
     JobEntry,
     effective_state,
     failure_reason,
@@ -79,6 +78,7 @@ logger = get_logger(__name__)
 
 RunnerFactory = Callable[[JobRecord, JobSpec], JobRunner]
 SUBMIT_TRIES = 3
+FINAL_READS = 5  # reads of an ended job's progress records before this daemon settles for what it has
 SUBMIT_RETRY_S = 1.0  # seconds before the second try, twice that before the third
 
 

@@ -195,6 +195,11 @@ class Progress(FrozenWireStruct, frozen=True, tag_field="kind", tag="progress"):
     rl: RLFigures | None = None  # an rl job's trainer only; absent otherwise
     version: int = msgspec.field(default=PROTOCOL_VERSION, name="v")
 
+    @property
+    def recency(self) -> tuple[float, float, float]:
+        """Orders a peer's records: the later epoch, then the further step, then the later update."""
+        return (self.epoch, self.step, self.updated_at)
+
 
 # ---------------------------------------------------------------- identity of a job
 

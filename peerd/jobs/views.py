@@ -380,17 +380,13 @@ def loss_curve(
     return curve
 
 
-FINAL_READS = 5
-"""Reads of an ended job's progress records before this daemon settles for what it has."""
-
-
 def merge_final_records(held: dict[str, Progress], read: dict[str, Progress]) -> dict[str, Progress]:
     """An ended job's records: per peer the newer of what this daemon held and what a read found
     (a read after the end may miss a record that DHT propagation has not brought yet)."""
     out = dict(held)
     for peer, p in read.items():
         mine = out.get(peer)
-        if mine is None or (p.epoch, p.step, p.updated_at) >= (mine.epoch, mine.step, mine.updated_at):
+        if mine is None or p.recency >= mine.recency:
             out[peer] = p
     return out
 

@@ -202,8 +202,8 @@ class PeerdObjective(Objective):
 
     def stage_grad_bytes(self, n: np.ndarray) -> np.ndarray:
         """(P, G) gradient bytes each stage exchanges, for layers per stage ``n`` taken in order."""
-        ends = np.minimum(np.cumsum(n, axis=-1), self.layers)  # short layouts hold fewer layers
-        return self.grad_prefix[ends] - self.grad_prefix[ends - np.minimum(n, ends)]
+        ends = np.cumsum(n, axis=-1)  # split_layers never places more than the model's layers
+        return self.grad_prefix[ends] - self.grad_prefix[ends - n]
 
     def _arrays(self, groups: list[PeerdGroup], edges: list[Edge]) -> LayoutArrays:
         tflops = np.array([[x.tflops for x in groups]])

@@ -65,7 +65,7 @@ def summary(records: Iterable[Progress]) -> dict[str, Any] | None:
     found = [p for p in records if p.rl is not None]
     if not found:
         return None
-    ordered = sorted(found, key=lambda r: (r.epoch, r.step, r.updated_at))
+    ordered = sorted(found, key=lambda r: r.recency)
     p = ordered[-1]
     rl = p.rl
     assert rl is not None
