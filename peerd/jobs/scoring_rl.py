@@ -8,7 +8,8 @@ prompts, as ``peerd.jobs.rl`` runs it). Every peer re-scores a candidate with th
 same arithmetic as ``peerd plan --kind rl``:
 
 - the roster becomes a cluster: measured fp32 TFLOPS, free memory and memory bandwidth of
-  every entry (``RosterDevice``), links as ``peerd.jobs.scoring.roster_scenario`` reads them;
+  every entry (``RosterDevice``; achieved rates, so at efficiency 1), links as
+  ``peerd.jobs.scoring.roster_scenario`` reads them;
 - the spec becomes a ``Workload``: the built-in GPT's sizes, ``global_batch / group_size``
   prompts of the task's longest prompt, ``max_new_tokens`` decode steps, one optimizer update
   per ``micro_batch`` completions (times ``epochs``), staleness ``k``, fp32 everywhere (what the
@@ -58,7 +59,12 @@ TRAINER_TASKS = ("reference", "actor_train")
 GROUPING = (ROLLOUT_TASKS, TRAINER_TASKS)
 
 # The runtime trains and samples in fp32 with AdamW (two fp32 moments, no separate master copy).
+# A roster's TFLOPS and memory bandwidth are rates its peers achieved (a matmul, a copy), not
+# datasheet peaks: the efficiencies that turn peaks into achieved rates are 1 here, as in the
+# pretraining cost model (at 0.4 the model priced a width-128 reference pass 2.2x its measured time).
 FP32 = CostConstants(
+    compute_efficiency=1.0,
+    memory_efficiency=1.0,
     weight_bytes=4.0,
     grad_bytes=4.0,
     optimizer_bytes=8.0,

@@ -102,6 +102,18 @@ def test_a_peer_that_measured_its_launch_cost_pays_it_per_counted_op() -> None:
     assert costly.tasks["actor_train"] - plain.tasks["actor_train"] == pytest.approx(updates * 1e-5)
 
 
+def test_a_measured_tflops_is_an_achieved_rate_not_a_peak() -> None:
+    """The reference pass costs its forward FLOPs at the peer's measured rate (no MFU factor) plus its ops."""
+    spec = parse_job_spec(RL_JOB)
+    w = rl_workload(spec)
+    alloc = Allocation(((PEERS[0],),), (PEERS[1],))
+    parts = RLRosterScorer(spec).predict(roster([0.1, 0.1], [1e10, 1e10], launch=[1e-5, 1e-5]), alloc)
+    tokens = w.prompts * w.responses_per_prompt * w.seq_len
+    assert parts.tasks["reference"] == pytest.approx(
+        2 * w.actor.params * tokens / 0.1e12 + w.launches.inference * 1e-5
+    )
+
+
 def test_a_slow_link_makes_a_rollout_peer_not_worth_it() -> None:
     """Weight sync to a rollout peer behind a thin link costs more than its share of generation saves."""
     spec = parse_job_spec(RL_JOB)
