@@ -11,6 +11,7 @@ build bytes back (``tree`` / ``build``), for the field-level (wrong-typed) mutat
 from __future__ import annotations
 
 import asyncio
+import math
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -42,6 +43,7 @@ from peerd.jobs.records import (
     encode_progress,
     new_job_record,
 )
+from peerd.jobs.rl.weights import pack_weights, read_weights
 from peerd.jobs.spec import load_job_spec, parse_job_spec
 from peerd.loading import to_mapping
 from peerd.pipeline import statesync
@@ -281,8 +283,19 @@ def state_blob_target() -> Target:
     return Target("statesync.blob", statesync.unpack_state, [seed], lambda raw: list(raw[:64]), _bytes_prefix)
 
 
+def rl_weights_target() -> Target:
+    """The rl weights blob, read as a rollout peer reads it: against its own model's names and shapes."""
+    shapes = {"embed": (4, 8), "head.bias": (3,)}
+    seed = pack_weights(7, {name: torch.linspace(-1, 1, math.prod(s)).view(s) for name, s in shapes.items()})
+
+    def decode(raw: bytes) -> Any:
+        read_weights(raw, {name: torch.zeros(s) for name, s in shapes.items()}, 7)
+
+    return Target("rl.weights", decode, [seed], lambda raw: list(raw[:64]), _bytes_prefix)
+
+
 def _bytes_prefix(tree: Any, seed: bytes) -> bytes:
-    """A state blob is a zip, not a tree: the field-level mutation rewrites its first 64 bytes."""
+    """A state or weights blob is not a tree: the field-level mutation rewrites its first 64 bytes."""
     head = bytes(v & 0xFF if isinstance(v, int) and not isinstance(v, bool) else 0 for v in tree[:64])
     return head + seed[len(head) :]
 
@@ -490,6 +503,7 @@ def all_targets() -> list[Target]:
         *job_targets(),
         statesync_target(),
         state_blob_target(),
+        rl_weights_target(),
         spec_target(),
         scenario_target(),
     ]

@@ -70,7 +70,7 @@ from peerd.errors import ErrorCode, PeerdError
 from peerd.jobs.rl.learner import Learner
 from peerd.jobs.rl.report import score
 from peerd.jobs.rl.shards import RLPlan, sample_shard, shard_ranges
-from peerd.jobs.rl.trainer import weights_blob
+from peerd.jobs.rl.weights import pack_weights
 from peerd.jobs.spec import parse_job_spec
 from peerd.localswarm import LocalSwarm, converged
 from peerd.models import load_checkpoint
@@ -392,7 +392,7 @@ def compare_arms(swarm: LocalSwarm, s: Settings, main: Followed | None = None) -
 def weights_bytes(plan: RLPlan) -> int:
     """Bytes of one packed weights blob a rollout peer fetches per version (the trainer's format)."""
     learner = Learner(plan)
-    return len(weights_blob(0, learner.weights()))
+    return len(pack_weights(0, learner.weights()))
 
 
 def comparison_report(

@@ -10,11 +10,13 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import json
+import struct
 import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from peerd.errors import ErrorCode, PeerdError
 from peerd.jobs.rl.messages import (
@@ -30,6 +32,7 @@ from peerd.jobs.rl.messages import (
     header,
     parse,
 )
+from peerd.jobs.rl.weights import pack_weights, read_weights
 from peerd.swarm.framing import FrameLimits, encode_frame, encode_prefix, error_header, read_frame
 
 _spec = importlib.util.spec_from_file_location(
@@ -383,6 +386,69 @@ def generate() -> dict[str, dict[str, Any]]:
             "frame_hex": encode_frame(head, payload).hex(),
             "error": code,
         }
+    return out | generate_weights()
+
+
+# the policy of the weights vectors: two tensors, 5 values (protocols/rl.md, "Weights blob")
+WEIGHTS_VERSION = 5
+WEIGHTS = {"a": ([2], [1.5, -2.0]), "b.wt": ([1, 3], [0.25, 0.0, -0.125])}
+
+
+def _weights_blob(version: int = WEIGHTS_VERSION, values: dict[str, Any] | None = None) -> bytes:
+    tensors = {
+        name: torch.tensor(vals, dtype=torch.float32).reshape(shape)
+        for name, (shape, vals) in (values or WEIGHTS).items()
+    }
+    return pack_weights(version, tensors)
+
+
+def _weights_case(kind: str, desc: str, blob: bytes, **extra: Any) -> dict[str, Any]:
+    return {
+        "type": kind,
+        "description": desc,
+        "version": WEIGHTS_VERSION,
+        "tensors": {name: {"shape": shape, "values": vals} for name, (shape, vals) in WEIGHTS.items()},
+        "blob_hex": blob.hex(),
+        **extra,
+    }
+
+
+def generate_weights() -> dict[str, dict[str, Any]]:
+    good = _weights_blob()
+    index_len = struct.unpack_from("<I", good, 4)[0]
+    data = len(good) - 4 * 5  # where the values start
+    nan = bytearray(good)
+    struct.pack_into("<f", nan, data + 4, float("nan"))
+    padded = bytearray(good)
+    padded[8 + index_len] = 1  # the index leaves padding before the data: it must be zero
+    assert data > 8 + index_len
+    bad = {
+        "bad-weights-magic": (b"PK" + good[2:], "MALFORMED", "a zip archive's magic (the torch.save format)"),
+        "bad-weights-format": (good[:2] + b"\x02" + good[3:], "UNSUPPORTED_VERSION", "format 2"),
+        "bad-weights-version": (_weights_blob(version=4), "WRONG_STEP", "version 4 where 5 was asked for"),
+        "bad-weights-shape": (
+            _weights_blob(values={"a": ([2], [1.5, -2.0]), "b.wt": ([3, 1], [0.25, 0.0, -0.125])}),
+            "SHAPE_MISMATCH",
+            "b.wt of shape [3, 1] where the model's is [1, 3]",
+        ),
+        "bad-weights-name": (
+            _weights_blob(values={"a": ([2], [1.5, -2.0]), "b.vt": ([1, 3], [0.25, 0.0, -0.125])}),
+            "SHAPE_MISMATCH",
+            "a tensor the model does not have",
+        ),
+        "bad-weights-truncated": (good[:-4], "MALFORMED", "the last value missing"),
+        "bad-weights-trailing": (good + b"\x00", "MALFORMED", "a byte after the last value"),
+        "bad-weights-padding": (bytes(padded), "MALFORMED", "a non-zero padding byte"),
+        "bad-weights-index-length": (
+            good[:4] + struct.pack("<I", len(good)) + good[8:],
+            "OVERSIZED",
+            "an index longer than the blob",
+        ),
+        "bad-weights-nan": (bytes(nan), "NON_FINITE", "a NaN value"),
+    }
+    out = {"valid-weights": _weights_case("weights", "version 5 of a two-tensor policy", good)}
+    for name, (blob, code, desc) in bad.items():
+        out[name] = _weights_case("weights-invalid", desc, blob, error=code)
     return out
 
 
@@ -438,6 +504,41 @@ def test_invalid_vectors_are_rejected_with_their_code(path: Path):
     with pytest.raises(PeerdError) as info:
         _read(case)
     assert info.value.code == ErrorCode[case["error"]]
+
+
+def _model_of(case: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """The receiver's own tensors: the vector's names and shapes, all zero."""
+    return {name: torch.zeros(t["shape"]) for name, t in case["tensors"].items()}
+
+
+def test_the_weights_blob_is_its_layout_byte_for_byte():
+    """The valid blob from the page's layout alone: prefix, canonical msgpack index, zero padding, LE float32."""
+    case = _load(VECTORS / "valid-weights.json")
+    index = canonical_msgpack.canonical(
+        {"tensors": [[name, t["shape"]] for name, t in case["tensors"].items()], "version": case["version"]}
+    )
+    head = b"PW" + bytes([1, 0]) + struct.pack("<I", len(index)) + index
+    head += bytes(-len(head) % 8)
+    values = [v for t in case["tensors"].values() for v in t["values"]]
+    assert head + struct.pack(f"<{len(values)}f", *values) == bytes.fromhex(case["blob_hex"])
+
+
+def test_the_valid_weights_vector_reads_into_the_model():
+    case = _load(VECTORS / "valid-weights.json")
+    model = _model_of(case)
+    read_weights(bytes.fromhex(case["blob_hex"]), model, case["version"])
+    for name, t in case["tensors"].items():
+        assert model[name].flatten().tolist() == t["values"]
+
+
+@pytest.mark.parametrize("path", _files("weights-invalid"), ids=lambda p: p.stem)
+def test_invalid_weights_are_refused_with_their_code_and_leave_the_model_as_it_was(path: Path):
+    case = _load(path)
+    model = _model_of(case)
+    with pytest.raises(PeerdError) as info:
+        read_weights(bytes.fromhex(case["blob_hex"]), model, case["version"])
+    assert info.value.code == ErrorCode[case["error"]]
+    assert all(not t.any() for t in model.values())
 
 
 def test_a_shard_at_the_size_bound_fits_the_frame_limit():

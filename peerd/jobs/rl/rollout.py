@@ -37,9 +37,10 @@ from peerd.jobs.rl.messages import (
 )
 from peerd.jobs.rl.shards import RLPlan, sample_shard, shard_ranges
 from peerd.jobs.rl.trainer import WEIGHTS_STAGE
+from peerd.jobs.rl.weights import read_weights
 from peerd.log import get_logger
 from peerd.models.gpt import GPT
-from peerd.pipeline.statesync import StateSyncConfig, fetch_state, unpack_state
+from peerd.pipeline.statesync import StateSyncConfig, fetch_state
 from peerd.rl.rollout import RolloutGroup
 from peerd.swarm.framing import FrameLimits
 from peerd.swarm.transport import Connection, Transport
@@ -159,29 +160,15 @@ class RolloutPeer:
         self.stats.weight_bytes += len(blob)
 
     def _load(self, blob: bytes | bytearray, version: int) -> GPT:
-        state = unpack_state(blob)
-        if state.get("version") != version or not isinstance(state.get("module"), dict):
-            raise ProtocolError(
-                f"weights blob of version {state.get('version')!r}, asked for {version}",
-                code=ErrorCode.WRONG_STEP,
-            )
+        """The held model with ``blob``'s weights (``read_weights`` checks all before it writes: a
+        refused blob leaves the held weights as they were)."""
         model = (
             self.model if self.model is not None else self.plan.spec.model.family().build().to(self.device)
         )
         assert isinstance(model, GPT)
-        try:
-            model.load_state_dict(state["module"], strict=True)
-        except (RuntimeError, KeyError) as exc:
-            raise ProtocolError(
-                f"weights of version {version} do not fit the job's model: {exc}",
-                code=ErrorCode.SHAPE_MISMATCH,
-            ) from None
+        read_weights(blob, model.state_dict(), version)
         for p in model.parameters():
             p.requires_grad_(False)
-            if not torch.isfinite(p).all():
-                raise ProtocolError(
-                    f"weights of version {version} hold NaN or Inf", code=ErrorCode.NON_FINITE
-                )
         return model
 
     # ------------------------------------------------------------ rollouts

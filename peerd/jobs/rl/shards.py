@@ -85,8 +85,9 @@ class RLPlan:
 
     @cached_property
     def weights_bound(self) -> int:
-        """Most bytes a packed weights blob may take: fp32 weights twice over (as if no weight were
-        tied) plus torch.save's framing; a rollout peer refuses a bigger one before fetching it."""
+        """Most bytes a packed weights blob may take: fp32 weights twice over (a tied weight is sent
+        under each of its names) plus the blob's index; a rollout peer refuses a bigger one before
+        fetching it."""
         family = self.spec.model.family()
         params = sum(c.params for c in family.layer_costs(family.max_seq_len))
         return 8 * params + (1 << 20)

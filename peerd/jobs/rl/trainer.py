@@ -51,9 +51,10 @@ from peerd.jobs.rl.messages import (
 )
 from peerd.jobs.rl.report import IterationReport, score, summarize
 from peerd.jobs.rl.shards import RLPlan, sample_shard, shard_ranges
+from peerd.jobs.rl.weights import pack_weights
 from peerd.log import get_logger
 from peerd.pipeline import checkpoint
-from peerd.pipeline.statesync import StateServer, StateSyncConfig, pack_state
+from peerd.pipeline.statesync import StateServer, StateSyncConfig
 from peerd.rl.rollout import RolloutGroup
 from peerd.swarm.framing import FrameLimits, StreamClosed
 from peerd.swarm.transport import Connection, Transport
@@ -90,11 +91,6 @@ async def _in_thread(fn: Callable[..., T], *args: Any) -> T:
     except asyncio.CancelledError:
         await asyncio.wait([work])
         raise
-
-
-def weights_blob(version: int, weights: dict[str, Any]) -> bytes:
-    """The packed weights of ``version`` that rollout peers fetch."""
-    return pack_state({"version": version, "module": weights})
 
 
 def generation_seconds(shards: dict[int, Rollouts]) -> dict[str, float]:
@@ -231,7 +227,7 @@ class RLTrainer:
 
     async def _publish(self) -> None:
         version = self.learner.version
-        blob = await _in_thread(lambda: weights_blob(version, self.learner.weights()))
+        blob = await _in_thread(lambda: pack_weights(version, self.learner.weights()))
         self._blobs[version] = blob
         while len(self._blobs) > self.plan.rl.staleness + 2:
             self._blobs.popitem(last=False)
