@@ -341,7 +341,9 @@ class JobManager:
                         entry.progress = merge_final_records(entry.progress, read)
                         entry.final_reads += 1
                         entry.final_progress = (
-                            records_complete(entry.progress, entry.commit.epoch, entry.commit.allocation)
+                            records_complete(
+                                entry.progress, entry.commit.epoch, entry.commit.allocation, rec.state
+                            )
                             or entry.final_reads >= FINAL_READS
                         )
                     else:

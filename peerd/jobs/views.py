@@ -391,9 +391,17 @@ def merge_final_records(held: dict[str, Progress], read: dict[str, Progress]) ->
     return out
 
 
-def records_complete(progress: dict[str, Progress], epoch: int, allocation: Allocation) -> bool:
-    """Whether ``progress`` holds a record of ``epoch`` for every tasklet of its ``allocation``."""
-    have = {(p.stage, p.replica) for p in progress.values() if p.epoch == epoch}
+def records_complete(
+    progress: dict[str, Progress], epoch: int, allocation: Allocation, state: JobState
+) -> bool:
+    """Whether ``progress`` holds the last record of every tasklet of an ended job's ``allocation``:
+    one of ``epoch`` for each, and for a done job a done one (the owner saw those; an earlier
+    record of the same epoch, which a lagging DHT read may still return, lacks the final figures)."""
+    have = {
+        (p.stage, p.replica)
+        for p in progress.values()
+        if p.epoch == epoch and (state != JobState.DONE or p.state == TaskState.DONE)
+    }
     return all((s, r) in have for s in range(allocation.d_pp) for r in range(allocation.d_dp))
 
 

@@ -15,6 +15,7 @@ import json
 import socket
 import subprocess
 import sys
+import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -142,9 +143,16 @@ def test_a_sync_grpo_job_equals_the_single_process_reference(swarm: LocalSwarm, 
     assert rl["staleness"] == [[0, ITERATIONS * 32]]  # synchronous: every completion of the current policy
     assert rl["weight_sync_bytes"] > 0 and rl["shards_missing"] == 0
 
-    # another daemon's status and the metrics endpoint show the same figures
-    status = json.loads(peerd("status", "--json", "--home", str(swarm.peers[2].home)).stdout)
-    view = next(j for j in status["jobs"] if j["job_id"] == final["job_id"])
+    # another daemon's status and the metrics endpoint show the same figures, once that daemon has
+    # read the trainer's last record (it reads an ended job's records until every tasklet's final
+    # one is in: DHT propagation may lag the owner's word by a few reads)
+    deadline = time.monotonic() + 30
+    while True:
+        status = json.loads(peerd("status", "--json", "--home", str(swarm.peers[2].home)).stdout)
+        view = next(j for j in status["jobs"] if j["job_id"] == final["job_id"])
+        if (view["progress"]["rl"] or {}).get("rewards") == got or time.monotonic() > deadline:
+            break
+        time.sleep(1.0)
     assert view["progress"]["rl"]["rewards"] == got
     port = swarm.peers[0].options["metrics_port"]
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()

@@ -212,7 +212,7 @@ def test_a_step_trained_beside_another_replica_is_never_carried_as_the_jobs_loss
 def test_an_ended_jobs_records_are_read_until_every_tasklets_last_one_is_in() -> None:
     """A read right after the end may miss the final record of a tasklet (CI: another daemon's
     view of a finished rl job showed no trainer figures, for good); later reads merge newest-wins."""
-    from peerd.jobs.records import Progress, TaskState
+    from peerd.jobs.records import JobState, Progress, TaskState
     from peerd.jobs.views import merge_final_records, records_complete
 
     def rec(peer: str, epoch: int, stage: int, replica: int, step: int) -> Progress:
@@ -223,10 +223,15 @@ def test_an_ended_jobs_records_are_read_until_every_tasklets_last_one_is_in() ->
         )  # fmt: skip
 
     alloc = Allocation.from_plain([["a", "b"], ["c", "d"]])
+    done = JobState.DONE
     first = {"a": rec("a", 2, 0, 0, 4), "b": rec("b", 2, 0, 1, 4), "c": rec("c", 2, 1, 0, 4)}
-    assert not records_complete(first, 2, alloc)  # d's (stage 1, replica 1) record has not arrived
-    assert not records_complete({**first, "d": rec("d", 1, 1, 1, 3)}, 2, alloc)  # an older epoch's
+    assert not records_complete(first, 2, alloc, done)  # d's (stage 1, replica 1) record has not arrived
+    assert not records_complete({**first, "d": rec("d", 1, 1, 1, 3)}, 2, alloc, done)  # an older epoch's
+    # CI again: d's record of the epoch, but one from before its end (an rl trainer's without its curve)
+    early = {**first, "d": rec("d", 2, 1, 1, 1)}
+    assert not records_complete(early, 2, alloc, done)
+    assert records_complete(early, 2, alloc, JobState.CANCELLED)  # a stopped job's last may be any
     later = {"a": rec("a", 2, 0, 0, 3), "d": rec("d", 2, 1, 1, 4)}  # a stale copy of a, d's last
-    merged = merge_final_records(first, later)
-    assert records_complete(merged, 2, alloc)
-    assert merged["a"].step == 4  # the newer record stays
+    merged = merge_final_records(early, later)
+    assert records_complete(merged, 2, alloc, done)
+    assert merged["a"].step == 4 and merged["d"].step == 4  # the newer record stays
