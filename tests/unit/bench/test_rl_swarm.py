@@ -162,3 +162,12 @@ def test_the_swarms_phases_become_tasks_and_the_sync_residue() -> None:
     assert swarm["sync"]["predicted_s"] == pytest.approx(0.0014)
     assert swarm["sync"]["measured_s"] == pytest.approx(0.019)
     assert swarm["actor_train"]["relative_error"] == pytest.approx((0.008 - 0.011) / 0.011)
+    # phases without score/checkpoint: no loop to sum, so the polls' figure stands
+    assert report["iteration"]["measured_s"] == 0.05 and report["iteration"]["measured_polls_s"] == 0.05
+    loop = {**phases, "score": 0.0005, "checkpoint": 0.0}  # every phase of the trainer's loop
+    looped = prediction_report(predicted, phases_replayed, 0.05, None, loop)["iteration"]
+    assert looped["measured_s"] == pytest.approx(0.025 + 0.0005 + 0.005 + 0.011 + 0.0015)
+    assert (
+        looped["relative_error"] == pytest.approx(0.02 / 0.043 - 1)
+        and "phase medians" in looped["measured_source"]
+    )
