@@ -65,17 +65,13 @@ def pack_weights(version: int, weights: dict[str, torch.Tensor]) -> bytes:
         WeightsIndex(version=version, tensors=[(n, list(t.shape)) for n, t in weights.items()])
     )
     start = _data_offset(len(index))
-    out = bytearray(start + sum(4 * t.numel() for t in weights.values()))
+    values = sum(t.numel() for t in weights.values())
+    out = bytearray(start + 4 * values)
     _PREFIX.pack_into(out, 0, MAGIC, FORMAT, 0, len(index))
     out[_PREFIX.size : _PREFIX.size + len(index)] = index
-    flat = torch.frombuffer(out, dtype=torch.float32, offset=start) if len(out) > start else None
-    at = 0
-    for t in weights.values():
-        n = t.numel()
-        if n:
-            assert flat is not None
-            flat[at : at + n].copy_(t.detach().reshape(-1))
-        at += n
+    if values:  # every tensor's values straight into the blob, in index order
+        flat = torch.frombuffer(out, dtype=torch.float32, offset=start)
+        torch.cat([t.detach().reshape(-1).cpu() for t in weights.values()], out=flat)
     return bytes(out)
 
 
