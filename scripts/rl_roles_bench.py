@@ -22,6 +22,7 @@ from collections import Counter
 from typing import Any
 
 from peerd.jobs.rl import RLPlan, RLTrainer, RolloutConfig, RolloutPeer, TrainerConfig
+from peerd.jobs.rl.shards import assign_shards
 from peerd.jobs.spec import parse_job_spec
 from peerd.pipeline.launch import start_peers, stop_peers
 
@@ -56,7 +57,11 @@ async def run_mode(peers: list[Any], p: RLPlan) -> dict[str, Any]:
     await trainer.start()
     workers = [
         RolloutPeer(
-            x.transport, p, trainer_peer.peer_id, ids.index(x.peer_id), len(ids), config=RolloutConfig()
+            x.transport,
+            p,
+            trainer_peer.peer_id,
+            assign_shards(p.prompts, 1, [str(i) for i in ids])[ids.index(x.peer_id)],
+            config=RolloutConfig(),
         )
         for x in rollout
     ]

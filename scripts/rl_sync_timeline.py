@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from peerd.jobs.rl import RLPlan, RLTrainer, RolloutConfig, RolloutPeer, TrainerConfig
+from peerd.jobs.rl.shards import assign_shards
 from peerd.jobs.spec import parse_job_spec
 from peerd.pipeline.launch import start_peers, stop_peers
 
@@ -92,7 +93,11 @@ async def run(p: RLPlan) -> list[dict[str, float]]:
             trainer_peer.transport, p, [rollout_peer.transport.peer_id], config=TrainerConfig(poll_hold_s=5)
         )
         worker = RolloutPeer(
-            rollout_peer.transport, p, trainer_peer.transport.peer_id, 0, 1, config=RolloutConfig()
+            rollout_peer.transport,
+            p,
+            trainer_peer.transport.peer_id,
+            assign_shards(p.prompts, 1, [str(rollout_peer.transport.peer_id)])[0],
+            config=RolloutConfig(),
         )
         rolling = asyncio.ensure_future(worker.run())
         await trainer.start()

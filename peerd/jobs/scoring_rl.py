@@ -1,11 +1,16 @@
 """The shared cost model of ``kind: rl`` jobs: a roster and a role assignment -> predicted seconds per GRPO iteration.
 
-An rl job's candidate allocation has one tasklet (1 x 1): its peer is the **trainer** (the
-actor's updates and the reference's log-probs, ``reference + actor_train``); the allocation's
-spares are the **rollout peers** (``generate``: each samples an equal share of the iteration's
-prompts, as ``peerd.jobs.rl`` runs it). Every peer re-scores a candidate with the RL cost model
-(``peerd.sched.rl``) on the roster alone, so the consensus compares role assignments with the
-same arithmetic as ``peerd plan --kind rl``:
+An rl job's candidate allocation has one stage of R replicas (R = the spec's ``parallel.d_dp``,
+``auto`` meaning 1): its peers are the R **trainers** in replica order (each computes the
+reference's log-probs and the actor's updates, ``reference + actor_train``, on its own 1/R of the
+iteration's prompts); the allocation's spares are the **rollout peers** (``generate``). As
+``peerd.jobs.rl`` runs it, the rollout peers sorted by id are dealt round-robin (rollout peer i
+serves trainer i % R) and split their trainer's prompts equally; a trainer left without a rollout
+peer samples its own prompts (colocated: generation time-shares its device, before its reference
+pass). No spares at all is the verl-like colocated plan: every trainer generates, scores and trains
+its share. Every peer re-scores a candidate with the RL cost model (``peerd.sched.rl``) on the
+roster alone, so the consensus compares role assignments with the same arithmetic as
+``peerd plan --kind rl``:
 
 - the roster becomes a cluster: measured fp32 TFLOPS, free memory and memory bandwidth of
   every entry (``RosterDevice``; achieved rates, so at efficiency 1), links as
@@ -16,11 +21,16 @@ same arithmetic as ``peerd plan --kind rl``:
   runtime computes in: 4-byte weights, gradients, KV cache and two Adam moments), and the ops the
   runtime dispatches per unit of work, counted on its own code (``peerd.rl.launches``; each costs
   the peer's measured ``launch_s``);
-- the weights reach the rollout peers as the runtime sends them: each from the trainer
-  (``weight_sync: star``);
-- the plan is the grouping ``generate | reference + actor_train`` with the layouts the runtime
-  runs (data-parallel generation over the rollout peers with equal shares, one trainer); its
-  iteration time (sync: the critical path; async: the steady state) is the cost.
+- training is data parallel over the trainers (``sched.rl``'s ``Layout(R, 1, 1)``): each update
+  is one pass over a trainer's share of the update's groups, then the trainers average their fp32
+  gradients with a ring all-reduce, ``2(R-1)/R`` of the gradient bytes over the slowest link
+  between trainers plus ``2(R-1)`` of the largest delay, once per optimizer update;
+- the weights reach the rollout peers as the runtime sends them: each trainer to its own rollout
+  peers (``weight_sync: star``, the R stars in parallel); a colocated trainer needs no sync;
+- one trainer's iteration is its generation (on its rollout peers, or on itself), the rollouts'
+  transfer, its reference pass, the data-parallel training (the all-reduces keep the trainers in
+  step) and its weight sync; the iteration (sync: the critical path; async: the steady state) is
+  the slowest trainer's (``_Model.predict``).
 
 A roster entry without a measured memory bandwidth (a peer older than that measurement) cannot
 be scored for an rl job: ``ConfigError`` naming it, so such a roster keeps planning.
@@ -57,6 +67,8 @@ from peerd.sched.scenario import Scenario
 ROLLOUT_TASKS = ("generate",)
 TRAINER_TASKS = ("reference", "actor_train")
 GROUPING = (ROLLOUT_TASKS, TRAINER_TASKS)
+ALL_TASKS = ROLLOUT_TASKS + TRAINER_TASKS
+COLOCATED = (ALL_TASKS,)
 
 # The runtime trains and samples in fp32 with AdamW (two fp32 moments, no separate master copy).
 # A roster's TFLOPS and memory bandwidth are rates its peers achieved (a matmul, a copy), not
@@ -149,32 +161,111 @@ class _Model:
         # Equal shares: the runtime splits an iteration's prompts evenly over the rollout peers.
         self.evaluator = Evaluator(self.cluster, workload, balanced=False)
         self.index = {d.id: i for i, d in enumerate(scenario.devices)}
+        self._shares: dict[int, Evaluator] = {1: self.evaluator}
 
-    def predict(self, trainer: str, rollouts: tuple[str, ...]) -> Prediction:
+    def predict(self, trainers: tuple[str, ...], rollouts: tuple[str, ...]) -> Prediction:
+        """Seconds per iteration of ``trainers`` (replica order) and ``rollouts`` (sorted), and its parts.
+
+        Each trainer's own plan is priced as a two- or one-group plan of ``sched.rl`` on its share of
+        the prompts (``Evaluator.combine``): ``generate | reference + actor_train`` with its rollout
+        peers (their transfers and its star sync), or all three tasks on itself when it has none.
+        Both take the reference and training times of the data-parallel group of all trainers, and
+        the iteration is the slowest trainer's plan; the parts are the largest over the trainers.
+        A mix of both kinds (fewer rollout peers than trainers) is priced the same way, each trainer
+        by its own kind: the colocated ones wait on their own generation, the others on their
+        rollout peers', and the all-reduces make every trainer wait for the slowest.
+        """
         w, cl = self.evaluator.workload, self.cluster
-        for peer in (trainer, *rollouts):
+        for peer in (*trainers, *rollouts):
             if peer not in self.index:
                 raise ConfigError("allocation", f"{peer} is not in the roster")
-        gen_idx = [self.index[p] for p in rollouts]
-        train_idx = [self.index[trainer]]
-        gen = evaluate_group(cl, w, ROLLOUT_TASKS, gen_idx, False, {"generate": Layout(len(gen_idx), 1, 1)})
+        replicas = len(trainers)
+        if replicas < 1:
+            raise ConfigError("stages", "an rl job needs a trainer")
+        if w.prompts % replicas:
+            raise ConfigError(
+                "parallel.d_dp", f"{w.prompts} prompts per iteration do not split over {replicas} trainers"
+            )
+        share = self._share(replicas)
+        served = [rollouts[r::replicas] for r in range(replicas)]  # rollout peer i serves trainer i % R
+        train_idx = [self.index[t] for t in trainers]
+        gens = [
+            evaluate_group(
+                cl, share.workload, ROLLOUT_TASKS, idx, False, {"generate": Layout(len(idx), 1, 1)}
+            )
+            if idx
+            else None
+            for idx in ([self.index[p] for p in peers] for peers in served)
+        ]
+        # Layout(R, 1, 1): replica r takes 1/R of the sequences (balanced=False: equal shares) in
+        # micro-batches of its share of an update, then per update the ring all-reduce of the fp32
+        # gradients among the R trainers (group._pipeline_task; 0 for R = 1).
         train = evaluate_group(
-            cl, w, TRAINER_TASKS, train_idx, False, {t: Layout(1, 1, 1) for t in TRAINER_TASKS}
+            cl,
+            self._per_update(w, replicas),
+            TRAINER_TASKS,
+            train_idx,
+            False,
+            {t: Layout(replicas, 1, 1) for t in TRAINER_TASKS},
         )
-        _fits(gen)
-        _fits(train)
+        # The group spreads its parked state over its devices, but every trainer holds a whole
+        # replica: check each one's memory alone (and time a colocated trainer's own generation).
+        solos = [
+            evaluate_group(
+                cl,
+                share.workload,
+                TRAINER_TASKS if peers else ALL_TASKS,
+                [i],
+                False,
+                {t: Layout(1, 1, 1) for t in ALL_TASKS},
+            )
+            if replicas > 1 or not peers
+            else None
+            for i, peers in zip(train_idx, served, strict=True)
+        ]
+        for result in (*gens, train, *solos):
+            if result is not None:
+                _fits(result)
         self.evaluator.evaluations += 1
-        counts = [cl.counts_of(gen_idx), cl.counts_of(train_idx)]
-        parts = self.evaluator.combine(GROUPING, counts, [gen, train])
-        seconds = float(parts["seconds"])
+        parts = [
+            share.combine(GROUPING, [cl.counts_of(list(gen.devices)), cl.counts_of([i])], [gen, train])
+            for i, gen in zip(train_idx, gens, strict=True)
+            if gen is not None
+        ]
+        alone = [s for s, gen in zip(solos, gens, strict=True) if s is not None and gen is None]
+        if alone:
+            slowest = max((s.plans["generate"] for s in alone), key=lambda p: p.seconds)
+            colocated = dataclasses.replace(
+                train, tasks=ALL_TASKS, plans={"generate": slowest, **train.plans}
+            )
+            parts.append(share.combine(COLOCATED, [cl.counts_of(train_idx)], [colocated]))
+        seconds = max(float(p["seconds"]) for p in parts)
         if not math.isfinite(seconds):
             raise ConfigError("allocation", "scored as infinite")
         return Prediction(
             seconds=seconds,
-            tasks={t: float(v) for t, v in parts["tasks"].items()},
-            sync=float(parts["sync"]),
-            transfers=float(sum(parts["transfers"].values())),
+            tasks={t: max(float(p["tasks"][t]) for p in parts) for t in ALL_TASKS},
+            sync=max(float(p["sync"]) for p in parts),
+            transfers=max(float(sum(p["transfers"].values())) for p in parts),
         )
+
+    def _share(self, replicas: int) -> Evaluator:
+        """The evaluator of one trainer's share of the iteration: its prompts and its part of each update."""
+        found = self._shares.get(replicas)
+        if found is None:
+            w = self._per_update(self.evaluator.workload, replicas)
+            w = dataclasses.replace(w, prompts=w.prompts // replicas)
+            found = self._shares[replicas] = Evaluator(self.cluster, w, balanced=False)
+        return found
+
+    @staticmethod
+    def _per_update(w: Workload, replicas: int) -> Workload:
+        """``w`` with a micro-batch of one trainer's part of an update: the update's groups split over
+        the trainers, the largest part setting the pace (the runtime makes one pass per update)."""
+        if replicas == 1:
+            return w
+        groups = w.micro_batch // w.responses_per_prompt
+        return dataclasses.replace(w, micro_batch=-(-groups // replicas) * w.responses_per_prompt)
 
 
 def _fits(result: GroupResult) -> None:
@@ -182,15 +273,19 @@ def _fits(result: GroupResult) -> None:
         raise ConfigError("allocation", f"does not fit the peers' memory: {result.shortfall}")
 
 
-def roles(allocation: Allocation) -> tuple[str, tuple[str, ...]]:
-    """(trainer, rollout peers) of an rl job's allocation; ConfigError if it is not one."""
-    if allocation.d_pp != 1 or allocation.d_dp != 1:
+def roles(allocation: Allocation) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(trainers in replica order, rollout peers sorted) of an rl job's allocation; ConfigError if it is not one.
+
+    No rollout peer is valid: every trainer then generates its own share (the colocated plan).
+    """
+    if allocation.d_pp != 1 or not allocation.stages[0]:
         raise ConfigError(
-            "stages", f"an rl job runs one trainer (1 x 1), got {allocation.d_pp} x {allocation.d_dp}"
+            "stages", f"an rl job runs its trainers as one stage (d_pp 1), got {allocation.d_pp} stages"
         )
-    if not allocation.spares:
-        raise ConfigError("spares", "an rl job needs at least one rollout peer")
-    return allocation.devices[0], tuple(sorted(allocation.spares))
+    trainers, rollouts = tuple(allocation.stages[0]), tuple(sorted(allocation.spares))
+    if len({*trainers, *rollouts}) != len(trainers) + len(rollouts):
+        raise ConfigError("allocation", "a peer holds two roles")
+    return trainers, rollouts
 
 
 class RLRosterScorer:
@@ -203,6 +298,9 @@ class RLRosterScorer:
         self.spec = spec
         self.jm = job_model(spec)
         self.workload = rl_workload(spec)
+        # the job's trainers (``parallel.d_dp``, ``auto`` = 1): every allocation it scores has as many
+        d_dp = spec.parallel.d_dp
+        self.replicas = d_dp if isinstance(d_dp, int) else 1
         self._models: OrderedDict[bytes, _Model] = OrderedDict()
         self.evaluations = 0
 
@@ -220,8 +318,12 @@ class RLRosterScorer:
         return found
 
     def predict(self, roster: Roster, allocation: Allocation) -> Prediction:
-        trainer, rollouts = roles(allocation)
-        return self._model(roster).predict(trainer, rollouts)
+        trainers, rollouts = roles(allocation)
+        if len(trainers) != self.replicas:  # the runtime runs parallel.d_dp trainers, no other count
+            raise ConfigError(
+                "stages", f"the job runs {self.replicas} trainer(s), the allocation has {len(trainers)}"
+            )
+        return self._model(roster).predict(trainers, rollouts)
 
     def __call__(self, roster: Roster, allocation: Allocation) -> float:
         self.evaluations += 1
@@ -230,8 +332,8 @@ class RLRosterScorer:
     def island(
         self, scenario: Scenario, seed: int, time_budget: float, config: SearchConfig | None = None
     ) -> RoleIsland:
-        """A search over role assignments of ``scenario`` (``seed`` and ``config`` unused: it is exhaustive)."""
-        return RoleIsland(_Model(scenario, self.workload), self.spec.max_peers)
+        """A search over role assignments of ``scenario`` (``seed`` and ``config`` unused: it is deterministic)."""
+        return RoleIsland(_Model(scenario, self.workload), self.spec.max_peers, self.replicas)
 
 
 def with_bandwidths(roster: Roster, jm: JobModel) -> Scenario:
@@ -265,37 +367,56 @@ class _Counter:
 
 
 class RoleIsland:
-    """Role assignments searched exhaustively over the trainer, then greedily over the rollout set.
+    """Role assignments of R trainers and their rollout peers, searched deterministically.
 
-    Every peer is tried as the trainer with every other peer rolling out (n evaluations); then each
-    ``step`` drops the rollout peer whose removal helps most (a slow or badly linked peer can cost
-    its equal share more than it adds), until nothing helps. Deterministic; the interface is the one
-    ``peerd.jobs.island.IslandThread`` drives (``step``, ``best``, ``best_cost``, ``accept``).
+    One trainer (R = 1): every peer is tried as the trainer with every other peer rolling out (n
+    evaluations); then each ``step`` drops the rollout peer whose removal helps most (a slow or
+    badly linked peer can cost its equal share more than it adds), until nothing helps.
+
+    R trainers: start from the R peers of the highest measured TFLOPS as trainers (training is the
+    compute-bound task) with the rest rolling out, and from the same trainers colocated (no rollout
+    peer); then each ``step`` tries every single move from the best so far (a trainer swapped with a
+    rollout or idle peer, a rollout peer dropped or an idle one added, every rollout peer dropped)
+    and stops when none helps: at most R(n-R) + n - R + 1 evaluations a step. A roster of exactly R
+    peers has the colocated plan only.
+
+    The interface is the one ``peerd.jobs.island.IslandThread`` drives (``step``, ``best``,
+    ``best_cost``, ``accept``).
     """
 
-    def __init__(self, model: _Model, max_peers: int | None) -> None:
+    def __init__(self, model: _Model, max_peers: int | None, replicas: int = 1) -> None:
         self.model = model
+        self.replicas = replicas
         self.obj = _Counter()
         self.generation = 0
         self._best: tuple[float, Allocation] | None = None
         peers = sorted(model.index)
-        limit = max_peers or len(peers)
-        for trainer in peers:
-            others = tuple(p for p in peers if p != trainer)[: max(limit - 1, 0)]
-            if others:
-                self._consider(trainer, others)
+        self.limit = min(max_peers or len(peers), len(peers))
+        if len(peers) == replicas:
+            self._consider(tuple(peers), ())
+        elif replicas == 1:
+            for trainer in peers:
+                others = tuple(p for p in peers if p != trainer)[: max(self.limit - 1, 0)]
+                if others:
+                    self._consider((trainer,), others)
+        elif len(peers) > replicas and self.limit >= replicas:
+            tflops = {d.id: d.tflops for d in model.scenario.devices}
+            ranked = sorted(peers, key=lambda p: (-tflops[p], p))
+            trainers = tuple(sorted(ranked[:replicas]))
+            self._consider(trainers, tuple(ranked[replicas : self.limit]))
+            self._consider(trainers, ())
         self._frozen = False
 
-    def _consider(self, trainer: str, rollouts: tuple[str, ...]) -> float:
+    def _consider(self, trainers: tuple[str, ...], rollouts: tuple[str, ...]) -> float:
         self.obj.evaluations += 1
         try:
-            cost = self.model.predict(trainer, rollouts).seconds
+            cost = self.model.predict(trainers, tuple(sorted(rollouts)))
         except ConfigError:
             return math.inf
-        alloc = Allocation(((trainer,),), tuple(sorted(rollouts)))
-        if self._best is None or (cost, alloc.digest()) < (self._best[0], self._best[1].digest()):
-            self._best = (cost, alloc)
-        return cost
+        alloc = Allocation((trainers,), tuple(sorted(rollouts)))
+        if self._best is None or (cost.seconds, alloc.digest()) < (self._best[0], self._best[1].digest()):
+            self._best = (cost.seconds, alloc)
+        return cost.seconds
 
     def step(self, generations: int = 1, deadline: float | None = None) -> bool:
         for _ in range(generations):
@@ -303,15 +424,36 @@ class RoleIsland:
             if self._best is None or self._frozen:
                 return False
             cost, alloc = self._best
-            trainer, rollouts = alloc.devices[0], alloc.spares
-            if len(rollouts) < 2:
-                self._frozen = True
-                return False
-            for drop in rollouts:
-                self._consider(trainer, tuple(p for p in rollouts if p != drop))
+            if self.replicas == 1:
+                trainer, rollouts = alloc.devices[0], alloc.spares
+                if len(rollouts) < 2:
+                    self._frozen = True
+                    return False
+                for drop in rollouts:
+                    self._consider((trainer,), tuple(p for p in rollouts if p != drop))
+            else:
+                self._moves(alloc.stages[0], alloc.spares)
             if self._best[0] >= cost:
                 self._frozen = True
         return True
+
+    def _moves(self, trainers: tuple[str, ...], rollouts: tuple[str, ...]) -> None:
+        """Every single move from (``trainers``, ``rollouts``), the trainers kept sorted."""
+        idle = tuple(p for p in sorted(self.model.index) if p not in trainers and p not in rollouts)
+        for t in trainers:
+            kept = tuple(x for x in trainers if x != t)
+            for r in rollouts:
+                swapped = tuple(sorted((*kept, r)))
+                self._consider(swapped, tuple(sorted((*(x for x in rollouts if x != r), t))))
+            for r in idle:
+                self._consider(tuple(sorted((*kept, r))), rollouts)
+        for r in rollouts:
+            self._consider(trainers, tuple(x for x in rollouts if x != r))
+        if len(trainers) + len(rollouts) < self.limit:
+            for r in idle:
+                self._consider(trainers, (*rollouts, r))
+        if rollouts:
+            self._consider(trainers, ())
 
     def best(self, k: int = 1) -> list[Allocation]:
         return [self._best[1]] if self._best is not None else []
@@ -320,15 +462,18 @@ class RoleIsland:
         return self._best[0] if self._best is not None else math.inf
 
     def accept(self, migrants: Any) -> int:
+        """Re-score migrants with this island's number of trainers (as given, in their replica order)."""
         taken = 0
         for m in migrants:
             alloc = m if isinstance(m, Allocation) else Allocation.from_plain(m)
             try:
-                trainer, rollouts = roles(alloc)
+                trainers, rollouts = roles(alloc)
             except ConfigError:
                 continue
+            if len(trainers) != self.replicas:
+                continue
             before = self.best_cost()
-            if self._consider(trainer, rollouts) < before:
+            if self._consider(trainers, rollouts) < before:
                 taken += 1
                 self._frozen = False
         return taken

@@ -292,17 +292,14 @@ class JobSpec:
             out.append(
                 ConfigError("compression", "rl jobs have no pipeline or averaging streams: leave it out")
             )
-        for dim, value in (("d_pp", self.parallel.d_pp), ("d_dp", self.parallel.d_dp)):
-            if value not in ("auto", 1):
-                out.append(
-                    ConfigError(f"parallel.{dim}", f"rl jobs run one trainer: must be 1 or auto, got {value}")
-                )
-        if self.min_peers < 2:
+        if self.parallel.d_pp not in ("auto", 1):
             out.append(
                 ConfigError(
-                    "min_peers", f"rl jobs need a trainer and a rollout peer: >= 2, got {self.min_peers}"
+                    "parallel.d_pp",
+                    f"rl jobs run one stage (data-parallel trainers: d_dp): must be 1 or auto, got {self.parallel.d_pp}",
                 )
             )
+        trainers = self.parallel.d_dp if isinstance(self.parallel.d_dp, int) else 1
         g = rl.group_size
         if min(g, self.global_batch, self.micro_batch) < 1:
             pass  # their bounds are reported already
@@ -319,6 +316,15 @@ class JobSpec:
                     "micro_batch",
                     f"completions per update: whole groups of rl.group_size={g} dividing "
                     f"global_batch={self.global_batch}, got {self.micro_batch}",
+                )
+            )
+        elif (self.micro_batch // g) % trainers:
+            out.append(
+                ConfigError(
+                    "micro_batch",
+                    f"each of parallel.d_dp={trainers} trainers takes an equal share of an update's "
+                    f"{self.micro_batch // g} groups: must be a multiple of {trainers} groups of {g}, "
+                    f"got {self.micro_batch}",
                 )
             )
         if self.model.preset is not None and not self.model.problems():
@@ -352,7 +358,8 @@ class JobSpec:
         out: list[ConfigError] = []
         if min(self.steps, self.global_batch, self.micro_batch) < 1:
             return out  # their bounds are reported already
-        d_dp = self.parallel.known().get("d_dp", 1)
+        # an rl job's micro_batch is a whole update's completions, shared by its d_dp trainers
+        d_dp = self.parallel.known().get("d_dp", 1) if self.kind != "rl" else 1
         if self.global_batch % (self.micro_batch * d_dp):
             what = f"micro_batch × d_dp = {self.micro_batch} × {d_dp}" if d_dp > 1 else "micro_batch"
             out.append(ConfigError("global_batch", f"must be a multiple of {what}, got {self.global_batch}"))

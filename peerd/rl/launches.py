@@ -112,7 +112,7 @@ def count_launches(cfg: GPTConfig, shape: IterationShape, make_optimizer: Optimi
             batch,
             ref_BT,
             [g.rewards for g in groups],
-            parts,
+            [[r] for r in parts],
             group_size=shape.group_size,
             epochs=epochs,
             temperature=temperature,

@@ -202,7 +202,7 @@ def layout(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Right-padded rows ``prompt + completion`` (B, T) and the (B, T-1) mask of completion targets."""
     seqs = [list(p) + list(c) for p, c in zip(prompts, completions, strict=True)]
-    B, T = len(seqs), max(len(s) for s in seqs)
+    B, T = len(seqs), max((len(s) for s in seqs), default=1)  # no rows: an empty batch
     tokens_BT = torch.full((B, T), PAD_TOKEN, dtype=torch.long)
     mask_BT = torch.zeros((B, T - 1))
     for i, (seq, p, c) in enumerate(zip(seqs, prompts, completions, strict=True)):

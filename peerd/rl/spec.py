@@ -7,8 +7,11 @@ How an ``rl`` job reads the rest of the spec (``peerd.jobs.spec`` checks it):
   (``global_batch / updates_per_iteration``, each update one pass: no accumulation);
 - ``optimizer`` is what the trainer runs (AdamW/Adam/SGD, schedule over the iterations' updates,
   clipping); ``model`` a built-in GPT (the KV-cached sampler runs over its layers);
-- one trainer (``parallel`` d_pp: 1, d_dp: 1) and every other peer of the allocation's roster a
-  rollout peer, so ``min_peers`` is at least 2.
+- ``parallel.d_dp`` trainers (``d_pp`` 1; ``auto`` is one), data parallel: each trains on its equal
+  share of every update's groups (so ``micro_batch / group_size`` is a multiple of ``d_dp``) and
+  they average each update's gradients; every other peer of the allocation is a rollout peer,
+  dealt round-robin over the trainers, and a trainer left without one samples its share itself
+  (with ``d_dp`` peers, every one of them: the colocated plan). ``min_peers`` is at least ``d_dp``.
 
 Nothing here does I/O; the job's runtime lives in ``peerd.jobs.rl``.
 """

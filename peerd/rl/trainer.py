@@ -191,7 +191,7 @@ class GRPOTrainer:
             batch,
             ref_BT,
             [g.rewards for g in groups],
-            _slices(len(groups), cfg.updates_per_iteration),
+            [[r] for r in _slices(len(groups), cfg.updates_per_iteration)],
             group_size=cfg.group_size,
             epochs=cfg.epochs,
             temperature=temperature,

@@ -72,7 +72,7 @@ def swarm(tmp_path_factory: pytest.TempPathFactory, profile_cache: Path) -> Iter
         s.close()
 
 
-def _spec(tmp: Path, name: str, **rl: Any) -> Path:
+def _spec(tmp: Path, name: str, top: dict[str, Any] | None = None, **rl: Any) -> Path:
     spec = {
         "name": name,
         "kind": "rl",
@@ -93,6 +93,7 @@ def _spec(tmp: Path, name: str, **rl: Any) -> Path:
             "rollout_timeout_s": 60,
             **rl,
         },
+        **(top or {}),
     }
     path = tmp / f"{name}.yaml"
     path.write_text(yaml.safe_dump(spec))
@@ -125,7 +126,7 @@ def test_a_sync_grpo_job_equals_the_single_process_reference(swarm: LocalSwarm, 
     torch.set_num_threads(1)
     try:
         reference = reference_run(
-            RLPlan(final["job_id"], load_job_spec(spec_file)), shards=len(rollout_peers)
+            RLPlan(final["job_id"], load_job_spec(spec_file)), rollout_peers=len(rollout_peers)
         )
     finally:
         torch.set_num_threads(threads)
@@ -163,3 +164,37 @@ def test_a_sync_grpo_job_equals_the_single_process_reference(swarm: LocalSwarm, 
     }
     assert samples[("peerd_job_pass_rate", final["job_id"])] == pytest.approx(got[-1][2], abs=1e-6)
     assert samples[("peerd_job_policy_version", final["job_id"])] == ITERATIONS
+
+
+def test_two_data_parallel_trainers_train_as_the_reference_of_two(swarm: LocalSwarm, tmp_path: Path) -> None:
+    """``parallel.d_dp: 2``: two trainers each train on their half of the prompts and average every
+    update's gradients; a trainer without a rollout peer of its own samples its half itself."""
+    spec_file = _spec(tmp_path, "grpo-dp", top={"parallel": {"d_pp": 1, "d_dp": 2}})
+    final = _submit(swarm, spec_file)
+    assert final["returncode"] == 0 and final["state"] == "done", final["logs"]
+    alloc = final["allocation"]
+    assert [len(stage) for stage in alloc["stages"]] == [2], alloc  # two trainers
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        reference = reference_run(
+            RLPlan(final["job_id"], load_job_spec(spec_file)),
+            rollout_peers=len(alloc["spares"]),
+            trainers=2,
+        )
+    finally:
+        torch.set_num_threads(threads)
+    rl = final["progress"]["rl"]
+    assert rl["version"] == ITERATIONS
+    got = rl["rewards"]
+    assert [i for i, _, _ in got] == list(range(1, ITERATIONS + 1))
+    for (_, reward, rate), ref in zip(got, reference, strict=True):  # pooled over both trainers
+        assert reward == pytest.approx(ref.reward_mean, abs=1e-6) and rate == pytest.approx(
+            ref.pass_rate, abs=1e-6
+        )
+    losses = final["progress"]["losses"]
+    # the gradients are averaged in another order than the reference sums them: float rounding
+    assert max(abs(loss - ref.loss) for (_, loss), ref in zip(losses, reference, strict=True)) < 1e-4
+    assert rl["staleness"] == [[0, ITERATIONS * 32]]  # both trainers' completions, all on-policy
+    replicas = {t["replica"]: t["state"] for t in final["progress"]["tasklets"] if t["stage"] == 0}
+    assert replicas == {0: "done", 1: "done"}, final["progress"]

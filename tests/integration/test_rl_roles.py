@@ -11,6 +11,7 @@ import pytest
 import torch
 from hivemind.p2p import P2P
 
+from peerd.averaging import GroupAllReduce
 from peerd.errors import ErrorCode, ProtocolError
 from peerd.jobs.fetch import assemble
 from peerd.jobs.rl import RLPlan, RLTrainer, RolloutConfig, RolloutPeer, TrainerConfig, reference_run
@@ -26,7 +27,7 @@ from peerd.jobs.rl.messages import (
     rl_protocol,
     to_wire,
 )
-from peerd.jobs.rl.shards import sample_shard, shard_ranges
+from peerd.jobs.rl.shards import assign_shards, sample_shard, shard_ranges
 from peerd.jobs.spec import parse_job_spec
 from peerd.models import load_checkpoint
 from peerd.pipeline.statesync import StateSyncConfig
@@ -41,7 +42,14 @@ TRAINER: list[Any] = []  # the trainer's peer id, for the forging helpers
 
 
 def plan(
-    job: str, *, iterations: int = 4, staleness: int = 0, timeout_s: float = 60.0, warmup: int = 30
+    job: str,
+    *,
+    iterations: int = 4,
+    staleness: int = 0,
+    timeout_s: float = 60.0,
+    warmup: int = 30,
+    global_batch: int = 24,
+    micro_batch: int = 12,
 ) -> RLPlan:
     spec = parse_job_spec(
         {
@@ -49,8 +57,8 @@ def plan(
             "name": "rl-roles",
             "model": {"preset": "tiny", "seed": 3},
             "steps": iterations,
-            "global_batch": 24,  # 6 prompts x 4 completions
-            "micro_batch": 12,  # two updates per iteration
+            "global_batch": global_batch,  # 6 prompts x 4 completions by default
+            "micro_batch": micro_batch,  # two updates per iteration by default
             "min_peers": 3,
             "optimizer": {"name": "adamw", "lr": 0.003, "schedule": "constant", "grad_clip": 1.0},
             "rl": {
@@ -110,6 +118,7 @@ def rollout_peers(
     swarm: Swarm, p: RLPlan, transports: list[Transport], inline_weights_bytes: int = 16 << 20
 ) -> list[RolloutPeer]:
     ids = sorted((t.peer_id for t in transports), key=str)
+    shards = assign_shards(p.prompts, 1, [str(i) for i in ids])
     cfg = RolloutConfig(
         request_timeout_s=30,
         trainer_timeout_s=30,
@@ -117,8 +126,7 @@ def rollout_peers(
         inline_weights_bytes=inline_weights_bytes,
     )
     return [
-        RolloutPeer(t, p, swarm.trainer.peer_id, ids.index(t.peer_id), len(ids), config=cfg)
-        for t in transports
+        RolloutPeer(t, p, swarm.trainer.peer_id, shards[ids.index(t.peer_id)], config=cfg) for t in transports
     ]
 
 
@@ -165,7 +173,7 @@ def test_sync_job_equals_the_single_process_reference(swarm: Swarm, tmp_path, in
             inline_weights_bytes=(16 << 20) if inline else 0,
         )
     )
-    ref = reference_run(p, shards=2)
+    ref = reference_run(p, rollout_peers=2)
     got = trainer.reports
     assert [r.iteration for r in got] == [0, 1, 2, 3]
     for mine, want in zip(got, ref, strict=True):
@@ -189,6 +197,56 @@ def test_sync_job_equals_the_single_process_reference(swarm: Swarm, tmp_path, in
     model = load_checkpoint(fetched.path)
     for name, tensor in trainer.learner.policy.state_dict().items():
         assert torch.equal(model.state_dict()[name], tensor), name
+
+
+def test_data_parallel_trainers_one_fed_by_a_rollout_peer_one_colocated_equal_the_reference(swarm: Swarm):
+    """Two trainers average every update; the rollout peer serves trainer 0, trainer 1 samples its half."""
+    p = plan("d1" * 16, global_batch=32, micro_batch=16)  # 8 prompts, 4 per trainer; 2 groups each per update
+
+    async def go() -> tuple[list[RLTrainer], Any]:
+        hosts = [swarm.trainer, swarm.r1]
+        ids = [t.peer_id for t in hosts]
+        trainers = [
+            RLTrainer(
+                t,
+                p,
+                [swarm.r2.peer_id],
+                config=TrainerConfig(poll_hold_s=5, statesync=FAST_SYNC),
+                trainers=2,
+                replica=r,
+                group=GroupAllReduce(t, ids, key=f"rl/{p.job_id}/0", timeout=60),
+            )
+            for r, t in enumerate(hosts)
+        ]
+        (shard,) = [s for s in assign_shards(p.prompts, 2, [str(swarm.r2.peer_id)]) if s.sampler]
+        assert shard.trainer == 0 and shard.problems == range(0, 4)
+        cfg = RolloutConfig(request_timeout_s=30, trainer_timeout_s=30, statesync=FAST_SYNC)
+        rolling = asyncio.ensure_future(
+            RolloutPeer(swarm.r2, p, swarm.trainer.peer_id, shard, config=cfg).run()
+        )
+        await asyncio.gather(*(t.start() for t in trainers))
+        try:
+            await asyncio.gather(*(t.run() for t in trainers))
+            return trainers, await rolling
+        finally:
+            for t in trainers:
+                await t.close()
+
+    (first, second), stats = swarm.run(go(), timeout=300)
+    ref = reference_run(p, rollout_peers=1, trainers=2)
+    assert len(first.reports) == len(second.reports) == len(ref) == 4
+    for a, b, want in zip(first.reports, second.reports, ref, strict=True):
+        # the rewards are pooled over both trainers' groups (an fp32 mean): the same on each, and the reference's
+        assert a.rollouts == b.rollouts == want.rollouts == 32 and a.shards == b.shards == 1
+        assert a.reward_mean == b.reward_mean == pytest.approx(want.reward_mean, abs=1e-6)
+        assert a.pass_rate == b.pass_rate == pytest.approx(want.pass_rate, abs=1e-6)
+        assert a.loss == b.loss == pytest.approx(want.loss, abs=1e-4)
+        assert a.staleness == b.staleness == {0: 16}  # each trainer counts its own completions
+    mine, theirs = first.learner.policy.state_dict(), second.learner.policy.state_dict()
+    assert all(torch.equal(mine[k], theirs[k]) for k in mine)  # averaged: bit-equal replicas
+    assert stats.versions == [0, 1, 2, 3] and stats.weight_fetches == 4  # from trainer 0 only
+    assert second.weight_sync_bytes == 0 and second.covered_shards == 0  # its own shard is not a cover
+    assert first.refused == {} == second.refused
 
 
 def test_async_rollouts_stay_within_the_bound_and_stale_ones_are_counted(swarm: Swarm, async_wait_until):
@@ -306,7 +364,7 @@ def test_forged_rollout_frames_are_refused_and_never_trained_on(swarm: Swarm, as
     # refused frames were counted by the trainer (the stranger's stream never reached it)
     assert sum(trainer.refused.values()) == 8
     # what was trained is exactly the honest peers' rollouts: the reference's iteration
-    (mine,), (want,) = trainer.reports, reference_run(p, shards=2)
+    (mine,), (want,) = trainer.reports, reference_run(p, rollout_peers=2)
     assert mine.rollouts == 24 and mine.loss == pytest.approx(want.loss, abs=1e-5)
     assert mine.kl == pytest.approx(want.kl, abs=1e-5) and mine.pass_rate == want.pass_rate
 

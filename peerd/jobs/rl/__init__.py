@@ -15,7 +15,7 @@ from peerd.jobs.rl.reference import reference_run
 from peerd.jobs.rl.report import IterationReport
 from peerd.jobs.rl.rollout import RolloutConfig, RolloutPeer, RolloutStats
 from peerd.jobs.rl.runner import RLRunner
-from peerd.jobs.rl.shards import RLPlan, shard_ranges
+from peerd.jobs.rl.shards import RLPlan, Shard, assign_shards, shard_ranges
 from peerd.jobs.rl.trainer import RLTrainer, TrainerConfig
 
 __all__ = [
@@ -27,8 +27,10 @@ __all__ = [
     "RolloutConfig",
     "RolloutPeer",
     "RolloutStats",
+    "Shard",
     "TrainFigures",
     "TrainerConfig",
+    "assign_shards",
     "reference_run",
     "shard_ranges",
 ]

@@ -23,9 +23,9 @@ log = get_logger(__name__)
 
 @dataclass
 class Intake:
-    """The shards of ``peers`` (sorted: shard ``s`` is the ``s``-th peer's) for a job of ``bounds``."""
+    """The shards ``peers`` sample for this trainer (shard index -> rollout peer) of a job of ``bounds``."""
 
-    peers: list[str]
+    peers: dict[int, str]
     bounds: RolloutBounds
     staleness: int
     iteration: int = 0
@@ -47,10 +47,9 @@ class Intake:
     def take(self, peer: str, msg: Rollouts) -> Ack:
         """Keep ``msg`` for its iteration or say why not; ProtocolError for what no healthy peer sends."""
         check_rollouts(msg, self.bounds)
-        if self.peers[msg.shard] != peer:
-            raise ProtocolError(
-                f"shard {msg.shard} belongs to {self.peers[msg.shard]}", code=ErrorCode.NOT_ALLOWED
-            )
+        if self.peers.get(msg.shard) != peer:
+            owner = self.peers.get(msg.shard, "another trainer")
+            raise ProtocolError(f"shard {msg.shard} belongs to {owner}", code=ErrorCode.NOT_ALLOWED)
         if msg.version > self.version:
             raise ProtocolError(
                 f"rollouts of policy version {msg.version}: the trainer published {self.version}",
@@ -93,7 +92,7 @@ class Intake:
 
     def expected(self) -> set[int]:
         """Shards the current iteration waits for: those with problems whose peer is not absent."""
-        return {s for s, r in enumerate(self.bounds.shards) if r and s not in self.absent}
+        return {s for s in self.peers if self.bounds.shards[s] and s not in self.absent}
 
     def complete(self, t: int) -> bool:
         return self.expected() <= set(self.arrived.get(t, {}))

@@ -12,6 +12,7 @@ optimizer and its LR schedule are ``peerd.pipeline.optim``'s, over every update 
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,12 +20,12 @@ import torch
 
 from peerd.compress.device import host_copy
 from peerd.jobs.optimizer import optimizer_config
-from peerd.jobs.rl.shards import RLPlan
+from peerd.jobs.rl.shards import RLPlan, shard_ranges
 from peerd.models.gpt import GPT
 from peerd.pipeline import checkpoint
 from peerd.pipeline.optim import build_optimizer, build_scheduler
 from peerd.rl.rollout import RolloutGroup, pack, token_logprobs
-from peerd.rl.update import frozen_copy, grpo_updates
+from peerd.rl.update import Average, frozen_copy, grpo_updates
 from peerd.rl.warmup import WarmupResult, supervised_warmup
 
 
@@ -62,6 +63,8 @@ class Learner:
         )
         self.grad_clip = plan.spec.optimizer.grad_clip
         self.version = 0
+        self.torn = False
+        """An iteration's updates failed part-way (its average): the policy is no version's."""
 
     def warm_up(self) -> WarmupResult:
         """The spec's supervised warm-up (deterministic: its own seed); the reference is the policy after it."""
@@ -73,35 +76,80 @@ class Learner:
         """A host copy of the policy's weights (what rollout peers load and checkpoints hold)."""
         return {k: v.detach().to("cpu", copy=True) for k, v in self.policy.state_dict().items()}
 
-    def train(self, groups: list[RolloutGroup]) -> TrainFigures:
-        """One iteration's updates on scored ``groups``; the version goes up by one."""
+    def train(
+        self,
+        groups: list[RolloutGroup],
+        replicas: Sequence[int] | None = None,
+        average: Average | None = None,
+    ) -> TrainFigures:
+        """One iteration's updates on scored ``groups``; the version goes up by one.
+
+        Data-parallel trainers: ``replicas`` counts the groups of each replica, laid out replica
+        by replica (the single-process reference of several trainers), or ``average`` is the
+        trainers' group mean and ``groups`` this trainer's own (``peerd.rl.update``). Either way
+        each replica's groups are cut into the iteration's updates, so every replica steps as
+        often, even one that holds fewer groups than planned.
+        """
         figures = TrainFigures(0.0, 0.0, 0.0, 0)
-        if groups:
-            figures = self._updates(groups, self.plan.rl.sampling.temperature)
+        if groups or average is not None:
+            self.torn = True  # until every update is in: a failed average leaves a policy of no version
+            figures = self._updates(groups, self.plan.rl.sampling.temperature, replicas, average)
         self.version += 1
+        self.torn = False
         return figures
 
-    def _updates(self, groups: list[RolloutGroup], temperature: float) -> TrainFigures:
+    def align(self, average: Average) -> None:
+        """Set the policy and the reference to the data-parallel trainers' mean of each, so trainers
+        that warmed up on different hardware (rounding differently) start from the same weights."""
+        for model in (self.policy, self.reference):
+            values = [v for v in model.state_dict().values() if v.is_floating_point()]
+            with torch.no_grad():
+                for v, mean in zip(values, average([v.detach() for v in values]), strict=True):
+                    v.copy_(mean)
+
+    def _parts(self, groups: int, replicas: Sequence[int] | None, dp: bool) -> list[list[range]]:
+        per = self.plan.groups_per_update
+        if replicas is None and not dp:  # one trainer: whole updates of ``per`` groups
+            return [[range(a, min(a + per, groups))] for a in range(0, groups, per)]
+        counts = list(replicas) if replicas is not None else [groups]
+        assert sum(counts) == groups, "replicas must count every group"
+        updates = self.plan.updates_per_iteration
+        starts = [sum(counts[:r]) for r in range(len(counts))]
+        cuts = [shard_ranges(n, updates) for n in counts]
+        return [
+            [range(o + c[u].start, o + c[u].stop) for o, c in zip(starts, cuts, strict=True)]
+            for u in range(updates)
+        ]
+
+    def _updates(
+        self,
+        groups: list[RolloutGroup],
+        temperature: float,
+        replicas: Sequence[int] | None,
+        average: Average | None,
+    ) -> TrainFigures:
         plan, rl = self.plan, self.plan.rl
         started = time.perf_counter()
         batch = pack(groups, self.device)
-        with torch.no_grad():
-            ref_BT = token_logprobs(self.reference, batch.tokens_BT, temperature)
+        ref_BT = torch.zeros(0, 0, device=self.device)  # no group here: this replica only averages
+        if groups:
+            with torch.no_grad():
+                ref_BT = token_logprobs(self.reference, batch.tokens_BT, temperature)
         scored = time.perf_counter()
-        per = plan.groups_per_update
         figures = grpo_updates(
             self.policy,
             self.optimizer,
             batch,
             ref_BT,
             [g.rewards for g in groups],
-            [range(a, min(a + per, len(groups))) for a in range(0, len(groups), per)],
+            self._parts(len(groups), replicas, average is not None),
             group_size=plan.group_size,
             epochs=rl.epochs,
             temperature=temperature,
             loss=rl.loss,
             grad_clip=self.grad_clip,
             after_step=self.scheduler.step,
+            average=average,
         )
         return TrainFigures(
             loss=figures.loss,

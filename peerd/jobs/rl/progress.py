@@ -61,7 +61,8 @@ def phase_medians(reports: Sequence[IterationReport]) -> dict[str, float] | None
 
 
 def summary(records: Iterable[Progress]) -> dict[str, Any] | None:
-    """``progress.rl`` of a job view: the newest trainer record's figures, the reward curve of all (None for jobs without any)."""
+    """``progress.rl`` of a job view: the newest trainer record's figures, the reward curve of all, the
+    counts summed over the current trainers (None for jobs without any)."""
     found = [p for p in records if p.rl is not None]
     if not found:
         return None
@@ -75,6 +76,14 @@ def summary(records: Iterable[Progress]) -> dict[str, Any] | None:
     points = {i: (reward, rate) for r in ordered for i, reward, rate in (r.rl.rewards if r.rl else ())}
     rewards = [(i, *points[i]) for i in sorted(points)]
     latest = rewards[-1] if rewards else None
+    # data-parallel trainers count what their own rollout peers sent: the job's counts are the sum
+    # over the current allocation's trainers (one record each)
+    newest = {r.replica: r for r in ordered if r.epoch == p.epoch and r.rl is not None}
+    counts = [r.rl for r in newest.values() if r.rl is not None]
+    lags: dict[int, int] = {}
+    for c in counts:
+        for lag, n in c.staleness:
+            lags[lag] = lags.get(lag, 0) + n
     return {
         "version": rl.version,
         "iteration": p.step,
@@ -85,10 +94,10 @@ def summary(records: Iterable[Progress]) -> dict[str, Any] | None:
         "response_len": rl.response_len,
         "rollouts_per_s": rl.rollouts_per_s,
         "steady_rollouts_per_s": rl.steady_rollouts_per_s,
-        "staleness": [[lag, n] for lag, n in rl.staleness],
-        "dropped_stale": rl.dropped_stale,
-        "dropped_late": rl.dropped_late,
-        "shards_missing": rl.shards_missing,
-        "weight_sync_bytes": rl.weight_sync_bytes,
+        "staleness": [[lag, lags[lag]] for lag in sorted(lags)],
+        "dropped_stale": sum(c.dropped_stale for c in counts),
+        "dropped_late": sum(c.dropped_late for c in counts),
+        "shards_missing": sum(c.shards_missing for c in counts),
+        "weight_sync_bytes": sum(c.weight_sync_bytes for c in counts),
         "phases_s": dict(rl.phases_s) if rl.phases_s is not None else None,
     }

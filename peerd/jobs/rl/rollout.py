@@ -35,7 +35,7 @@ from peerd.jobs.rl.messages import (
     to_wire,
     weights_job,
 )
-from peerd.jobs.rl.shards import RLPlan, sample_shard, shard_ranges
+from peerd.jobs.rl.shards import RLPlan, Shard, sample_shard
 from peerd.jobs.rl.trainer import WEIGHTS_STAGE
 from peerd.jobs.rl.weights import read_weights
 from peerd.log import get_logger
@@ -81,23 +81,22 @@ class RolloutStats:
 
 
 class RolloutPeer:
-    """Samples shard ``rank`` (this peer's rank among the job's sorted rollout peers) of every iteration."""
+    """Samples ``shard`` (``assign_shards``: this peer's) of every iteration for ``trainer``."""
 
     def __init__(
         self,
         transport: Transport,
         plan: RLPlan,
         trainer: Hashable,
-        rank: int,
-        peers: int,
+        shard: Shard,
         *,
         config: RolloutConfig = RolloutConfig(),
         device: torch.device | str = "cpu",
     ) -> None:
         self.transport, self.plan, self.trainer, self.config = transport, plan, trainer, config
         self.device = torch.device(device)
-        self.shard = rank
-        self.indices = shard_ranges(plan.prompts, peers)[rank]
+        self.shard = shard.index
+        self.indices = shard.problems
         self.inline_bytes = min(config.inline_weights_bytes, plan.weights_bound)
         self.model: GPT | None = None
         self.held = -1

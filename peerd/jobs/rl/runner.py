@@ -1,21 +1,24 @@
-"""This peer's part in one ``rl`` job across commits: the trainer (the allocation's one tasklet) or a rollout peer (a spare).
+"""This peer's part in one ``rl`` job across commits: a trainer (a tasklet of the allocation's one stage) or a rollout peer (a spare).
 
 ``RLRunner`` has the interface ``peerd.jobs.manager`` drives a runner through (``start``,
 ``adopt``, ``freeze``, ``leave``, ``retire``, ``close``, ``held``, ``progress``, ``running``,
 ``unfit``, and ``stage``/``replica``/``state``/``step``/``recoveries`` for the views). On each
-commit the peer in ``allocation.stages[0]`` runs ``RLTrainer`` with ``allocation.spares`` as its
-rollout peers, and every spare runs ``RolloutPeer`` toward it. A trainer that stays the trainer
-keeps its policy across commits (the rollout set may change: shards are re-cut from the next
-iteration); one that starts fresh resumes from the newest checkpoint among its own, its copies
-and the copies the roster's members declare, or warms up. ``checkpoint_replicas`` rollout peers
-(``replica_peers``) keep copies of the trainer's newest checkpoint, so a trainer whose peer is
-gone costs the iterations since it.
+commit the peers of ``allocation.stages[0]`` (its replicas, in order) run ``RLTrainer``, data
+parallel when there are several (they average every update's gradients over
+``peerd.averaging``), and the spares are the rollout peers, dealt over the trainers by
+``assign_shards``; a trainer left without one samples its own shard (colocated). A trainer
+resumes from the newest policy version anyone declares: its memory when that is it (it stayed
+a trainer), else its own checkpoint, its copy of one, or a copy fetched from the roster's
+members; with none it warms up. ``checkpoint_replicas`` rollout peers (``replica_peers``) keep
+copies of the trainers' newest checkpoint, so a trainer whose peer is gone costs the iterations
+since it.
 
-The trainer publishes a progress record (stage 0, replica 0, step = iterations done, the GRPO
-loss curve, ``rl`` figures from its reports) every ``interval`` seconds and after each
-iteration; it serves its checkpoints on ``state_protocol(job)`` so ``peerd fetch --p2p`` works;
-rollout peers publish nothing (as spares of a pretraining job). When the last iteration is
-done the trainer keeps serving until every rollout peer heard so (``farewell``).
+Each trainer publishes a progress record (stage 0, its replica, step = iterations done, the
+GRPO loss curve, ``rl`` figures from its reports: the rewards pooled over every trainer's
+groups) every ``interval`` seconds and after each iteration; it serves its checkpoints on
+``state_protocol(job)`` so ``peerd fetch --p2p`` works; rollout peers publish nothing (as
+spares of a pretraining job). When the last iteration is done a trainer keeps serving until
+every rollout peer of its own heard so (``farewell``).
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from typing import Any
 
 import torch
 
+from peerd.averaging import GroupAllReduce
 from peerd.errors import ConfigError, PeerdError
 from peerd.jobs.heartbeat import ProgressPublisher
 from peerd.jobs.records import MAX_SUSPECTS, JobRecord, Progress, TaskState, downsample
@@ -37,7 +41,7 @@ from peerd.jobs.rl.learner import Learner
 from peerd.jobs.rl.progress import figures
 from peerd.jobs.rl.report import IterationReport
 from peerd.jobs.rl.rollout import RolloutConfig, RolloutPeer
-from peerd.jobs.rl.shards import RLPlan
+from peerd.jobs.rl.shards import RLPlan, assign_shards
 from peerd.jobs.rl.trainer import RLTrainer, TrainerConfig
 from peerd.jobs.spec import JobSpec
 from peerd.jobs.store import RecordStore
@@ -53,7 +57,8 @@ from peerd.tasks import cancel_and_wait
 
 log = get_logger(__name__)
 
-FAREWELL_S = 30.0  # how long a finished trainer waits for its rollout peers to hear "done"
+FAREWELL_S = 30.0
+AVERAGING_SLACK_S = 120.0  # beyond the rollout deadline, how long trainers wait for each other  # how long a finished trainer waits for its rollout peers to hear "done"
 
 
 class RLRunner:
@@ -92,7 +97,7 @@ class RLRunner:
         self.commit: Commit | None = None
         self.role: str | None = None
         """``trainer``, ``rollout`` or None (not in the current commit)."""
-        self.stage: int | None = None  # 0 for the trainer (the one tasklet), None for a rollout peer
+        self.stage: int | None = None  # 0 for a trainer (the one stage), None for a rollout peer
         self.replica: int | None = None
         self.unfit: str | None = None  # never set: an rl role has no device fit check yet
         self.state = TaskState.RUNNING
@@ -191,24 +196,23 @@ class RLRunner:
                 )
             self.commit = commit
             alloc = commit.allocation
-            trainers = [p for stage in alloc.stages for p in stage]
-            if len(trainers) != 1:
-                self.state, self.reason = TaskState.FAILED, f"an rl job runs one trainer, got {len(trainers)}"
+            if len(alloc.stages) != 1:
+                self.state, self.reason = (
+                    TaskState.FAILED,
+                    f"an rl job has one stage, got {len(alloc.stages)}",
+                )
                 self.heartbeat.poke()
                 return
-            trainer, rollout_peers = trainers[0], [p for p in alloc.spares if p != trainers[0]]
+            trainers = list(alloc.stages[0])
+            rollout_peers = [p for p in alloc.spares if p not in trainers]
             try:
                 device = resolve_device(self.device)
             except ConfigError as exc:  # this peer cannot run it: the reason says why
                 self.state, self.reason = TaskState.FAILED, str(exc)[:200]
                 self.heartbeat.poke()
                 return
-            if self.me == trainer:
-                self.role, self.stage, self.replica = "trainer", 0, 0
-                if not rollout_peers:
-                    self.state, self.reason = TaskState.RECOVERING, "no rollout peer in this allocation"
-                    self.heartbeat.poke()
-                    return
+            if self.me in trainers:
+                self.role, self.stage, self.replica = "trainer", 0, trainers.index(self.me)
                 try:
                     source = await self._learner_source(device, roster or [])
                 except PeerdError as exc:  # no holder delivered: wait for the next re-plan
@@ -234,19 +238,23 @@ class RLRunner:
                     on_iteration=self._on_iteration,
                     learner=self._learner,
                     device=device,
+                    trainers=len(trainers),
+                    replica=self.replica,
+                    group=self._averaging_group(commit.epoch, trainers),
                 )
                 self._learner = None
                 self.state, self.reason = TaskState.RUNNING, ""
                 self._task = asyncio.create_task(self._run_trainer(self.trainer))
             elif self.me in rollout_peers:
                 self.role, self.stage, self.replica = "rollout", None, None
-                ranked = sorted(rollout_peers, key=lambda p: str(self.peer_ref(p)))
+                layout = assign_shards(self.plan.prompts, len(trainers), rollout_peers)
+                (shard,) = [s for s in layout if s.sampler == self.me]
+                trainer = trainers[shard.trainer]
                 self.rollout = RolloutPeer(
                     self.transport,
                     self.plan,
                     self.peer_ref(trainer),
-                    ranked.index(self.me),
-                    len(ranked),
+                    shard,
                     config=self.rollout_config,
                     device=device,
                 )
@@ -261,16 +269,37 @@ class RLRunner:
 
     # ------------------------------------------------------------------ the roles
 
+    def _averaging_group(self, epoch: int, trainers: list[str]) -> GroupAllReduce | None:
+        """The data-parallel trainers' averaging group of this commit (None for a lone trainer)."""
+        if len(trainers) < 2:
+            return None
+        group = GroupAllReduce(
+            self.transport,
+            [self.peer_ref(p) for p in trainers],
+            key=f"rl/{self.job.job_id}/{epoch}",
+            epoch=epoch,
+            # a trainer may wait out its rollouts' deadline (and sample a missing shard) while the
+            # others wait for it here: only a longer silence means a trainer is gone
+            timeout=self.plan.rl.rollout_timeout_s + AVERAGING_SLACK_S,
+        )
+        family = self.spec.model.family()
+        params = sum(c.params for c in family.layer_costs(family.max_seq_len))
+        group.max_numel = 2 * params + 64  # a step's tensors: gradients (or weights) and a few figures
+        return group
+
     async def _learner_source(self, device: torch.device, roster: list[RosterEntry]) -> str:
-        """Where the trainer's policy comes from: this peer's memory, its own checkpoint, its copy of
-        an earlier trainer's checkpoint, a copy some member of ``roster`` holds, or the warm-up."""
-        if self._learner is not None:
-            return "memory"
+        """Where the trainer's policy comes from: the newest version this peer's memory, its own
+        checkpoints, its copies of a trainer's checkpoints or ``roster``'s members hold (every trainer
+        of a commit computes the same from the same roster), or the warm-up when there is none."""
         job, layers = self.job.job_id, (0, self.spec.model.family().num_layers)
         own = self._checkpoint_steps()
         copies = self.replicas.steps(job, 0) if self.replicas is not None else []
         offered = resume_step(roster, [layers])
-        step = max([0, *own, *copies, offered])
+        memory = self._learner.version if self._learner is not None else 0
+        step = max([0, memory, *own, *copies, offered])
+        if self._learner is not None and memory == step:
+            return "memory"
+        self._learner = None  # older than what another trainer continues from
         if step == 0:
             return "init"
         blob: bytes | None
@@ -352,8 +381,12 @@ class RLRunner:
                         config=self.statesync,
                     )
                     self.heartbeat.poke()
-                except PeerdError as exc:  # not written yet, or the trainer is gone: try again later
+                except PeerdError as exc:  # not written yet, or the trainer is gone: try again soon
+                    # (a version is published before its checkpoint is written: waiting a whole
+                    # interval can miss every checkpoint of a fast job but its last)
                     log.debug("rl job %s: copying checkpoint %d: %s", self.job.job_id, step, exc)
+                    await asyncio.sleep(self.interval / 8)
+                    continue
             await asyncio.sleep(self.interval)
 
     def _on_iteration(self, report: IterationReport) -> None:
@@ -373,7 +406,7 @@ class RLRunner:
         if self.trainer is not None:
             await self.trainer.close()
             self.step = self.trainer.learner.version
-            if self.state != TaskState.DONE:
+            if self.state != TaskState.DONE and not self.trainer.learner.torn:
                 self._learner = self.trainer.learner
             self.trainer = None
         self.rollout = None
@@ -420,7 +453,7 @@ class RLRunner:
             peer=self.me,
             epoch=self.commit.epoch,
             stage=0,
-            replica=0,
+            replica=self.replica or 0,
             step=min(self.step, self.spec.steps),
             steps=self.spec.steps,
             state=self.state,
@@ -433,6 +466,6 @@ class RLRunner:
             reason=self.reason,
             # rollout peers that missed their shard's deadline: the trainer covers their shards
             suspects=tuple(self.trainer.absent_peers[:MAX_SUSPECTS]) if self.trainer is not None else (),
-            replicas=1,
+            replicas=len(self.commit.allocation.stages[0]),
             rl=figures(self.reports, max(version, 0)),
         )

@@ -117,9 +117,40 @@ def shard_ranges(prompts: int, shards: int) -> list[range]:
     return [range(a, b) for a, b in itertools.pairwise(bounds)]
 
 
-def shard_of(peer: str, rollout_peers: list[str]) -> int:
-    """The shard index of ``peer``: its rank among the sorted rollout peers."""
-    return sorted(rollout_peers).index(peer)
+@dataclass(frozen=True)
+class Shard:
+    """One shard of every iteration: its problems, the trainer that trains on it, who samples it."""
+
+    index: int
+    """Its place in the iteration (shards are laid out in this order) and its sampling generator."""
+    trainer: int
+    """The replica index of the trainer that takes it."""
+    sampler: str | None
+    """The rollout peer that samples it; None: its trainer samples it itself (colocated)."""
+    problems: range
+
+
+def assign_shards(prompts: int, trainers: int, rollout_peers: list[str]) -> list[Shard]:
+    """Every shard of an iteration with ``trainers`` data-parallel trainers and ``rollout_peers``.
+
+    Trainer ``r`` trains on the ``r``-th of ``trainers`` near-equal contiguous prompt ranges. The
+    rollout peers, sorted, are dealt round-robin: peer ``i`` samples for trainer ``i % trainers``,
+    and a trainer's range is cut into one contiguous shard per rollout peer of its own, in order;
+    a trainer without one samples its whole range itself. Shards are numbered trainer by trainer.
+    With one trainer this is ``shard_ranges(prompts, len(rollout_peers))``, shard ``i`` the
+    ``i``-th peer's.
+    """
+    assert trainers >= 1
+    peers = sorted(rollout_peers)
+    out: list[Shard] = []
+    for r, owned in enumerate(shard_ranges(prompts, trainers)):
+        mine = peers[r::trainers]
+        cuts = shard_ranges(len(owned), max(len(mine), 1))
+        samplers: list[str | None] = [*mine] or [None]
+        for sampler, cut in zip(samplers, cuts, strict=True):
+            problems = range(owned.start + cut.start, owned.start + cut.stop)
+            out.append(Shard(len(out), r, sampler, problems))
+    return out
 
 
 def sample_shard(

@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import itertools
 import time
 from collections import Counter
 from collections.abc import Callable, Hashable, Sequence
@@ -33,6 +34,7 @@ from typing import Any, TypeVar
 
 import torch
 
+from peerd.averaging import GroupAllReduce
 from peerd.errors import ErrorCode, ProtocolError
 from peerd.jobs.rl.intake import Intake
 from peerd.jobs.rl.learner import Learner
@@ -49,13 +51,14 @@ from peerd.jobs.rl.messages import (
     to_wire,
     weights_job,
 )
-from peerd.jobs.rl.report import IterationReport, score, summarize
-from peerd.jobs.rl.shards import RLPlan, sample_shard, shard_ranges
+from peerd.jobs.rl.report import IterationReport, Rewards, score, summarize
+from peerd.jobs.rl.shards import RLPlan, assign_shards, sample_shard
 from peerd.jobs.rl.weights import pack_weights
 from peerd.log import get_logger
 from peerd.pipeline import checkpoint
 from peerd.pipeline.statesync import StateServer, StateSyncConfig
 from peerd.rl.rollout import RolloutGroup
+from peerd.rl.update import Average
 from peerd.swarm.framing import FrameLimits, StreamClosed
 from peerd.swarm.transport import Connection, Transport
 
@@ -93,6 +96,15 @@ async def _in_thread(fn: Callable[..., T], *args: Any) -> T:
         raise
 
 
+def pooled_rewards(rewards: Rewards, rollouts: int, average: Average, trainers: int) -> tuple[Rewards, int]:
+    """The reward figures and completions of every data-parallel trainer's groups (one mean over the group)."""
+    own = torch.tensor([rollouts, *(rollouts * v for v in vars(rewards).values())], dtype=torch.float64)
+    (mean,) = average([own])
+    total = float(mean[0])
+    pooled = [float(v) / total if total > 0 else 0.0 for v in mean[1:]]
+    return Rewards(*pooled), round(total * trainers)
+
+
 def generation_seconds(shards: dict[int, Rollouts]) -> dict[str, float]:
     """``{"generate": s}``: the slowest shard's sampling time its peer reported (the rollout peers
     sample in parallel); empty when no shard said (older peers)."""
@@ -113,15 +125,26 @@ class RLTrainer:
         on_iteration: Callable[[IterationReport], None] | None = None,
         learner: Learner | None = None,
         device: torch.device | str = "cpu",
+        trainers: int = 1,
+        replica: int = 0,
+        group: GroupAllReduce | None = None,
     ) -> None:
-        """``learner``: continue its policy at its version (a re-plan, a checkpoint) instead of warming up;
-        ``device``: where a new learner trains (and covers absent shards)."""
-        if not rollout_peers:
-            raise ValueError("an rl job needs at least one rollout peer")
+        """``rollout_peers``: every rollout peer of the job (``assign_shards`` deals them over the
+        ``trainers``; this one is ``replica``); ``learner``: continue its policy at its version (a
+        re-plan, a checkpoint) instead of warming up; ``device``: where a new learner trains (and
+        samples its own shards); ``group``: the data-parallel trainers' averaging group (None or a
+        group of one: this trainer alone)."""
         self.transport, self.plan, self.config = transport, plan, config
         self.on_iteration = on_iteration
-        self.peers = sorted(rollout_peers, key=str)  # shard s belongs to the s-th peer by id
-        self.shards = shard_ranges(plan.prompts, len(self.peers))
+        self.replica, self.group = replica, group if group is not None and group.size > 1 else None
+        self.average: Average | None = None  # the group's mean, once started
+        self.layout = assign_shards(plan.prompts, trainers, [str(p) for p in rollout_peers])
+        own = [s for s in self.layout if s.trainer == replica]
+        samplers = {s.index: s.sampler for s in own if s.sampler is not None}
+        self.peers = sorted((p for p in rollout_peers if str(p) in samplers.values()), key=str)
+        self.own_shards = [s.index for s in own if s.sampler is None and s.problems]
+        """Shards nobody samples for this trainer: it samples them itself every iteration (colocated)."""
+        self.shards = [s.problems for s in self.layout]
         self.bounds = RolloutBounds(
             iterations=plan.iterations,
             shards=self.shards,
@@ -131,9 +154,7 @@ class RLTrainer:
         )
         self.resumed = learner is not None
         self.learner = learner if learner is not None else Learner(plan, device)
-        self.intake = Intake(
-            [str(p) for p in self.peers], self.bounds, plan.rl.staleness, iteration=self.learner.version
-        )
+        self.intake = Intake(samplers, self.bounds, plan.rl.staleness, iteration=self.learner.version)
         self.reports: list[IterationReport] = []
         self.refused: Counter[ErrorCode] = Counter()
         """Rollout frames refused as protocol errors, by code (none of them is trained on)."""
@@ -198,6 +219,8 @@ class RLTrainer:
         keep polling) instead of finding no trainer for as long as the warm-up takes.
         """
         await self._weights.start()
+        if self.group is not None:
+            self.average = self._group_mean(asyncio.get_running_loop())
         allowed = {str(p) for p in self.peers}
         await self.transport.serve(
             rl_protocol(self.plan.job_id),
@@ -216,6 +239,12 @@ class RLTrainer:
                     warm.losses[0],
                     warm.losses[-1],
                 )
+        if self.average is not None:
+            # trainers that warmed up on different hardware round differently, and one that resumed
+            # from memory or a checkpoint holds what another fetched: every trainer starts equal
+            assert self.group is not None
+            await self.group.start()
+            await _in_thread(self.learner.align, self.average)
         await self._publish()
 
     async def close(self) -> None:
@@ -224,6 +253,19 @@ class RLTrainer:
             self._served = False
             await self.transport.stop_serving(rl_protocol(self.plan.job_id))
         await self._weights.close()
+        if self.group is not None:
+            await self.group.close()
+
+    def _group_mean(self, loop: asyncio.AbstractEventLoop) -> Average:
+        """The trainers' group mean, called from a worker thread. Its steps are numbered in call order:
+        every trainer makes the same calls (the alignment, each update, each iteration's rewards)."""
+        group, steps = self.group, itertools.count()
+        assert group is not None
+
+        def average(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+            return asyncio.run_coroutine_threadsafe(group.allreduce(next(steps), tensors), loop).result()
+
+        return average
 
     async def _publish(self) -> None:
         version = self.learner.version
@@ -325,10 +367,11 @@ class RLTrainer:
             missing_before = self.missing_shards
             absent_before = set(self.intake.absent)
             shards = await self._collect(t)  # shards of t arriving from now on are late
-            covered_before = self.covered_shards
-            if self.config.cover_absent:
-                shards = await self._cover(t, shards, absent_before)
-            counts = (self.missing_shards - missing_before, self.covered_shards - covered_before)
+            covered = [s for s in sorted(absent_before) if s not in shards and self.shards[s]]
+            covered = covered if self.config.cover_absent else []
+            shards = await self._sample_here(t, shards, sorted({*self.own_shards, *covered} - set(shards)))
+            self.covered_shards += len(covered)
+            counts = (self.missing_shards - missing_before, len(covered))
             step = asyncio.ensure_future(self._iterate(t, shards, began, counts))
             try:
                 await asyncio.shield(step)
@@ -340,10 +383,9 @@ class RLTrainer:
             self._changed.notify_all()
         return self.reports
 
-    async def _cover(self, t: int, shards: dict[int, Rollouts], absent: set[int]) -> dict[int, Rollouts]:
-        """Sample the shards of peers that were absent before iteration ``t`` here, with the policy
-        of version ``t`` and the shard's own generator: exactly what the peer would have sent."""
-        todo = [s for s in sorted(absent) if s not in shards and self.shards[s]]
+    async def _sample_here(self, t: int, shards: dict[int, Rollouts], todo: list[int]) -> dict[int, Rollouts]:
+        """Sample shards ``todo`` of iteration ``t`` here, with the policy of version ``t`` and each
+        shard's own generator: exactly what a rollout peer would have sent."""
         if not todo:
             return shards
         version, policy = self.learner.version, self.learner.policy
@@ -351,14 +393,14 @@ class RLTrainer:
         def sample() -> list[Rollouts]:
             out = []
             for s in todo:
-                indices = self.shards[s]
+                indices, began = self.shards[s], time.perf_counter()
                 groups = sample_shard(policy, self.plan, t, s, indices, version)
                 wire = to_wire([(i, g.completions, g.logprobs) for i, g in zip(indices, groups, strict=True)])
-                out.append(Rollouts(iteration=t, shard=s, version=version, groups=wire))
+                took = time.perf_counter() - began
+                out.append(Rollouts(iteration=t, shard=s, version=version, groups=wire, sample_s=took))
             return out
 
         made = await _in_thread(sample)
-        self.covered_shards += len(made)
         return dict(sorted({**shards, **{m.shard: m for m in made}}.items()))
 
     async def _iterate(
@@ -374,7 +416,11 @@ class RLTrainer:
             lags[t - m.version] += sum(len(g.completions) for g in m.groups)
         await _in_thread(score, plan.task, groups)
         scored = time.perf_counter()
-        figures = await _in_thread(self.learner.train, groups)
+        average = self.average
+        figures = await _in_thread(self.learner.train, groups, None, average)
+        rewards, rollouts = summarize(groups), sum(g.size for g in groups)
+        if self.group is not None and average is not None:  # every trainer's groups, the same on each
+            rewards, rollouts = await _in_thread(pooled_rewards, rewards, rollouts, average, self.group.size)
         trained = time.perf_counter()
         await self._publish()
         published = time.perf_counter()
@@ -389,7 +435,7 @@ class RLTrainer:
             kl=figures.kl,
             loss=figures.loss,
             clip_fraction=figures.clip_fraction,
-            rollouts=sum(g.size for g in groups),
+            rollouts=rollouts,
             updates=figures.updates,
             shards=len(shards),
             shards_missing=counts[0],
@@ -407,8 +453,8 @@ class RLTrainer:
                 "publish": published - trained,
                 "checkpoint": done - published,
             },
-            rollouts_per_s=sum(g.size for g in groups) / max(done - began, 1e-9),
-            rewards=summarize(groups),
+            rollouts_per_s=rollouts / max(done - began, 1e-9),
+            rewards=rewards,
         )
         self._stale_seen, self._late_seen, self._bytes_seen = (
             self.dropped_stale,

@@ -23,7 +23,7 @@ def shard(iteration: int, s: int, version: int) -> Rollouts:
 
 
 def intake(staleness: int = 1, *, iteration: int = 3, version: int = 3) -> Intake:
-    return Intake(list(PEERS), BOUNDS, staleness, iteration=iteration, version=version)
+    return Intake(dict(enumerate(PEERS)), BOUNDS, staleness, iteration=iteration, version=version)
 
 
 def test_a_fresh_shard_is_taken_once():

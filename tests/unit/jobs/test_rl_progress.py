@@ -40,13 +40,13 @@ def report(i: int, **extra: Any) -> IterationReport:
     return IterationReport(**base)
 
 
-def trainer_record(reports: list[IterationReport], epoch: int = 0) -> Progress:
+def trainer_record(reports: list[IterationReport], epoch: int = 0, replica: int = 0) -> Progress:
     return Progress(
         job_id="ab" * 16,
         peer=PEER,
         epoch=epoch,
         stage=0,
-        replica=0,
+        replica=replica,
         step=len(reports),
         steps=1000,
         state=TaskState.RUNNING,
@@ -84,6 +84,18 @@ def test_the_view_takes_the_newest_trainer_record() -> None:
     assert view["reward_mean"] == pytest.approx(0.3) and view["pass_rate"] == pytest.approx(0.15)
     assert view["staleness"] == [[0, 192], [1, 64]]
     assert summary([]) is None
+
+
+def test_the_counts_of_data_parallel_trainers_add_up_and_an_earlier_epochs_do_not() -> None:
+    earlier = trainer_record([report(i) for i in range(2)], epoch=0)
+    first = trainer_record([report(i) for i in range(3)], epoch=1)
+    second = trainer_record(
+        [report(i, staleness={0: 64}, dropped_stale=0) for i in range(3)], epoch=1, replica=1
+    )
+    view = summary([earlier, first, second])
+    assert view["staleness"] == [[0, 3 * 48 + 3 * 64], [1, 3 * 16]]
+    assert (view["dropped_stale"], view["weight_sync_bytes"]) == (3 * 8, 2 * 3000)
+    assert view["rewards"] == summary([first])["rewards"]  # pooled by the trainers: the same on each
 
 
 def test_status_line_panel_and_metrics_show_grpo(capsys) -> None:

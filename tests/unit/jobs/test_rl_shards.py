@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from peerd.jobs.rl.shards import RLPlan, shard_of, shard_ranges
+from peerd.jobs.rl.shards import RLPlan, Shard, assign_shards, shard_ranges
 from peerd.jobs.spec import parse_job_spec
 
 
@@ -39,9 +39,32 @@ def test_shards_tile_the_prompts_contiguously(prompts: int, shards: int):
     assert max(map(len, ranges)) - min(map(len, ranges)) <= 1
 
 
-def test_shard_of_is_the_rank_by_sorted_peer_id():
-    peers = ["Qmc", "Qma", "Qmb"]
-    assert [shard_of(p, peers) for p in peers] == [2, 0, 1]
+def test_one_trainers_shard_i_is_the_ith_rollout_peer_by_sorted_id():
+    shards = assign_shards(7, 1, ["Qmc", "Qma", "Qmb"])
+    assert [s.sampler for s in shards] == ["Qma", "Qmb", "Qmc"]
+    assert [s.problems for s in shards] == shard_ranges(7, 3)
+    assert [(s.index, s.trainer) for s in shards] == [(0, 0), (1, 0), (2, 0)]
+
+
+def test_rollout_peers_are_dealt_round_robin_over_the_trainers():
+    shards = assign_shards(12, 2, ["Qmd", "Qmb", "Qma"])
+    assert shards == [
+        Shard(0, 0, "Qma", range(0, 3)),
+        Shard(1, 0, "Qmd", range(3, 6)),
+        Shard(2, 1, "Qmb", range(6, 12)),
+    ]
+
+
+@pytest.mark.parametrize(("prompts", "trainers", "peers"), [(8, 4, 0), (8, 2, 1), (9, 3, 5), (4, 1, 0)])
+def test_a_trainer_without_rollout_peers_samples_its_range_itself(prompts: int, trainers: int, peers: int):
+    shards = assign_shards(prompts, trainers, [f"Qm{i}" for i in range(peers)])
+    assert [i for s in shards for i in s.problems] == list(range(prompts))  # tiled, in shard order
+    assert [s.index for s in shards] == list(range(len(shards)))
+    owned = shard_ranges(prompts, trainers)
+    for r in range(trainers):
+        mine = [s for s in shards if s.trainer == r]
+        assert [i for s in mine for i in s.problems] == list(owned[r])
+        assert (len(mine) == 1 and mine[0].sampler is None) == (r >= peers)
 
 
 def test_problems_and_generators_depend_on_seed_iteration_and_index_only():

@@ -1,15 +1,17 @@
-"""The rl job's cost model on consensus rosters: roles (one trainer, rollout peers), the RL cost model's time, the island."""
+"""The rl job's cost model on consensus rosters: roles (R trainers, rollout peers), the RL cost model's time, the island."""
 
 from __future__ import annotations
 
 import copy
+import dataclasses
+import math
 from typing import Any
 
 import pytest
 
 from peerd.errors import ConfigError
 from peerd.jobs.scoring_rl import RLRosterScorer, rl_workload, roles
-from peerd.jobs.spec import parse_job_spec
+from peerd.jobs.spec import JobSpec, parse_job_spec
 from peerd.sched.allocation import Allocation
 from peerd.sched.consensus.messages import Roster, RosterDevice, RosterEntry, RosterLink
 
@@ -55,12 +57,38 @@ def test_the_workload_is_the_specs_iteration() -> None:
     assert w.constants.weight_bytes == 4.0  # fp32, as the runtime computes
 
 
+def dp_spec(d_dp: int) -> JobSpec:
+    """``RL_JOB`` with ``d_dp`` trainers, built around the spec's checks (which still say one trainer)."""
+    spec = parse_job_spec(RL_JOB)
+    return dataclasses.replace(spec, parallel=dataclasses.replace(spec.parallel, d_pp=1, d_dp=d_dp))
+
+
+def with_link(r: Roster, a: str, b: str, bps: float) -> Roster:
+    """``r`` with the link between peers ``a`` and ``b`` at ``bps``."""
+    entries = [
+        RosterEntry(
+            **{
+                **{f: getattr(e, f) for f in e.__struct_fields__},
+                "links": tuple(
+                    RosterLink(lk.peer, lk.delay_s, bps if {e.peer, lk.peer} == {a, b} else lk.bandwidth_bps)
+                    for lk in e.links
+                ),
+            }
+        )
+        for e in r.entries
+    ]
+    return Roster.of(r.epoch, entries)
+
+
 def test_roles_and_their_errors() -> None:
-    assert roles(Allocation(((PEERS[0],),), (PEERS[2], PEERS[1]))) == (PEERS[0], (PEERS[1], PEERS[2]))
-    with pytest.raises(ConfigError, match="one trainer"):
-        roles(Allocation(((PEERS[0], PEERS[1]),), (PEERS[2],)))
-    with pytest.raises(ConfigError, match="rollout peer"):
-        roles(Allocation(((PEERS[0],),)))
+    assert roles(Allocation(((PEERS[0],),), (PEERS[2], PEERS[1]))) == ((PEERS[0],), (PEERS[1], PEERS[2]))
+    # R trainers in replica order; no rollout peer is the colocated plan
+    assert roles(Allocation(((PEERS[1], PEERS[0]),), (PEERS[2],))) == ((PEERS[1], PEERS[0]), (PEERS[2],))
+    assert roles(Allocation(((PEERS[0],),))) == ((PEERS[0],), ())
+    with pytest.raises(ConfigError, match="one stage"):
+        roles(Allocation(((PEERS[0],), (PEERS[1],)), (PEERS[2],)))
+    with pytest.raises(ConfigError, match="two roles"):
+        roles(Allocation(((PEERS[0],),), (PEERS[0],)))
 
 
 def test_the_fastest_peer_trains_and_more_rollout_peers_generate_faster() -> None:
@@ -70,7 +98,7 @@ def test_the_fastest_peer_trains_and_more_rollout_peers_generate_faster() -> Non
     island = scorer.island(scorer.scenario(r), seed=0, time_budget=1.0)
     island.step(5)
     best = island.best(1)[0]
-    trainer, _ = roles(best)
+    (trainer,), _ = roles(best)
     assert trainer == PEERS[1]  # 4x the TFLOPS: training is the heavy task
     # a peer re-scoring the candidate gets the island's cost, bit for bit
     assert RLRosterScorer(spec)(r, best) == island.best_cost() == scorer(r, best)
@@ -138,7 +166,7 @@ def test_a_slow_link_makes_a_rollout_peer_not_worth_it() -> None:
     scorer = RLRosterScorer(spec)
     island = scorer.island(scorer.scenario(r), seed=0, time_budget=1.0)
     island.step(5)
-    trainer, rollouts = roles(island.best(1)[0])
+    (trainer,), rollouts = roles(island.best(1)[0])
     assert PEERS[2] not in (trainer, *rollouts)
 
 
@@ -156,3 +184,98 @@ def test_a_pretrain_spec_has_no_rl_workload() -> None:
     del data["rl"]
     with pytest.raises(ConfigError):
         rl_workload(parse_job_spec(data))
+
+
+def test_a_colocated_allocation_generates_on_its_trainer() -> None:
+    """No rollout peer: the trainer samples its prompts itself, so nothing is synced or moved."""
+    spec = parse_job_spec(RL_JOB)
+    alloc = Allocation(((PEERS[0],),))
+    fast = RLRosterScorer(spec).predict(roster([0.1, 0.1], [1e10, 1e10]), alloc)
+    slow = RLRosterScorer(spec).predict(roster([0.1, 0.1], [1e8, 1e10]), alloc)
+    assert math.isfinite(fast.seconds) and fast.sync == 0.0 and fast.transfers == 0.0
+    assert slow.tasks["generate"] > fast.tasks["generate"] > 0  # timed by the trainer's memory bandwidth
+    assert slow.tasks["actor_train"] == fast.tasks["actor_train"]
+    # sync: generation, then the reference pass and training on the same device
+    assert fast.seconds == pytest.approx(sum(fast.tasks.values()))
+
+
+def test_two_trainers_with_two_rollout_peers_each_sync_their_own() -> None:
+    spec = dp_spec(2)
+    r = roster([0.2, 0.2, 0.1, 0.1], [5e9] * 4)
+    two = RLRosterScorer(spec).predict(r, Allocation(((PEERS[0], PEERS[1]),), (PEERS[2], PEERS[3])))
+    one = RLRosterScorer(parse_job_spec(RL_JOB)).predict(r, Allocation(((PEERS[0],),), (PEERS[2], PEERS[3])))
+    assert math.isfinite(two.seconds) and set(two.tasks) == {"generate", "reference", "actor_train"}
+    # each trainer scores half the sequences; each star sends one copy instead of two
+    assert two.tasks["reference"] == pytest.approx(one.tasks["reference"] / 2)
+    assert 0 < two.sync < one.sync
+    assert (
+        two.tasks["generate"] == one.tasks["generate"]
+    )  # one rollout peer per trainer: half each either way
+
+
+def test_rollout_peers_are_dealt_round_robin_over_the_trainers() -> None:
+    """Rollout peer i serves trainer i % R: a third peer leaves trainer 1 with one, a fourth speeds it up."""
+    spec = dp_spec(2)
+    r = roster([0.2, 0.2, 0.1, 0.1, 0.1, 0.1], [5e9] * 6, link_bps=1e11)
+    scorer = RLRosterScorer(spec)
+
+    def generate(*rollouts: str) -> float:
+        return scorer.predict(r, Allocation(((PEERS[0], PEERS[1]),), rollouts)).tasks["generate"]
+
+    assert generate(*PEERS[2:5]) == generate(*PEERS[2:4]) > generate(*PEERS[2:6])
+    # fewer rollout peers than trainers: trainer 1 samples its own share, trainer 0 waits on its peer
+    mixed = scorer.predict(r, Allocation(((PEERS[0], PEERS[1]),), (PEERS[2],)))
+    assert math.isfinite(mixed.seconds) and mixed.sync > 0
+
+
+def test_the_trainers_all_reduce_their_gradients_once_per_update() -> None:
+    """Only the link between the two trainers slows: actor training grows by the ring all-reduce's share."""
+    spec = dp_spec(2)
+    w = rl_workload(spec)
+    alloc = Allocation(((PEERS[0], PEERS[1]),), (PEERS[2], PEERS[3]))
+    base = roster([0.2, 0.2, 0.1, 0.1], [5e9] * 4, link_bps=1e11)
+    fast = RLRosterScorer(spec).predict(base, alloc)
+    slow = RLRosterScorer(spec).predict(with_link(base, PEERS[0], PEERS[1], 1e6), alloc)
+    assert slow.sync == fast.sync and slow.tasks["generate"] == fast.tasks["generate"]
+    grads = w.actor.params * 4.0  # fp32; each trainer sends and receives 2(R-1)/R = 1 of them
+    extra = w.optimizer_steps * grads * (8 / 1e6 - 8 / 1e11)
+    assert slow.tasks["actor_train"] - fast.tasks["actor_train"] == pytest.approx(extra)
+    assert slow.seconds - fast.seconds == pytest.approx(extra)
+    # two colocated trainers (the verl-like plan) pay it too, and nothing else
+    colocated = Allocation(((PEERS[0], PEERS[1]),))
+    plain = RLRosterScorer(spec).predict(base, colocated)
+    assert plain.sync == 0.0 and plain.transfers == 0.0
+    thin = RLRosterScorer(spec).predict(with_link(base, PEERS[0], PEERS[1], 1e6), colocated)
+    assert thin.seconds - plain.seconds == pytest.approx(extra)
+
+
+def test_the_island_places_two_trainers_on_the_fastest_peers() -> None:
+    spec = dp_spec(2)
+    r = roster([0.05, 0.2, 0.05, 0.2, 0.05], [5e9] * 5, link_bps=1e11)
+    scorer = RLRosterScorer(spec)
+    island = scorer.island(scorer.scenario(r), seed=0, time_budget=1.0)
+    island.step(10)
+    best = island.best(1)[0]
+    trainers, rollouts = roles(best)
+    assert trainers == (PEERS[1], PEERS[3])  # the 4x TFLOPS pair, in id order
+    assert best.spares == rollouts
+    assert RLRosterScorer(spec)(r, best) == island.best_cost() == scorer(r, best)
+    # a migrant with another number of trainers is not this job's
+    assert island.accept([Allocation(((PEERS[1],),), (PEERS[0],))]) == 0
+    # a roster of exactly R peers has the colocated plan only
+    pair = roster([0.1, 0.1], [5e9] * 2)
+    alone = scorer.island(scorer.scenario(pair), seed=0, time_budget=1.0)
+    alone.step(5)
+    assert alone.best(1) == [Allocation(((PEERS[0], PEERS[1]),))]
+    assert alone.best_cost() == scorer(pair, alone.best(1)[0])
+
+
+def test_the_scorer_takes_the_specs_number_of_trainers() -> None:
+    r = roster([0.1, 0.1, 0.1, 0.1], [5e9] * 4)
+    two = Allocation(((PEERS[0], PEERS[1]),), (PEERS[2],))
+    with pytest.raises(ConfigError, match="1 trainer"):
+        RLRosterScorer(parse_job_spec(RL_JOB))(r, two)
+    with pytest.raises(ConfigError, match="2 trainer"):
+        RLRosterScorer(dp_spec(2))(r, Allocation(((PEERS[0],),), (PEERS[1],)))
+    with pytest.raises(ConfigError, match="do not split"):  # 8 prompts over 3 trainers
+        RLRosterScorer(dp_spec(3))(r, Allocation(((PEERS[0], PEERS[1], PEERS[2]),), (PEERS[3],)))

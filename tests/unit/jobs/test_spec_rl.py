@@ -66,8 +66,7 @@ def test_what_an_rl_job_cannot_honour_is_refused_by_name() -> None:
     found = problems(data)
     assert "fp32" in found["precision"]
     assert "RL cost model" in found["planning.objective"]
-    assert "one trainer" in found["parallel.d_pp"] and "parallel.d_dp" not in found
-    assert ">= 2" in found["min_peers"]
+    assert "one stage" in found["parallel.d_pp"] and "parallel.d_dp" not in found
     assert "whole groups" in found["micro_batch"]
     assert "rl.task" in found["data"]
     assert "leave it out" in found["compression"]
@@ -114,3 +113,18 @@ def test_an_rl_job_record_carries_its_spec_and_a_deeper_map_is_malformed() -> No
     with pytest.raises(ProtocolError) as err:
         decode_job(canonical_pack(wire))
     assert err.value.code == ErrorCode.MALFORMED
+
+
+def test_data_parallel_trainers_need_an_equal_share_of_every_update() -> None:
+    data = copy.deepcopy(RL_JOB)
+    g = data["rl"]["group_size"]
+    data.update(parallel={"d_pp": 1, "d_dp": 2}, min_peers=2, global_batch=8 * g, micro_batch=4 * g)
+    assert parse_job_spec(data).parallel.d_dp == 2
+    data.update(micro_batch=g)  # one group per update: not two equal shares
+    assert "d_dp=2" in problems(data)["micro_batch"]
+    data.update(parallel={"d_pp": 1, "d_dp": 3}, micro_batch=4 * g, min_peers=3)
+    assert "multiple of 3" in problems(data)["micro_batch"]
+    data.update(min_peers=1, micro_batch=2 * g, parallel={"d_pp": 1, "d_dp": 2})
+    assert "min_peers" in problems(data)  # two trainers need two peers at least
+    data.update(min_peers=1, parallel={"d_pp": 1, "d_dp": 1})
+    assert parse_job_spec(data).min_peers == 1  # a lone trainer samples its own rollouts
