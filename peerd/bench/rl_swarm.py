@@ -61,8 +61,10 @@ from peerd.bench.rl_swarm_report import (
     committed_roster,
     curve_points,
     heldout_summary,
+    loop_seconds,
     predict,
     prediction_report,
+    relative_error,
     throughput,
     write_plot,
 )
@@ -138,10 +140,16 @@ class Settings:
     """One-way delay of every shaped link, ms (with ``link_mbps``)."""
     compare_only: bool = False
     """Run only the ``compare_async`` arms: no main job, held-out evaluation or prediction."""
+    compare_colocated: bool = False
+    """Also run the verl-like colocated plan on the same peers (``parallel.d_dp`` = peers: every peer
+    samples its share, computes the reference and trains, averaging each update's gradients)."""
 
 
-def job_spec(s: Settings, *, staleness: int, iterations: int, name: str) -> dict[str, Any]:
-    """The GRPO job the swarm runs: a 2-layer GPT of width ``d_model``, ``prompts x group_size`` completions."""
+def job_spec(
+    s: Settings, *, staleness: int, iterations: int, name: str, trainers: int | None = None
+) -> dict[str, Any]:
+    """The GRPO job the swarm runs: a 2-layer GPT of width ``d_model``, ``prompts x group_size``
+    completions; ``trainers``: that many data-parallel trainers (None: as the consensus places, one)."""
     task = make_task(TaskConfig(name=s.task, min_size=s.min_size, max_size=s.max_size))
     batch = s.prompts * s.group_size
     spec = {
@@ -166,6 +174,8 @@ def job_spec(s: Settings, *, staleness: int, iterations: int, name: str) -> dict
             "rollout_timeout_s": 120,
         },
     }
+    if trainers is not None:
+        spec["parallel"] = {"d_pp": 1, "d_dp": trainers}
     parse_job_spec(spec)  # fail before any daemon starts if it is not a valid job
     return spec
 
@@ -389,6 +399,71 @@ def compare_arms(swarm: LocalSwarm, s: Settings, main: Followed | None = None) -
     return arms
 
 
+def colocated_arms(swarm: LocalSwarm, s: Settings, main: Followed) -> dict[str, Followed]:
+    """The consensus plan and the verl-like colocated plan (every peer a trainer) of the same sync job
+    on ``swarm``; ``main`` stands for the consensus arm when it is that job."""
+    arms = {}
+    if s.staleness == 0 and s.compare_iterations == s.iterations:
+        arms["consensus"] = main
+    else:
+        click.echo(f"colocated comparison: the consensus plan, {s.compare_iterations} iterations", err=True)
+        arms["consensus"] = follow(
+            swarm,
+            job_spec(s, staleness=0, iterations=s.compare_iterations, name="rl-swarm-consensus"),
+            s.job_timeout_s,
+        )
+    click.echo(f"colocated comparison: {s.peers} trainers, {s.compare_iterations} iterations", err=True)
+    spec = job_spec(
+        s, staleness=0, iterations=s.compare_iterations, name="rl-swarm-colocated", trainers=s.peers
+    )
+    arms["colocated"] = follow(swarm, spec, s.job_timeout_s)
+    for name, f in arms.items():
+        if f.view.get("state") != "done":
+            raise PeerdError(f"the {name} arm ended {f.view.get('state')}: {f.view.get('reason')}")
+    return arms
+
+
+def colocated_report(
+    s: Settings,
+    arms: dict[str, Followed],
+    status: dict[str, Any],
+    memory_bandwidth: float,
+    launch_s: float | None,
+) -> dict[str, Any]:
+    """Each arm's roles, measured iteration (the trainers' loop, as the main prediction reads it) and the
+    RL cost model's prediction for it; the ratio colocated / consensus (> 1: the consensus plan is faster)."""
+    ids = {p["peer_id"]: p["name"] for p in status.get("peers", [])}
+    out: dict[str, Any] = {}
+    for name, f in arms.items():
+        alloc, rl = f.view["allocation"], f.view["progress"]["rl"]
+        trainers = len(alloc["stages"][0]) if name == "colocated" else None
+        spec = parse_job_spec(
+            job_spec(s, staleness=0, iterations=s.compare_iterations, name=name, trainers=trainers)
+        )
+        predicted = predict(spec, committed_roster(status, alloc, memory_bandwidth, launch_s), alloc)
+        measured = loop_seconds(rl.get("phases_s"))
+        out[name] = {
+            "trainers": [ids.get(p, p) for p in alloc["stages"][0]],
+            "rollout_peers": [ids.get(p, p) for p in alloc["spares"]],
+            "measured_iteration_s": measured,
+            "phases_s": rl.get("phases_s"),
+            "predicted_iteration_s": predicted["seconds"],
+            "predicted_tasks_s": predicted["tasks"],
+            "relative_error": relative_error(predicted["seconds"], measured) if measured else None,
+            "rewards_last": (rl.get("rewards") or [None])[-1],
+        }
+    con, col = out["consensus"]["measured_iteration_s"], out["colocated"]["measured_iteration_s"]
+    out["measured_ratio_colocated_over_consensus"] = col / con if con and col else None
+    p_con, p_col = out["consensus"]["predicted_iteration_s"], out["colocated"]["predicted_iteration_s"]
+    out["predicted_ratio_colocated_over_consensus"] = p_col / p_con if p_con else None
+    out["note"] = (
+        "verl-like: every peer samples its share of the prompts, computes the reference and trains, "
+        "the trainers averaging each update's gradients (no weight sync); measured on the same daemons, "
+        "sync, one after the other"
+    )
+    return out
+
+
 def weights_bytes(plan: RLPlan) -> int:
     """Bytes of one packed weights blob a rollout peer fetches per version (the trainer's format)."""
     learner = Learner(plan)
@@ -500,6 +575,7 @@ def rl_swarm(s: Settings, png: str | None = None) -> dict[str, Any]:
             status = swarm.peers[0].status()
             model, fetched = end_policy(swarm, main.job_id, root / "fetched")
             arms = compare_arms(swarm, s, main) if s.compare_async is not None else {}
+            placements = colocated_arms(swarm, s, main) if s.compare_colocated else {}
         finally:
             swarm.close()
     job = parse_job_spec(spec)
@@ -562,6 +638,10 @@ def rl_swarm(s: Settings, png: str | None = None) -> dict[str, Any]:
     }
     if s.compare_async is not None:
         out["compare_async"] = comparison_report(s, arms, phases, plan, cores)
+    if placements:
+        out["compare_colocated"] = colocated_report(
+            s, placements, status, profile.memory_gb_s * 1e9, launch_s
+        )
     if png:
         out["png"] = write_plot(out, Path(png))
     return out
@@ -615,6 +695,12 @@ QUICK: dict[str, Any] = {
     is_flag=True,
     help="Only the --compare-async arms (no main job, held-out evaluation or prediction).",
 )
+@click.option(
+    "--compare-colocated",
+    is_flag=True,
+    help="Also run the verl-like colocated plan (every peer a data-parallel trainer sampling its own "
+    "share) and the consensus plan, --compare-iterations each: measured and predicted iteration, ratio.",
+)
 @click.option("--job-timeout", default=900.0, show_default=True, help="Seconds one job may take.")
 @click.option(
     "--quick",
@@ -643,6 +729,7 @@ def command(
     link_mbps: float | None,
     link_delay_ms: float,
     compare_only: bool,
+    compare_colocated: bool,
     job_timeout: float,
     quick: bool,
     out: str | None,
@@ -670,6 +757,7 @@ def command(
         link_mbps=link_mbps,
         link_delay_ms=link_delay_ms,
         compare_only=compare_only,
+        compare_colocated=compare_colocated,
     )
     if quick:  # smaller defaults; what the command line gives explicitly still counts
         ctx = click.get_current_context()
@@ -679,6 +767,13 @@ def command(
         raise click.BadParameter("needs --peers >= 2, --iterations >= 2 and --compare-iterations >= 2")
     if (s.link_mbps is not None and not s.link_mbps > 0) or s.link_delay_ms < 0:
         raise click.BadParameter("needs --link-mbps > 0 and --link-delay-ms >= 0")
+    if s.compare_colocated:
+        if s.compare_only:
+            raise click.BadParameter("--compare-colocated runs beside the main job, not with --compare-only")
+        try:  # every peer a trainer: each needs an equal share of every update
+            job_spec(s, staleness=0, iterations=s.compare_iterations, name="colocated", trainers=s.peers)
+        except PeerdError as exc:
+            raise click.BadParameter(f"--compare-colocated with {s.peers} peers: {exc}") from exc
     if s.compare_only:
         if s.compare_async is None:
             raise click.BadParameter("--compare-only needs --compare-async K")
@@ -691,7 +786,7 @@ def command(
         }
     else:
         result = rl_swarm(s, png)
-    flags = {"compare_only"}
+    flags = {"compare_only", "compare_colocated"}
     result["command"] = "peerd bench rl-swarm " + " ".join(
         f"--{k.replace('_', '-')}" + ("" if k in flags else f" {v}")
         for k, v in asdict(s).items()

@@ -140,7 +140,7 @@ def committed_roster(
 
 
 def predict(spec: JobSpec, roster: Roster, alloc: dict[str, Any]) -> dict[str, Any]:
-    """The RL cost model's prediction for the committed roles (one trainer, the spares rolling out)."""
+    """The RL cost model's prediction for the committed roles (the trainers, the spares rolling out)."""
     allocation = Allocation(tuple(tuple(s) for s in alloc["stages"]), tuple(alloc["spares"]))
     return RLRosterScorer(spec).predict(roster, allocation).to_dict()
 

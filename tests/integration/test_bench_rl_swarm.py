@@ -15,7 +15,16 @@ pytestmark = pytest.mark.integration
 @pytest.mark.slow
 @pytest.mark.timeout(600)  # 2.75 min measured on a shared 2-core machine at load ~8
 def test_a_tiny_rl_swarm_run_reports_curve_heldout_and_prediction(tmp_path: Path) -> None:
-    s = Settings(peers=3, iterations=3, warmup_steps=40, prompts=4, eval_problems=32, job_timeout_s=300)
+    s = Settings(
+        peers=3,
+        iterations=3,
+        warmup_steps=40,
+        prompts=6,  # 2 per trainer in the colocated arm, an update's 3 groups 1 each
+        eval_problems=32,
+        job_timeout_s=300,
+        compare_colocated=True,
+        compare_iterations=3,  # the main job is the consensus arm
+    )
     png = tmp_path / "curve.png"
     result = rl_swarm(s, str(png))
     assert {"curve", "heldout", "prediction", "regime", "allocation", "rl_final", "wall_s"} <= set(result)
@@ -25,7 +34,9 @@ def test_a_tiny_rl_swarm_run_reports_curve_heldout_and_prediction(tmp_path: Path
     assert len(result["allocation"]["trainer"]) == 1 and 1 <= len(result["allocation"]["rollout_peers"]) <= 2
 
     final = result["rl_final"]
-    assert final["version"] == 3 and final["staleness"] == [[0, 3 * 4 * s.group_size]]  # sync: on-policy
+    assert final["version"] == 3 and final["staleness"] == [
+        [0, 3 * s.prompts * s.group_size]
+    ]  # sync: on-policy
 
     held = result["heldout"]
     assert held["end_source"]["fetched"]["step"] == 3
@@ -46,3 +57,11 @@ def test_a_tiny_rl_swarm_run_reports_curve_heldout_and_prediction(tmp_path: Path
     assert regime["cores"] >= 1 and regime["device"] == "cpu" and len(regime["load_average_start"]) == 3
     if result.get("png"):  # matplotlib is optional
         assert png.stat().st_size > 0
+
+    placed = result["compare_colocated"]
+    assert len(placed["colocated"]["trainers"]) == 3 and placed["colocated"]["rollout_peers"] == []
+    assert placed["consensus"]["trainers"] == result["allocation"]["trainer"]
+    for arm in ("consensus", "colocated"):
+        assert placed[arm]["measured_iteration_s"] > 0 and placed[arm]["predicted_iteration_s"] > 0
+        assert placed[arm]["rewards_last"][0] == 3
+    assert placed["measured_ratio_colocated_over_consensus"] > 0
