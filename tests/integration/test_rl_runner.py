@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from pathlib import Path
 from typing import Any
@@ -15,7 +16,7 @@ from peerd.jobs.records import TaskState, new_job_record
 from peerd.jobs.rl.rollout import RolloutConfig
 from peerd.jobs.rl.runner import RLRunner
 from peerd.jobs.rl.trainer import TrainerConfig
-from peerd.jobs.spec import JobSpec, parse_job_spec
+from peerd.jobs.spec import JobSpec, ParallelSpec, parse_job_spec
 from peerd.jobs.store import MemoryDHT
 from peerd.pipeline import checkpoint
 from peerd.pipeline.launch import start_peers, stop_peers
@@ -301,3 +302,60 @@ def test_a_new_trainer_fetches_the_policy_the_old_one_holds_in_memory(
     tmp_path: Path, async_wait_until: Any
 ) -> None:
     asyncio.run(_roles_swapped(tmp_path, async_wait_until))
+
+
+async def _data_parallel_trainer_lost(tmp_path: Path, wait: Any) -> None:
+    iterations = 40
+    spec = dataclasses.replace(rl_spec(iterations), parallel=ParallelSpec(d_pp=1, d_dp=2))
+    assert not spec.problems()
+    peers = await start_peers(3)
+    dht = MemoryDHT(time.time)
+    ids = [p.peer_id.to_base58() for p in peers]
+    job = new_job_record(
+        ids[0], "s", spec, b"d" * 16, now=time.time(), epoch0_start=0.0, timing=spec.planning.timing()
+    )
+    first_trainer, lost, rollout = runners = runners_for(spec, job, peers, dht, tmp_path)
+    try:
+        for r in runners:
+            await r.start()
+        first = commit(1, Allocation.from_plain([[ids[0], ids[1]]], spares=[ids[2]]))
+        await asyncio.gather(*(r.adopt(first, None) for r in runners))
+        assert (first_trainer.role, lost.role, rollout.role) == ("trainer", "trainer", "rollout")
+        assert (first_trainer.replica, lost.replica) == (0, 1)
+        await wait(lambda: first_trainer.step >= 4, 120, "a checkpoint and an iteration past it")
+        # the second trainer's peer dies mid-job: the first stops averaging with it (within the
+        # grace, not the group's timeout) and both survivors become the trainers of epoch 2
+        await lost.close()
+        await stop_peers(peers[1:2])
+        began = time.monotonic()
+        for r in (first_trainer, rollout):
+            await r.freeze("a trainer is gone")
+        assert time.monotonic() - began < 60
+        roster = [entry(r, 2) for r in (first_trainer, rollout)]
+        second = commit(2, Allocation.from_plain([[ids[0], ids[2]]]))  # colocated: no rollout peer left
+        await asyncio.gather(*(r.adopt(second, roster) for r in (first_trainer, rollout)))
+        assert (first_trainer.role, rollout.role) == ("trainer", "trainer")
+        await wait(
+            lambda: first_trainer.state == rollout.state == TaskState.DONE, 180, "both trainers to finish"
+        )
+        # both resumed from the same version (the newest either declared) and ended bit-equal
+        # (the first from its own checkpoint or memory, the other fetched it from the first)
+        assert rollout.recoveries[-1]["source"] == f"peers {ids[0]}"
+        steps = {r.recoveries[-1]["resume_step"] for r in (first_trainer, rollout)}
+        assert len(steps) == 1 and 3 <= steps.pop() < iterations
+        assert first_trainer.reports[-1].version == rollout.reports[-1].version == iterations
+        policies = [
+            checkpoint.load(checkpoint.tasklet_dir(tmp_path / p, job.job_id, 0, 0), iterations)["module"]
+            for p in ("p0", "p2")
+        ]
+        assert all(torch.equal(policies[0][k], policies[1][k]) for k in policies[0])
+    finally:
+        for r in (first_trainer, rollout):
+            await r.close()
+        await stop_peers(peers[:1] + peers[2:])
+
+
+def test_a_lost_data_parallel_trainer_is_replaced_and_the_replicas_stay_equal(
+    tmp_path: Path, async_wait_until: Any
+) -> None:
+    asyncio.run(_data_parallel_trainer_lost(tmp_path, async_wait_until))

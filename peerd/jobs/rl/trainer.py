@@ -65,6 +65,7 @@ from peerd.swarm.transport import Connection, Transport
 log = get_logger(__name__)
 
 T = TypeVar("T")
+STOP_GRACE_S = 10.0  # how long a stopped trainer lets its iteration finish before it stops averaging
 WEIGHTS_STAGE = 0  # the statesync stage field of policy weights (an rl job has one "stage")
 
 
@@ -360,7 +361,8 @@ class RLTrainer:
 
         Cancelling it stops it while it waits for shards; an iteration whose shards are in is
         finished first (trained, published, reported), so the policy, its version and the reports
-        always agree.
+        always agree; data-parallel trainers give it ``STOP_GRACE_S``, then abort its averaging
+        (the learner is then ``torn``: no version's policy).
         """
         for t in range(self.iteration, self.plan.iterations):
             began = time.perf_counter()
@@ -376,7 +378,14 @@ class RLTrainer:
             try:
                 await asyncio.shield(step)
             except asyncio.CancelledError:
+                done, _ = await asyncio.wait([step], timeout=STOP_GRACE_S)
+                if not done and self.group is not None:
+                    # another trainer is gone mid-iteration: stop averaging (the policy is torn, the
+                    # next trainer resumes from a checkpoint) instead of waiting out the group's timeout
+                    await self.group.close()
                 await asyncio.wait([step])
+                if not step.cancelled() and step.exception() is not None:
+                    log.info("rl job %s: iteration %d stopped: %s", self.plan.job_id, t, step.exception())
                 raise
         async with self._changed:
             self.intake.done = True
