@@ -327,6 +327,9 @@ async def _data_parallel_trainer_lost(tmp_path: Path, wait: Any) -> None:
         # grace, not the group's timeout) and both survivors become the trainers of epoch 2
         await lost.close()
         await stop_peers(peers[1:2])
+        # its average fails and its run ends on its own, before any re-plan reaches it
+        await wait(lambda: not first_trainer.running, 120, "the first trainer to stop on the failed average")
+        assert first_trainer.state == TaskState.RECOVERING, first_trainer.reason
         began = time.monotonic()
         for r in (first_trainer, rollout):
             await r.freeze("a trainer is gone")

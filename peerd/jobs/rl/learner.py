@@ -101,11 +101,13 @@ class Learner:
     def align(self, average: Average) -> None:
         """Set the policy and the reference to the data-parallel trainers' mean of each, so trainers
         that warmed up on different hardware (rounding differently) start from the same weights."""
+        self.torn = True  # until both are in
         for model in (self.policy, self.reference):
             values = [v for v in model.state_dict().values() if v.is_floating_point()]
             with torch.no_grad():
                 for v, mean in zip(values, average([v.detach() for v in values]), strict=True):
                     v.copy_(mean)
+        self.torn = False
 
     def _parts(self, groups: int, replicas: Sequence[int] | None, dp: bool) -> list[list[range]]:
         per = self.plan.groups_per_update

@@ -190,7 +190,8 @@ class RLRunner:
             if self.commit is not None and commit.epoch <= self.commit.epoch:
                 return
             started = time.monotonic()
-            if self.running:
+            # a trainer whose run ended on its own (a failed average) still serves its protocols
+            if self.running or self.trainer is not None or self.rollout is not None:
                 await self._stop(
                     f"superseded by the allocation of epoch {commit.epoch}", TaskState.RECOVERING
                 )

@@ -97,13 +97,27 @@ async def _in_thread(fn: Callable[..., T], *args: Any) -> T:
         raise
 
 
-def pooled_rewards(rewards: Rewards, rollouts: int, average: Average, trainers: int) -> tuple[Rewards, int]:
-    """The reward figures and completions of every data-parallel trainer's groups (one mean over the group)."""
-    own = torch.tensor([rollouts, *(rollouts * v for v in vars(rewards).values())], dtype=torch.float64)
-    (mean,) = average([own])
-    total = float(mean[0])
-    pooled = [float(v) / total if total > 0 else 0.0 for v in mean[1:]]
-    return Rewards(*pooled), round(total * trainers)
+class PooledRewards:
+    """Pools the reward figures of every data-parallel trainer's groups into the iteration's first
+    average (the first update's gradients), so they cost no averaging round of their own."""
+
+    def __init__(self, average: Average, rewards: Rewards, rollouts: int, trainers: int) -> None:
+        self.inner, self.trainers = average, trainers
+        self.own = torch.tensor([rollouts, *(rollouts * v for v in vars(rewards).values())])
+        self.mean: torch.Tensor | None = None
+
+    def __call__(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        if self.mean is not None:
+            return self.inner(tensors)
+        *out, self.mean = self.inner([*tensors, self.own])
+        return out
+
+    def result(self) -> tuple[Rewards, int]:
+        """The pooled figures and the completions of every trainer (after the updates averaged)."""
+        assert self.mean is not None, "every data-parallel iteration averages at least once"
+        total = float(self.mean[0])
+        pooled = [float(v) / total if total > 0 else 0.0 for v in self.mean[1:]]
+        return Rewards(*pooled), round(total * self.trainers)
 
 
 def generation_seconds(shards: dict[int, Rollouts]) -> dict[str, float]:
@@ -425,11 +439,13 @@ class RLTrainer:
             lags[t - m.version] += sum(len(g.completions) for g in m.groups)
         await _in_thread(score, plan.task, groups)
         scored = time.perf_counter()
-        average = self.average
-        figures = await _in_thread(self.learner.train, groups, None, average)
         rewards, rollouts = summarize(groups), sum(g.size for g in groups)
-        if self.group is not None and average is not None:  # every trainer's groups, the same on each
-            rewards, rollouts = await _in_thread(pooled_rewards, rewards, rollouts, average, self.group.size)
+        pooled = None
+        if self.group is not None and self.average is not None:  # every trainer's groups, the same on each
+            pooled = PooledRewards(self.average, rewards, rollouts, self.group.size)
+        figures = await _in_thread(self.learner.train, groups, None, pooled)
+        if pooled is not None:
+            rewards, rollouts = pooled.result()
         trained = time.perf_counter()
         await self._publish()
         published = time.perf_counter()
