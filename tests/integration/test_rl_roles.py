@@ -28,6 +28,7 @@ from peerd.jobs.rl.messages import (
     to_wire,
 )
 from peerd.jobs.rl.shards import assign_shards, sample_shard, shard_ranges
+from peerd.jobs.rl.trainer import trainers_group
 from peerd.jobs.spec import parse_job_spec
 from peerd.models import load_checkpoint
 from peerd.pipeline.statesync import StateSyncConfig
@@ -247,6 +248,26 @@ def test_data_parallel_trainers_one_fed_by_a_rollout_peer_one_colocated_equal_th
     assert stats.versions == [0, 1, 2, 3] and stats.weight_fetches == 4  # from trainer 0 only
     assert second.weight_sync_bytes == 0 and second.covered_shards == 0  # its own shard is not a cover
     assert first.refused == {} == second.refused
+
+
+def test_trainers_average_gradients_of_very_different_norms(swarm: Swarm):
+    """A trainer whose groups all scored alike has only the KL term's gradient: far smaller than
+    another's, and honest. Averaging's relative screen would refuse the other (and again after every
+    re-plan, on the same rollouts); the trainers' group takes both."""
+    p = plan("d2" * 16)
+    hosts = [swarm.trainer, swarm.r1]
+    groups = [trainers_group(t, [h.peer_id for h in hosts], p, epoch=0) for t in hosts]
+    small, big = torch.full((64,), 1e-6), torch.full((64,), 10.0)
+
+    async def go() -> list[list[torch.Tensor]]:
+        try:
+            return await asyncio.gather(groups[0].allreduce(0, [small]), groups[1].allreduce(0, [big]))
+        finally:
+            for g in groups:
+                await g.close()
+
+    first, second = swarm.run(go())
+    assert torch.equal(first[0], second[0]) and torch.allclose(first[0], (small + big) / 2)
 
 
 def test_async_rollouts_stay_within_the_bound_and_stale_ones_are_counted(swarm: Swarm, async_wait_until):

@@ -42,7 +42,7 @@ from peerd.jobs.rl.progress import figures
 from peerd.jobs.rl.report import IterationReport
 from peerd.jobs.rl.rollout import RolloutConfig, RolloutPeer
 from peerd.jobs.rl.shards import RLPlan, assign_shards
-from peerd.jobs.rl.trainer import RLTrainer, TrainerConfig
+from peerd.jobs.rl.trainer import RLTrainer, TrainerConfig, trainers_group
 from peerd.jobs.spec import JobSpec
 from peerd.jobs.store import RecordStore
 from peerd.log import get_logger
@@ -57,8 +57,7 @@ from peerd.tasks import cancel_and_wait
 
 log = get_logger(__name__)
 
-FAREWELL_S = 30.0
-AVERAGING_SLACK_S = 120.0  # beyond the rollout deadline, how long trainers wait for each other  # how long a finished trainer waits for its rollout peers to hear "done"
+FAREWELL_S = 30.0  # how long a finished trainer waits for its rollout peers to hear "done"
 
 
 class RLRunner:
@@ -274,19 +273,7 @@ class RLRunner:
         """The data-parallel trainers' averaging group of this commit (None for a lone trainer)."""
         if len(trainers) < 2:
             return None
-        group = GroupAllReduce(
-            self.transport,
-            [self.peer_ref(p) for p in trainers],
-            key=f"rl/{self.job.job_id}/{epoch}",
-            epoch=epoch,
-            # a trainer may wait out its rollouts' deadline (and sample a missing shard) while the
-            # others wait for it here: only a longer silence means a trainer is gone
-            timeout=self.plan.rl.rollout_timeout_s + AVERAGING_SLACK_S,
-        )
-        family = self.spec.model.family()
-        params = sum(c.params for c in family.layer_costs(family.max_seq_len))
-        group.max_numel = 2 * params + 64  # a step's tensors: gradients (or weights) and a few figures
-        return group
+        return trainers_group(self.transport, [self.peer_ref(p) for p in trainers], self.plan, epoch)
 
     async def _learner_source(self, device: torch.device, roster: list[RosterEntry]) -> str:
         """Where the trainer's policy comes from: the newest version this peer's memory, its own

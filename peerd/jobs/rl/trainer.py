@@ -97,6 +97,35 @@ async def _in_thread(fn: Callable[..., T], *args: Any) -> T:
         raise
 
 
+AVERAGING_SLACK_S = 120.0  # beyond the rollout deadline, how long trainers wait for each other
+GRPO_NORM_RATIO = 1e30
+"""The trainers' bound on another trainer's contribution norm over their own (``GroupAllReduce``'s
+screen): none in effect. Honest GRPO gradients differ by orders of magnitude (a trainer whose groups
+all scored alike has only the KL term, 1e3x smaller than another's was seen), and a refusal would
+recur on the same rollouts after every re-plan; contributions are still checked finite, and the
+averaged update is clipped to the spec's ``grad_clip``."""
+
+
+def trainers_group(
+    transport: Transport, members: Sequence[Hashable], plan: RLPlan, epoch: int
+) -> GroupAllReduce:
+    """The averaging group of an rl job's data-parallel trainers in ``epoch`` (``members`` in replica order)."""
+    family = plan.spec.model.family()
+    params = sum(c.params for c in family.layer_costs(family.max_seq_len))
+    group = GroupAllReduce(
+        transport,
+        list(members),
+        key=f"rl/{plan.job_id}/{epoch}",
+        epoch=epoch,
+        # a trainer may wait out its rollouts' deadline (and sample a missing shard) while the
+        # others wait for it here: only a longer silence means a trainer is gone
+        timeout=plan.rl.rollout_timeout_s + AVERAGING_SLACK_S,
+        max_norm_ratio=GRPO_NORM_RATIO,
+    )
+    group.max_numel = 2 * params + 64  # a call's tensors: gradients (or weights) and a few figures
+    return group
+
+
 class PooledRewards:
     """Pools the reward figures of every data-parallel trainer's groups into the iteration's first
     average (the first update's gradients), so they cost no averaging round of their own."""
