@@ -17,6 +17,12 @@ The trainer scores every completion with its own verifier, trains version ``t`` 
 (``Learner``, in a worker thread: the event loop keeps answering), publishes it, checkpoints
 every ``checkpoint_interval`` iterations and at the end in the one-stage checkpoint format
 (``peerd fetch`` assembles it), and hands an ``IterationReport`` to ``on_iteration``.
+
+Data-parallel trainers (``trainers`` > 1, each its ``replica``): each takes the shards
+``assign_shards`` gives it (sampling itself those no rollout peer of its own samples), trains on
+its own groups and averages every update with the others over ``group`` (``trainers_group``);
+they start from the group's mean weights and pool the iteration's reward figures into its first
+average, so every trainer reports the job's figures.
 """
 
 from __future__ import annotations
@@ -66,6 +72,13 @@ log = get_logger(__name__)
 
 T = TypeVar("T")
 STOP_GRACE_S = 10.0  # how long a stopped trainer lets its iteration finish before it stops averaging
+AVERAGING_SLACK_S = 120.0  # beyond the rollout deadline, how long trainers wait for each other
+GRPO_NORM_RATIO = 1e30
+"""The trainers' bound on another trainer's contribution norm over their own (``GroupAllReduce``'s
+screen): none in effect. Honest GRPO gradients differ by orders of magnitude (a trainer whose groups
+all scored alike has only the KL term, 1e3x smaller than another's was seen), and a refusal would
+recur on the same rollouts after every re-plan; contributions are still checked finite, and the
+averaged update is clipped to the spec's ``grad_clip``."""
 WEIGHTS_STAGE = 0  # the statesync stage field of policy weights (an rl job has one "stage")
 
 
@@ -95,15 +108,6 @@ async def _in_thread(fn: Callable[..., T], *args: Any) -> T:
     except asyncio.CancelledError:
         await asyncio.wait([work])
         raise
-
-
-AVERAGING_SLACK_S = 120.0  # beyond the rollout deadline, how long trainers wait for each other
-GRPO_NORM_RATIO = 1e30
-"""The trainers' bound on another trainer's contribution norm over their own (``GroupAllReduce``'s
-screen): none in effect. Honest GRPO gradients differ by orders of magnitude (a trainer whose groups
-all scored alike has only the KL term, 1e3x smaller than another's was seen), and a refusal would
-recur on the same rollouts after every re-plan; contributions are still checked finite, and the
-averaged update is clipped to the spec's ``grad_clip``."""
 
 
 def trainers_group(
@@ -302,7 +306,7 @@ class RLTrainer:
 
     def _group_mean(self, loop: asyncio.AbstractEventLoop) -> Average:
         """The trainers' group mean, called from a worker thread. Its steps are numbered in call order:
-        every trainer makes the same calls (the alignment, each update, each iteration's rewards)."""
+        every trainer makes the same calls (the alignment's two, then one per update)."""
         group, steps = self.group, itertools.count()
         assert group is not None
 
