@@ -290,7 +290,9 @@ class JobSpec:
             out.append(ConfigError("data", "rl jobs take their problems from rl.task: leave data out"))
         if self.compression != CompressionSpec():
             out.append(
-                ConfigError("compression", "rl jobs have no pipeline or averaging streams: leave it out")
+                ConfigError(
+                    "compression", "rl jobs have no pipeline streams and average in fp32: leave it out"
+                )
             )
         if self.parallel.d_pp not in ("auto", 1):
             out.append(

@@ -78,8 +78,7 @@ def summary(records: Iterable[Progress]) -> dict[str, Any] | None:
     latest = rewards[-1] if rewards else None
     # data-parallel trainers count what their own rollout peers sent: the job's counts are the sum
     # over the current allocation's trainers (one record each)
-    newest = {r.replica: r for r in ordered if r.epoch == p.epoch and r.rl is not None}
-    counts = [r.rl for r in newest.values() if r.rl is not None]
+    counts = [r.rl for r in {r.replica: r for r in ordered if r.epoch == p.epoch}.values() if r.rl]
     lags: dict[int, int] = {}
     for c in counts:
         for lag, n in c.staleness:

@@ -84,13 +84,17 @@ class RLPlan:
         return self.spec.model.gpt_config().vocab_size
 
     @cached_property
+    def params(self) -> int:
+        """The policy's parameters (a tied weight counted once)."""
+        family = self.spec.model.family()
+        return sum(c.params for c in family.layer_costs(family.max_seq_len))
+
+    @cached_property
     def weights_bound(self) -> int:
         """Most bytes a packed weights blob may take: fp32 weights twice over (a tied weight is sent
         under each of its names) plus the blob's index; a rollout peer refuses a bigger one before
         fetching it."""
-        family = self.spec.model.family()
-        params = sum(c.params for c in family.layer_costs(family.max_seq_len))
-        return 8 * params + (1 << 20)
+        return 8 * self.params + (1 << 20)
 
     @cached_property
     def task(self) -> Task:

@@ -114,8 +114,6 @@ def trainers_group(
     transport: Transport, members: Sequence[Hashable], plan: RLPlan, epoch: int
 ) -> GroupAllReduce:
     """The averaging group of an rl job's data-parallel trainers in ``epoch`` (``members`` in replica order)."""
-    family = plan.spec.model.family()
-    params = sum(c.params for c in family.layer_costs(family.max_seq_len))
     group = GroupAllReduce(
         transport,
         list(members),
@@ -126,7 +124,7 @@ def trainers_group(
         timeout=plan.rl.rollout_timeout_s + AVERAGING_SLACK_S,
         max_norm_ratio=GRPO_NORM_RATIO,
     )
-    group.max_numel = 2 * params + 64  # a call's tensors: gradients (or weights) and a few figures
+    group.max_numel = 2 * plan.params + 64  # a call's tensors: gradients (or weights) and a few figures
     return group
 
 
