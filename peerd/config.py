@@ -20,6 +20,7 @@ from typing import Annotated, Any, Literal, Union, get_args, get_origin, get_typ
 
 from peerd.errors import ConfigError
 from peerd.loading import Range, from_mapping, load_mapping
+from peerd.swarm.host import available_cores
 from peerd.swarm.keys import DEFAULT_SWARM, check_swarm_name
 from peerd.swarm.records import PEER_RECORD_MAX_TTL_S
 from peerd.swarm.secret import load_swarm_secret
@@ -313,13 +314,6 @@ class DaemonConfig:
                 "choose a shorter home or control_socket",
             )
         return cfg
-
-
-def available_cores() -> int:
-    """CPU cores this process may run on (its affinity mask, e.g. under taskset or a container's cpuset)."""
-    if hasattr(os, "sched_getaffinity"):  # Linux; macOS and Windows lack it
-        return max(1, len(os.sched_getaffinity(0)))
-    return max(1, os.cpu_count() or 1)
 
 
 def _under(home: Path, value: Path | None, default_name: str) -> Path:

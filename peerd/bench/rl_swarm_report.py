@@ -110,8 +110,8 @@ def committed_roster(
     """The committed roster's peers as the owner's status shows them, in the form the RL cost model reads.
 
     Each entry as ``peerd.jobs.service`` builds it: fp32 TFLOPS, free memory, measured links (one-way
-    delay = RTT / 2, upload bandwidth); ``memory_bandwidth`` (bytes/s) and ``launch_s`` (seconds per
-    dispatched op) from the shared profile cache.
+    delay = RTT / 2, upload bandwidth), each peer's machine, cores and threads; ``memory_bandwidth``
+    (bytes/s) and ``launch_s`` (seconds per dispatched op) from the shared profile cache.
     """
     rows = {p["peer_id"]: p for p in status.get("peers", [])}
     members = list(alloc["roster"])
@@ -121,7 +121,16 @@ def committed_roster(
         memory = (
             row["memory_free_bytes"] if row["memory_free_bytes"] is not None else row["memory_total_bytes"]
         )
-        device = RosterDevice(float(row["tflops"]["fp32"]), int(memory), "", memory_bandwidth, launch_s)
+        device = RosterDevice(
+            float(row["tflops"]["fp32"]),
+            int(memory),
+            "",
+            memory_bandwidth,
+            launch_s,
+            row.get("host_id"),
+            row.get("host_cores"),
+            row.get("threads"),
+        )
         links = {
             x["dst"]: RosterLink(x["dst"], x["rtt_ms"] / 2e3, x["bw_up_mbps"] * 1e6)
             for x in status.get("links", [])

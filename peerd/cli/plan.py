@@ -11,10 +11,11 @@ import json
 import click
 
 from peerd.cli.options import CliError, command
+from peerd.errors import ConfigError
 from peerd.log import get_logger
 from peerd.sched.planner import OBJECTIVES, PlanResult
 from peerd.sched.planner import plan as run_plan
-from peerd.sched.scenario import load_scenario
+from peerd.sched.scenario import Scenario, load_scenario
 
 log = get_logger(__name__)
 
@@ -92,6 +93,7 @@ def plan(
     for name in sorted(given & {"mode", "algo", "staleness", "workload", "budget"}):
         raise CliError(f"--{'async' if name == 'staleness' else name} needs --kind rl", 2)
     sc = load_scenario(scenario)
+    _refuse_hosts(sc)
     result = run_plan(sc, objective, seed=seed, time_budget=time_budget, generations=generations)
     if as_json:
         data = result.to_dict()
@@ -115,11 +117,23 @@ def _plan_rl(
     from peerd.sched.rl.planner import plan_rl
 
     rl = load_rl_scenario(path, workload)
+    _refuse_hosts(rl.scenario)
     result = plan_rl(rl, mode, algo=algo, staleness=staleness, seed=seed, budget=budget)  # type: ignore[arg-type]
     if as_json:
         click.echo(json.dumps(result.to_dict(), indent=2))
     else:
         click.echo(render_rl(result.to_dict(), len(rl.scenario.devices)))
+
+
+def _refuse_hosts(sc: Scenario) -> None:
+    """Shared machines (``devices[].host``) are priced by rl jobs' consensus scoring only, not here."""
+    for i, d in enumerate(sc.devices):
+        if d.host is not None:
+            raise ConfigError(
+                f"devices[{i}].host",
+                "peerd plan prices every device as its own machine; shared machines are modelled "
+                "only where an rl job's peers score its roles: remove host",
+            )
 
 
 def render_rl(d: dict, n: int) -> str:

@@ -27,6 +27,10 @@ roster alone, so the consensus compares role assignments with the same arithmeti
   between trainers plus ``2(R-1)`` of the largest delay, once per optimizer update;
 - the weights reach the rollout peers as the runtime sends them: each trainer to its own rollout
   peers (``weight_sync: star``, the R stars in parallel); a colocated trainer needs no sync;
+- peers whose CPU devices share one machine's cores (the entries' ``host``) slow each other while
+  more of their threads compute at once than the machine has cores (``peerd.sched.hosts``): in
+  sync mode the rollout peers and the trainers that sample their own share compute together, then
+  the trainers; in async mode every peer computes all the time;
 - one trainer's iteration is its generation (on its rollout peers, or on itself), the rollouts'
   transfer, its reference pass, the data-parallel training (the all-reduces keep the trainers in
   step) and its weight sync; the iteration (sync: the critical path; async: the steady state) is
@@ -45,6 +49,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from peerd.errors import ConfigError
@@ -55,8 +60,9 @@ from peerd.pipeline.optim import build_optimizer, build_scheduler
 from peerd.rl.launches import IterationShape, count_launches
 from peerd.rl.tasks import make_task
 from peerd.sched.allocation import Allocation
-from peerd.sched.consensus.messages import Roster
+from peerd.sched.consensus.messages import Roster, RosterDevice
 from peerd.sched.evolution import SearchConfig
+from peerd.sched.hosts import HostShare, slowdowns
 from peerd.sched.rl.cluster import Cluster, rl_scenario
 from peerd.sched.rl.evaluate import Evaluator
 from peerd.sched.rl.group import GroupResult, evaluate_group
@@ -69,6 +75,7 @@ TRAINER_TASKS = ("reference", "actor_train")
 GROUPING = (ROLLOUT_TASKS, TRAINER_TASKS)
 ALL_TASKS = ROLLOUT_TASKS + TRAINER_TASKS
 COLOCATED = (ALL_TASKS,)
+SLOWED_CLUSTERS = 16  # a roster's clusters with some peers slowed by their machine's other peers, kept
 
 # The runtime trains and samples in fp32 with AdamW (two fp32 moments, no separate master copy).
 # A roster's TFLOPS and memory bandwidth are rates its peers achieved (a matmul, a copy), not
@@ -162,6 +169,23 @@ class _Model:
         self.evaluator = Evaluator(self.cluster, workload, balanced=False)
         self.index = {d.id: i for i, d in enumerate(scenario.devices)}
         self._shares: dict[int, Evaluator] = {1: self.evaluator}
+        self.hosts = [d.host for d in scenario.devices]
+        self._slowed: OrderedDict[tuple[float, ...], Cluster] = OrderedDict()
+
+    def busy_cluster(self, busy: Iterable[str]) -> Cluster:
+        """The cluster while the peers ``busy`` compute at once: the rates of those that share a
+        machine's cores with more threads than it has divided by their slowdown (``sched.hosts``)."""
+        factors = tuple(slowdowns(self.hosts, {self.index[p] for p in busy}))
+        if max(factors) == 1.0:
+            return self.cluster
+        found = self._slowed.get(factors)
+        if found is None:
+            f, cl = np.asarray(factors), self.cluster
+            found = dataclasses.replace(cl, flops=cl.flops / f, mem_bw=cl.mem_bw / f, launch=cl.launch * f)
+            self._slowed[factors] = found
+            while len(self._slowed) > SLOWED_CLUSTERS:
+                self._slowed.popitem(last=False)
+        return found
 
     def predict(self, trainers: tuple[str, ...], rollouts: tuple[str, ...]) -> Prediction:
         """Seconds per iteration of ``trainers`` (replica order) and ``rollouts`` (sorted), and its parts.
@@ -189,9 +213,17 @@ class _Model:
         share = self._share(replicas)
         served = [rollouts[r::replicas] for r in range(replicas)]  # rollout peer i serves trainer i % R
         train_idx = [self.index[t] for t in trainers]
+        # Who computes at once (peers sharing a machine's cores slow each other): in sync mode the
+        # rollout peers and the trainers that sample their own share, then the trainers; in async
+        # mode every peer all the time.
+        if w.staleness:
+            cl_gen = cl_train = self.busy_cluster((*trainers, *rollouts))
+        else:
+            own = (t for t, peers in zip(trainers, served, strict=True) if not peers)
+            cl_gen, cl_train = self.busy_cluster((*rollouts, *own)), self.busy_cluster(trainers)
         gens = [
             evaluate_group(
-                cl, share.workload, ROLLOUT_TASKS, idx, False, {"generate": Layout(len(idx), 1, 1)}
+                cl_gen, share.workload, ROLLOUT_TASKS, idx, False, {"generate": Layout(len(idx), 1, 1)}
             )
             if idx
             else None
@@ -201,7 +233,7 @@ class _Model:
         # micro-batches of its share of an update, then per update the ring all-reduce of the fp32
         # gradients among the R trainers (group._pipeline_task; 0 for R = 1).
         train = evaluate_group(
-            cl,
+            cl_train,
             self._per_update(w, replicas),
             TRAINER_TASKS,
             train_idx,
@@ -212,7 +244,7 @@ class _Model:
         # replica: check each one's memory alone (and time a colocated trainer's own generation).
         solos = [
             evaluate_group(
-                cl,
+                cl_gen,
                 share.workload,
                 TRAINER_TASKS if peers else ALL_TASKS,
                 [i],
@@ -338,22 +370,29 @@ class RLRosterScorer:
 
 def with_bandwidths(roster: Roster, jm: JobModel) -> Scenario:
     """``roster_scenario`` with every device's memory bandwidth and seconds per op from its roster entry
-    (a peer that predates the op measurement is priced without launches)."""
+    (a peer that predates the op measurement is priced without launches), and the machine it shares."""
     base = roster_scenario(roster, jm)
-    measured: dict[str, tuple[float, float | None]] = {}
+    measured: dict[str, dict[str, Any]] = {}
     for i, e in enumerate(roster.entries):
         if e.profile.memory_bandwidth is None:
             raise ConfigError(
                 f"roster.entries[{i}].profile.memory_bandwidth",
                 f"peer {e.peer} did not measure its memory bandwidth: an rl job cannot time its generation",
             )
-        launch_us = e.profile.launch_s * 1e6 if e.profile.launch_s is not None else None
-        measured[e.peer] = (e.profile.memory_bandwidth / 1e9, launch_us)
-    devices = [
-        dataclasses.replace(d, memory_bandwidth_gb_s=measured[d.id][0], launch_us=measured[d.id][1])
-        for d in base.devices
-    ]
+        measured[e.peer] = {
+            "memory_bandwidth_gb_s": e.profile.memory_bandwidth / 1e9,
+            "launch_us": e.profile.launch_s * 1e6 if e.profile.launch_s is not None else None,
+            "host": host_share(e.profile),
+        }
+    devices = [dataclasses.replace(d, **measured[d.id]) for d in base.devices]
     return dataclasses.replace(base, devices=devices)
+
+
+def host_share(device: RosterDevice) -> HostShare | None:
+    """The machine a roster entry's CPU device shares, or None (an accelerator, an older peer)."""
+    if device.host is None or device.host_cores is None or device.threads is None:
+        return None
+    return HostShare(device.host, device.host_cores, device.threads)
 
 
 def scorer_for(spec: JobSpec) -> RosterScorer | RLRosterScorer:

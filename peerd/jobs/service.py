@@ -53,7 +53,8 @@ SERVICE_METHODS = {"fetch"}  # served by JobService itself (it holds the transpo
 
 def roster_profile(profile: DeviceProfile | None, region: str) -> RosterDevice:
     """What this peer tells a roster about its device: fp32 TFLOPS (what training runs), usable memory,
-    memory bandwidth (bytes/s) and seconds per dispatched op (when its profile measured them)."""
+    memory bandwidth (bytes/s) and seconds per dispatched op (when its profile measured them), and a
+    CPU device's machine, cores and threads (when its profile has all three)."""
     if profile is None:
         return RosterDevice(0.0, 0, region)
     tflops = profile.tflops.get("fp32") or max(profile.tflops.values(), default=0.0)
@@ -62,7 +63,17 @@ def roster_profile(profile: DeviceProfile | None, region: str) -> RosterDevice:
     )
     bandwidth = profile.memory_gb_s * 1e9 if profile.memory_gb_s is not None else None
     launch = profile.launch_us * 1e-6 if profile.launch_us is not None else None
-    return RosterDevice(round(float(tflops), 6), int(memory), region, bandwidth, launch)
+    shared = None not in (profile.host_id, profile.host_cores, profile.threads)
+    return RosterDevice(
+        round(float(tflops), 6),
+        int(memory),
+        region,
+        bandwidth,
+        launch,
+        profile.host_id if shared else None,
+        profile.host_cores if shared else None,
+        profile.threads if shared else None,
+    )
 
 
 def roster_links(measurements: list[LinkMeasurement], peers: set[str]) -> tuple[RosterLink, ...]:

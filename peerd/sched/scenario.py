@@ -36,6 +36,7 @@ import numpy as np
 from peerd import loading
 from peerd.errors import ConfigError
 from peerd.loading import Range
+from peerd.sched.hosts import HostShare
 
 Auto = Literal["auto"]
 Positive = Annotated[float, Range(gt=0)]
@@ -63,6 +64,10 @@ class Device:
     """Microseconds one dispatched device op costs beyond its arithmetic (framework and launch
     overhead, measured on a small model); None = not modelled. The RL scheduler adds it per op
     counted in the workload's ``launches`` (what dominates models too small to fill the device)."""
+    host: HostShare | None = None
+    """The machine a CPU device computes on and its cores (``peerd.sched.hosts``); None = its own. An
+    rl job's consensus scoring (``peerd.jobs.scoring_rl``) slows the devices of one machine that
+    compute at once with more threads than it has cores; ``peerd plan`` refuses it."""
 
     def problems(self) -> list[ConfigError]:
         return [] if self.id else [ConfigError("id", "must be a non-empty string")]

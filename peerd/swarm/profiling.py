@@ -31,6 +31,7 @@ from peerd.durable import remove_leftovers, replace_file
 from peerd.errors import ConfigError
 from peerd.log import get_logger
 from peerd.models.launches import launch_seconds
+from peerd.swarm.host import available_cores, host_id
 from peerd.swarm.records import DeviceKind, DeviceProfile
 
 logger = get_logger(__name__)
@@ -363,13 +364,20 @@ def profile_device(
             }
             _store_cache(path, entries)
     total, free = memory_info(dev)
+    kind = device_kind(dev)
+    # a CPU device computes on the machine's cores, which other peers on it share (read live: a
+    # cached measurement does not say where this process runs now)
+    shared = kind == DeviceKind.CPU
     return DeviceProfile(
         name=fingerprint["name"],
-        kind=device_kind(dev),
+        kind=kind,
         memory_total_bytes=total,
         memory_free_bytes=free,
         tflops=tflops,
         measured_at=measured_at,
         memory_gb_s=round(gb_s, 3),
         launch_us=round(launch_us, 3),
+        host_id=host_id() if shared else None,
+        host_cores=available_cores() if shared else None,
+        threads=torch.get_num_threads() if shared else None,
     )

@@ -16,7 +16,7 @@ from msgspec import Meta
 
 from peerd.errors import ErrorCode, ProtocolError
 from peerd.wire import Schema, WireStruct, canonical_pack, to_builtin
-from peerd.wire.types import Count, PeerId, PositiveReal, Real
+from peerd.wire.types import Count, HostId, PeerId, PositiveCount, PositiveReal, Real
 
 PROTOCOL_VERSION = 1
 PEER_RECORD_KIND = "peer"
@@ -80,6 +80,11 @@ class DeviceProfile(WireStruct, kw_only=True):
     launch_us: PositiveReal | None = (
         None  # measured µs per dispatched op (small models); absent from older peers
     )
+    # A CPU device's machine and its share of it (peers on one machine share its cores); all three
+    # or none, absent for accelerators and older peers
+    host_id: HostId | None = None
+    host_cores: PositiveCount | None = None  # cores available to this peer's process
+    threads: PositiveCount | None = None  # compute threads its rates were measured with
 
 
 class LinkMeasurement(WireStruct, kw_only=True):

@@ -16,6 +16,8 @@ _MAX_REAL = 1.7976931348623157e308
 
 Count = Annotated[int, Meta(ge=0)]
 """A non-negative integer (steps, sequence numbers, byte counts); msgpack bounds it to 64 bits."""
+PositiveCount = Annotated[int, Meta(ge=1, le=1 << 20)]
+"""An integer from 1 to 2^20 (cores, threads)."""
 Real = Annotated[float, Meta(ge=0.0, le=_MAX_REAL)]
 """A finite non-negative number; ints are accepted (other encoders may shorten 2.0 to 2)."""
 PositiveReal = Annotated[float, Meta(gt=0.0, le=_MAX_REAL)]
@@ -26,6 +28,8 @@ PeerId = Annotated[str, Meta(pattern=r"^[1-9A-HJ-NP-Za-km-z]{16,128}$")]
 """A libp2p peer id in base58."""
 JobId = Annotated[str, Meta(pattern=r"^[0-9a-f]{32}$")]
 """A job id: 32 lowercase hex digits."""
+HostId = Annotated[str, Meta(pattern=r"^[0-9a-f]{16}$")]
+"""An opaque machine id: 16 lowercase hex digits (``peerd.swarm.host``)."""
 Hash32 = Annotated[bytes, Meta(min_length=32, max_length=32)]
 """A sha256 digest as 32 raw bytes (msgpack ``bin``)."""
 Name = Annotated[str, Meta(min_length=1, max_length=256)]

@@ -21,7 +21,7 @@ from msgspec.structs import force_setattr, replace
 from peerd.errors import ConfigError, ErrorCode, ProtocolError
 from peerd.sched.allocation import Allocation
 from peerd.wire import FrozenWireStruct, Schema, canonical_pack, check_envelope, decode_map, sha256
-from peerd.wire.types import Count, Hash32, PositiveReal, Real
+from peerd.wire.types import Count, Hash32, HostId, PositiveCount, PositiveReal, Real
 
 VERSION: Final = 1
 
@@ -44,6 +44,10 @@ class RosterDevice(FrozenWireStruct, frozen=True):
     region: str = ""  # free-form label (clustering seed), "" when unknown
     memory_bandwidth: PositiveReal | None = None  # measured bytes/s of a device-memory copy (RL decode cost)
     launch_s: PositiveReal | None = None  # measured seconds per dispatched op (RL cost of small models)
+    # a CPU device's machine, its cores and compute threads (peers on one machine share its cores)
+    host: HostId | None = None
+    host_cores: PositiveCount | None = None
+    threads: PositiveCount | None = None
 
 
 class RosterLink(FrozenWireStruct, frozen=True):

@@ -178,6 +178,18 @@ def test_a_roster_entry_carries_the_free_memory_the_peer_measured() -> None:
         name="cpu", kind=DeviceKind.CPU, memory_total_bytes=8 << 30, measured_at=1.0, launch_us=3.5
     )
     assert roster_profile(measured, "eu").launch_s == pytest.approx(3.5e-6)
+    assert roster_profile(measured, "eu").host is None  # a peer that predates the machine's id
+    on_box = DeviceProfile(
+        name="cpu",
+        kind=DeviceKind.CPU,
+        memory_total_bytes=8 << 30,
+        measured_at=1.0,
+        host_id="0123456789abcdef",
+        host_cores=2,
+        threads=1,
+    )
+    device = roster_profile(on_box, "eu")
+    assert (device.host, device.host_cores, device.threads) == ("0123456789abcdef", 2, 1)
 
 
 def test_a_peer_whose_free_memory_cannot_hold_a_stage_is_never_allocated_one() -> None:

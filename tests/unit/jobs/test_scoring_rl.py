@@ -14,6 +14,7 @@ from peerd.jobs.scoring_rl import RLRosterScorer, rl_workload, roles
 from peerd.jobs.spec import JobSpec, parse_job_spec
 from peerd.sched.allocation import Allocation
 from peerd.sched.consensus.messages import Roster, RosterDevice, RosterEntry, RosterLink
+from peerd.sched.hosts import HostShare
 
 PEERS = [f"Qm{c * 20}" for c in "abcdef"]
 RL_JOB: dict[str, Any] = {
@@ -32,16 +33,19 @@ def roster(
     bandwidth: list[float | None],
     link_bps: float = 1e9,
     launch: list[float | None] | None = None,
+    host: HostShare | None = None,
 ) -> Roster:
+    """Peers with these rates, every link ``link_bps`` and 1 ms; ``host``: all on that one machine."""
     peers = PEERS[: len(tflops)]
     launch = launch or [None] * len(tflops)
+    machine = (host.host, host.cores, host.threads) if host is not None else (None, None, None)
     entries = [
         RosterEntry(
             job="j" * 32,
             epoch=0,
             peer=p,
             issued_at=0.0,
-            profile=RosterDevice(tflops[i], 8 << 30, "eu", bandwidth[i], launch[i]),
+            profile=RosterDevice(tflops[i], 8 << 30, "eu", bandwidth[i], launch[i], *machine),
             links=tuple(RosterLink(q, 0.001, link_bps) for q in peers if q > p),
         )
         for i, p in enumerate(peers)
@@ -247,6 +251,50 @@ def test_the_trainers_all_reduce_their_gradients_once_per_update() -> None:
     assert plain.sync == 0.0 and plain.transfers == 0.0
     thin = RLRosterScorer(spec).predict(with_link(base, PEERS[0], PEERS[1], 1e6), colocated)
     assert thin.seconds - plain.seconds == pytest.approx(extra)
+
+
+BOX = HostShare("00ff00ff00ff00ff", cores=2, threads=1)
+
+
+def test_peers_on_one_machine_slow_each_other_while_more_compute_than_it_has_cores() -> None:
+    """Four colocated trainers on a 2-core machine each compute at half speed; in sync mode two
+    rollout peers and then one trainer fit its two cores, three rollout peers do not."""
+    rates = ([0.1] * 4, [5e9] * 4)
+    colocated = Allocation((tuple(PEERS[:4]),))
+    apart = RLRosterScorer(dp_spec(4)).predict(roster(*rates), colocated)
+    shared = RLRosterScorer(dp_spec(4)).predict(roster(*rates, host=BOX), colocated)
+    for task in ("generate", "reference"):
+        assert shared.tasks[task] == pytest.approx(2 * apart.tasks[task])
+    # training also waits on the all-reduce, which the machine's cores do not pace here
+    assert apart.tasks["actor_train"] < shared.tasks["actor_train"] < 2 * apart.tasks["actor_train"]
+
+    spec = parse_job_spec(RL_JOB)
+    two = Allocation(((PEERS[0],),), (PEERS[1], PEERS[2]))
+    assert RLRosterScorer(spec).predict(roster(*rates, host=BOX), two) == RLRosterScorer(spec).predict(
+        roster(*rates), two
+    )
+    three = Allocation(((PEERS[0],),), (PEERS[1], PEERS[2], PEERS[3]))
+    alone, crowded = (
+        RLRosterScorer(spec).predict(r, three) for r in (roster(*rates), roster(*rates, host=BOX))
+    )
+    assert crowded.tasks["generate"] == pytest.approx(1.5 * alone.tasks["generate"])
+    assert crowded.tasks["actor_train"] == pytest.approx(alone.tasks["actor_train"])  # the trainer alone
+
+    # async: the rollout peers sample while the trainer trains, three threads on two cores throughout
+    lagged = parse_job_spec({**RL_JOB, "rl": {**RL_JOB["rl"], "staleness": 1}})
+    alone, crowded = (
+        RLRosterScorer(lagged).predict(r, two) for r in (roster(*rates), roster(*rates, host=BOX))
+    )
+    for task in ("generate", "reference", "actor_train"):
+        assert crowded.tasks[task] == pytest.approx(1.5 * alone.tasks[task])
+
+
+def test_a_roster_device_without_all_of_its_machine_is_priced_apart() -> None:
+    from peerd.jobs.scoring_rl import host_share
+
+    assert host_share(RosterDevice(1.0, 1, "", 1e9, None, BOX.host, 2, 1)) == BOX
+    assert host_share(RosterDevice(1.0, 1, "", 1e9, None, BOX.host, 2, None)) is None
+    assert host_share(RosterDevice(1.0, 1, "", 1e9)) is None
 
 
 def test_the_island_places_two_trainers_on_the_fastest_peers() -> None:

@@ -74,6 +74,19 @@ def test_bad_input_exits_2_naming_the_field(tmp_path, capsys):
     assert "training.d_dp" in err and "8 devices" in err and "Traceback" not in err
 
 
+def test_a_shared_machine_is_refused_not_ignored(tmp_path, capsys):
+    """``peerd plan`` prices every device as its own machine: a scenario that says otherwise is refused."""
+    devices = [
+        dict(d, host={"host": "box", "cores": 2}) if i == 3 else d for i, d in enumerate(SCENARIO["devices"])
+    ]
+    path = tmp_path / "shared.yaml"
+    path.write_text(yaml.safe_dump(dict(SCENARIO, devices=devices)))
+    with pytest.raises(SystemExit) as info:
+        main(["plan", str(path)])
+    assert info.value.code == 2
+    assert "devices[3].host" in capsys.readouterr().err
+
+
 def test_console_script(scenario_file):
     exe = shutil.which("peerd") or str(Path(sys.executable).parent / "peerd")
     out = subprocess.run(

@@ -215,6 +215,20 @@ def test_roster_entry_held_state_round_trips_and_is_absent_when_empty() -> None:
     assert entry.hash != base.hash
 
 
+def test_a_roster_device_carries_its_machine_only_when_it_has_one() -> None:
+    from peerd.errors import ProtocolError
+    from peerd.sched.consensus.messages import RosterDevice, RosterEntry, decode, encode
+
+    apart = RosterEntry("job", 1, "p", 2.0, RosterDevice(1.0, 2), ())
+    assert b"host" not in encode(apart) and b"threads" not in encode(apart)
+    shared = RosterEntry(
+        "job", 1, "p", 2.0, RosterDevice(1.0, 2, "", 1e9, None, "0123456789abcdef", 2, 1), ()
+    )
+    assert decode(encode(shared)).profile == shared.profile and shared.hash != apart.hash
+    with pytest.raises(ProtocolError, match="host"):
+        encode(RosterEntry("job", 1, "p", 2.0, RosterDevice(1.0, 2, "", None, None, "not-hex", 2, 1), ()))
+
+
 @pytest.mark.parametrize(
     ("held", "why"),
     [

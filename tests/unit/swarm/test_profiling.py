@@ -160,6 +160,15 @@ def test_the_launch_cost_is_measured_and_carried(measured):
     assert prof.launch_us is not None and 0.01 < prof.launch_us < 10_000
 
 
+def test_a_cpu_profile_says_which_machine_and_how_much_of_it(measured):
+    from peerd.swarm.host import available_cores, host_id
+
+    _, prof = measured
+    assert prof.host_id == host_id() and len(prof.host_id) == 16
+    assert prof.host_cores == available_cores()
+    assert prof.threads == torch.get_num_threads()
+
+
 @pytest.mark.parametrize("field", ["memory_gb_s", "launch_us"])
 def test_an_entry_from_before_a_measurement_is_remeasured(tmp_path, field):
     cache = tmp_path / "profiles.json"

@@ -135,6 +135,8 @@ def test_unknown_fields_are_tolerated_at_every_level():
         (record(name="x" * 129), ErrorCode.MALFORMED),
         (record(seq=2**70), ErrorCode.MALFORMED),  # beyond msgpack's 64-bit integers
         (record(state="bogus"), ErrorCode.MALFORMED),
+        (record(profile=msgspec.structs.replace(record().profile, host_id="Box-1")), ErrorCode.MALFORMED),
+        (record(profile=msgspec.structs.replace(record().profile, host_cores=0)), ErrorCode.MALFORMED),
     ],
 )
 def test_encoder_refuses_what_peers_would_reject(rec: PeerRecord, code: ErrorCode):
@@ -256,6 +258,9 @@ profiles = st.none() | st.builds(
     memory_free_bytes=st.none() | st.integers(0, 2**50),
     tflops=st.dictionaries(st.sampled_from(["fp32", "bf16", "fp16", "tf32"]), finite),
     measured_at=st.floats(NOW - 1000, NOW),
+    host_id=st.none() | st.text("0123456789abcdef", min_size=16, max_size=16),
+    host_cores=st.none() | st.integers(1, 1 << 20),
+    threads=st.none() | st.integers(1, 1 << 20),
 )
 
 

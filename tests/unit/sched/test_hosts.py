@@ -1,0 +1,37 @@
+"""Peers on one machine share its cores: the slowdown of each while some of them compute at once."""
+
+from __future__ import annotations
+
+import pytest
+
+from peerd.errors import ConfigError
+from peerd.loading import from_mapping
+from peerd.sched.hosts import HostShare, slowdowns
+
+BOX = HostShare("box", cores=2, threads=1)
+
+
+def test_more_busy_threads_than_cores_slow_every_busy_peer_of_that_machine() -> None:
+    shares = [BOX, BOX, BOX, BOX]
+    assert slowdowns(shares, {0, 1, 2, 3}) == [2.0, 2.0, 2.0, 2.0]
+    assert slowdowns(shares, {0, 1, 2}) == [1.5, 1.5, 1.5, 1.0]  # the idle one keeps its rate
+    assert slowdowns(shares, {0, 1}) == [1.0, 1.0, 1.0, 1.0]  # two threads on two cores
+
+
+def test_threads_count_and_other_machines_are_apart() -> None:
+    wide = HostShare("box", cores=2, threads=2)
+    other = HostShare("other", cores=1, threads=1)
+    assert slowdowns([wide, wide, other], {0, 1, 2}) == [2.0, 2.0, 1.0]
+    # a peer with no machine declared (an accelerator, an older peer) is never slowed
+    assert slowdowns([None, None, BOX], {0, 1, 2}) == [1.0, 1.0, 1.0]
+
+
+def test_a_machine_has_the_most_cores_any_of_its_peers_declares() -> None:
+    small = HostShare("box", cores=1, threads=1)
+    assert slowdowns([small, BOX, BOX], {0, 1, 2}) == [1.5, 1.5, 1.5]
+
+
+def test_a_host_share_is_checked_where_it_is_read() -> None:
+    with pytest.raises(ConfigError) as err:
+        from_mapping(HostShare, {"host": "", "cores": 0})
+    assert "cores" in str(err.value) and "host" in str(err.value)
