@@ -1,4 +1,5 @@
-"""A rollout peer of an ``rl`` job SIGKILLed mid-job on four real daemons: the job goes on without it.
+"""A rollout peer, or a data-parallel trainer, of an ``rl`` job SIGKILLed mid-job on four real daemons:
+the job goes on without it.
 
 One trainer and the rollout peers the consensus picks run a synchronous GRPO job. After a few
 iterations one rollout peer is killed like a crash. The trainer waits ``rl.rollout_timeout_s`` for
@@ -6,6 +7,10 @@ its shard once, drops it (counted: ``shards_missing``), names the peer a suspect
 prompts itself meanwhile; once the swarm no longer lists the dead peer, every daemon re-plans
 (a suspected spare that left the membership is gone) and the next epoch runs without it. The
 job ends done with every iteration trained, and only the dead peer's in-flight rollouts lost.
+
+With two data-parallel trainers (``parallel.d_dp: 2``) the killed peer is a trainer: the other's
+average fails, it stops, and the re-plan makes two of the survivors the trainers; they resume from
+the newest version one of them declares and finish the job.
 """
 
 from __future__ import annotations
@@ -36,7 +41,7 @@ def swarm(local_swarm: Callable[..., LocalSwarm]) -> LocalSwarm:
     return s
 
 
-def _spec(tmp: Path) -> Path:
+def _spec(tmp: Path, **top: Any) -> Path:
     spec = {
         "name": "grpo-churn",
         "kind": "rl",
@@ -58,7 +63,7 @@ def _spec(tmp: Path) -> Path:
         },
     }
     path = tmp / "grpo-churn.yaml"
-    path.write_text(yaml.safe_dump(spec))
+    path.write_text(yaml.safe_dump({**spec, **top}))
     return path
 
 
@@ -136,3 +141,50 @@ def test_a_killed_rollout_peer_costs_only_its_rollouts(
         assert ITERATIONS * 48 - 3 * 48 <= completions < ITERATIONS * 48, lost
     assert rl["rewards"][-1][0] == ITERATIONS, lost
     assert time.monotonic() - killed_at < 400
+
+
+DP_ITERATIONS = 120  # an iteration averages twice between the trainers: slower than one trainer's
+
+
+def test_a_killed_data_parallel_trainer_is_replaced_and_the_job_finishes(
+    swarm: LocalSwarm, tmp_path: Path, peerd_cli: Callable[..., subprocess.CompletedProcess]
+) -> None:
+    spec = _spec(
+        tmp_path,
+        parallel={"d_pp": 1, "d_dp": 2},
+        steps=DP_ITERATIONS,
+        checkpoint_interval=DP_ITERATIONS,
+        global_batch=64,  # 8 prompts x 8: two updates of 4 groups, 2 per trainer each
+        micro_batch=32,
+    )
+    submitted = peerd_cli("submit", str(spec), "--home", str(swarm.peers[0].home), "--json")
+    assert submitted.returncode == 0, submitted.stderr
+    job_id = json.loads(submitted.stdout)["job_id"]
+
+    def trained(n: int) -> Any:
+        return lambda views: (j := _job(views, job_id)) is not None and j["progress"]["rl"]["iteration"] >= n
+
+    views = swarm.wait_until(trained(KILL_AFTER), timeout=300, what=f"{KILL_AFTER} GRPO iterations")
+    job = _job(views, job_id)
+    assert job is not None
+    trainers = job["allocation"]["stages"][0]
+    assert len(trainers) == 2, job["allocation"]
+    assert job["progress"]["rl"]["iteration"] < DP_ITERATIONS - 20  # the kill lands mid-job
+    # the second trainer, whichever daemon it is (the owner's included)
+    victim = next(p for p in swarm.peers if p.info is not None and p.info.peer_id == trainers[1])
+    swarm.kill_peer(victim)
+
+    def finished(views: dict[str, dict[str, Any]]) -> bool:
+        j = _job(views, job_id)
+        return j is not None and j["state"] in ("done", "failed")
+
+    views = swarm.wait_until(finished, timeout=450, what="the job to end after a trainer's kill")
+    job = _job(views, job_id)
+    tails = [p.log_tail(20) for p in swarm.live_peers()]
+    assert job is not None and job["state"] == "done", (job, tails)
+    rl = job["progress"]["rl"]
+    assert rl["iteration"] == DP_ITERATIONS and rl["version"] == DP_ITERATIONS, rl
+    assert rl["rewards"][-1][0] == DP_ITERATIONS
+    final = job["allocation"]
+    assert len(final["stages"][0]) == 2 and victim.info.peer_id not in (*final["stages"][0], *final["spares"])
+    assert any(victim.info.peer_id in c for c in _causes(views, job_id)), job.get("churn")
