@@ -64,6 +64,7 @@ from peerd.bench.rl_swarm_report import (
     loop_seconds,
     predict,
     prediction_report,
+    probed_links,
     relative_error,
     throughput,
     write_plot,
@@ -605,6 +606,7 @@ def rl_swarm(s: Settings, png: str | None = None) -> dict[str, Any]:
                 "memory_gb_s": profile.memory_gb_s,
                 "launch_us": profile.launch_us,
             },
+            "links": probed_links(status, alloc),
             "note": f"{s.peers} daemons share {cores} cores with whatever else runs on the machine",
         },
         "allocation": {

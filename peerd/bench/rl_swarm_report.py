@@ -6,6 +6,7 @@ in-process replay measured (its docstring says what each figure is).
 
 from __future__ import annotations
 
+import statistics
 from pathlib import Path
 from typing import Any
 
@@ -102,6 +103,23 @@ def comparison(predicted: dict[str, float], measured: dict[str, float]) -> dict[
         for k, v in predicted.items()
         if k in measured
     }
+
+
+def probed_links(status: dict[str, Any], alloc: dict[str, Any]) -> dict[str, Any]:
+    """The committed roster's probed links as the cost model reads them: the range and median of the
+    round trips and upload rates (loopback probes on a busy machine spread widely)."""
+    members = set(alloc["roster"])
+    ok = [
+        x
+        for x in status.get("links", [])
+        if x["src"] in members and x["dst"] in members and x["status"] == "ok" and x["rtt_ms"] is not None
+    ]
+    out: dict[str, Any] = {"measured": len(ok)}
+    for key in ("rtt_ms", "bw_up_mbps"):
+        values = sorted(float(x[key]) for x in ok if x[key])
+        if values:
+            out[key] = {"min": values[0], "median": statistics.median(values), "max": values[-1]}
+    return out
 
 
 def committed_roster(

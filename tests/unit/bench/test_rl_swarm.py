@@ -13,6 +13,7 @@ from peerd.bench.rl_swarm_report import (
     heldout_summary,
     predict,
     prediction_report,
+    probed_links,
     relative_error,
     swarm_tasks,
     target,
@@ -85,6 +86,9 @@ def _status() -> dict:
             "tflops": {"fp32": 0.05 * (i + 1)},
             "memory_free_bytes": 4 << 30,
             "memory_total_bytes": 8 << 30,
+            "host_id": "00ff00ff00ff00ff",
+            "host_cores": 2,
+            "threads": 1,
         }
         for i, p in enumerate(peers)
     ]
@@ -116,7 +120,8 @@ def test_the_rebuilt_roster_scores_like_the_daemons_entries() -> None:
             for x in mine
             if x["status"] == "ok"
         )
-        return RosterEntry("j", 3, peer, 0.0, RosterDevice(0.05 * (i + 1), 4 << 30, "", 12e9, 4e-6), links)
+        device = RosterDevice(0.05 * (i + 1), 4 << 30, "", 12e9, 4e-6, "00ff00ff00ff00ff", 2, 1)
+        return RosterEntry("j", 3, peer, 0.0, device, links)
 
     direct = Roster.of(3, [entry(i, p) for i, p in enumerate(alloc["roster"])])
     spec = parse_job_spec(job_spec(Settings(peers=3), staleness=0, iterations=5, name="r"))
@@ -124,6 +129,11 @@ def test_the_rebuilt_roster_scores_like_the_daemons_entries() -> None:
     got = predict(spec, roster, alloc)
     assert got == expected.to_dict() and got["seconds"] > 0
     assert set(got["tasks"]) == {"generate", "reference", "actor_train"}
+    # the links among the members as probed (the failed one and the non-member left out)
+    links = probed_links(status, alloc)
+    assert links["measured"] == 6
+    assert links["rtt_ms"] == pytest.approx({"min": 0.4, "median": 2.9, "max": 5.4})
+    assert links["bw_up_mbps"]["max"] == 950.0
 
     report = prediction_report(
         got,
