@@ -87,17 +87,25 @@ def _causes(views: dict[str, dict[str, Any]], job_id: str) -> list[str]:
     ]
 
 
-def test_a_killed_rollout_peer_costs_only_its_rollouts(
-    swarm: LocalSwarm, tmp_path: Path, peerd_cli: Callable[..., subprocess.CompletedProcess]
-) -> None:
-    submitted = peerd_cli("submit", str(_spec(tmp_path)), "--home", str(swarm.peers[0].home), "--json")
+def _submit_and_train(
+    swarm: LocalSwarm, spec: Path, peerd_cli: Callable[..., subprocess.CompletedProcess]
+) -> tuple[str, dict[str, dict[str, Any]]]:
+    """Submit ``spec`` through peer 0 and wait for ``KILL_AFTER`` iterations: (job id, the views then)."""
+    submitted = peerd_cli("submit", str(spec), "--home", str(swarm.peers[0].home), "--json")
     assert submitted.returncode == 0, submitted.stderr
     job_id = json.loads(submitted.stdout)["job_id"]
 
-    def trained(n: int) -> Any:
-        return lambda views: (j := _job(views, job_id)) is not None and j["progress"]["rl"]["iteration"] >= n
+    def trained(views: dict[str, dict[str, Any]]) -> bool:
+        job = _job(views, job_id)
+        return job is not None and job["progress"]["rl"]["iteration"] >= KILL_AFTER
 
-    views = swarm.wait_until(trained(KILL_AFTER), timeout=300, what=f"{KILL_AFTER} GRPO iterations")
+    return job_id, swarm.wait_until(trained, timeout=300, what=f"{KILL_AFTER} GRPO iterations")
+
+
+def test_a_killed_rollout_peer_costs_only_its_rollouts(
+    swarm: LocalSwarm, tmp_path: Path, peerd_cli: Callable[..., subprocess.CompletedProcess]
+) -> None:
+    job_id, views = _submit_and_train(swarm, _spec(tmp_path), peerd_cli)
     job = _job(views, job_id)
     assert job is not None
     alloc = job["allocation"]
@@ -157,14 +165,7 @@ def test_a_killed_data_parallel_trainer_is_replaced_and_the_job_finishes(
         global_batch=64,  # 8 prompts x 8: two updates of 4 groups, 2 per trainer each
         micro_batch=32,
     )
-    submitted = peerd_cli("submit", str(spec), "--home", str(swarm.peers[0].home), "--json")
-    assert submitted.returncode == 0, submitted.stderr
-    job_id = json.loads(submitted.stdout)["job_id"]
-
-    def trained(n: int) -> Any:
-        return lambda views: (j := _job(views, job_id)) is not None and j["progress"]["rl"]["iteration"] >= n
-
-    views = swarm.wait_until(trained(KILL_AFTER), timeout=300, what=f"{KILL_AFTER} GRPO iterations")
+    job_id, views = _submit_and_train(swarm, spec, peerd_cli)
     job = _job(views, job_id)
     assert job is not None
     trainers = job["allocation"]["stages"][0]
