@@ -58,14 +58,13 @@ from click.core import ParameterSource
 from peerd.bench import emit_json
 from peerd.bench.rl_swarm_report import (
     async_ratio,
+    colocated_report,
     committed_roster,
     curve_points,
     heldout_summary,
-    loop_seconds,
     predict,
     prediction_report,
     probed_links,
-    relative_error,
     throughput,
     write_plot,
 )
@@ -424,47 +423,6 @@ def colocated_arms(swarm: LocalSwarm, s: Settings, main: Followed) -> dict[str, 
     return arms
 
 
-def colocated_report(
-    s: Settings,
-    arms: dict[str, Followed],
-    status: dict[str, Any],
-    memory_bandwidth: float,
-    launch_s: float | None,
-) -> dict[str, Any]:
-    """Each arm's roles, measured iteration (the trainers' loop, as the main prediction reads it) and the
-    RL cost model's prediction for it; the ratio colocated / consensus (> 1: the consensus plan is faster)."""
-    ids = {p["peer_id"]: p["name"] for p in status.get("peers", [])}
-    out: dict[str, Any] = {}
-    for name, f in arms.items():
-        alloc, rl = f.view["allocation"], f.view["progress"]["rl"]
-        trainers = len(alloc["stages"][0]) if name == "colocated" else None
-        spec = parse_job_spec(
-            job_spec(s, staleness=0, iterations=s.compare_iterations, name=name, trainers=trainers)
-        )
-        predicted = predict(spec, committed_roster(status, alloc, memory_bandwidth, launch_s), alloc)
-        measured = loop_seconds(rl.get("phases_s"))
-        out[name] = {
-            "trainers": [ids.get(p, p) for p in alloc["stages"][0]],
-            "rollout_peers": [ids.get(p, p) for p in alloc["spares"]],
-            "measured_iteration_s": measured,
-            "phases_s": rl.get("phases_s"),
-            "predicted_iteration_s": predicted["seconds"],
-            "predicted_tasks_s": predicted["tasks"],
-            "relative_error": relative_error(predicted["seconds"], measured) if measured else None,
-            "rewards_last": (rl.get("rewards") or [None])[-1],
-        }
-    con, col = out["consensus"]["measured_iteration_s"], out["colocated"]["measured_iteration_s"]
-    out["measured_ratio_colocated_over_consensus"] = col / con if con and col else None
-    p_con, p_col = out["consensus"]["predicted_iteration_s"], out["colocated"]["predicted_iteration_s"]
-    out["predicted_ratio_colocated_over_consensus"] = p_col / p_con if p_con else None
-    out["note"] = (
-        "verl-like: every peer samples its share of the prompts, computes the reference and trains, "
-        "the trainers averaging each update's gradients (no weight sync); measured on the same daemons, "
-        "sync, one after the other"
-    )
-    return out
-
-
 def weights_bytes(plan: RLPlan) -> int:
     """Bytes of one packed weights blob a rollout peer fetches per version (the trainer's format)."""
     learner = Learner(plan)
@@ -641,9 +599,20 @@ def rl_swarm(s: Settings, png: str | None = None) -> dict[str, Any]:
     if s.compare_async is not None:
         out["compare_async"] = comparison_report(s, arms, phases, plan, cores)
     if placements:
-        out["compare_colocated"] = colocated_report(
-            s, placements, status, profile.memory_gb_s * 1e9, launch_s
-        )
+        specs = {
+            name: parse_job_spec(
+                job_spec(
+                    s,
+                    staleness=0,
+                    iterations=s.compare_iterations,
+                    name=name,
+                    trainers=s.peers if name == "colocated" else None,
+                )
+            )
+            for name in placements
+        }
+        views = {name: f.view for name, f in placements.items()}
+        out["compare_colocated"] = colocated_report(views, specs, status, profile.memory_gb_s * 1e9, launch_s)
     if png:
         out["png"] = write_plot(out, Path(png))
     return out

@@ -105,18 +105,27 @@ def comparison(predicted: dict[str, float], measured: dict[str, float]) -> dict[
     }
 
 
+def member_links(status: dict[str, Any], members: set[str]) -> list[dict[str, Any]]:
+    """The status's links between ``members`` that the cost model can price: probed ok, with a round
+    trip and an upload rate."""
+    return [
+        x
+        for x in status.get("links", [])
+        if x["src"] in members
+        and x["dst"] in members
+        and x["status"] == "ok"
+        and x["rtt_ms"] is not None
+        and x["bw_up_mbps"]
+    ]
+
+
 def probed_links(status: dict[str, Any], alloc: dict[str, Any]) -> dict[str, Any]:
     """The committed roster's probed links as the cost model reads them: the range and median of the
     round trips and upload rates (loopback probes on a busy machine spread widely)."""
-    members = set(alloc["roster"])
-    ok = [
-        x
-        for x in status.get("links", [])
-        if x["src"] in members and x["dst"] in members and x["status"] == "ok" and x["rtt_ms"] is not None
-    ]
+    ok = member_links(status, set(alloc["roster"]))
     out: dict[str, Any] = {"measured": len(ok)}
     for key in ("rtt_ms", "bw_up_mbps"):
-        values = sorted(float(x[key]) for x in ok if x[key])
+        values = sorted(float(x[key]) for x in ok)
         if values:
             out[key] = {"min": values[0], "median": statistics.median(values), "max": values[-1]}
     return out
@@ -133,6 +142,7 @@ def committed_roster(
     """
     rows = {p["peer_id"]: p for p in status.get("peers", [])}
     members = list(alloc["roster"])
+    probed = member_links(status, set(members))
     entries = []
     for peer in members:
         row = rows[peer]
@@ -151,12 +161,8 @@ def committed_roster(
         )
         links = {
             x["dst"]: RosterLink(x["dst"], x["rtt_ms"] / 2e3, x["bw_up_mbps"] * 1e6)
-            for x in status.get("links", [])
+            for x in probed
             if x["src"] == peer
-            and x["dst"] in members
-            and x["status"] == "ok"
-            and x["rtt_ms"] is not None
-            and x["bw_up_mbps"]
         }
         entries.append(
             RosterEntry(
@@ -251,6 +257,44 @@ def prediction_report(
             "measured_over_replayed": measured / replayed if measured and replayed else None,
         },
     }
+
+
+def colocated_report(
+    views: dict[str, dict[str, Any]],
+    specs: dict[str, JobSpec],
+    status: dict[str, Any],
+    memory_bandwidth: float,
+    launch_s: float | None,
+) -> dict[str, Any]:
+    """The ``consensus`` and ``colocated`` arms (their final job views and specs): each arm's roles,
+    measured iteration (the trainers' loop, as the main prediction reads it) and the RL cost model's
+    prediction for it; the ratio colocated / consensus (> 1: the consensus plan is faster)."""
+    ids = {p["peer_id"]: p["name"] for p in status.get("peers", [])}
+    out: dict[str, Any] = {}
+    for name, view in views.items():
+        alloc, rl = view["allocation"], view["progress"]["rl"]
+        predicted = predict(specs[name], committed_roster(status, alloc, memory_bandwidth, launch_s), alloc)
+        measured = loop_seconds(rl.get("phases_s"))
+        out[name] = {
+            "trainers": [ids.get(p, p) for p in alloc["stages"][0]],
+            "rollout_peers": [ids.get(p, p) for p in alloc["spares"]],
+            "measured_iteration_s": measured,
+            "phases_s": rl.get("phases_s"),
+            "predicted_iteration_s": predicted["seconds"],
+            "predicted_tasks_s": predicted["tasks"],
+            "relative_error": relative_error(predicted["seconds"], measured) if measured else None,
+            "rewards_last": (rl.get("rewards") or [None])[-1],
+        }
+    con, col = out["consensus"]["measured_iteration_s"], out["colocated"]["measured_iteration_s"]
+    out["measured_ratio_colocated_over_consensus"] = col / con if con and col else None
+    p_con, p_col = out["consensus"]["predicted_iteration_s"], out["colocated"]["predicted_iteration_s"]
+    out["predicted_ratio_colocated_over_consensus"] = p_col / p_con if p_con else None
+    out["note"] = (
+        "verl-like: every peer samples its share of the prompts, computes the reference and trains, "
+        "the trainers averaging each update's gradients (no weight sync); measured on the same daemons, "
+        "sync, one after the other"
+    )
+    return out
 
 
 def write_plot(result: dict[str, Any], path: Path) -> str | None:
