@@ -12,8 +12,9 @@ as a spec file; whatever that parser makes of a peer's bytes ends as a ``Protoco
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from enum import StrEnum
-from typing import Annotated, Any
+from typing import Annotated, Any, TypeVar
 
 import msgspec
 from msgspec import Meta
@@ -377,9 +378,10 @@ def decode_progress(raw: bytes) -> Progress:
     return PROGRESS.decode(raw)
 
 
-def downsample(
-    points: list[tuple[int, float]], limit: int = MAX_LOSS_POINTS
-) -> tuple[tuple[int, float], ...]:
+_Point = TypeVar("_Point", bound=tuple[Any, ...])
+
+
+def downsample(points: Sequence[_Point], limit: int = MAX_LOSS_POINTS) -> tuple[_Point, ...]:
     """At most ``limit`` points spread evenly over the curve, always keeping the first and the last."""
     if len(points) <= limit:
         return tuple(points)

@@ -1,15 +1,16 @@
 """An rl job's GRPO figures in its trainer's progress record, and back out of it for ``peerd status``.
 
-``figures`` folds the trainer's per-iteration reports into the record's ``RLFigures`` (the
-reward and pass-rate curve downsampled like the loss curve, run totals of drops, staleness and
-weight-sync bytes, the latest KL, length and rate, the median seconds of each phase); ``summary`` turns the records a daemon reads
+``RunFigures`` folds the trainer's per-iteration reports, one at a time as they come, into the
+record's ``RLFigures`` (the reward and pass-rate curve downsampled like the loss curve, run totals
+of drops, staleness and weight-sync bytes, the latest KL, length and rate, the median seconds of
+each phase); ``summary`` turns the records a daemon reads
 into the ``progress.rl`` section of a job view (``peerd status --json``, the panel, ``/metrics``).
 """
 
 from __future__ import annotations
 
-import statistics
-from collections.abc import Iterable, Sequence
+import heapq
+from collections.abc import Iterable
 from typing import Any
 
 from peerd.jobs.records import (
@@ -23,41 +24,96 @@ from peerd.jobs.records import (
 from peerd.jobs.rl.report import IterationReport
 
 
-def figures(reports: Sequence[IterationReport], version: int) -> RLFigures:
-    """The record's figures after ``reports`` (every iteration so far, oldest first)."""
-    curve = [(r.iteration + 1, r.reward_mean, r.pass_rate) for r in reports]
-    points = {i: (reward, rate) for i, reward, rate in curve}
-    kept = downsample([(i, reward) for i, reward, _ in curve], MAX_LOSS_POINTS)
-    lags: dict[int, int] = {}
-    for r in reports:
+class RunningMedian:
+    """The median of the values added so far (``statistics.median``'s: the mean of the two middle
+    ones for an even count), in O(log n) per value: a max-heap of the lower half, a min-heap of the
+    upper half."""
+
+    def __init__(self) -> None:
+        self._low: list[float] = []  # negated
+        self._high: list[float] = []
+
+    def add(self, value: float) -> None:
+        if self._low and value > -self._low[0]:
+            heapq.heappush(self._high, value)
+        else:
+            heapq.heappush(self._low, -value)
+        if len(self._low) > len(self._high) + 1:
+            heapq.heappush(self._high, -heapq.heappop(self._low))
+        elif len(self._high) > len(self._low):
+            heapq.heappush(self._low, -heapq.heappop(self._high))
+
+    def value(self) -> float:
+        if not self._low:
+            raise ValueError("no values")
+        if len(self._low) > len(self._high):
+            return -self._low[0]
+        return (-self._low[0] + self._high[0]) / 2.0
+
+
+class RunFigures:
+    """The trainer's run folded one report at a time, so a record costs the same at iteration 10 and
+    at iteration 100,000: the progress publisher builds one every second or so, on the event loop
+    that also feeds the trainer's compute thread."""
+
+    def __init__(self) -> None:
+        self.curve: list[tuple[int, float, float]] = []  # (iterations done, reward mean, pass rate)
+        self.losses: list[tuple[int, float]] = []  # (iteration index, GRPO loss)
+        self.last: IterationReport | None = None
+        self.lags: dict[int, int] = {}
+        self.dropped_stale = self.dropped_late = self.shards_missing = self.weight_sync_bytes = 0
+        # the first iteration waits for the first rollouts of the run: the steady figures leave it out
+        self._seen = 0
+        self._steady_rollouts = 0
+        self._steady_busy_s = 0.0
+        self._phases: dict[str, RunningMedian] = {}
+
+    def add(self, r: IterationReport) -> None:
+        self.curve.append((r.iteration + 1, r.reward_mean, r.pass_rate))
+        self.losses.append((r.iteration, r.loss))
+        self.last = r
         for lag, n in r.staleness.items():
-            lags[lag] = lags.get(lag, 0) + n
-    last = reports[-1] if reports else None
-    # the first iteration waits for the first rollouts of the run: the steady rate leaves it out
-    steady = [r for r in reports[1:] if r.rollouts_per_s > 0]
-    busy_s = sum(r.rollouts / r.rollouts_per_s for r in steady)
-    return RLFigures(
-        version=version,
-        rewards=tuple((i, points[i][0], points[i][1]) for i, _ in kept),
-        kl=last.kl if last else 0.0,
-        response_len=last.response_len if last else 0.0,
-        rollouts_per_s=last.rollouts_per_s if last else 0.0,
-        steady_rollouts_per_s=sum(r.rollouts for r in steady) / busy_s if busy_s > 0 else None,
-        staleness=tuple(sorted((lag, n) for lag, n in lags.items() if lag < MAX_STALENESS_BINS)),
-        dropped_stale=sum(r.dropped_stale for r in reports),
-        dropped_late=sum(r.dropped_late for r in reports),
-        shards_missing=sum(r.shards_missing for r in reports),
-        weight_sync_bytes=sum(r.weight_sync_bytes for r in reports),
-        phases_s=phase_medians(steady),
-    )
+            self.lags[lag] = self.lags.get(lag, 0) + n
+        self.dropped_stale += r.dropped_stale
+        self.dropped_late += r.dropped_late
+        self.shards_missing += r.shards_missing
+        self.weight_sync_bytes += r.weight_sync_bytes
+        self._seen += 1
+        if self._seen > 1 and r.rollouts_per_s > 0:
+            self._steady_rollouts += r.rollouts
+            self._steady_busy_s += r.rollouts / r.rollouts_per_s
+            for phase, seconds in r.seconds.items():
+                self._phases.setdefault(phase, RunningMedian()).add(seconds)
+
+    def figures(self, version: int) -> RLFigures:
+        """The record's figures: the reward and pass-rate curve downsampled like the loss curve, the
+        run's totals, the latest KL, length and rate, the median seconds of each phase."""
+        last = self.last
+        names = sorted(self._phases)[:MAX_PHASES]
+        return RLFigures(
+            version=version,
+            rewards=downsample(self.curve, MAX_LOSS_POINTS),
+            kl=last.kl if last else 0.0,
+            response_len=last.response_len if last else 0.0,
+            rollouts_per_s=last.rollouts_per_s if last else 0.0,
+            steady_rollouts_per_s=self._steady_rollouts / self._steady_busy_s
+            if self._steady_busy_s > 0
+            else None,
+            staleness=tuple(sorted((lag, n) for lag, n in self.lags.items() if lag < MAX_STALENESS_BINS)),
+            dropped_stale=self.dropped_stale,
+            dropped_late=self.dropped_late,
+            shards_missing=self.shards_missing,
+            weight_sync_bytes=self.weight_sync_bytes,
+            phases_s={k: self._phases[k].value() for k in names} if names else None,
+        )
 
 
-def phase_medians(reports: Sequence[IterationReport]) -> dict[str, float] | None:
-    """Median seconds of each phase over ``reports`` (None for none)."""
-    names = sorted({k for r in reports for k in r.seconds})[:MAX_PHASES]
-    if not names:
-        return None
-    return {k: statistics.median(r.seconds[k] for r in reports if k in r.seconds) for k in names}
+def figures(reports: Iterable[IterationReport], version: int) -> RLFigures:
+    """The record's figures after ``reports`` (every iteration so far, oldest first)."""
+    run = RunFigures()
+    for r in reports:
+        run.add(r)
+    return run.figures(version)
 
 
 def summary(records: Iterable[Progress]) -> dict[str, Any] | None:

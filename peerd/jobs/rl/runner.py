@@ -38,7 +38,7 @@ from peerd.jobs.heartbeat import ProgressPublisher
 from peerd.jobs.records import MAX_SUSPECTS, JobRecord, Progress, TaskState, downsample
 from peerd.jobs.recovery import CHECKPOINT_REPLICAS, held_state, holders, replica_peers, resume_step
 from peerd.jobs.rl.learner import Learner
-from peerd.jobs.rl.progress import figures
+from peerd.jobs.rl.progress import RunFigures
 from peerd.jobs.rl.report import IterationReport
 from peerd.jobs.rl.rollout import RolloutConfig, RolloutPeer
 from peerd.jobs.rl.shards import RLPlan, assign_shards
@@ -105,7 +105,7 @@ class RLRunner:
         self.recoveries: list[dict[str, Any]] = []
         self.started_at = store.now()
         self.retired = False
-        self.reports: list[IterationReport] = []
+        self.run = RunFigures()  # the trainer's reports so far, folded
         self.trainer: RLTrainer | None = None
         self.rollout: RolloutPeer | None = None
         self._learner: Learner | None = None  # the policy a stopped trainer leaves for the next commit
@@ -378,7 +378,7 @@ class RLRunner:
             await asyncio.sleep(self.interval)
 
     def _on_iteration(self, report: IterationReport) -> None:
-        self.reports.append(report)
+        self.run.add(report)
         self.step = report.version
         self.heartbeat.poke()
 
@@ -435,7 +435,6 @@ class RLRunner:
         version = self.trainer.version if self.trainer is not None else self.step
         # keyed by iteration index, as a pipeline's losses by step index (views.loss_curve counts a
         # point once the record has completed more iterations than it)
-        losses = [(r.iteration, r.loss) for r in self.reports]
         return Progress(
             job_id=self.job.job_id,
             peer=self.me,
@@ -449,11 +448,11 @@ class RLRunner:
             updated_at=self.store.now(),
             started_at=self.started_at,
             loss=None,  # the record's latest loss is >= 0 (a pretraining loss); GRPO's can be negative: see losses
-            losses=downsample(losses),
-            bytes={"weight_sync": sum(r.weight_sync_bytes for r in self.reports)},
+            losses=downsample(self.run.losses),
+            bytes={"weight_sync": self.run.weight_sync_bytes},
             reason=self.reason,
             # rollout peers that missed their shard's deadline: the trainer covers their shards
             suspects=tuple(self.trainer.absent_peers[:MAX_SUSPECTS]) if self.trainer is not None else (),
             replicas=len(self.commit.allocation.stages[0]),
-            rl=figures(self.reports, max(version, 0)),
+            rl=self.run.figures(max(version, 0)),
         )

@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import statistics
 from typing import Any
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from peerd.cli.render import console, job_line, job_panel
 from peerd.jobs.records import Progress, TaskState, decode_progress, encode_progress
-from peerd.jobs.rl.progress import figures, summary
+from peerd.jobs.rl.progress import RunFigures, RunningMedian, figures, summary
 from peerd.jobs.rl.report import IterationReport
 from peerd.metrics import StatusCollector
 
@@ -172,3 +175,33 @@ def test_phase_medians_leave_the_first_iteration_out_and_reach_the_job_view() ->
     view = summary([record])
     assert view is not None
     assert view["phases_s"] == pytest.approx({"wait": 0.03, "train": 0.012, "generate": 0.005})
+
+
+@given(st.lists(st.floats(min_value=-1e6, max_value=1e6, allow_nan=False), min_size=1, max_size=60))
+def test_the_running_median_is_the_median_of_every_prefix(values: list[float]) -> None:
+    m = RunningMedian()
+    for i, v in enumerate(values):
+        m.add(v)
+        assert m.value() == pytest.approx(statistics.median(values[: i + 1]))
+
+
+def test_a_record_built_as_reports_come_equals_one_built_from_all_of_them() -> None:
+    """The trainer's runner folds each report once (a record must not cost more as the run grows)."""
+    run = RunFigures()
+    reports = [
+        report(
+            i,
+            staleness={i % 3: 64},
+            seconds={"wait": 0.01 * (i % 7), "train": 0.002 * i},
+            shards_missing=i % 2,
+        )
+        for i in range(300)
+    ]
+    for i, r in enumerate(reports):
+        run.add(r)
+        if i in (0, 1, 2, 127, 128, 299):
+            assert run.figures(i + 1) == figures(reports[: i + 1], version=i + 1)
+    assert run.losses == [(r.iteration, r.loss) for r in reports]
+    assert run.weight_sync_bytes == 300 * 1000
+    with pytest.raises(ValueError):
+        RunningMedian().value()
