@@ -105,13 +105,23 @@ class RLRunner:
         self.recoveries: list[dict[str, Any]] = []
         self.started_at = store.now()
         self.retired = False
-        self.run = RunFigures()  # the trainer's reports so far, folded
+        self.reports: list[IterationReport] = []
+        self.run = RunFigures()  # the same reports, folded as they come (what the record shows)
         self.trainer: RLTrainer | None = None
         self.rollout: RolloutPeer | None = None
         self._learner: Learner | None = None  # the policy a stopped trainer leaves for the next commit
         self._task: asyncio.Task | None = None
         self._replicator: asyncio.Task | None = None
-        self.heartbeat = ProgressPublisher(store, job.job_id, self.progress, interval=interval)
+        # a running trainer's records are spaced ``interval`` apart: a small policy's iterations take
+        # milliseconds, and a record per iteration kept the trainer's event loop, its DHT and every
+        # peer that stores the record busy, on the cores the trainer computes on
+        self.heartbeat = ProgressPublisher(
+            store,
+            job.job_id,
+            self.progress,
+            interval=interval,
+            paced=lambda: self.state == TaskState.RUNNING and self.role == "trainer",
+        )
         self._lock = asyncio.Lock()
         self.server = StateServer(transport, job.job_id, self.provide, config=self.statesync)
 
@@ -378,6 +388,7 @@ class RLRunner:
             await asyncio.sleep(self.interval)
 
     def _on_iteration(self, report: IterationReport) -> None:
+        self.reports.append(report)
         self.run.add(report)
         self.step = report.version
         self.heartbeat.poke()
