@@ -29,7 +29,7 @@ from peerd.localswarm import LocalSwarm, converged
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 
-ITERATIONS = 250  # long enough that the re-plan after the kill lands mid-job (an iteration: 0.1-0.5 s here)
+ITERATIONS = 1000  # long enough that the re-plan after the kill lands mid-job (an iteration: 20-100 ms here)
 KILL_AFTER = 5  # iterations trained before the kill
 
 
