@@ -192,6 +192,7 @@ class StatusCollector(Collector):
                 "Share of the latest iteration's completions that are correct.",
             ),
             "kl": ("peerd_job_kl", "Mean k3 KL of the policy to the reference, latest iteration."),
+            "kl_max": ("peerd_job_kl_max", "Largest mean k3 KL to the reference of any iteration so far."),
             "response_len": (
                 "peerd_job_response_tokens",
                 "Mean completion length in tokens, latest iteration.",

@@ -111,6 +111,11 @@ def _table(title: str, columns: tuple[str, ...], caption: str | None = None) -> 
     return table
 
 
+def _kl_max(rl: dict[str, Any]) -> str:
+    """`` (max 0.1234)`` when the trainer's record says its run's largest KL (older peers' do not)."""
+    return f" (max {rl['kl_max']:.4f})" if rl.get("kl_max") is not None else ""
+
+
 def sparkline(values: list[float], width: int = 40) -> str:
     """Unicode block sparkline of ``values`` (downsampled to ``width`` by averaging buckets)."""
     if not values:
@@ -327,7 +332,7 @@ def rl_lines(rl: dict[str, Any] | None) -> list[str]:
             f"pass rate {passes[0]:.2f} → {passes[-1]:.2f} (after iteration {rewards[-1][0]})"
         )
     lines.append(
-        f"policy v{rl.get('version', 0)}: KL {rl.get('kl', 0.0):.4f}, {rl.get('response_len', 0.0):.1f} "
+        f"policy v{rl.get('version', 0)}: KL {rl.get('kl', 0.0):.4f}{_kl_max(rl)}, {rl.get('response_len', 0.0):.1f} "
         f"tokens/completion, {rl.get('rollouts_per_s', 0.0):,.1f} rollouts/s, weights sent "
         f"{_human_bytes(rl.get('weight_sync_bytes', 0))}"
     )

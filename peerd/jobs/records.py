@@ -148,6 +148,7 @@ class RLFigures(FrozenWireStruct, frozen=True):
     # (iterations completed, reward mean, pass rate) per iteration, iterations strictly ascending
     rewards: Annotated[tuple[tuple[Count, AnyReal, Real], ...], Meta(max_length=MAX_LOSS_POINTS)] = ()
     kl: AnyReal = 0.0  # mean k3 KL to the reference, latest iteration
+    kl_max: AnyReal | None = None  # the largest of any iteration's mean KL so far; absent before the first
     response_len: Real = 0.0  # mean completion tokens, latest iteration
     rollouts_per_s: Real = 0.0  # completions trained on per second, latest iteration
     # completions trained on per second of the iterations after the first (their completions over the

@@ -2,7 +2,7 @@
 
 ``RunFigures`` folds the trainer's per-iteration reports, one at a time as they come, into the
 record's ``RLFigures`` (the reward and pass-rate curve downsampled like the loss curve, run totals
-of drops, staleness and weight-sync bytes, the latest KL, length and rate, the median seconds of
+of drops, staleness and weight-sync bytes, the latest and the largest KL, the latest length and rate, the median seconds of
 each phase); ``summary`` turns the records a daemon reads
 into the ``progress.rl`` section of a job view (``peerd status --json``, the panel, ``/metrics``).
 """
@@ -60,6 +60,7 @@ class RunFigures:
         self.curve: list[tuple[int, float, float]] = []  # (iterations done, reward mean, pass rate)
         self.losses: list[tuple[int, float]] = []  # (iteration index, GRPO loss)
         self.last: IterationReport | None = None
+        self.kl_max: float | None = None
         self.lags: dict[int, int] = {}
         self.dropped_stale = self.dropped_late = self.shards_missing = self.weight_sync_bytes = 0
         # the first iteration waits for the first rollouts of the run: the steady figures leave it out
@@ -72,6 +73,7 @@ class RunFigures:
         self.curve.append((r.iteration + 1, r.reward_mean, r.pass_rate))
         self.losses.append((r.iteration, r.loss))
         self.last = r
+        self.kl_max = r.kl if self.kl_max is None else max(self.kl_max, r.kl)
         for lag, n in r.staleness.items():
             self.lags[lag] = self.lags.get(lag, 0) + n
         self.dropped_stale += r.dropped_stale
@@ -87,13 +89,14 @@ class RunFigures:
 
     def figures(self, version: int) -> RLFigures:
         """The record's figures: the reward and pass-rate curve downsampled like the loss curve, the
-        run's totals, the latest KL, length and rate, the median seconds of each phase."""
+        run's totals, the latest and the largest KL, the latest length and rate, the median seconds of each phase."""
         last = self.last
         names = sorted(self._phases)[:MAX_PHASES]
         return RLFigures(
             version=version,
             rewards=downsample(self.curve, MAX_LOSS_POINTS),
             kl=last.kl if last else 0.0,
+            kl_max=self.kl_max,
             response_len=last.response_len if last else 0.0,
             rollouts_per_s=last.rollouts_per_s if last else 0.0,
             steady_rollouts_per_s=self._steady_rollouts / self._steady_busy_s
@@ -146,6 +149,8 @@ def summary(records: Iterable[Progress]) -> dict[str, Any] | None:
         "pass_rate": latest[2] if latest else None,
         "rewards": [[i, round(r, 6), round(rate, 6)] for i, r, rate in rewards],
         "kl": rl.kl,
+        # over every trainer's record: a successor's covers only the iterations it trained
+        "kl_max": max((r.rl.kl_max for r in ordered if r.rl and r.rl.kl_max is not None), default=None),
         "response_len": rl.response_len,
         "rollouts_per_s": rl.rollouts_per_s,
         "steady_rollouts_per_s": rl.steady_rollouts_per_s,

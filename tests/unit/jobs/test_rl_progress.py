@@ -68,6 +68,8 @@ def test_figures_sum_the_run_and_keep_the_latest() -> None:
     assert fig.staleness == ((0, 144), (1, 48))
     assert (fig.dropped_stale, fig.shards_missing, fig.weight_sync_bytes) == (24, 1, 3000)
     assert (fig.kl, fig.response_len, fig.rollouts_per_s) == (0.02, 5.0, 102.0)
+    assert figures([report(0, kl=0.3), report(1, kl=0.1)], version=2).kl_max == 0.3
+    assert figures([], version=0).kl_max is None
     # iterations 1 and 2 (the first waits for the run's first rollouts): 128 completions in 64/101 + 64/102 s
     assert fig.steady_rollouts_per_s == pytest.approx(128 / (64 / 101 + 64 / 102))
     assert figures(reports[:1], version=1).steady_rollouts_per_s is None
@@ -84,6 +86,7 @@ def test_the_view_takes_the_newest_trainer_record() -> None:
     new = trainer_record([report(i) for i in range(4)], epoch=1)
     view = summary([old, new])
     assert view["version"] == 4 and view["iteration"] == 4
+    assert view["kl_max"] == pytest.approx(0.03)
     assert view["reward_mean"] == pytest.approx(0.3) and view["pass_rate"] == pytest.approx(0.15)
     assert view["staleness"] == [[0, 192], [1, 64]]
     assert summary([]) is None
@@ -114,6 +117,7 @@ def test_status_line_panel_and_metrics_show_grpo(capsys) -> None:
     assert job_line(job) == "running step 4/10 loss -0.1000 reward 0.300 pass 0.15 KL 0.030 103 rollouts/s"
     console().print(job_panel(job, {}))
     out = capsys.readouterr().out
+    assert "KL 0.0300 (max 0.0300)" in out
     assert "pass rate 0.00 → 0.15" in out and "staleness 0:192 1:64" in out and "32 stale" in out
     registry = CollectorRegistry(auto_describe=False)
     registry.register(StatusCollector(lambda: {"jobs": [job]}))
@@ -125,6 +129,7 @@ def test_status_line_panel_and_metrics_show_grpo(capsys) -> None:
     jid = ("job", "ab" * 16)
     assert samples[("peerd_job_pass_rate", (jid,))] == 0.15
     assert samples[("peerd_job_policy_version", (jid,))] == 4
+    assert samples[("peerd_job_kl_max", (jid,))] == pytest.approx(0.03)
     assert samples[("peerd_job_rollout_staleness", (jid, ("lag", "1")))] == 64
     assert samples[("peerd_job_rollouts_dropped_total", (jid, ("why", "stale")))] == 32
     assert samples[("peerd_job_weight_sync_bytes_total", (jid,))] == 4000
@@ -161,6 +166,11 @@ def test_the_reward_curve_spans_a_trainer_hand_over() -> None:
     assert [point[0] for point in view["rewards"]] == [1, 2, 3, 4, 5, 6]
     assert view["rewards"][2][1] == 2.5  # iteration 3 from the newer record
     assert view["reward_mean"] == 5.5 and view["iteration"] == 6
+    # the leaver's iterations count towards the job's largest KL
+    spiked = Progress(
+        **{**{f: getattr(old, f) for f in old.__struct_fields__}, "rl": figures([report(0, kl=9.0)], 1)}
+    )
+    assert summary([new, spiked])["kl_max"] == 9.0
 
 
 def test_phase_medians_leave_the_first_iteration_out_and_reach_the_job_view() -> None:
