@@ -69,6 +69,13 @@ class RunFigures:
         self._steady_busy_s = 0.0
         self._phases: dict[str, RunningMedian] = {}
 
+    @classmethod
+    def of(cls, reports: Iterable[IterationReport]) -> RunFigures:
+        run = cls()
+        for r in reports:
+            run.add(r)
+        return run
+
     def add(self, r: IterationReport) -> None:
         self.curve.append((r.iteration + 1, r.reward_mean, r.pass_rate))
         self.losses.append((r.iteration, r.loss))
@@ -113,10 +120,7 @@ class RunFigures:
 
 def figures(reports: Iterable[IterationReport], version: int) -> RLFigures:
     """The record's figures after ``reports`` (every iteration so far, oldest first)."""
-    run = RunFigures()
-    for r in reports:
-        run.add(r)
-    return run.figures(version)
+    return RunFigures.of(reports).figures(version)
 
 
 def summary(records: Iterable[Progress]) -> dict[str, Any] | None:

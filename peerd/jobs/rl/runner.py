@@ -232,10 +232,12 @@ class RLRunner:
                     )
                     self.heartbeat.poke()
                     return
+                resume = self._learner.version if self._learner is not None else 0
+                self._rewind(resume)
                 self.recoveries.append(
                     {
                         "epoch": commit.epoch,
-                        "resume_step": self._learner.version if self._learner is not None else 0,
+                        "resume_step": resume,
                         "source": source,
                         "seconds": round(time.monotonic() - started, 3),
                     }
@@ -386,6 +388,14 @@ class RLRunner:
                     await asyncio.sleep(self.interval / 8)
                     continue
             await asyncio.sleep(self.interval)
+
+    def _rewind(self, step: int) -> None:
+        """Forget the reports of iterations ``step`` and later: the trainer trains them again from an
+        older policy, and the record's curve must stay strictly ascending (a record that repeats an
+        iteration is refused by the wire checks, which left the trainer silent until a re-plan)."""
+        if any(r.iteration >= step for r in self.reports):
+            self.reports = [r for r in self.reports if r.iteration < step]
+            self.run = RunFigures.of(self.reports)
 
     def _on_iteration(self, report: IterationReport) -> None:
         self.reports.append(report)

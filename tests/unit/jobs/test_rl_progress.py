@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import statistics
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -12,9 +13,11 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from peerd.cli.render import console, job_line, job_panel
+from peerd.errors import ProtocolError
 from peerd.jobs.records import Progress, TaskState, decode_progress, encode_progress
 from peerd.jobs.rl.progress import RunFigures, RunningMedian, figures, summary
 from peerd.jobs.rl.report import IterationReport
+from peerd.jobs.rl.runner import RLRunner
 from peerd.metrics import StatusCollector
 
 PEER = "QmS4b4CzEgSbXSUgnZKvJ99r3yBsz53Psgqi7fQT4nGrNk"
@@ -215,3 +218,27 @@ def test_a_record_built_as_reports_come_equals_one_built_from_all_of_them() -> N
     assert run.weight_sync_bytes == 300 * 1000
     with pytest.raises(ValueError):
         RunningMedian().value()
+
+
+def test_a_trainer_that_trains_iterations_again_rewinds_its_record() -> None:
+    """A re-plan resumed from an older policy: the trainer trains iterations 3.. again. A record that
+    repeats them would be refused by every reader's checks (the trainer fell silent); the runner
+    forgets their first reports."""
+    first = [report(i) for i in range(6)]
+    again = [report(i, reward_mean=1.0 + i) for i in range(3, 8)]
+    with pytest.raises(ProtocolError, match="rewards"):
+        encode_progress(trainer_record(first + again))
+    runner = SimpleNamespace(reports=list(first), run=RunFigures.of(first))
+    RLRunner._rewind(runner, 3)  # type: ignore[arg-type]
+    for r in again:
+        runner.reports.append(r)
+        runner.run.add(r)
+    assert [r.iteration for r in runner.reports] == list(range(8))
+    fig = runner.run.figures(8)
+    assert fig == figures(first[:3] + again, version=8)
+    assert [i for i, _, _ in fig.rewards] == list(range(1, 9)) and fig.rewards[3][1] == 4.0
+    assert decode_progress(encode_progress(trainer_record(first[:3] + again))).rl == figures(
+        first[:3] + again, 8
+    )
+    RLRunner._rewind(runner, 20)  # nothing to forget: the fold is kept as it is
+    assert runner.run.figures(8) == fig
