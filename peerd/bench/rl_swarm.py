@@ -143,6 +143,10 @@ class Settings:
     compare_colocated: bool = False
     """Also run the verl-like colocated plan on the same peers (``parallel.d_dp`` = peers: every peer
     samples its share, computes the reference and trains, averaging each update's gradients)."""
+    min_rollout_peers: int = 1
+    """``rl.min_rollout_peers`` of the one-trainer jobs: the consensus keeps at least this many rollout
+    peers (0: it may choose a lone trainer that samples every prompt itself, as it does on one
+    machine's shared cores; the async comparison needs rollout peers)."""
 
 
 def job_spec(
@@ -172,6 +176,8 @@ def job_spec(
             "loss": {"kl_coef": s.kl_coef},
             "warmup": {"steps": s.warmup_steps, "batch_size": 64, "lr": 3e-3, "seed": s.seed + 1},
             "rollout_timeout_s": 120,
+            # every peer a trainer leaves none to roll out
+            "min_rollout_peers": s.min_rollout_peers if trainers is None else 0,
         },
     }
     if trainers is not None:
@@ -540,7 +546,8 @@ def rl_swarm(s: Settings, png: str | None = None) -> dict[str, Any]:
     job = parse_job_spec(spec)
     plan = RLPlan(main.job_id, job)
     click.echo("evaluating the start (warm-up re-run) and the fetched end policy", err=True)
-    start, phases = start_and_phases(plan, s, len(alloc["spares"]))
+    # a lone trainer samples its prompts as one shard
+    start, phases = start_and_phases(plan, s, max(1, len(alloc["spares"])))
     with one_thread():
         end = assess(model, plan, s)
     launch_s = profile.launch_us * 1e-6 if profile.launch_us is not None else None
@@ -673,6 +680,14 @@ QUICK: dict[str, Any] = {
     help="Also run the verl-like colocated plan (every peer a data-parallel trainer sampling its own "
     "share) and the consensus plan, --compare-iterations each: measured and predicted iteration, ratio.",
 )
+@click.option(
+    "--min-rollout-peers",
+    default=1,
+    show_default=True,
+    type=click.IntRange(min=0),
+    help="Rollout peers the consensus keeps at least in the one-trainer jobs (0: it may choose a lone "
+    "trainer sampling every prompt itself).",
+)
 @click.option("--job-timeout", default=900.0, show_default=True, help="Seconds one job may take.")
 @click.option(
     "--quick",
@@ -702,6 +717,7 @@ def command(
     link_delay_ms: float,
     compare_only: bool,
     compare_colocated: bool,
+    min_rollout_peers: int,
     job_timeout: float,
     quick: bool,
     out: str | None,
@@ -730,6 +746,7 @@ def command(
         link_delay_ms=link_delay_ms,
         compare_only=compare_only,
         compare_colocated=compare_colocated,
+        min_rollout_peers=min_rollout_peers,
     )
     if quick:  # smaller defaults; what the command line gives explicitly still counts
         ctx = click.get_current_context()
@@ -737,6 +754,10 @@ def command(
         s = replace(s, **{k: v for k, v in QUICK.items() if k not in given})
     if s.peers < 2 or s.iterations < 2 or s.compare_iterations < 2:
         raise click.BadParameter("needs --peers >= 2, --iterations >= 2 and --compare-iterations >= 2")
+    if s.min_rollout_peers > s.peers - 1:
+        raise click.BadParameter(
+            f"at most --peers - 1 = {s.peers - 1} beside the trainer", param_hint="--min-rollout-peers"
+        )
     if (s.link_mbps is not None and not s.link_mbps > 0) or s.link_delay_ms < 0:
         raise click.BadParameter("needs --link-mbps > 0 and --link-delay-ms >= 0")
     if s.compare_colocated:

@@ -333,6 +333,7 @@ class RLRosterScorer:
         # the job's trainers (``parallel.d_dp``, ``auto`` = 1): every allocation it scores has as many
         d_dp = spec.parallel.d_dp
         self.replicas = d_dp if isinstance(d_dp, int) else 1
+        self.min_rollouts = spec.rl_settings().min_rollout_peers
         self._models: OrderedDict[bytes, _Model] = OrderedDict()
         self.evaluations = 0
 
@@ -355,6 +356,12 @@ class RLRosterScorer:
             raise ConfigError(
                 "stages", f"the job runs {self.replicas} trainer(s), the allocation has {len(trainers)}"
             )
+        need = required_rollouts(self.min_rollouts, len(roster.entries), self.spec.max_peers, self.replicas)
+        if len(rollouts) < need:
+            raise ConfigError(
+                "rl.min_rollout_peers",
+                f"the job keeps {need} rollout peer(s) on this roster, got {len(rollouts)}",
+            )
         return self._model(roster).predict(trainers, rollouts)
 
     def __call__(self, roster: Roster, allocation: Allocation) -> float:
@@ -365,7 +372,17 @@ class RLRosterScorer:
         self, scenario: Scenario, seed: int, time_budget: float, config: SearchConfig | None = None
     ) -> RoleIsland:
         """A search over role assignments of ``scenario`` (``seed`` and ``config`` unused: it is deterministic)."""
-        return RoleIsland(_Model(scenario, self.workload), self.spec.max_peers, self.replicas)
+        return RoleIsland(
+            _Model(scenario, self.workload), self.spec.max_peers, self.replicas, self.min_rollouts
+        )
+
+
+def required_rollouts(min_rollouts: int, roster: int, max_peers: int | None, replicas: int) -> int:
+    """The rollout peers an allocation must keep: ``rl.min_rollout_peers``, or as many peers as the
+    roster (within ``max_peers``) has beyond the trainers, whichever is fewer (a job that lost peers
+    runs on with fewer instead of stalling)."""
+    room = min(roster, max_peers or roster) - replicas
+    return max(0, min(min_rollouts, room))
 
 
 def with_bandwidths(roster: Roster, jm: JobModel) -> Scenario:
@@ -408,9 +425,10 @@ class _Counter:
 class RoleIsland:
     """Role assignments of R trainers and their rollout peers, searched deterministically.
 
-    One trainer (R = 1): every peer is tried as the trainer with every other peer rolling out (n
-    evaluations); then each ``step`` drops the rollout peer whose removal helps most (a slow or
-    badly linked peer can cost its equal share more than it adds), until nothing helps.
+    One trainer (R = 1): every peer is tried as the trainer with every other peer rolling out, and
+    alone (2n evaluations); then each ``step`` drops the rollout peer whose removal helps most (a
+    slow or badly linked peer can cost its equal share more than it adds), until nothing helps.
+    No candidate keeps fewer rollout peers than the job requires (``required_rollouts``).
 
     R trainers: start from the R peers of the highest measured TFLOPS as trainers (training is the
     compute-bound task) with the rest rolling out, and from the same trainers colocated (no rollout
@@ -423,7 +441,9 @@ class RoleIsland:
     ``best_cost``, ``accept``).
     """
 
-    def __init__(self, model: _Model, max_peers: int | None, replicas: int = 1) -> None:
+    def __init__(
+        self, model: _Model, max_peers: int | None, replicas: int = 1, min_rollouts: int = 0
+    ) -> None:
         self.model = model
         self.replicas = replicas
         self.obj = _Counter()
@@ -431,6 +451,7 @@ class RoleIsland:
         self._best: tuple[float, Allocation] | None = None
         peers = sorted(model.index)
         self.limit = min(max_peers or len(peers), len(peers))
+        self.required = required_rollouts(min_rollouts, len(peers), max_peers, replicas)
         if len(peers) == replicas:
             self._consider(tuple(peers), ())
         elif replicas == 1:
@@ -438,6 +459,7 @@ class RoleIsland:
                 others = tuple(p for p in peers if p != trainer)[: max(self.limit - 1, 0)]
                 if others:
                     self._consider((trainer,), others)
+                self._consider((trainer,), ())
         elif len(peers) > replicas and self.limit >= replicas:
             tflops = {d.id: d.tflops for d in model.scenario.devices}
             ranked = sorted(peers, key=lambda p: (-tflops[p], p))
@@ -447,6 +469,8 @@ class RoleIsland:
         self._frozen = False
 
     def _consider(self, trainers: tuple[str, ...], rollouts: tuple[str, ...]) -> float:
+        if len(rollouts) < self.required:
+            return math.inf
         self.obj.evaluations += 1
         try:
             cost = self.model.predict(trainers, tuple(sorted(rollouts)))
@@ -465,7 +489,7 @@ class RoleIsland:
             cost, alloc = self._best
             if self.replicas == 1:
                 trainer, rollouts = alloc.devices[0], alloc.spares
-                if len(rollouts) < 2:
+                if len(rollouts) <= self.required:
                     self._frozen = True
                     return False
                 for drop in rollouts:

@@ -302,6 +302,14 @@ class JobSpec:
                 )
             )
         trainers = self.parallel.d_dp if isinstance(self.parallel.d_dp, int) else 1
+        if self.max_peers is not None and self.max_peers < trainers + rl.min_rollout_peers:
+            out.append(
+                ConfigError(
+                    "rl.min_rollout_peers",
+                    f"{rl.min_rollout_peers} rollout peers beside {trainers} trainer(s) need max_peers >= "
+                    f"{trainers + rl.min_rollout_peers}, got {self.max_peers}",
+                )
+            )
         g = rl.group_size
         if min(g, self.global_batch, self.micro_batch) < 1:
             pass  # their bounds are reported already

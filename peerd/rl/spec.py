@@ -11,7 +11,8 @@ How an ``rl`` job reads the rest of the spec (``peerd.jobs.spec`` checks it):
   share of every update's groups (so ``micro_batch / group_size`` is a multiple of ``d_dp``) and
   they average each update's gradients; every other peer of the allocation is a rollout peer,
   dealt round-robin over the trainers, and a trainer left without one samples its share itself
-  (with ``d_dp`` peers, every one of them: the colocated plan). ``min_peers`` is at least ``d_dp``.
+  (with ``d_dp`` peers, every one of them: the colocated plan). ``min_peers`` is at least ``d_dp``;
+  ``max_peers``, when given, leaves room for ``rl.min_rollout_peers`` beside the trainers.
 
 Nothing here does I/O; the job's runtime lives in ``peerd.jobs.rl``.
 """
@@ -50,6 +51,12 @@ class RLSpec:
     warmup: WarmupConfig = field(default_factory=lambda: WarmupConfig(steps=0))
     """Supervised warm-up on correct answers that the trainer runs before iteration 0 (``steps: 0``
     starts GRPO from the model's initial weights); the reference is the policy after it."""
+    min_rollout_peers: Annotated[int, Range(ge=0, le=4096)] = 0
+    """Peers the allocation keeps as rollout peers at least, where the roster (and ``max_peers``) has
+    them beyond the trainers; the consensus may choose more. 0: it chooses freely, and may give
+    every prompt to the trainers, which sample their own shares (fastest where the peers share one
+    machine's cores). Async mode (``staleness`` >= 1) overlaps generation with training only on
+    rollout peers."""
     rollout_timeout_s: Annotated[float, Range(gt=0, le=3600)] = 120.0
     """How long the trainer waits for an iteration's rollout shards; a shard still missing then is
     dropped (counted) and the iteration trains on the others."""

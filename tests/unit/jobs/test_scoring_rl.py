@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from peerd.errors import ConfigError
-from peerd.jobs.scoring_rl import RLRosterScorer, rl_workload, roles
+from peerd.jobs.scoring_rl import RLRosterScorer, required_rollouts, rl_workload, roles
 from peerd.jobs.spec import JobSpec, parse_job_spec
 from peerd.sched.allocation import Allocation
 from peerd.sched.consensus.messages import Roster, RosterDevice, RosterEntry, RosterLink
@@ -96,7 +96,7 @@ def test_roles_and_their_errors() -> None:
 
 
 def test_the_fastest_peer_trains_and_more_rollout_peers_generate_faster() -> None:
-    spec = parse_job_spec(RL_JOB)
+    spec = parse_job_spec({**RL_JOB, "rl": {**RL_JOB["rl"], "min_rollout_peers": 1}})
     r = roster([0.05, 0.2, 0.05, 0.05], [5e9] * 4, link_bps=1e11)  # each copy of the weights is cheap
     scorer = RLRosterScorer(spec)
     island = scorer.island(scorer.scenario(r), seed=0, time_budget=1.0)
@@ -327,3 +327,40 @@ def test_the_scorer_takes_the_specs_number_of_trainers() -> None:
         RLRosterScorer(dp_spec(2))(r, Allocation(((PEERS[0],),), (PEERS[1],)))
     with pytest.raises(ConfigError, match="do not split"):  # 8 prompts over 3 trainers
         RLRosterScorer(dp_spec(3))(r, Allocation(((PEERS[0], PEERS[1], PEERS[2]),), (PEERS[3],)))
+
+
+def test_a_lone_trainer_wins_where_sampling_on_it_is_fastest_unless_the_job_keeps_rollout_peers() -> None:
+    """One fast peer and three 20x slower ones: it samples its prompts faster than they would."""
+    r = roster([0.2, 0.01, 0.01, 0.01], [5e10, 5e8, 5e8, 5e8], link_bps=1e11)
+    spec = parse_job_spec(RL_JOB)
+    scorer = RLRosterScorer(spec)
+    island = scorer.island(scorer.scenario(r), seed=0, time_budget=1.0)
+    island.step(5)
+    lone = island.best(1)[0]
+    assert roles(lone) == ((PEERS[0],), ())
+    assert scorer(r, lone) == island.best_cost() < scorer(r, Allocation(((PEERS[0],),), (PEERS[1],)))
+    # a job that keeps two rollout peers: no candidate with fewer, and a peer refuses one
+    keep = parse_job_spec({**RL_JOB, "rl": {**RL_JOB["rl"], "min_rollout_peers": 2}})
+    kept = RLRosterScorer(keep)
+    island = kept.island(kept.scenario(r), seed=0, time_budget=1.0)
+    island.step(5)
+    (trainer,), rollouts = roles(island.best(1)[0])
+    assert trainer == PEERS[0] and len(rollouts) >= 2
+    with pytest.raises(ConfigError, match="min_rollout_peers"):
+        kept(r, Allocation(((PEERS[0],),), (PEERS[1],)))
+    # a roster that lost peers: the job keeps what it has beyond the trainer
+    assert kept(roster([0.2, 0.01], [5e10, 5e8]), Allocation(((PEERS[0],),), (PEERS[1],))) > 0
+    assert required_rollouts(2, roster=4, max_peers=2, replicas=1) == 1
+    assert required_rollouts(0, roster=4, max_peers=None, replicas=1) == 0
+
+
+def test_the_spec_refuses_more_rollout_peers_than_max_peers_leaves() -> None:
+    with pytest.raises(ConfigError, match=r"rl\.min_rollout_peers"):
+        parse_job_spec(
+            {
+                **RL_JOB,
+                "max_peers": 3,
+                "parallel": {"d_pp": 1, "d_dp": 2},
+                "rl": {**RL_JOB["rl"], "min_rollout_peers": 2},
+            }
+        )

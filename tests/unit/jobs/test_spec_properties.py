@@ -79,6 +79,7 @@ ZERO_OK = {  # a 0 that means something
     "planning.max_skew_s",
     "planning.placement_seed",
     "rl.staleness",  # synchronous
+    "rl.min_rollout_peers",  # the consensus chooses freely
     "rl.sampling.top_k",  # no top-k
     "rl.loss.kl_coef",  # no KL term
     "rl.task.reward.correct_weight",  # only one of the two weights may be 0
