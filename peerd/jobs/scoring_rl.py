@@ -8,7 +8,8 @@ iteration's prompts); the allocation's spares are the **rollout peers** (``gener
 serves trainer i % R) and split their trainer's prompts equally; a trainer left without a rollout
 peer samples its own prompts (colocated: generation time-shares its device, before its reference
 pass). No spares at all is the verl-like colocated plan: every trainer generates, scores and trains
-its share. Every peer re-scores a candidate with the RL cost model (``peerd.sched.rl``) on the
+its share (with R = 1, a lone trainer). An allocation keeps at least ``rl.min_rollout_peers`` rollout
+peers where the roster has them (``required_rollouts``); scoring refuses one with fewer. Every peer re-scores a candidate with the RL cost model (``peerd.sched.rl``) on the
 roster alone, so the consensus compares role assignments with the same arithmetic as
 ``peerd plan --kind rl``:
 
