@@ -101,7 +101,7 @@ class Settings:
     """What the bench runs (the command line's values); defaults met the target on 4 CPU daemons."""
 
     peers: int = 4
-    """Daemons on loopback: one trainer, the others rollout peers (as the consensus places them)."""
+    """Daemons on loopback: one trainer and rollout peers among them, as the consensus places them."""
     task: str = "addition"
     """The verifiable task (``peerd.rl.tasks``)."""
     min_size: int = 1
@@ -635,7 +635,12 @@ QUICK: dict[str, Any] = {
 
 
 @click.command("rl-swarm")
-@click.option("--peers", default=4, show_default=True, help="Daemons (one trainer, the rest roll out).")
+@click.option(
+    "--peers",
+    default=4,
+    show_default=True,
+    help="Daemons (the consensus makes one the trainer and others rollout peers).",
+)
 @click.option("--task", "task_name", type=click.Choice(sorted(TASKS)), default="addition", show_default=True)
 @click.option("--min-size", default=1, show_default=True, help="Smallest operand digits / string length.")
 @click.option("--max-size", default=1, show_default=True, help="Largest operand digits / string length.")
