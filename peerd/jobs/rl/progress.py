@@ -1,10 +1,10 @@
 """An rl job's GRPO figures in its trainer's progress record, and back out of it for ``peerd status``.
 
 ``RunFigures`` folds the trainer's per-iteration reports, one at a time as they come, into the
-record's ``RLFigures`` (the reward and pass-rate curve downsampled like the loss curve, run totals
-of drops, staleness and weight-sync bytes, the latest and the largest KL, the latest length and rate, the median seconds of
-each phase); ``summary`` turns the records a daemon reads
-into the ``progress.rl`` section of a job view (``peerd status --json``, the panel, ``/metrics``).
+record's ``RLFigures``: the reward and pass-rate curve downsampled like the loss curve, run totals
+of drops, staleness and weight-sync bytes, the latest and the largest KL, the latest length and
+rate, the median seconds of each phase. ``summary`` turns the records a daemon reads into the
+``progress.rl`` section of a job view (``peerd status --json``, the panel, ``/metrics``).
 """
 
 from __future__ import annotations
@@ -95,8 +95,7 @@ class RunFigures:
                 self._phases.setdefault(phase, RunningMedian()).add(seconds)
 
     def figures(self, version: int) -> RLFigures:
-        """The record's figures: the reward and pass-rate curve downsampled like the loss curve, the
-        run's totals, the latest and the largest KL, the latest length and rate, the median seconds of each phase."""
+        """The record's figures for the trainer's policy ``version`` (see the module docstring)."""
         last = self.last
         names = sorted(self._phases)[:MAX_PHASES]
         return RLFigures(
