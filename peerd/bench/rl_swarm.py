@@ -405,6 +405,15 @@ def compare_arms(swarm: LocalSwarm, s: Settings, main: Followed | None = None) -
     return arms
 
 
+def placement_spec(s: Settings, arm: str) -> dict[str, Any]:
+    """The sync job of placement arm ``arm``: ``consensus`` (as the peers place it) or ``colocated``
+    (every peer a trainer)."""
+    trainers = s.peers if arm == "colocated" else None
+    return job_spec(
+        s, staleness=0, iterations=s.compare_iterations, name=f"rl-swarm-{arm}", trainers=trainers
+    )
+
+
 def colocated_arms(swarm: LocalSwarm, s: Settings, main: Followed) -> dict[str, Followed]:
     """The consensus plan and the verl-like colocated plan (every peer a trainer) of the same sync job
     on ``swarm``; ``main`` stands for the consensus arm when it is that job."""
@@ -413,16 +422,9 @@ def colocated_arms(swarm: LocalSwarm, s: Settings, main: Followed) -> dict[str, 
         arms["consensus"] = main
     else:
         click.echo(f"colocated comparison: the consensus plan, {s.compare_iterations} iterations", err=True)
-        arms["consensus"] = follow(
-            swarm,
-            job_spec(s, staleness=0, iterations=s.compare_iterations, name="rl-swarm-consensus"),
-            s.job_timeout_s,
-        )
+        arms["consensus"] = follow(swarm, placement_spec(s, "consensus"), s.job_timeout_s)
     click.echo(f"colocated comparison: {s.peers} trainers, {s.compare_iterations} iterations", err=True)
-    spec = job_spec(
-        s, staleness=0, iterations=s.compare_iterations, name="rl-swarm-colocated", trainers=s.peers
-    )
-    arms["colocated"] = follow(swarm, spec, s.job_timeout_s)
+    arms["colocated"] = follow(swarm, placement_spec(s, "colocated"), s.job_timeout_s)
     for name, f in arms.items():
         if f.view.get("state") != "done":
             raise PeerdError(f"the {name} arm ended {f.view.get('state')}: {f.view.get('reason')}")
@@ -607,18 +609,7 @@ def rl_swarm(s: Settings, png: str | None = None) -> dict[str, Any]:
     if s.compare_async is not None:
         out["compare_async"] = comparison_report(s, arms, phases, plan, cores)
     if placements:
-        specs = {
-            name: parse_job_spec(
-                job_spec(
-                    s,
-                    staleness=0,
-                    iterations=s.compare_iterations,
-                    name=name,
-                    trainers=s.peers if name == "colocated" else None,
-                )
-            )
-            for name in placements
-        }
+        specs = {name: parse_job_spec(placement_spec(s, name)) for name in placements}
         views = {name: f.view for name, f in placements.items()}
         out["compare_colocated"] = colocated_report(views, specs, status, profile.memory_gb_s * 1e9, launch_s)
     if png:
@@ -769,7 +760,7 @@ def command(
         if s.compare_only:
             raise click.BadParameter("--compare-colocated runs beside the main job, not with --compare-only")
         try:  # every peer a trainer: each needs an equal share of every update
-            job_spec(s, staleness=0, iterations=s.compare_iterations, name="colocated", trainers=s.peers)
+            placement_spec(s, "colocated")
         except PeerdError as exc:
             raise click.BadParameter(f"--compare-colocated with {s.peers} peers: {exc}") from exc
     if s.compare_only:
