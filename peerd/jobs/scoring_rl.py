@@ -23,8 +23,9 @@ roster alone, so the consensus compares role assignments with the same arithmeti
   runtime dispatches per unit of work, counted on its own code (``peerd.rl.launches``; each costs
   the peer's measured ``launch_s``);
 - training is data parallel over the trainers (``sched.rl``'s ``Layout(R, 1, 1)``): each update
-  is one pass over a trainer's share of the update's groups, then the trainers average their fp32
-  gradients with a ring all-reduce, ``2(R-1)/R`` of the gradient bytes over the slowest link
+  is one pass over a trainer's share of the update's groups, then the trainers average their
+  gradients (fp32, or ``compression.gradient_bits`` per element plus the codec's scales: ``peerd.jobs.rl.means``)
+  with a ring all-reduce, ``2(R-1)/R`` of the gradient bytes over the slowest link
   between trainers plus ``2(R-1)`` of the largest delay, once per optimizer update;
 - the weights reach the rollout peers as the runtime sends them: each trainer to its own rollout
   peers (``weight_sync: star``, the R stars in parallel); a colocated trainer needs no sync;
@@ -53,6 +54,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from peerd.averaging import GradientCompression
 from peerd.errors import ConfigError
 from peerd.jobs.optimizer import optimizer_config
 from peerd.jobs.scoring import CACHE_ROSTERS, JobModel, RosterScorer, job_model, roster_scenario
@@ -93,6 +95,14 @@ FP32 = CostConstants(
     logit_bytes=4.0,
     recompute=False,
 )
+
+
+def gradient_wire_bytes(bits: int | None) -> float | None:
+    """Bytes per gradient element on the trainers' averaging wire: ``bits`` per code plus one bfloat16
+    scale per group of the averaging codec (``peerd.averaging.GradientCompression``); None: fp32."""
+    if bits is None:
+        return None
+    return bits / 8 + 2 / GradientCompression().group_size
 
 
 def rl_workload(spec: JobSpec) -> Workload:
@@ -140,7 +150,9 @@ def rl_workload(spec: JobSpec) -> Workload:
         staleness=rl.staleness,
         weight_sync="star",  # every rollout peer takes the weights from the trainer
         name=spec.name or f"rl-{rl.task.name}",
-        constants=FP32,
+        constants=dataclasses.replace(
+            FP32, grad_wire_bytes=gradient_wire_bytes(spec.compression.gradient_bits)
+        ),
     )
 
 

@@ -288,10 +288,19 @@ class JobSpec:
             )
         if self.data != DataConfig():
             out.append(ConfigError("data", "rl jobs take their problems from rl.task: leave data out"))
-        if self.compression != CompressionSpec():
+        trainers = self.parallel.d_dp if isinstance(self.parallel.d_dp, int) else 1
+        if dataclasses.replace(self.compression, gradient_bits=None) != CompressionSpec():
             out.append(
                 ConfigError(
-                    "compression", "rl jobs have no pipeline streams and average in fp32: leave it out"
+                    "compression",
+                    "rl jobs have no pipeline streams: only compression.gradient_bits applies",
+                )
+            )
+        if self.compression.gradient_bits is not None and trainers < 2:
+            out.append(
+                ConfigError(
+                    "compression.gradient_bits",
+                    "a lone trainer averages no gradients: set parallel.d_dp >= 2 or leave it out",
                 )
             )
         if self.parallel.d_pp not in ("auto", 1):
@@ -301,7 +310,6 @@ class JobSpec:
                     f"rl jobs run one stage (data-parallel trainers: d_dp): must be 1 or auto, got {self.parallel.d_pp}",
                 )
             )
-        trainers = self.parallel.d_dp if isinstance(self.parallel.d_dp, int) else 1
         if self.max_peers is not None and self.max_peers < trainers + rl.min_rollout_peers:
             out.append(
                 ConfigError(

@@ -20,6 +20,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -27,8 +28,16 @@ from peerd.models.gpt import GPT
 from peerd.rl.loss import GRPOLossConfig, LossParts, group_advantages, grpo_loss
 from peerd.rl.rollout import PackedBatch, token_logprobs
 
-Average = Callable[[list[torch.Tensor]], list[torch.Tensor]]
-"""The mean of each tensor over a data-parallel group, identical on every member."""
+
+class Average(Protocol):
+    """The mean of each tensor over a data-parallel group, identical on every member.
+
+    ``exact``: how many of the trailing tensors must come back exact (counts, figures, weights): a
+    group that compresses gradients averages them apart, losslessly; the others may come back
+    quantized (with error feedback).
+    """
+
+    def __call__(self, tensors: list[torch.Tensor], exact: int = 0) -> list[torch.Tensor]: ...
 
 
 @dataclass(frozen=True)
@@ -144,7 +153,7 @@ def _replicas_backward(
     grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
     stats = torch.cat([torch.tensor([float(groups)], dtype=torch.float32), sums])
     if average is not None:
-        *grads, stats = average([*grads, stats])
+        *grads, stats = average([*grads, stats], exact=1)  # the groups count scales the gradients
     mean_groups = float(stats[0])
     if mean_groups <= 0:  # no replica had a group: no update anywhere
         for p in params:

@@ -8,8 +8,8 @@ prompts itself meanwhile; once the swarm no longer lists the dead peer, every da
 (a suspected spare that left the membership is gone) and the next epoch runs without it. The
 job ends done with every iteration trained, and only the dead peer's in-flight rollouts lost.
 
-With two data-parallel trainers (``parallel.d_dp: 2``) the killed peer is a trainer: the other's
-average fails, it stops, and the re-plan makes two of the survivors the trainers; they resume from
+With two data-parallel trainers (``parallel.d_dp: 2``, averaging 8-bit gradients) the killed peer is
+a trainer: the other's average fails, it stops, and the re-plan makes two of the survivors the trainers; they resume from
 the newest version one of them declares and finish the job.
 """
 
@@ -166,6 +166,7 @@ def test_a_killed_data_parallel_trainer_is_replaced_and_the_job_finishes(
         checkpoint_interval=DP_ITERATIONS,
         global_batch=64,  # 8 prompts x 8: two updates of 4 groups, 2 per trainer each
         micro_batch=32,
+        compression={"gradient_bits": 8},  # the trainers' groups of every epoch average 8-bit gradients
     )
     job_id, views = _submit_and_train(swarm, spec, peerd_cli)
     job = _job(views, job_id)
@@ -188,6 +189,9 @@ def test_a_killed_data_parallel_trainer_is_replaced_and_the_job_finishes(
     rl = job["progress"]["rl"]
     assert rl["iteration"] == DP_ITERATIONS and rl["version"] == DP_ITERATIONS, rl
     assert rl["rewards"][-1][0] == DP_ITERATIONS
+    # the trainers' records count their averaging: 8-bit gradients, exact counts and start weights
+    sent = job["progress"]["bytes"]
+    assert sent["averaging"] > 0 and 3 < job["progress"]["compression_ratio"] < 4, sent
     final = job["allocation"]
     assert len(final["stages"][0]) == 2 and victim.info.peer_id not in (*final["stages"][0], *final["spares"])
     assert any(victim.info.peer_id in c for c in _causes(views, job_id)), job.get("churn")

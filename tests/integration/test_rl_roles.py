@@ -12,9 +12,10 @@ import torch
 from hivemind.p2p import P2P
 
 from peerd.averaging import GroupAllReduce
-from peerd.errors import ErrorCode, ProtocolError
+from peerd.errors import ErrorCode, PeerUnavailable, ProtocolError
 from peerd.jobs.fetch import assemble
 from peerd.jobs.rl import RLPlan, RLTrainer, RolloutConfig, RolloutPeer, TrainerConfig, reference_run
+from peerd.jobs.rl.means import TrainerMeans, trainers_group
 from peerd.jobs.rl.messages import (
     KIND_ACK,
     KIND_STATUS,
@@ -28,7 +29,6 @@ from peerd.jobs.rl.messages import (
     to_wire,
 )
 from peerd.jobs.rl.shards import assign_shards, sample_shard, shard_ranges
-from peerd.jobs.rl.trainer import trainers_group
 from peerd.jobs.spec import parse_job_spec
 from peerd.models import load_checkpoint
 from peerd.pipeline.statesync import StateSyncConfig
@@ -51,9 +51,12 @@ def plan(
     warmup: int = 30,
     global_batch: int = 24,
     micro_batch: int = 12,
+    gradient_bits: int | None = None,
 ) -> RLPlan:
     spec = parse_job_spec(
         {
+            "compression": {"gradient_bits": gradient_bits},
+            "parallel": {"d_pp": 1, "d_dp": "auto" if gradient_bits is None else 2},
             "kind": "rl",
             "name": "rl-roles",
             "model": {"preset": "tiny", "seed": 3},
@@ -200,9 +203,11 @@ def test_sync_job_equals_the_single_process_reference(swarm: Swarm, tmp_path, in
         assert torch.equal(model.state_dict()[name], tensor), name
 
 
-def test_data_parallel_trainers_one_fed_by_a_rollout_peer_one_colocated_equal_the_reference(swarm: Swarm):
-    """Two trainers average every update; the rollout peer serves trainer 0, trainer 1 samples its half."""
-    p = plan("d1" * 16, global_batch=32, micro_batch=16)  # 8 prompts, 4 per trainer; 2 groups each per update
+def two_trainers(
+    swarm: Swarm, p: RLPlan, means: Callable[[Transport, list[Any]], TrainerMeans]
+) -> tuple[list[RLTrainer], Any]:
+    """Trainers 0 (on ``swarm.trainer``, fed by the rollout peer ``r2``) and 1 (on ``r1``, sampling its
+    own half) of ``p``, averaging over ``means(transport, ids)``; their trainers and r2's stats."""
 
     async def go() -> tuple[list[RLTrainer], Any]:
         hosts = [swarm.trainer, swarm.r1]
@@ -215,7 +220,7 @@ def test_data_parallel_trainers_one_fed_by_a_rollout_peer_one_colocated_equal_th
                 config=TrainerConfig(poll_hold_s=5, statesync=FAST_SYNC),
                 trainers=2,
                 replica=r,
-                group=GroupAllReduce(t, ids, key=f"rl/{p.job_id}/0", timeout=60),
+                group=means(t, ids),
             )
             for r, t in enumerate(hosts)
         ]
@@ -233,7 +238,15 @@ def test_data_parallel_trainers_one_fed_by_a_rollout_peer_one_colocated_equal_th
             for t in trainers:
                 await t.close()
 
-    (first, second), stats = swarm.run(go(), timeout=300)
+    return swarm.run(go(), timeout=300)  # type: ignore[no-any-return]
+
+
+def test_data_parallel_trainers_one_fed_by_a_rollout_peer_one_colocated_equal_the_reference(swarm: Swarm):
+    """Two trainers average every update; the rollout peer serves trainer 0, trainer 1 samples its half."""
+    p = plan("d1" * 16, global_batch=32, micro_batch=16)  # 8 prompts, 4 per trainer; 2 groups each per update
+    (first, second), stats = two_trainers(
+        swarm, p, lambda t, ids: TrainerMeans(GroupAllReduce(t, ids, key=f"rl/{p.job_id}/0", timeout=60))
+    )
     ref = reference_run(p, rollout_peers=1, trainers=2)
     assert len(first.reports) == len(second.reports) == len(ref) == 4
     for a, b, want in zip(first.reports, second.reports, ref, strict=True):
@@ -250,6 +263,85 @@ def test_data_parallel_trainers_one_fed_by_a_rollout_peer_one_colocated_equal_th
     assert first.refused == {} == second.refused
 
 
+def test_data_parallel_trainers_compress_their_gradients_and_keep_their_figures_exact(swarm: Swarm):
+    """``compression.gradient_bits: 8``: the updates' gradients travel as 8-bit codes with error
+    feedback, a little over a quarter of their fp32 bytes; the group counts that scale them, the
+    figures and the start weights travel exact, so both trainers report the same pooled figures and
+    hold bit-equal policies."""
+    p = plan("d3" * 16, global_batch=32, micro_batch=16, gradient_bits=8)
+    made: list[TrainerMeans] = []
+
+    def means(transport: Transport, ids: list[Any]) -> TrainerMeans:
+        made.append(trainers_group(transport, ids, p, epoch=0))
+        return made[-1]
+
+    (first, second), _ = two_trainers(swarm, p, means)
+    ref = reference_run(p, rollout_peers=1, trainers=2)  # the same job averaging in fp32
+    for a, b in zip(first.reports, second.reports, strict=True):
+        assert a.rollouts == b.rollouts == 32
+        assert (a.reward_mean, a.pass_rate, a.loss, a.kl) == (b.reward_mean, b.pass_rate, b.loss, b.kl)
+    # iteration 0 is sampled before any update: its pooled rewards are the fp32 run's
+    assert first.reports[0].reward_mean == pytest.approx(ref[0].reward_mean, abs=1e-6)
+    assert first.reports[0].loss == pytest.approx(ref[0].loss, abs=1e-2)
+    mine, theirs = first.learner.policy.state_dict(), second.learner.policy.state_dict()
+    assert all(torch.equal(mine[k], theirs[k]) for k in mine)
+    for m in made:
+        assert m.exact is not None
+        gradients, exact = m.gradients.stats, m.exact.stats
+        assert gradients.steps == 4 * 2 and exact.steps == 2 + 4 * 2  # the alignment's two go exact only
+        assert 0.25 < gradients.bytes_sent / gradients.raw_bytes_sent < 0.3
+        assert exact.bytes_sent > exact.raw_bytes_sent > 0  # fp32 and the frames' headers
+    # each trainer's reports count what its groups sent: its record's ``averaging`` bytes
+    for trainer, m in zip((first, second), made, strict=True):
+        sent = (
+            sum(r.averaging_bytes for r in trainer.reports),
+            sum(r.averaging_raw_bytes for r in trainer.reports),
+        )
+        assert sent == m.bytes_sent() and 0.25 < sent[0] / sent[1] < 0.5
+
+
+def test_compressing_means_keep_the_exact_tail_exact_and_fail_with_the_groups_error(swarm: Swarm):
+    """A call's last ``exact`` tensors are averaged losslessly beside the 8-bit rest; a member that
+    never calls fails the other's call with the averaging's own error, as an uncompressed group does."""
+    hosts = [swarm.trainer, swarm.r1]
+    ids = [h.peer_id for h in hosts]
+
+    def means(t: Transport, key: str) -> TrainerMeans:
+        return TrainerMeans(
+            GroupAllReduce(t, ids, key=key, compressor="q8", timeout=2),
+            GroupAllReduce(t, ids, key=f"{key}/exact", timeout=2),
+        )
+
+    grads = [torch.linspace(-1, 1, 1000) * (r + 1) for r in range(2)]
+    counts = [torch.tensor([3.0, 1 / 3]), torch.tensor([5.0, 2 / 7])]
+
+    async def go() -> tuple[list[list[torch.Tensor]], BaseException]:
+        pairs = [means(t, "m1") for t in hosts]
+        loop = asyncio.get_running_loop()
+        try:
+            calls = [pair.mean(loop) for pair in pairs]
+            got = await asyncio.gather(
+                *(asyncio.to_thread(c, [g, n], 1) for c, g, n in zip(calls, grads, counts, strict=True))
+            )
+        finally:
+            for pair in pairs:
+                await pair.close()
+        alone = means(hosts[0], "m2")
+        try:
+            await asyncio.to_thread(alone.mean(loop), [grads[0], counts[0]], 1)
+        except BaseException as exc:
+            return got, exc
+        finally:
+            await alone.close()
+        raise AssertionError("a call without the other member succeeded")
+
+    (first, second), error = swarm.run(go())
+    assert torch.equal(first[1], (counts[0] + counts[1]) / 2) and torch.equal(first[1], second[1])
+    assert torch.equal(first[0], second[0]) and not torch.equal(first[0], (grads[0] + grads[1]) / 2)
+    assert torch.allclose(first[0], (grads[0] + grads[1]) / 2, atol=2 * 2 / 127)
+    assert isinstance(error, PeerUnavailable), repr(error)  # not an ExceptionGroup of the two groups
+
+
 def test_trainers_average_gradients_of_very_different_norms(swarm: Swarm):
     """A trainer whose groups all scored alike has only the KL term's gradient: far smaller than
     another's, and honest. Averaging's relative screen would refuse the other (and again after every
@@ -261,7 +353,9 @@ def test_trainers_average_gradients_of_very_different_norms(swarm: Swarm):
 
     async def go() -> list[list[torch.Tensor]]:
         try:
-            return await asyncio.gather(groups[0].allreduce(0, [small]), groups[1].allreduce(0, [big]))
+            return await asyncio.gather(
+                groups[0].gradients.allreduce(0, [small]), groups[1].gradients.allreduce(0, [big])
+            )
         finally:
             for g in groups:
                 await g.close()

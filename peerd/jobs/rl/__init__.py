@@ -5,6 +5,7 @@
 - ``learner``: the trainer's arithmetic (warm-up, reference, GRPO updates), pure;
 - ``reference``: the single-process sharded reference a swarm run is checked against;
 - ``intake``: the trainer's intake of shards (taken, turned down, refused, waited for), pure;
+- ``means``: the data-parallel trainers' averaging (gradients maybe compressed, figures exact);
 - ``trainer`` / ``rollout``: the two roles, thin async shells over the above;
 - ``runner``: ``RLRunner``, this peer's role across commits (the job manager's runner for ``rl``);
 - ``progress``: the trainer's figures in its progress record and back.

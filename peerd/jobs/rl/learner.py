@@ -105,7 +105,9 @@ class Learner:
         for model in (self.policy, self.reference):
             values = [v for v in model.state_dict().values() if v.is_floating_point()]
             with torch.no_grad():
-                for v, mean in zip(values, average([v.detach() for v in values]), strict=True):
+                for v, mean in zip(
+                    values, average([v.detach() for v in values], exact=len(values)), strict=True
+                ):
                     v.copy_(mean)
         self.torn = False
 

@@ -63,6 +63,7 @@ class RunFigures:
         self.kl_max: float | None = None
         self.lags: dict[int, int] = {}
         self.dropped_stale = self.dropped_late = self.shards_missing = self.weight_sync_bytes = 0
+        self.averaging_bytes = self.averaging_raw_bytes = 0  # the record's ``bytes``, not its ``rl`` map
         # the first iteration waits for the first rollouts of the run: the steady figures leave it out
         self._seen = 0
         self._steady_rollouts = 0
@@ -87,6 +88,8 @@ class RunFigures:
         self.dropped_late += r.dropped_late
         self.shards_missing += r.shards_missing
         self.weight_sync_bytes += r.weight_sync_bytes
+        self.averaging_bytes += r.averaging_bytes
+        self.averaging_raw_bytes += r.averaging_raw_bytes
         self._seen += 1
         if self._seen > 1 and r.rollouts_per_s > 0:
             self._steady_rollouts += r.rollouts

@@ -53,6 +53,10 @@ class IterationReport:
     """Completions refused since the last report because their iteration was trained already."""
     weight_sync_bytes: int = 0
     """Weight bytes served to rollout peers since the last report."""
+    averaging_bytes: int = 0
+    """Bytes this trainer sent to average with the other data-parallel trainers since the last report."""
+    averaging_raw_bytes: int = 0
+    """What those would have been as raw fp32 (more than ``averaging_bytes`` when gradients are compressed)."""
     seconds: dict[str, float] = field(default_factory=dict)
     """Seconds per phase (``PHASES``, and ``generate`` when the shards said)."""
     rollouts_per_s: float = 0.0

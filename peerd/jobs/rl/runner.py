@@ -32,17 +32,17 @@ from typing import Any
 
 import torch
 
-from peerd.averaging import GroupAllReduce
 from peerd.errors import ConfigError, PeerdError
 from peerd.jobs.heartbeat import ProgressPublisher
 from peerd.jobs.records import MAX_SUSPECTS, JobRecord, Progress, TaskState, downsample
 from peerd.jobs.recovery import CHECKPOINT_REPLICAS, held_state, holders, replica_peers, resume_step
 from peerd.jobs.rl.learner import Learner
+from peerd.jobs.rl.means import TrainerMeans, trainers_group
 from peerd.jobs.rl.progress import RunFigures
 from peerd.jobs.rl.report import IterationReport
 from peerd.jobs.rl.rollout import RolloutConfig, RolloutPeer
 from peerd.jobs.rl.shards import RLPlan, assign_shards
-from peerd.jobs.rl.trainer import RLTrainer, TrainerConfig, trainers_group
+from peerd.jobs.rl.trainer import RLTrainer, TrainerConfig
 from peerd.jobs.spec import JobSpec
 from peerd.jobs.store import RecordStore
 from peerd.log import get_logger
@@ -279,9 +279,16 @@ class RLRunner:
                 self.role = self.stage = self.replica = None
             self.heartbeat.poke()
 
+    def _bytes_sent(self) -> dict[str, int]:
+        """The record's wire bytes by kind: weights served, and the trainers' averaging (if they average)."""
+        sent = {"weight_sync": self.run.weight_sync_bytes}
+        if self.run.averaging_raw_bytes:
+            sent |= {"averaging": self.run.averaging_bytes, "averaging_raw": self.run.averaging_raw_bytes}
+        return sent
+
     # ------------------------------------------------------------------ the roles
 
-    def _averaging_group(self, epoch: int, trainers: list[str]) -> GroupAllReduce | None:
+    def _averaging_group(self, epoch: int, trainers: list[str]) -> TrainerMeans | None:
         """The data-parallel trainers' averaging group of this commit (None for a lone trainer)."""
         if len(trainers) < 2:
             return None
@@ -470,7 +477,7 @@ class RLRunner:
             started_at=self.started_at,
             loss=None,  # the record's latest loss is >= 0 (a pretraining loss); GRPO's can be negative: see losses
             losses=downsample(self.run.losses),
-            bytes={"weight_sync": self.run.weight_sync_bytes},
+            bytes=self._bytes_sent(),
             reason=self.reason,
             # rollout peers that missed their shard's deadline: the trainer covers their shards
             suspects=tuple(self.trainer.absent_peers[:MAX_SUSPECTS]) if self.trainer is not None else (),

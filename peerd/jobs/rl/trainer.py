@@ -20,7 +20,7 @@ every ``checkpoint_interval`` iterations and at the end in the one-stage checkpo
 
 Data-parallel trainers (``trainers`` > 1, each its ``replica``): each takes the shards
 ``assign_shards`` gives it (sampling itself those no rollout peer of its own samples), trains on
-its own groups and averages every update with the others over ``group`` (``trainers_group``);
+its own groups and averages every update with the others over ``group`` (``means.trainers_group``);
 they start from the group's mean weights and pool the iteration's reward figures into its first
 average, so every trainer reports the job's figures.
 """
@@ -30,7 +30,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
-import itertools
 import time
 from collections import Counter
 from collections.abc import Callable, Hashable, Sequence
@@ -40,10 +39,10 @@ from typing import Any, TypeVar
 
 import torch
 
-from peerd.averaging import GroupAllReduce
 from peerd.errors import ErrorCode, ProtocolError
 from peerd.jobs.rl.intake import Intake
 from peerd.jobs.rl.learner import Learner
+from peerd.jobs.rl.means import PooledRewards, TrainerMeans
 from peerd.jobs.rl.messages import (
     REQUEST_KINDS,
     Ack,
@@ -57,7 +56,7 @@ from peerd.jobs.rl.messages import (
     to_wire,
     weights_job,
 )
-from peerd.jobs.rl.report import IterationReport, Rewards, score, summarize
+from peerd.jobs.rl.report import IterationReport, score, summarize
 from peerd.jobs.rl.shards import RLPlan, assign_shards, sample_shard
 from peerd.jobs.rl.weights import pack_weights
 from peerd.log import get_logger
@@ -72,13 +71,6 @@ log = get_logger(__name__)
 
 T = TypeVar("T")
 STOP_GRACE_S = 10.0  # how long a stopped trainer lets its iteration finish before it stops averaging
-AVERAGING_SLACK_S = 120.0  # beyond the rollout deadline, how long trainers wait for each other
-GRPO_NORM_RATIO = 1e30
-"""The trainers' bound on another trainer's contribution norm over their own (``GroupAllReduce``'s
-screen): none in effect. Honest GRPO gradients differ by orders of magnitude (a trainer whose groups
-all scored alike has only the KL term, 1e3x smaller than another's was seen), and a refusal would
-recur on the same rollouts after every re-plan; contributions are still checked finite, and the
-averaged update is clipped to the spec's ``grad_clip``."""
 WEIGHTS_STAGE = 0  # the statesync stage field of policy weights (an rl job has one "stage")
 
 
@@ -110,47 +102,6 @@ async def _in_thread(fn: Callable[..., T], *args: Any) -> T:
         raise
 
 
-def trainers_group(
-    transport: Transport, members: Sequence[Hashable], plan: RLPlan, epoch: int
-) -> GroupAllReduce:
-    """The averaging group of an rl job's data-parallel trainers in ``epoch`` (``members`` in replica order)."""
-    group = GroupAllReduce(
-        transport,
-        list(members),
-        key=f"rl/{plan.job_id}/{epoch}",
-        epoch=epoch,
-        # a trainer may wait out its rollouts' deadline (and sample a missing shard) while the
-        # others wait for it here: only a longer silence means a trainer is gone
-        timeout=plan.rl.rollout_timeout_s + AVERAGING_SLACK_S,
-        max_norm_ratio=GRPO_NORM_RATIO,
-    )
-    group.max_numel = 2 * plan.params + 64  # a call's tensors: gradients (or weights) and a few figures
-    return group
-
-
-class PooledRewards:
-    """Pools the reward figures of every data-parallel trainer's groups into the iteration's first
-    average (the first update's gradients), so they cost no averaging round of their own."""
-
-    def __init__(self, average: Average, rewards: Rewards, rollouts: int, trainers: int) -> None:
-        self.inner, self.trainers = average, trainers
-        self.own = torch.tensor([rollouts, *(rollouts * v for v in vars(rewards).values())])
-        self.mean: torch.Tensor | None = None
-
-    def __call__(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-        if self.mean is not None:
-            return self.inner(tensors)
-        *out, self.mean = self.inner([*tensors, self.own])
-        return out
-
-    def result(self) -> tuple[Rewards, int]:
-        """The pooled figures and the completions of every trainer (after the updates averaged)."""
-        assert self.mean is not None, "every data-parallel iteration averages at least once"
-        total = float(self.mean[0])
-        pooled = [float(v) / total if total > 0 else 0.0 for v in self.mean[1:]]
-        return Rewards(*pooled), round(total * self.trainers)
-
-
 def generation_seconds(shards: dict[int, Rollouts]) -> dict[str, float]:
     """``{"generate": s}``: the slowest shard's sampling time its peer reported (the rollout peers
     sample in parallel); empty when no shard said (older peers)."""
@@ -173,7 +124,7 @@ class RLTrainer:
         device: torch.device | str = "cpu",
         trainers: int = 1,
         replica: int = 0,
-        group: GroupAllReduce | None = None,
+        group: TrainerMeans | None = None,
     ) -> None:
         """``rollout_peers``: every rollout peer of the job (``assign_shards`` deals them over the
         ``trainers``; this one is ``replica``); ``learner``: continue its policy at its version (a
@@ -214,6 +165,7 @@ class RLTrainer:
             transport, weights_job(plan.job_id), self._provide, config=config.statesync
         )
         self._stale_seen = self._late_seen = self._bytes_seen = self._inline_bytes = 0
+        self._averaged_seen = (0, 0)  # the groups' bytes (wire, raw) at the last report
         self.told: set[str] = set()
         """Rollout peers that were answered ``done``."""
 
@@ -266,7 +218,7 @@ class RLTrainer:
         """
         await self._weights.start()
         if self.group is not None:
-            self.average = self._group_mean(asyncio.get_running_loop())
+            self.average = self.group.mean(asyncio.get_running_loop())
         allowed = {str(p) for p in self.peers}
         await self.transport.serve(
             rl_protocol(self.plan.job_id),
@@ -301,17 +253,6 @@ class RLTrainer:
         await self._weights.close()
         if self.group is not None:
             await self.group.close()
-
-    def _group_mean(self, loop: asyncio.AbstractEventLoop) -> Average:
-        """The trainers' group mean, called from a worker thread. Its steps are numbered in call order:
-        every trainer makes the same calls (the alignment's two, then one per update)."""
-        group, steps = self.group, itertools.count()
-        assert group is not None
-
-        def average(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-            return asyncio.run_coroutine_threadsafe(group.allreduce(next(steps), tensors), loop).result()
-
-        return average
 
     async def _publish(self) -> None:
         version = self.learner.version
@@ -485,6 +426,7 @@ class RLTrainer:
             await _in_thread(self.save_checkpoint)
         done = time.perf_counter()
         served = self.weight_sync_bytes
+        averaged = self.group.bytes_sent() if self.group is not None else (0, 0)
         report = IterationReport.of(
             iteration=t,
             version=self.learner.version,
@@ -500,6 +442,8 @@ class RLTrainer:
             dropped_stale=self.dropped_stale - self._stale_seen,
             dropped_late=self.dropped_late - self._late_seen,
             weight_sync_bytes=served - self._bytes_seen,
+            averaging_bytes=averaged[0] - self._averaged_seen[0],
+            averaging_raw_bytes=averaged[1] - self._averaged_seen[1],
             seconds={
                 **generation_seconds(shards),
                 "wait": waited - began,
@@ -517,6 +461,7 @@ class RLTrainer:
             self.dropped_late,
             served,
         )
+        self._averaged_seen = averaged
         self.reports.append(report)
         log.info(
             "rl job %s: iteration %d: reward %.3f pass %.3f kl %.4f, %d rollouts of %d shards (%d missing)",

@@ -235,7 +235,7 @@ def _pipeline_task(
     pipe = max(replica_time(r, s) for r, s in enumerate(split))
     setup, step_ops = cost.task_launches(w, train, lay.pp, float(cluster.launch[grid].max()))
     if train:
-        grads = model.params / (lay.pp * lay.tp) * w.constants.grad_bytes
+        grads = model.params / (lay.pp * lay.tp) * w.constants.allreduce_grad_bytes()
         ar = 0.0
         if lay.dp > 1:  # the dp devices of each (stage, rank) all-reduce; extremes over their pairs
             pair_d = cluster.delay[grid[:, None], grid[None, :]]  # (dp, dp, pp, tp)

@@ -76,6 +76,9 @@ class CostConstants:
     """Bytes per parameter of weights in use and on the wire (bf16)."""
     grad_bytes: Bytes = 2.0
     """Bytes per parameter of gradients, held and all-reduced (bf16)."""
+    grad_wire_bytes: Annotated[float | None, Range(gt=0)] = None
+    """Bytes per parameter of gradients on the data-parallel all-reduce's wire, when the runtime
+    compresses them (None: ``grad_bytes``)."""
     fsdp_reduce_bytes: Bytes = 4.0
     """Bytes per parameter of gradients reduce-scattered under FSDP (the verl-like baseline): verl's
     FSDP workers reduce in fp32 unless configured otherwise."""
@@ -95,6 +98,10 @@ class CostConstants:
     """Bytes per token of a rollout sent between groups (int32 ids)."""
     score_bytes: Bytes = 4.0
     """Bytes per scored token (log-prob, value) sent to the trainers (fp32)."""
+
+    def allreduce_grad_bytes(self) -> float:
+        """Bytes per parameter of gradients a data-parallel all-reduce moves."""
+        return self.grad_bytes if self.grad_wire_bytes is None else self.grad_wire_bytes
 
 
 @dataclass

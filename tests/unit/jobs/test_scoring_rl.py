@@ -253,6 +253,27 @@ def test_the_trainers_all_reduce_their_gradients_once_per_update() -> None:
     assert thin.seconds - plain.seconds == pytest.approx(extra)
 
 
+def test_compressed_gradients_cost_their_bits_on_the_trainers_link() -> None:
+    """``compression.gradient_bits: 8``: each element travels as one byte plus its share of a
+    bfloat16 scale per 256 (the averaging codec), a little over a quarter of the fp32 bytes."""
+    fp32 = dp_spec(2)
+    q8 = dataclasses.replace(fp32, compression=dataclasses.replace(fp32.compression, gradient_bits=8))
+    assert rl_workload(q8).constants.allreduce_grad_bytes() == 1 + 2 / 256
+    assert rl_workload(fp32).constants.allreduce_grad_bytes() == 4.0
+    alloc = Allocation(((PEERS[0], PEERS[1]),), (PEERS[2], PEERS[3]))
+    base = roster([0.2, 0.2, 0.1, 0.1], [5e9] * 4, link_bps=1e11)
+    slow = with_link(base, PEERS[0], PEERS[1], 1e6)
+
+    def ring(spec: JobSpec) -> float:
+        """What the slow link between the trainers adds to the iteration."""
+        scorer = RLRosterScorer(spec)
+        return scorer.predict(slow, alloc).seconds - scorer.predict(base, alloc).seconds
+
+    w = rl_workload(fp32)
+    assert ring(fp32) == pytest.approx(w.optimizer_steps * w.actor.params * 4 * (8 / 1e6 - 8 / 1e11))
+    assert ring(q8) == pytest.approx(ring(fp32) * (1 + 2 / 256) / 4)
+
+
 BOX = HostShare("00ff00ff00ff00ff", cores=2, threads=1)
 
 

@@ -69,7 +69,7 @@ def test_what_an_rl_job_cannot_honour_is_refused_by_name() -> None:
     assert "one stage" in found["parallel.d_pp"] and "parallel.d_dp" not in found
     assert "whole groups" in found["micro_batch"]
     assert "rl.task" in found["data"]
-    assert "leave it out" in found["compression"]
+    assert "only compression.gradient_bits" in found["compression"]
     assert "not supported for kind 'rl'" in found["init_checkpoint"]
     assert "must be > 0" in found["rl.sampling.temperature"]
     assert "max_seq_len 8" in found["rl.sampling.max_new_tokens"]
@@ -128,3 +128,18 @@ def test_data_parallel_trainers_need_an_equal_share_of_every_update() -> None:
     assert "min_peers" in problems(data)  # two trainers need two peers at least
     data.update(min_peers=1, parallel={"d_pp": 1, "d_dp": 1})
     assert parse_job_spec(data).min_peers == 1  # a lone trainer samples its own rollouts
+
+
+def test_data_parallel_trainers_may_compress_their_gradients_and_a_lone_trainer_may_not() -> None:
+    data = copy.deepcopy(RL_JOB)
+    g = data["rl"]["group_size"]
+    data.update(parallel={"d_pp": 1, "d_dp": 2}, global_batch=8 * g, micro_batch=4 * g)
+    data.update(compression={"gradient_bits": 8})
+    assert parse_job_spec(data).compression.gradient_bits == 8
+    data.update(compression={"gradient_bits": 5})
+    assert "one of 2, 3, 4, 8" in problems(data)["compression.gradient_bits"]
+    for lone in ({"d_pp": 1, "d_dp": 1}, {"d_pp": "auto", "d_dp": "auto"}):
+        data.update(parallel=lone, compression={"gradient_bits": 4})
+        assert "lone trainer" in problems(data)["compression.gradient_bits"]
+    data.update(parallel={"d_pp": 1, "d_dp": 2}, compression={"gradient_bits": 4, "backward_bits": 4})
+    assert "only compression.gradient_bits" in problems(data)["compression"]
