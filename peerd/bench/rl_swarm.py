@@ -61,6 +61,7 @@ from peerd.bench.rl_swarm_report import (
     colocated_report,
     committed_roster,
     curve_points,
+    gradient_report,
     heldout_summary,
     predict,
     prediction_report,
@@ -143,6 +144,10 @@ class Settings:
     compare_colocated: bool = False
     """Also run the verl-like colocated plan on the same peers (``parallel.d_dp`` = peers: every peer
     samples its share, computes the reference and trains, averaging each update's gradients)."""
+    compare_gradient_bits: int | None = None
+    """Also run the sync job with two data-parallel trainers twice on the same peers, averaging their
+    gradients in fp32 and at this many bits (``compression.gradient_bits``): measured and predicted
+    iteration, ratio, averaging bytes (None: no comparison)."""
     min_rollout_peers: int = 1
     """``rl.min_rollout_peers`` of the one-trainer jobs: the consensus keeps at least this many rollout
     peers (0: it may choose a lone trainer that samples every prompt itself, as it does on one
@@ -150,10 +155,17 @@ class Settings:
 
 
 def job_spec(
-    s: Settings, *, staleness: int, iterations: int, name: str, trainers: int | None = None
+    s: Settings,
+    *,
+    staleness: int,
+    iterations: int,
+    name: str,
+    trainers: int | None = None,
+    gradient_bits: int | None = None,
 ) -> dict[str, Any]:
     """The GRPO job the swarm runs: a 2-layer GPT of width ``d_model``, ``prompts x group_size``
-    completions; ``trainers``: that many data-parallel trainers (None: as the consensus places, one)."""
+    completions; ``trainers``: that many data-parallel trainers (None: as the consensus places, one),
+    averaging at ``gradient_bits`` (None: fp32)."""
     task = make_task(TaskConfig(name=s.task, min_size=s.min_size, max_size=s.max_size))
     batch = s.prompts * s.group_size
     spec = {
@@ -177,11 +189,13 @@ def job_spec(
             "warmup": {"steps": s.warmup_steps, "batch_size": 64, "lr": 3e-3, "seed": s.seed + 1},
             "rollout_timeout_s": 120,
             # every peer a trainer leaves none to roll out
-            "min_rollout_peers": s.min_rollout_peers if trainers is None else 0,
+            "min_rollout_peers": s.min_rollout_peers if trainers is None or trainers < s.peers else 0,
         },
     }
     if trainers is not None:
         spec["parallel"] = {"d_pp": 1, "d_dp": trainers}
+    if gradient_bits is not None:
+        spec["compression"] = {"gradient_bits": gradient_bits}
     parse_job_spec(spec)  # fail before any daemon starts if it is not a valid job
     return spec
 
@@ -406,12 +420,40 @@ def compare_arms(swarm: LocalSwarm, s: Settings, main: Followed | None = None) -
 
 
 def placement_spec(s: Settings, arm: str) -> dict[str, Any]:
-    """The sync job of placement arm ``arm``: ``consensus`` (as the peers place it) or ``colocated``
-    (every peer a trainer)."""
-    trainers = s.peers if arm == "colocated" else None
+    """The sync job of comparison arm ``arm``: ``consensus`` (as the peers place it), ``colocated``
+    (every peer a trainer), ``dp-fp32`` and ``dp-q<bits>`` (two data-parallel trainers averaging in
+    fp32 or at ``compare_gradient_bits``)."""
+    trainers = {"consensus": None, "colocated": s.peers}.get(arm, DP_TRAINERS)
+    bits = s.compare_gradient_bits if arm.startswith("dp-q") else None
     return job_spec(
-        s, staleness=0, iterations=s.compare_iterations, name=f"rl-swarm-{arm}", trainers=trainers
+        s,
+        staleness=0,
+        iterations=s.compare_iterations,
+        name=f"rl-swarm-{arm}",
+        trainers=trainers,
+        gradient_bits=bits,
     )
+
+
+def gradient_arm_names(s: Settings) -> list[str]:
+    """The ``compare_gradient_bits`` arms: the same two trainers in fp32, then compressed."""
+    return ["dp-fp32", f"dp-q{s.compare_gradient_bits}"]
+
+
+def gradient_arms(swarm: LocalSwarm, s: Settings) -> dict[str, Followed]:
+    """The two-trainer sync job averaging in fp32 and at ``compare_gradient_bits``, one after the other."""
+    arms = {}
+    for name in gradient_arm_names(s):
+        click.echo(f"gradient comparison: {name}, {s.compare_iterations} iterations", err=True)
+        arms[name] = follow(swarm, placement_spec(s, name), s.job_timeout_s)
+        if arms[name].view.get("state") != "done":
+            raise PeerdError(
+                f"the {name} arm ended {arms[name].view.get('state')}: {arms[name].view.get('reason')}"
+            )
+    return arms
+
+
+DP_TRAINERS = 2  # the gradient comparison's trainers: the ring and the runtime's exchange agree at two
 
 
 def colocated_arms(swarm: LocalSwarm, s: Settings, main: Followed) -> dict[str, Followed]:
@@ -543,6 +585,7 @@ def rl_swarm(s: Settings, png: str | None = None) -> dict[str, Any]:
             model, fetched = end_policy(swarm, main.job_id, root / "fetched")
             arms = compare_arms(swarm, s, main) if s.compare_async is not None else {}
             placements = colocated_arms(swarm, s, main) if s.compare_colocated else {}
+            compressed = gradient_arms(swarm, s) if s.compare_gradient_bits is not None else {}
         finally:
             swarm.close()
     job = parse_job_spec(spec)
@@ -612,6 +655,12 @@ def rl_swarm(s: Settings, png: str | None = None) -> dict[str, Any]:
         specs = {name: parse_job_spec(placement_spec(s, name)) for name in placements}
         views = {name: f.view for name, f in placements.items()}
         out["compare_colocated"] = colocated_report(views, specs, status, profile.memory_gb_s * 1e9, launch_s)
+    if compressed:
+        specs = {name: parse_job_spec(placement_spec(s, name)) for name in compressed}
+        views = {name: f.view for name, f in compressed.items()}
+        out["compare_gradient_bits"] = gradient_report(
+            views, specs, status, profile.memory_gb_s * 1e9, launch_s, s.link_mbps
+        )
     if png:
         out["png"] = write_plot(out, Path(png))
     return out
@@ -677,6 +726,14 @@ QUICK: dict[str, Any] = {
     "share) and the consensus plan, --compare-iterations each: measured and predicted iteration, ratio.",
 )
 @click.option(
+    "--compare-gradient-bits",
+    type=click.Choice(["2", "3", "4", "8"]),
+    default=None,
+    help="Also run the job with two data-parallel trainers twice, averaging in fp32 and at these bits, "
+    "--compare-iterations each: measured and predicted iteration, ratio (shape the links with --link-mbps "
+    "to make it link-bound).",
+)
+@click.option(
     "--min-rollout-peers",
     default=1,
     show_default=True,
@@ -713,6 +770,7 @@ def command(
     link_delay_ms: float,
     compare_only: bool,
     compare_colocated: bool,
+    compare_gradient_bits: str | None,
     min_rollout_peers: int,
     job_timeout: float,
     quick: bool,
@@ -742,6 +800,7 @@ def command(
         link_delay_ms=link_delay_ms,
         compare_only=compare_only,
         compare_colocated=compare_colocated,
+        compare_gradient_bits=int(compare_gradient_bits) if compare_gradient_bits else None,
         min_rollout_peers=min_rollout_peers,
     )
     if quick:  # smaller defaults; what the command line gives explicitly still counts
@@ -763,6 +822,15 @@ def command(
             placement_spec(s, "colocated")
         except PeerdError as exc:
             raise click.BadParameter(f"--compare-colocated with {s.peers} peers: {exc}") from exc
+    if s.compare_gradient_bits is not None:
+        if s.compare_only:
+            raise click.BadParameter(
+                "--compare-gradient-bits runs beside the main job, not with --compare-only"
+            )
+        try:  # two trainers: each needs an equal share of every update
+            placement_spec(s, gradient_arm_names(s)[1])
+        except PeerdError as exc:
+            raise click.BadParameter(f"--compare-gradient-bits with {s.peers} peers: {exc}") from exc
     if s.compare_only:
         if s.compare_async is None:
             raise click.BadParameter("--compare-only needs --compare-async K")

@@ -10,7 +10,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from peerd.jobs.scoring_rl import RLRosterScorer
+from peerd.jobs.scoring_rl import RLRosterScorer, rl_workload
 from peerd.jobs.spec import JobSpec
 from peerd.sched.allocation import Allocation
 from peerd.sched.consensus.messages import Roster, RosterDevice, RosterEntry, RosterLink
@@ -259,22 +259,23 @@ def prediction_report(
     }
 
 
-def colocated_report(
+def placement_arms(
     views: dict[str, dict[str, Any]],
     specs: dict[str, JobSpec],
     status: dict[str, Any],
     memory_bandwidth: float,
     launch_s: float | None,
-) -> dict[str, Any]:
-    """The ``consensus`` and ``colocated`` arms (their final job views and specs): each arm's roles,
-    measured iteration (the trainers' loop, as the main prediction reads it) and the RL cost model's
-    prediction for it; the ratio colocated / consensus (> 1: the consensus plan is faster)."""
+) -> dict[str, dict[str, Any]]:
+    """Comparison arms (their final job views and specs): each arm's roles, measured iteration (the
+    trainers' loop, as the main prediction reads it), the RL cost model's prediction for it, and what
+    its trainers sent to average."""
     ids = {p["peer_id"]: p["name"] for p in status.get("peers", [])}
-    out: dict[str, Any] = {}
+    out: dict[str, dict[str, Any]] = {}
     for name, view in views.items():
         alloc, rl = view["allocation"], view["progress"]["rl"]
         predicted = predict(specs[name], committed_roster(status, alloc, memory_bandwidth, launch_s), alloc)
         measured = loop_seconds(rl.get("phases_s"))
+        sent = view["progress"].get("bytes") or {}
         out[name] = {
             "trainers": [ids.get(p, p) for p in alloc["stages"][0]],
             "rollout_peers": [ids.get(p, p) for p in alloc["spares"]],
@@ -284,16 +285,72 @@ def colocated_report(
             "predicted_tasks_s": predicted["tasks"],
             "relative_error": relative_error(predicted["seconds"], measured) if measured else None,
             "rewards_last": (rl.get("rewards") or [None])[-1],
+            "averaging_bytes": sent.get("averaging"),
+            "averaging_raw_bytes": sent.get("averaging_raw"),
         }
-    con, col = out["consensus"]["measured_iteration_s"], out["colocated"]["measured_iteration_s"]
-    out["measured_ratio_colocated_over_consensus"] = col / con if con and col else None
-    p_con, p_col = out["consensus"]["predicted_iteration_s"], out["colocated"]["predicted_iteration_s"]
-    out["predicted_ratio_colocated_over_consensus"] = p_col / p_con if p_con else None
+    return out
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a and b else None
+
+
+def colocated_report(
+    views: dict[str, dict[str, Any]],
+    specs: dict[str, JobSpec],
+    status: dict[str, Any],
+    memory_bandwidth: float,
+    launch_s: float | None,
+) -> dict[str, Any]:
+    """The ``consensus`` and ``colocated`` arms (``placement_arms``) and the ratio colocated / consensus
+    (> 1: the consensus plan is faster)."""
+    out: dict[str, Any] = placement_arms(views, specs, status, memory_bandwidth, launch_s)
+    con, col = out["consensus"], out["colocated"]
+    out["measured_ratio_colocated_over_consensus"] = _ratio(
+        col["measured_iteration_s"], con["measured_iteration_s"]
+    )
+    out["predicted_ratio_colocated_over_consensus"] = _ratio(
+        col["predicted_iteration_s"], con["predicted_iteration_s"]
+    )
     out["note"] = (
         "verl-like: every peer samples its share of the prompts, computes the reference and trains, "
         "the trainers averaging each update's gradients (no weight sync); measured on the same daemons, "
         "sync, one after the other"
     )
+    return out
+
+
+def gradient_report(
+    views: dict[str, dict[str, Any]],
+    specs: dict[str, JobSpec],
+    status: dict[str, Any],
+    memory_bandwidth: float,
+    launch_s: float | None,
+    link_mbps: float | None,
+) -> dict[str, Any]:
+    """The ``dp-fp32`` and ``dp-q<bits>`` arms (``placement_arms``), the ratio fp32 / compressed of the
+    iteration (> 1: compression pays) and of the averaging bytes, and the regime: how long the fp32
+    gradients of one iteration take on the shaped link."""
+    out: dict[str, Any] = placement_arms(views, specs, status, memory_bandwidth, launch_s)
+    fp32, quant = (out[name] for name in views)  # fp32 first (``gradient_arm_names``)
+    out["measured_ratio_fp32_over_compressed"] = _ratio(
+        fp32["measured_iteration_s"], quant["measured_iteration_s"]
+    )
+    out["predicted_ratio_fp32_over_compressed"] = _ratio(
+        fp32["predicted_iteration_s"], quant["predicted_iteration_s"]
+    )
+    out["bytes_ratio_fp32_over_compressed"] = _ratio(fp32["averaging_bytes"], quant["averaging_bytes"])
+    spec = next(iter(specs.values()))
+    w = rl_workload(spec)
+    grads = w.actor.params * w.constants.grad_bytes * w.optimizer_steps  # one trainer sends, per iteration
+    out["regime"] = {
+        "link_mbps": link_mbps,
+        "fp32_gradient_bytes_per_iteration": grads,
+        # with two trainers each sends half its gradients to the other and gets the averaged half back
+        "fp32_averaging_s_on_link": grads * 8 / (link_mbps * 1e6) if link_mbps else None,
+        "note": "two data-parallel trainers and the consensus' rollout peers, sync, one job after the "
+        "other on the same daemons; shaped links make the averaging link-bound, loopback leaves it host-bound",
+    }
     return out
 
 

@@ -1,4 +1,5 @@
-"""``peerd bench rl-swarm`` on real daemons: a 3-iteration GRPO job on 3 peers gives every section of its JSON."""
+"""``peerd bench rl-swarm`` on real daemons: a 3-iteration GRPO job on 3 peers gives every section of its
+JSON, with the colocated and the gradient-compression comparisons."""
 
 from __future__ import annotations
 
@@ -19,11 +20,12 @@ def test_a_tiny_rl_swarm_run_reports_curve_heldout_and_prediction(tmp_path: Path
         peers=3,
         iterations=3,
         warmup_steps=40,
-        prompts=6,  # 2 per trainer in the colocated arm, an update's 3 groups 1 each
+        prompts=12,  # an update's 6 groups: 2 per trainer of the colocated arm, 3 per trainer of the dp arms
         eval_problems=32,
         job_timeout_s=300,
         compare_colocated=True,
         compare_iterations=3,  # the main job is the consensus arm
+        compare_gradient_bits=8,
     )
     png = tmp_path / "curve.png"
     result = rl_swarm(s, str(png))
@@ -65,3 +67,12 @@ def test_a_tiny_rl_swarm_run_reports_curve_heldout_and_prediction(tmp_path: Path
         assert placed[arm]["measured_iteration_s"] > 0 and placed[arm]["predicted_iteration_s"] > 0
         assert placed[arm]["rewards_last"][0] == 3
     assert placed["measured_ratio_colocated_over_consensus"] > 0
+
+    compressed = result["compare_gradient_bits"]
+    for arm in ("dp-fp32", "dp-q8"):
+        assert len(compressed[arm]["trainers"]) == 2 and compressed[arm]["rewards_last"][0] == 3
+        assert compressed[arm]["measured_iteration_s"] > 0 and compressed[arm]["predicted_iteration_s"] > 0
+    # 6 updates' gradients at ~0.26 of fp32, beside the start weights both arms average exact
+    assert compressed["bytes_ratio_fp32_over_compressed"] > 1.5
+    assert compressed["predicted_ratio_fp32_over_compressed"] >= 1.0
+    assert compressed["regime"]["fp32_gradient_bytes_per_iteration"] > 0
