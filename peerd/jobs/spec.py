@@ -225,11 +225,13 @@ class JobSpec:
     checkpoint_interval: Count = 100
     """Steps between checkpoints (every stage, atomically); the last step always checkpoints."""
     init_checkpoint: str | None = None
-    """``finetune`` only: the weights every stage starts from instead of the seed's init: a
-    ``peerd fetch`` output (``model.pt`` or its directory) of the same model, or Hugging Face
-    weights of the ``model.hf`` model (a ``.safetensors`` file or a ``save_pretrained``
-    directory). There is no file transfer for it: it must be readable at this same path on
-    every peer that gets a tasklet, and a tasklet that cannot read it fails naming this field."""
+    """``finetune`` (required) and ``rl`` (optional): the weights every stage (an rl job's policy,
+    before ``rl.warmup``) starts from instead of the seed's init: a ``peerd fetch`` output
+    (``model.pt`` or its directory) of the same model, or Hugging Face weights of the ``model.hf``
+    model (a ``.safetensors`` file or a ``save_pretrained`` directory; not for rl). There is no file
+    transfer for it: it must be readable at this same path on every peer that gets a tasklet (an rl
+    job's trainers; rollout peers take the policy from them), and a tasklet that cannot read it
+    fails naming this field."""
     min_peers: Count = 1
     """Planning waits for at least this many peers."""
     max_peers: Annotated[int | None, Range(ge=1)] = None
@@ -272,8 +274,6 @@ class JobSpec:
     def _rl_problems(self) -> list[ConfigError]:
         """What an ``rl`` job's runtime can honour (see ``peerd.rl.spec``); the rest is refused by name."""
         rl, out = self.rl_settings(), []
-        if self.init_checkpoint is not None:
-            out.append(ConfigError("init_checkpoint", "not supported for kind 'rl' yet (use rl.warmup)"))
         if self.model.hf is not None:
             out.append(
                 ConfigError("model.hf", "rl jobs sample with the built-in GPT's KV cache: use model.preset")

@@ -6,7 +6,9 @@ How an ``rl`` job reads the rest of the spec (``peerd.jobs.spec`` checks it):
   (``prompts x group_size``); ``micro_batch`` the completions of one optimizer update
   (``global_batch / updates_per_iteration``, each update one pass: no accumulation);
 - ``optimizer`` is what the trainer runs (AdamW/Adam/SGD, schedule over the iterations' updates,
-  clipping); ``model`` a built-in GPT (the KV-cached sampler runs over its layers);
+  clipping); ``model`` a built-in GPT (the KV-cached sampler runs over its layers), from its seeded
+  init or from ``init_checkpoint`` (a ``peerd fetch`` output of that model, read by the trainers),
+  then ``rl.warmup``;
 - ``parallel.d_dp`` trainers (``d_pp`` 1; ``auto`` is one), data parallel: each trains on its equal
   share of every update's groups (so ``micro_batch / group_size`` is a multiple of ``d_dp``) and
   they average each update's gradients (in fp32, or at ``compression.gradient_bits`` with error

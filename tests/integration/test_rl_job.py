@@ -11,6 +11,7 @@ synchronous job moves the same weights and completions as the single-process sha
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import socket
 import subprocess
@@ -29,6 +30,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from peerd.jobs.rl import RLPlan, reference_run
 from peerd.jobs.spec import load_job_spec
 from peerd.localswarm import LocalSwarm, converged
+from peerd.models import save_checkpoint
 
 pytestmark = pytest.mark.integration
 
@@ -166,10 +168,21 @@ def test_a_sync_grpo_job_equals_the_single_process_reference(swarm: LocalSwarm, 
     assert samples[("peerd_job_policy_version", final["job_id"])] == ITERATIONS
 
 
+def _start_checkpoint(tmp: Path) -> Path:
+    """A ``peerd fetch``-format model file of the jobs' model, initialised from another seed."""
+    spec = load_job_spec(_spec(tmp, "start"))
+    family = dataclasses.replace(spec.model, seed=77).family()
+    return save_checkpoint(tmp / "start" / "model.pt", family, family.build().state_dict())
+
+
 def test_two_data_parallel_trainers_train_as_the_reference_of_two(swarm: LocalSwarm, tmp_path: Path) -> None:
     """``parallel.d_dp: 2``: two trainers each train on their half of the prompts and average every
-    update's gradients; a trainer without a rollout peer of its own samples its half itself."""
-    spec_file = _spec(tmp_path, "grpo-dp", top={"parallel": {"d_pp": 1, "d_dp": 2}})
+    update's gradients; a trainer without a rollout peer of its own samples its half itself. Both
+    start from ``init_checkpoint`` (then warm up), as the reference does."""
+    start = _start_checkpoint(tmp_path)
+    spec_file = _spec(
+        tmp_path, "grpo-dp", top={"parallel": {"d_pp": 1, "d_dp": 2}, "init_checkpoint": str(start)}
+    )
     final = _submit(swarm, spec_file)
     assert final["returncode"] == 0 and final["state"] == "done", final["logs"]
     alloc = final["allocation"]
@@ -182,8 +195,15 @@ def test_two_data_parallel_trainers_train_as_the_reference_of_two(swarm: LocalSw
             rollout_peers=len(alloc["spares"]),
             trainers=2,
         )
+        seeded = reference_run(
+            RLPlan(final["job_id"], dataclasses.replace(load_job_spec(spec_file), init_checkpoint=None)),
+            rollout_peers=len(alloc["spares"]),
+            trainers=2,
+            iterations=1,
+        )
     finally:
         torch.set_num_threads(threads)
+    assert seeded[0].loss != reference[0].loss  # the checkpoint, not the seed, is where they started
     rl = final["progress"]["rl"]
     assert rl["version"] == ITERATIONS
     got = rl["rewards"]
@@ -198,3 +218,12 @@ def test_two_data_parallel_trainers_train_as_the_reference_of_two(swarm: LocalSw
     assert rl["staleness"] == [[0, ITERATIONS * 32]]  # both trainers' completions, all on-policy
     replicas = {t["replica"]: t["state"] for t in final["progress"]["tasklets"] if t["stage"] == 0}
     assert replicas == {0: "done", 1: "done"}, final["progress"]
+
+
+def test_an_rl_job_whose_init_checkpoint_is_missing_fails_naming_the_field(
+    swarm: LocalSwarm, tmp_path: Path
+) -> None:
+    missing = tmp_path / "not-on-these-peers" / "model.pt"
+    final = _submit(swarm, _spec(tmp_path, "grpo-missing", top={"init_checkpoint": str(missing)}))
+    assert final["returncode"] == 1 and final["state"] == "failed", final["logs"]
+    assert "init_checkpoint" in final["reason"] and "no such file" in final["reason"], final["reason"]

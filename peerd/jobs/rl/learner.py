@@ -22,6 +22,7 @@ from peerd.compress.device import host_copy
 from peerd.jobs.optimizer import optimizer_config
 from peerd.jobs.rl.shards import RLPlan, shard_ranges
 from peerd.models.gpt import GPT
+from peerd.models.registry import with_weights
 from peerd.pipeline import checkpoint
 from peerd.pipeline.optim import build_optimizer, build_scheduler
 from peerd.rl.rollout import RolloutGroup, pack, token_logprobs
@@ -67,7 +68,14 @@ class Learner:
         """An iteration's updates failed part-way (its average): the policy is no version's."""
 
     def warm_up(self) -> WarmupResult:
-        """The spec's supervised warm-up (deterministic: its own seed); the reference is the policy after it."""
+        """The spec's starting point: the ``init_checkpoint``'s weights (if any; ConfigError naming the
+        field when they do not load into the job's model), then its supervised warm-up
+        (deterministic: its own seed); the reference is the policy after it."""
+        path = self.plan.spec.init_checkpoint
+        if path is not None:
+            start = with_weights(self.plan.spec.model.family(), path).build()
+            with torch.no_grad():
+                self.policy.load_state_dict(start.state_dict())
         result = supervised_warmup(self.policy, self.plan.task, self.plan.rl.warmup)
         self.reference = frozen_copy(self.policy)
         return result

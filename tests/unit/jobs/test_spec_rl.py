@@ -58,8 +58,8 @@ def test_what_an_rl_job_cannot_honour_is_refused_by_name() -> None:
         micro_batch=12,
         data={"seq_len": 32},
         compression={"forward": "none", "forward_bits": None},
-        init_checkpoint="model.pt",
         planning={"objective": "dtfm"},
+        init_checkpoint="model.pt",
         model={"preset": "tiny", "overrides": {"max_seq_len": 8}},
     )
     data["rl"]["sampling"]["temperature"] = 0
@@ -70,7 +70,9 @@ def test_what_an_rl_job_cannot_honour_is_refused_by_name() -> None:
     assert "whole groups" in found["micro_batch"]
     assert "rl.task" in found["data"]
     assert "only compression.gradient_bits" in found["compression"]
-    assert "not supported for kind 'rl'" in found["init_checkpoint"]
+    assert (
+        "init_checkpoint" not in found
+    )  # the policy may start from a checkpoint (tests/unit/jobs/test_rl_learner.py)
     assert "must be > 0" in found["rl.sampling.temperature"]
     assert "max_seq_len 8" in found["rl.sampling.max_new_tokens"]
 
