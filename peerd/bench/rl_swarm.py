@@ -144,6 +144,9 @@ class Settings:
     compare_colocated: bool = False
     """Also run the verl-like colocated plan on the same peers (``parallel.d_dp`` = peers: every peer
     samples its share, computes the reference and trains, averaging each update's gradients)."""
+    init_checkpoint: str | None = None
+    """Every job's policy starts from this ``peerd fetch`` output of the same model (None: the seed),
+    then warms up (``--warmup-steps``)."""
     compare_gradient_bits: int | None = None
     """Also run the sync job with two data-parallel trainers twice on the same peers, averaging their
     gradients in fp32 and at this many bits (``compression.gradient_bits``): measured and predicted
@@ -196,6 +199,8 @@ def job_spec(
         spec["parallel"] = {"d_pp": 1, "d_dp": trainers}
     if gradient_bits is not None:
         spec["compression"] = {"gradient_bits": gradient_bits}
+    if s.init_checkpoint is not None:
+        spec["init_checkpoint"] = s.init_checkpoint
     parse_job_spec(spec)  # fail before any daemon starts if it is not a valid job
     return spec
 
@@ -604,7 +609,11 @@ def rl_swarm(s: Settings, png: str | None = None) -> dict[str, Any]:
     out: dict[str, Any] = {
         "benchmark": "rl-swarm",
         "settings": asdict(s),
-        "job": {k: spec[k] for k in ("model", "steps", "global_batch", "micro_batch", "optimizer", "rl")},
+        "job": {
+            k: spec[k]
+            for k in ("model", "steps", "global_batch", "micro_batch", "optimizer", "rl", "init_checkpoint")
+            if k in spec
+        },
         "regime": {
             "device": "cpu",
             "cores": cores,
@@ -726,6 +735,13 @@ QUICK: dict[str, Any] = {
     "share) and the consensus plan, --compare-iterations each: measured and predicted iteration, ratio.",
 )
 @click.option(
+    "--init-checkpoint",
+    type=click.Path(exists=True),
+    default=None,
+    help="Start every job's policy from this peerd fetch output of the same model (e.g. a pretraining "
+    "job's), then warm up; default: the seeded init.",
+)
+@click.option(
     "--compare-gradient-bits",
     type=click.Choice(["2", "3", "4", "8"]),
     default=None,
@@ -771,6 +787,7 @@ def command(
     compare_only: bool,
     compare_colocated: bool,
     compare_gradient_bits: str | None,
+    init_checkpoint: str | None,
     min_rollout_peers: int,
     job_timeout: float,
     quick: bool,
@@ -801,6 +818,7 @@ def command(
         compare_only=compare_only,
         compare_colocated=compare_colocated,
         compare_gradient_bits=int(compare_gradient_bits) if compare_gradient_bits else None,
+        init_checkpoint=str(Path(init_checkpoint).resolve()) if init_checkpoint else None,
         min_rollout_peers=min_rollout_peers,
     )
     if quick:  # smaller defaults; what the command line gives explicitly still counts

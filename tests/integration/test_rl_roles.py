@@ -300,6 +300,22 @@ def test_data_parallel_trainers_compress_their_gradients_and_keep_their_figures_
         assert sent == m.bytes_sent() and 0.25 < sent[0] / sent[1] < 0.5
 
 
+def test_async_data_parallel_trainers_stay_within_the_bound_and_equal(swarm: Swarm):
+    """Staleness 1 with two compressing trainers: trainer 0's rollout peer samples ahead of it, trainer
+    1 samples its own half on-policy; every update is averaged, so the replicas stay bit-equal."""
+    p = plan("d4" * 16, iterations=5, staleness=1, global_batch=32, micro_batch=16, gradient_bits=8)
+    (first, second), stats = two_trainers(swarm, p, lambda t, ids: trainers_group(t, ids, p, epoch=0))
+    assert len(first.reports) == len(second.reports) == 5
+    for a, b in zip(first.reports, second.reports, strict=True):
+        assert a.rollouts == b.rollouts == 32 and (a.reward_mean, a.loss) == (b.reward_mean, b.loss)
+        assert set(a.staleness) <= {0, 1} and sum(a.staleness.values()) == 16
+        assert b.staleness == {0: 16}  # its own half, sampled with its current policy
+    assert sum(r.staleness.get(1, 0) for r in first.reports) > 0  # the rollout peer ran ahead
+    mine, theirs = first.learner.policy.state_dict(), second.learner.policy.state_dict()
+    assert all(torch.equal(mine[k], theirs[k]) for k in mine)
+    assert max(stats.versions) <= 5 and first.refused == {} == second.refused
+
+
 def test_compressing_means_keep_the_exact_tail_exact_and_fail_with_the_groups_error(swarm: Swarm):
     """A call's last ``exact`` tensors are averaged losslessly beside the 8-bit rest; a member that
     never calls fails the other's call with the averaging's own error, as an uncompressed group does."""
