@@ -424,6 +424,9 @@ def compare_arms(swarm: LocalSwarm, s: Settings, main: Followed | None = None) -
     return arms
 
 
+DP_TRAINERS = 2  # the gradient comparison's trainers: the ring and the runtime's exchange agree at two
+
+
 def placement_spec(s: Settings, arm: str) -> dict[str, Any]:
     """The sync job of comparison arm ``arm``: ``consensus`` (as the peers place it), ``colocated``
     (every peer a trainer), ``dp-fp32`` and ``dp-q<bits>`` (two data-parallel trainers averaging in
@@ -456,9 +459,6 @@ def gradient_arms(swarm: LocalSwarm, s: Settings) -> dict[str, Followed]:
                 f"the {name} arm ended {arms[name].view.get('state')}: {arms[name].view.get('reason')}"
             )
     return arms
-
-
-DP_TRAINERS = 2  # the gradient comparison's trainers: the ring and the runtime's exchange agree at two
 
 
 def colocated_arms(swarm: LocalSwarm, s: Settings, main: Followed) -> dict[str, Followed]:

@@ -15,7 +15,7 @@ from peerd.averaging import GroupAllReduce
 from peerd.errors import ErrorCode, PeerUnavailable, ProtocolError
 from peerd.jobs.fetch import assemble
 from peerd.jobs.rl import RLPlan, RLTrainer, RolloutConfig, RolloutPeer, TrainerConfig, reference_run
-from peerd.jobs.rl.means import TrainerMeans, trainers_group
+from peerd.jobs.rl.means import TrainerMeans, trainer_means
 from peerd.jobs.rl.messages import (
     KIND_ACK,
     KIND_STATUS,
@@ -272,7 +272,7 @@ def test_data_parallel_trainers_compress_their_gradients_and_keep_their_figures_
     made: list[TrainerMeans] = []
 
     def means(transport: Transport, ids: list[Any]) -> TrainerMeans:
-        made.append(trainers_group(transport, ids, p, epoch=0))
+        made.append(trainer_means(transport, ids, p, epoch=0))
         return made[-1]
 
     (first, second), _ = two_trainers(swarm, p, means)
@@ -304,7 +304,7 @@ def test_async_data_parallel_trainers_stay_within_the_bound_and_equal(swarm: Swa
     """Staleness 1 with two compressing trainers: trainer 0's rollout peer samples ahead of it, trainer
     1 samples its own half on-policy; every update is averaged, so the replicas stay bit-equal."""
     p = plan("d4" * 16, iterations=5, staleness=1, global_batch=32, micro_batch=16, gradient_bits=8)
-    (first, second), stats = two_trainers(swarm, p, lambda t, ids: trainers_group(t, ids, p, epoch=0))
+    (first, second), stats = two_trainers(swarm, p, lambda t, ids: trainer_means(t, ids, p, epoch=0))
     assert len(first.reports) == len(second.reports) == 5
     for a, b in zip(first.reports, second.reports, strict=True):
         assert a.rollouts == b.rollouts == 32 and (a.reward_mean, a.loss) == (b.reward_mean, b.loss)
@@ -364,7 +364,7 @@ def test_trainers_average_gradients_of_very_different_norms(swarm: Swarm):
     re-plan, on the same rollouts); the trainers' group takes both."""
     p = plan("d2" * 16)
     hosts = [swarm.trainer, swarm.r1]
-    groups = [trainers_group(t, [h.peer_id for h in hosts], p, epoch=0) for t in hosts]
+    groups = [trainer_means(t, [h.peer_id for h in hosts], p, epoch=0) for t in hosts]
     small, big = torch.full((64,), 1e-6), torch.full((64,), 10.0)
 
     async def go() -> list[list[torch.Tensor]]:

@@ -101,7 +101,7 @@ class TrainerMeans:
         return average
 
 
-def trainers_group(
+def trainer_means(
     transport: Transport, members: Sequence[Hashable], plan: RLPlan, epoch: int
 ) -> TrainerMeans:
     """The averaging of an rl job's data-parallel trainers in ``epoch`` (``members`` in replica order)."""

@@ -37,7 +37,7 @@ from peerd.jobs.heartbeat import ProgressPublisher
 from peerd.jobs.records import MAX_SUSPECTS, JobRecord, Progress, TaskState, downsample
 from peerd.jobs.recovery import CHECKPOINT_REPLICAS, held_state, holders, replica_peers, resume_step
 from peerd.jobs.rl.learner import Learner
-from peerd.jobs.rl.means import TrainerMeans, trainers_group
+from peerd.jobs.rl.means import TrainerMeans, trainer_means
 from peerd.jobs.rl.progress import RunFigures
 from peerd.jobs.rl.report import IterationReport
 from peerd.jobs.rl.rollout import RolloutConfig, RolloutPeer
@@ -289,10 +289,10 @@ class RLRunner:
     # ------------------------------------------------------------------ the roles
 
     def _averaging_group(self, epoch: int, trainers: list[str]) -> TrainerMeans | None:
-        """The data-parallel trainers' averaging group of this commit (None for a lone trainer)."""
+        """The data-parallel trainers' averaging of this commit (None for a lone trainer)."""
         if len(trainers) < 2:
             return None
-        return trainers_group(self.transport, [self.peer_ref(p) for p in trainers], self.plan, epoch)
+        return trainer_means(self.transport, [self.peer_ref(p) for p in trainers], self.plan, epoch)
 
     async def _learner_source(self, device: torch.device, roster: list[RosterEntry]) -> str:
         """Where the trainer's policy comes from: the newest version this peer's memory, its own

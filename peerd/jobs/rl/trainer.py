@@ -20,7 +20,7 @@ every ``checkpoint_interval`` iterations and at the end in the one-stage checkpo
 
 Data-parallel trainers (``trainers`` > 1, each its ``replica``): each takes the shards
 ``assign_shards`` gives it (sampling itself those no rollout peer of its own samples), trains on
-its own groups and averages every update with the others over ``group`` (``means.trainers_group``);
+its own groups and averages every update with the others over ``group`` (``means.trainer_means``);
 they start from the group's mean weights and pool the iteration's reward figures into its first
 average, so every trainer reports the job's figures.
 """
