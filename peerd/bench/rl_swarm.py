@@ -63,6 +63,7 @@ from peerd.bench.rl_swarm_report import (
     curve_points,
     gradient_report,
     heldout_summary,
+    placement_arms,
     predict,
     prediction_report,
     probed_links,
@@ -660,16 +661,18 @@ def rl_swarm(s: Settings, png: str | None = None) -> dict[str, Any]:
     }
     if s.compare_async is not None:
         out["compare_async"] = comparison_report(s, arms, phases, plan, cores)
+    memory_bandwidth = profile.memory_gb_s * 1e9
+
+    def arms_of(followed: dict[str, Followed]) -> dict[str, dict[str, Any]]:
+        specs = {name: parse_job_spec(placement_spec(s, name)) for name in followed}
+        views = {name: f.view for name, f in followed.items()}
+        return placement_arms(views, specs, status, memory_bandwidth, launch_s)
+
     if placements:
-        specs = {name: parse_job_spec(placement_spec(s, name)) for name in placements}
-        views = {name: f.view for name, f in placements.items()}
-        out["compare_colocated"] = colocated_report(views, specs, status, profile.memory_gb_s * 1e9, launch_s)
+        out["compare_colocated"] = colocated_report(arms_of(placements))
     if compressed:
-        specs = {name: parse_job_spec(placement_spec(s, name)) for name in compressed}
-        views = {name: f.view for name, f in compressed.items()}
-        out["compare_gradient_bits"] = gradient_report(
-            views, specs, status, profile.memory_gb_s * 1e9, launch_s, s.link_mbps
-        )
+        quantized = parse_job_spec(placement_spec(s, gradient_arm_names(s)[1]))
+        out["compare_gradient_bits"] = gradient_report(arms_of(compressed), quantized, s.link_mbps)
     if png:
         out["png"] = write_plot(out, Path(png))
     return out

@@ -295,16 +295,10 @@ def _ratio(a: float | None, b: float | None) -> float | None:
     return a / b if a and b else None
 
 
-def colocated_report(
-    views: dict[str, dict[str, Any]],
-    specs: dict[str, JobSpec],
-    status: dict[str, Any],
-    memory_bandwidth: float,
-    launch_s: float | None,
-) -> dict[str, Any]:
+def colocated_report(arms: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """The ``consensus`` and ``colocated`` arms (``placement_arms``) and the ratio colocated / consensus
     (> 1: the consensus plan is faster)."""
-    out: dict[str, Any] = placement_arms(views, specs, status, memory_bandwidth, launch_s)
+    out: dict[str, Any] = dict(arms)
     con, col = out["consensus"], out["colocated"]
     out["measured_ratio_colocated_over_consensus"] = _ratio(
         col["measured_iteration_s"], con["measured_iteration_s"]
@@ -321,18 +315,13 @@ def colocated_report(
 
 
 def gradient_report(
-    views: dict[str, dict[str, Any]],
-    specs: dict[str, JobSpec],
-    status: dict[str, Any],
-    memory_bandwidth: float,
-    launch_s: float | None,
-    link_mbps: float | None,
+    arms: dict[str, dict[str, Any]], spec: JobSpec, link_mbps: float | None
 ) -> dict[str, Any]:
-    """The ``dp-fp32`` and ``dp-q<bits>`` arms (``placement_arms``), the ratio fp32 / compressed of the
-    iteration (> 1: compression pays) and of the averaging bytes, and the regime: how long the fp32
-    gradients of one iteration take on the shaped link."""
-    out: dict[str, Any] = placement_arms(views, specs, status, memory_bandwidth, launch_s)
-    fp32, quant = (out[name] for name in views)  # fp32 first (``gradient_arm_names``)
+    """The ``dp-fp32`` and ``dp-q<bits>`` arms (``placement_arms``, fp32 first) of ``spec``'s job, the
+    ratio fp32 / compressed of the iteration (> 1: compression pays) and of the averaging bytes, and
+    the regime: how long the fp32 gradients of one iteration take on the shaped link."""
+    out: dict[str, Any] = dict(arms)
+    fp32, quant = arms.values()
     out["measured_ratio_fp32_over_compressed"] = _ratio(
         fp32["measured_iteration_s"], quant["measured_iteration_s"]
     )
@@ -340,7 +329,6 @@ def gradient_report(
         fp32["predicted_iteration_s"], quant["predicted_iteration_s"]
     )
     out["bytes_ratio_fp32_over_compressed"] = _ratio(fp32["averaging_bytes"], quant["averaging_bytes"])
-    spec = next(iter(specs.values()))
     w = rl_workload(spec)
     grads = w.actor.params * w.constants.grad_bytes * w.optimizer_steps  # one trainer sends, per iteration
     out["regime"] = {
