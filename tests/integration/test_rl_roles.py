@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import dataclasses
 from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
@@ -14,7 +15,7 @@ from hivemind.p2p import P2P
 from peerd.averaging import GroupAllReduce
 from peerd.errors import ErrorCode, PeerUnavailable, ProtocolError
 from peerd.jobs.fetch import assemble
-from peerd.jobs.rl import RLPlan, RLTrainer, RolloutConfig, RolloutPeer, TrainerConfig, reference_run
+from peerd.jobs.rl import Learner, RLPlan, RLTrainer, RolloutConfig, RolloutPeer, TrainerConfig, reference_run
 from peerd.jobs.rl.means import TrainerMeans, trainer_means
 from peerd.jobs.rl.messages import (
     KIND_ACK,
@@ -201,6 +202,15 @@ def test_sync_job_equals_the_single_process_reference(swarm: Swarm, tmp_path, in
     model = load_checkpoint(fetched.path)
     for name, tensor in trainer.learner.policy.state_dict().items():
         assert torch.equal(model.state_dict()[name], tensor), name
+    # and a next rl job may start from it (``init_checkpoint``): its policy and reference are this one
+    then = Learner(RLPlan("n" * 32, dataclasses.replace(p.spec, init_checkpoint=str(fetched.path))))
+    then.warm_up()  # the spec's 30 warm-up steps continue from the checkpoint
+    fresh = Learner(RLPlan("n" * 32, p.spec))
+    fresh.policy.load_state_dict(trainer.learner.policy.state_dict())
+    fresh.warm_up()  # what a trainer that held the policy would have warmed up into
+    for name, tensor in fresh.policy.state_dict().items():
+        assert torch.equal(then.policy.state_dict()[name], tensor), name
+        assert torch.equal(then.reference.state_dict()[name], tensor), name
 
 
 def two_trainers(
