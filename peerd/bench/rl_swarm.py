@@ -26,7 +26,8 @@ job through peer 0's control socket and follows it (``job_status`` polls) until 
   time makes R comparable to T and falls back toward 1 when either dominates alone.
   ``--compare-only`` runs just the two arms (no main job, held-out evaluation or prediction);
 - ``prediction``: the RL cost model (``RLRosterScorer``) on the committed allocation and a roster
-  rebuilt from the owner's status view (each peer's measured fp32 TFLOPS, free memory and links;
+  rebuilt from the owner's status view right before the submission (each peer's measured fp32
+  TFLOPS, free memory and links, as the consensus planned with them;
   memory bandwidth and seconds per op from the shared profile cache the daemons read), against the
   measured iteration time (the trainer's own: completions / its rollouts/s, median over
   iterations); per task against the swarm's own phases (``per_task_swarm``: the trainer's
@@ -258,11 +259,16 @@ class Followed:
     wall_s: float
     seen: list[tuple[float, int]]  # (seconds since submit, iterations done), one per new iteration
     polled: dict[int, dict[str, float]]  # iteration -> kl, response_len, rollouts_per_s seen with it
+    status: dict[str, Any]
+    """The owner's status right before the submission: the peers and links its consensus planned with."""
 
 
 def follow(swarm: LocalSwarm, spec: dict[str, Any], timeout: float) -> Followed:
     """Submit ``spec`` through peer 0 and poll ``job_status`` until the job ends (cancelled past ``timeout``)."""
     owner = swarm.peers[0]
+    # the links as the consensus sees them: a probe taken while an earlier job loaded a shaped link
+    # measured what that job left of it, and its prediction should price what the peers planned with
+    status = owner.status()
     submitted = time.monotonic()
     job = owner.control().call("submit", spec=spec)["job_id"]
     seen: list[tuple[float, int]] = []
@@ -292,7 +298,7 @@ def follow(swarm: LocalSwarm, spec: dict[str, Any], timeout: float) -> Followed:
                 code=ErrorCode.TIMEOUT,
             )
         time.sleep(POLL_S)
-    return Followed(job, view, time.monotonic() - submitted, seen, polled)
+    return Followed(job, view, time.monotonic() - submitted, seen, polled, status)
 
 
 # -- in-process parts (one thread) ---------------------------------------------------------------
@@ -587,7 +593,7 @@ def rl_swarm(s: Settings, png: str | None = None) -> dict[str, Any]:
             if main.view.get("state") != "done":
                 raise PeerdError(f"the job ended {main.view.get('state')}: {main.view.get('reason')}")
             alloc = main.view["allocation"]
-            status = swarm.peers[0].status()
+            status = main.status
             model, fetched = end_policy(swarm, main.job_id, root / "fetched")
             arms = compare_arms(swarm, s, main) if s.compare_async is not None else {}
             placements = colocated_arms(swarm, s, main) if s.compare_colocated else {}
@@ -666,7 +672,8 @@ def rl_swarm(s: Settings, png: str | None = None) -> dict[str, Any]:
     def arms_of(followed: dict[str, Followed]) -> dict[str, dict[str, Any]]:
         specs = {name: parse_job_spec(placement_spec(s, name)) for name in followed}
         views = {name: f.view for name, f in followed.items()}
-        return placement_arms(views, specs, status, memory_bandwidth, launch_s)
+        statuses = {name: f.status for name, f in followed.items()}
+        return placement_arms(views, statuses, specs, memory_bandwidth, launch_s)
 
     if placements:
         out["compare_colocated"] = colocated_report(arms_of(placements))

@@ -261,17 +261,19 @@ def prediction_report(
 
 def placement_arms(
     views: dict[str, dict[str, Any]],
+    statuses: dict[str, dict[str, Any]],
     specs: dict[str, JobSpec],
-    status: dict[str, Any],
     memory_bandwidth: float,
     launch_s: float | None,
 ) -> dict[str, dict[str, Any]]:
-    """Comparison arms (their final job views and specs): each arm's roles, measured iteration (the
-    trainers' loop, as the main prediction reads it), the RL cost model's prediction for it, and what
+    """Comparison arms (each job's final view, the owner's status right before its submission, its
+    spec): each arm's roles, measured iteration (the trainers' loop, as the main prediction reads
+    it), the RL cost model's prediction for it on the roster its consensus planned with, and what
     its trainers sent to average."""
-    ids = {p["peer_id"]: p["name"] for p in status.get("peers", [])}
     out: dict[str, dict[str, Any]] = {}
     for name, view in views.items():
+        status = statuses[name]
+        ids = {p["peer_id"]: p["name"] for p in status.get("peers", [])}
         alloc, rl = view["allocation"], view["progress"]["rl"]
         predicted = predict(specs[name], committed_roster(status, alloc, memory_bandwidth, launch_s), alloc)
         measured = loop_seconds(rl.get("phases_s"))
