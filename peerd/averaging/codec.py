@@ -37,6 +37,10 @@ class GradientCompression:
     rounding: Literal["nearest", "stochastic"] = "nearest"
     """Error feedback makes nearest rounding's bias harmless; stochastic is the unbiased option."""
 
+    def bytes_per_value(self) -> float:
+        """Wire bytes per averaged element: its code and its share of the group's bfloat16 scale."""
+        return self.bits / 8 + 2 / self.group_size
+
     def validate(self) -> None:
         if self.bits not in (2, 3, 4, 8):
             raise ConfigError("compression.bits", f"must be one of 2, 3, 4, 8, got {self.bits}")

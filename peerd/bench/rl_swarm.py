@@ -264,7 +264,8 @@ class Followed:
 
 
 def follow(swarm: LocalSwarm, spec: dict[str, Any], timeout: float) -> Followed:
-    """Submit ``spec`` through peer 0 and poll ``job_status`` until the job ends (cancelled past ``timeout``)."""
+    """Submit ``spec`` through peer 0 and poll ``job_status`` until the job is done; PeerdError when it
+    ends otherwise (failed, cancelled) or takes longer than ``timeout`` (then it is cancelled)."""
     owner = swarm.peers[0]
     # the links as the consensus sees them: a probe taken while an earlier job loaded a shaped link
     # measured what that job left of it, and its prediction should price what the peers planned with
@@ -298,6 +299,8 @@ def follow(swarm: LocalSwarm, spec: dict[str, Any], timeout: float) -> Followed:
                 code=ErrorCode.TIMEOUT,
             )
         time.sleep(POLL_S)
+    if view.get("state") != "done":
+        raise PeerdError(f"job {spec['name']} ended {view.get('state')}: {view.get('reason')}")
     return Followed(job, view, time.monotonic() - submitted, seen, polled, status)
 
 
@@ -424,10 +427,7 @@ def compare_arms(swarm: LocalSwarm, s: Settings, main: Followed | None = None) -
             continue
         click.echo(f"comparing: staleness {k}, {s.compare_iterations} iterations", err=True)
         arm_spec = job_spec(s, staleness=k, iterations=s.compare_iterations, name=name)
-        followed = follow(swarm, arm_spec, s.job_timeout_s)
-        if followed.view.get("state") != "done":
-            raise PeerdError(f"{name} ended {followed.view.get('state')}: {followed.view.get('reason')}")
-        arms[name] = arm(followed, per_iteration, ids)
+        arms[name] = arm(follow(swarm, arm_spec, s.job_timeout_s), per_iteration, ids)
     return arms
 
 
@@ -461,10 +461,6 @@ def gradient_arms(swarm: LocalSwarm, s: Settings) -> dict[str, Followed]:
     for name in gradient_arm_names(s):
         click.echo(f"gradient comparison: {name}, {s.compare_iterations} iterations", err=True)
         arms[name] = follow(swarm, placement_spec(s, name), s.job_timeout_s)
-        if arms[name].view.get("state") != "done":
-            raise PeerdError(
-                f"the {name} arm ended {arms[name].view.get('state')}: {arms[name].view.get('reason')}"
-            )
     return arms
 
 
@@ -479,9 +475,6 @@ def colocated_arms(swarm: LocalSwarm, s: Settings, main: Followed) -> dict[str, 
         arms["consensus"] = follow(swarm, placement_spec(s, "consensus"), s.job_timeout_s)
     click.echo(f"colocated comparison: {s.peers} trainers, {s.compare_iterations} iterations", err=True)
     arms["colocated"] = follow(swarm, placement_spec(s, "colocated"), s.job_timeout_s)
-    for name, f in arms.items():
-        if f.view.get("state") != "done":
-            raise PeerdError(f"the {name} arm ended {f.view.get('state')}: {f.view.get('reason')}")
     return arms
 
 
@@ -590,8 +583,6 @@ def rl_swarm(s: Settings, png: str | None = None) -> dict[str, Any]:
         try:
             click.echo(f"submitting {s.iterations} iterations of GRPO on {s.task}", err=True)
             main = follow(swarm, spec, s.job_timeout_s)
-            if main.view.get("state") != "done":
-                raise PeerdError(f"the job ended {main.view.get('state')}: {main.view.get('reason')}")
             alloc = main.view["allocation"]
             status = main.status
             model, fetched = end_policy(swarm, main.job_id, root / "fetched")

@@ -8,10 +8,10 @@ iteration's prompts); the allocation's spares are the **rollout peers** (``gener
 serves trainer i % R) and split their trainer's prompts equally; a trainer left without a rollout
 peer samples its own prompts (colocated: generation time-shares its device, before its reference
 pass). No spares at all is the verl-like colocated plan: every trainer generates, scores and trains
-its share (with R = 1, a lone trainer). An allocation keeps at least ``rl.min_rollout_peers`` rollout
-peers where the roster has them (``required_rollouts``); scoring refuses one with fewer. Every peer re-scores a candidate with the RL cost model (``peerd.sched.rl``) on the
-roster alone, so the consensus compares role assignments with the same arithmetic as
-``peerd plan --kind rl``:
+its share (with R = 1, a lone trainer). An allocation keeps at least ``rl.min_rollout_peers``
+rollout peers where the roster has them (``required_rollouts``); scoring refuses one with fewer.
+Every peer re-scores a candidate with the RL cost model (``peerd.sched.rl``) on the roster alone,
+so the consensus compares role assignments with the same arithmetic as ``peerd plan --kind rl``:
 
 - the roster becomes a cluster: measured fp32 TFLOPS, free memory and memory bandwidth of
   every entry (``RosterDevice``; achieved rates, so at efficiency 1), links as
@@ -24,8 +24,8 @@ roster alone, so the consensus compares role assignments with the same arithmeti
   the peer's measured ``launch_s``);
 - training is data parallel over the trainers (``sched.rl``'s ``Layout(R, 1, 1)``): each update
   is one pass over a trainer's share of the update's groups, then the trainers average their
-  gradients (fp32, or ``compression.gradient_bits`` per element plus the codec's scales: ``peerd.jobs.rl.means``)
-  with a ring all-reduce, ``2(R-1)/R`` of the gradient bytes over the slowest link
+  gradients (fp32, or ``compression.gradient_bits`` per element plus the codec's scales:
+  ``peerd.jobs.rl.means``) with a ring all-reduce, ``2(R-1)/R`` of the gradient bytes over the slowest link
   between trainers plus ``2(R-1)`` of the largest delay, once per optimizer update;
 - the weights reach the rollout peers as the runtime sends them: each trainer to its own rollout
   peers (``weight_sync: star``, the R stars in parallel); a colocated trainer needs no sync;
@@ -97,12 +97,10 @@ FP32 = CostConstants(
 )
 
 
-def gradient_wire_bytes(bits: int | None) -> float | None:
-    """Bytes per gradient element on the trainers' averaging wire: ``bits`` per code plus one bfloat16
-    scale per group of the averaging codec (``peerd.averaging.GradientCompression``); None: fp32."""
-    if bits is None:
-        return None
-    return bits / 8 + 2 / GradientCompression().group_size
+def gradient_wire_bytes(spec: JobSpec) -> float | None:
+    """Bytes per gradient element on the trainers' averaging wire (None: fp32, ``grad_bytes``)."""
+    bits = spec.compression.gradient_bits
+    return None if bits is None else GradientCompression(bits=bits).bytes_per_value()
 
 
 def rl_workload(spec: JobSpec) -> Workload:
@@ -150,9 +148,7 @@ def rl_workload(spec: JobSpec) -> Workload:
         staleness=rl.staleness,
         weight_sync="star",  # every rollout peer takes the weights from the trainer
         name=spec.name or f"rl-{rl.task.name}",
-        constants=dataclasses.replace(
-            FP32, grad_wire_bytes=gradient_wire_bytes(spec.compression.gradient_bits)
-        ),
+        constants=dataclasses.replace(FP32, grad_wire_bytes=gradient_wire_bytes(spec)),
     )
 
 

@@ -12,8 +12,9 @@ How an ``rl`` job reads the rest of the spec (``peerd.jobs.spec`` checks it):
 - ``parallel.d_dp`` trainers (``d_pp`` 1; ``auto`` is one), data parallel: each trains on its equal
   share of every update's groups (so ``micro_batch / group_size`` is a multiple of ``d_dp``) and
   they average each update's gradients (in fp32, or at ``compression.gradient_bits`` with error
-  feedback: the only ``compression`` field an rl job reads, refused for a lone trainer); every other peer of the allocation is a rollout peer,
-  dealt round-robin over the trainers, and a trainer left without one samples its share itself
+  feedback: the only ``compression`` field an rl job reads, refused for a lone trainer); every
+  other peer of the allocation is a rollout peer, dealt round-robin over the trainers, and a
+  trainer left without one samples its share itself
   (with ``d_dp`` peers, every one of them: the colocated plan). ``min_peers`` is at least ``d_dp``;
   ``max_peers``, when given, leaves room for ``rl.min_rollout_peers`` beside the trainers.
 

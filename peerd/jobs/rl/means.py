@@ -19,7 +19,7 @@ from collections.abc import Hashable, Sequence
 
 import torch
 
-from peerd.averaging import GroupAllReduce
+from peerd.averaging import GradientCompression, GroupAllReduce
 from peerd.jobs.rl.report import Rewards
 from peerd.jobs.rl.shards import RLPlan
 from peerd.rl.update import Average
@@ -107,7 +107,7 @@ def trainer_means(
     """The averaging of an rl job's data-parallel trainers in ``epoch`` (``members`` in replica order)."""
     bits = plan.spec.compression.gradient_bits
 
-    def group(key: str, compressor: str | None) -> GroupAllReduce:
+    def group(key: str, compressor: GradientCompression | None) -> GroupAllReduce:
         made = GroupAllReduce(
             transport,
             list(members),
@@ -125,7 +125,7 @@ def trainer_means(
     key = f"rl/{plan.job_id}/{epoch}"
     if bits is None:
         return TrainerMeans(group(key, None))
-    return TrainerMeans(group(key, f"q{bits}"), group(f"{key}/exact", None))
+    return TrainerMeans(group(key, GradientCompression(bits=bits)), group(f"{key}/exact", None))
 
 
 class PooledRewards:
