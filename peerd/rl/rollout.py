@@ -200,15 +200,23 @@ class PackedBatch:
 def layout(
     prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]], device: torch.device | str = "cpu"
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Right-padded rows ``prompt + completion`` (B, T) and the (B, T-1) mask of completion targets."""
-    seqs = [list(p) + list(c) for p, c in zip(prompts, completions, strict=True)]
-    B, T = len(seqs), max((len(s) for s in seqs), default=1)  # no rows: an empty batch
-    tokens_BT = torch.full((B, T), PAD_TOKEN, dtype=torch.long)
-    mask_BT = torch.zeros((B, T - 1))
-    for i, (seq, p, c) in enumerate(zip(seqs, prompts, completions, strict=True)):
-        tokens_BT[i, : len(seq)] = torch.tensor(seq)
-        # target index t predicts token t+1: completion token j sits at target index len(p) - 1 + j
-        mask_BT[i, len(p) - 1 : len(p) - 1 + len(c)] = 1.0
+    """Right-padded rows ``prompt + completion`` (B, T) and the (B, T-1) mask of completion targets.
+
+    Rows are built as Python lists and become tensors at once: per-row tensor ops would cost a
+    tiny policy's trainer more than its forward pass (11 dispatched ops a row).
+    """
+    if not all(prompts):
+        raise ValueError("every row needs a prompt token: the first completion token is predicted from it")
+    seqs = [[*p, *c] for p, c in zip(prompts, completions, strict=True)]
+    T = max((len(s) for s in seqs), default=1)  # no rows: an empty batch
+    # target index t predicts token t+1: completion token j sits at target index len(p) - 1 + j
+    masks = [
+        [0.0] * (len(p) - 1) + [1.0] * len(c) + [0.0] * (T - len(p) - len(c))
+        for p, c in zip(prompts, completions, strict=True)
+    ]
+    B = len(seqs)
+    tokens_BT = torch.tensor([s + [PAD_TOKEN] * (T - len(s)) for s in seqs], dtype=torch.long).reshape(B, T)
+    mask_BT = torch.tensor(masks, dtype=torch.float32).reshape(B, T - 1)
     return tokens_BT.to(device), mask_BT.to(device)
 
 
@@ -218,11 +226,12 @@ def pack(groups: Sequence[RolloutGroup], device: torch.device | str = "cpu") -> 
     prompts = [groups[gi].problem.prompt_ids for gi, _ in rows]
     comps = [groups[gi].completions[ci] for gi, ci in rows]
     tokens_BT, mask_BT = layout(prompts, comps, device)
-    old_BT = torch.zeros(mask_BT.shape)
-    for i, (gi, ci) in enumerate(rows):
+    width = mask_BT.shape[1]
+    olds = []
+    for p, (gi, ci) in zip(prompts, rows, strict=True):
         lps = groups[gi].logprobs[ci]
-        start = len(prompts[i]) - 1
-        old_BT[i, start : start + len(lps)] = torch.tensor(lps)
+        olds.append([0.0] * (len(p) - 1) + list(lps) + [0.0] * (width - len(p) + 1 - len(lps)))
+    old_BT = torch.tensor(olds, dtype=torch.float32).reshape(len(rows), width)
     return PackedBatch(tokens_BT, mask_BT, old_BT.to(device), rows)
 
 
