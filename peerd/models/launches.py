@@ -5,32 +5,48 @@ arithmetic: each op pays the framework's Python-to-kernel path and, on a GPU, a 
 models price that as ``ops x seconds per op``: ``count_ops`` counts the ops of real code (every
 ATen op that reaches a backend kernel, autograd's backward ops included), and ``launch_seconds``
 measures the seconds per op of a toy-width GPT's training steps on a device.
+
+Beyond its launch, an op that is not a matmul's arithmetic costs the memory traffic of its tensors
+(a softmax over a batch's logits, a layer norm, an optimizer's update of the moments): the
+counter also adds up the bytes each op reads and writes (``OpCounter.bytes``: its tensor inputs
+and outputs; a view moves none), leaving out the tensors of ``exclude`` (a model's weights, whose
+reads the cost models price with the matmuls' arithmetic).
 """
 
 from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 from torch.nn import functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from peerd.models.gpt import GPT, GPTConfig
 
 
 class OpCounter(TorchDispatchMode):
-    """Counts every op dispatched while active (``with OpCounter() as c: ...; c.ops``)."""
+    """Counts every op dispatched while active and the bytes they read and write
+    (``with OpCounter() as c: ...; c.ops, c.bytes``); tensors sharing storage with one of
+    ``exclude`` count no bytes."""
 
-    def __init__(self) -> None:
+    def __init__(self, exclude: Iterable[torch.Tensor] = ()) -> None:
         super().__init__()
         self.ops = 0
+        self.bytes = 0
+        self._excluded = {t.untyped_storage().data_ptr() for t in exclude}
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
         self.ops += 1
-        return func(*args, **(kwargs or {}))
+        if not func.is_view:  # a view aliases its input: nothing is read or written
+            for t in tree_leaves((args, kwargs, out)):
+                if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in self._excluded:
+                    self.bytes += t.numel() * t.element_size()
+        return out
 
 
 def count_ops(fn: Callable[[], object]) -> int:

@@ -1,4 +1,4 @@
-"""The device ops one GRPO iteration of the runtime dispatches, counted on its own code (``Launches``).
+"""The device ops one GRPO iteration of the runtime dispatches and the bytes they move, counted on its own code (``Launches``).
 
 The RL cost model prices a tiny policy by its ops (``peerd.sched.rl.cost``: each costs the
 device's measured seconds per op). The counts come from running the runtime's functions (the
@@ -12,6 +12,13 @@ are counted (after a first step has built the optimizer's state) at one and two 
 difference being the ops of one update (one micro-batch and its optimizer step: the runtime steps
 once per micro-batch) and the rest the set-up. Packing builds its rows in Python and dispatches a
 fixed number of ops, so the reference pass's count holds for a data-parallel trainer's share too.
+
+The bytes those ops read and write outside the weights (``OpCounter.bytes``: activations, logits,
+KV cache, gradients, optimizer moments) need the real width, so ``count_traffic`` runs the same
+functions on zero-weight copies of the GPT at its width and vocabulary with one and two blocks
+(bytes grow by the same amount with each block) on one and two groups of the task's longest
+prompt: per sequence of a generation (every decode step), of the reference pass and of an update,
+and per optimizer step what an update moves whatever its rows (clipping, the step, zeroing).
 """
 
 from __future__ import annotations
@@ -25,7 +32,7 @@ import torch
 from peerd.models.gpt import GPT, GPTConfig
 from peerd.models.launches import OpCounter, count_ops
 from peerd.rl.loss import GRPOLossConfig
-from peerd.rl.rollout import SamplingConfig, pack, rollout, token_logprobs
+from peerd.rl.rollout import RolloutGroup, SamplingConfig, pack, rollout, token_logprobs
 from peerd.rl.tasks import Task
 from peerd.rl.update import frozen_copy, grpo_updates
 from peerd.sched.rl.workload import Launches
@@ -57,7 +64,7 @@ def narrow(cfg: GPTConfig) -> GPTConfig:
 
 
 def _zero_policy(cfg: GPTConfig) -> GPT:
-    model = GPT(narrow(cfg))
+    model = GPT(cfg)
     with torch.no_grad():
         for p in model.parameters():
             p.zero_()
@@ -79,7 +86,7 @@ def _generation_ops(model: GPT, shape: IterationShape, prompts: int, steps: int)
 
 def count_launches(cfg: GPTConfig, shape: IterationShape, make_optimizer: OptimizerFactory) -> Launches:
     """The ops of one iteration of a GRPO job of the built-in GPT ``cfg`` (see the module docstring)."""
-    model = _zero_policy(cfg)
+    model = _zero_policy(narrow(cfg))
     small, steps = max(1, shape.prompts // 4), min(2, shape.sampling.max_new_tokens)
     base = _generation_ops(model, shape, small, 1)
     per_prompt = (_generation_ops(model, shape, 2 * small, 1) - base) / small
@@ -124,6 +131,7 @@ def count_launches(cfg: GPTConfig, shape: IterationShape, make_optimizer: Optimi
     updates(1)  # the optimizer's first step creates its state: a one-off, not a per-iteration cost
     once = count_ops(lambda: updates(1))
     per_update = (count_ops(lambda: updates(2)) - once) / len(parts)
+    traffic = count_traffic(cfg, shape, make_optimizer)
     return Launches(
         generate=max(fixed, 0.0),
         generate_per_sequence=per_sequence,
@@ -131,4 +139,87 @@ def count_launches(cfg: GPTConfig, shape: IterationShape, make_optimizer: Optimi
         inference=float(inference),
         train=max(once - per_update * len(parts), 0.0),
         train_per_micro_batch=per_update,
+        generate_bytes_per_sequence=traffic.generate,
+        inference_bytes_per_sequence=traffic.inference,
+        train_bytes_per_sequence=traffic.train,
+        optimizer_step_bytes=traffic.optimizer_step,
     )
+
+
+@dataclasses.dataclass(frozen=True)
+class Traffic:
+    """Bytes the runtime's ops read and write outside the weights (see the module docstring)."""
+
+    generate: float
+    """Per sequence of a generation, all its decode steps."""
+    inference: float
+    """Per sequence of the reference pass (packing included)."""
+    train: float
+    """Per sequence of an update's forward and backward."""
+    optimizer_step: float
+    """Per update, whatever its rows: gradient clipping, the optimizer's step, zeroing."""
+
+
+def count_traffic(cfg: GPTConfig, shape: IterationShape, make_optimizer: OptimizerFactory) -> Traffic:
+    """The bytes of ``Traffic`` for the GPT ``cfg``: counted with one and two blocks, extrapolated to
+    ``cfg.n_layer``."""
+    one, two = (
+        dataclasses.astuple(_traffic(dataclasses.replace(cfg, n_layer=n), shape, make_optimizer))
+        for n in (1, 2)
+    )
+    return Traffic(*(a + (cfg.n_layer - 1) * (b - a) for a, b in zip(one, two, strict=True)))
+
+
+def _traffic(cfg: GPTConfig, shape: IterationShape, make_optimizer: OptimizerFactory) -> Traffic:
+    model = _zero_policy(cfg)
+    problem = max(shape.task.problems(16, seed=0), key=lambda p: len(p.prompt_ids))
+    g = shape.group_size
+    sampling = dataclasses.replace(shape.sampling, temperature=1.0, top_k=0)  # uniform: full length
+
+    def counted(fn: Callable[[], object], weights: GPT) -> int:
+        with OpCounter(exclude=weights.parameters()) as counter:
+            fn()
+        return counter.bytes
+
+    def sample(prompts: int) -> list[RolloutGroup]:
+        return rollout(model, [problem] * prompts, g, sampling, torch.Generator().manual_seed(0), 0)
+
+    generate = (counted(lambda: sample(2), model) - counted(lambda: sample(1), model)) / g
+    groups = sample(2)
+    for group in groups:
+        group.scores = [shape.task.score(group.problem, c) for c in group.completions]
+    reference = frozen_copy(model)
+    temperature = shape.sampling.temperature
+
+    def reference_pass(k: int) -> int:
+        return counted(lambda: token_logprobs(reference, pack(groups[:k]).tokens_BT, temperature), reference)
+
+    inference = (reference_pass(2) - reference_pass(1)) / g
+    policy = copy.deepcopy(model)
+    optimizer, after_step = make_optimizer(policy.parameters())
+
+    def update(k: int) -> int:
+        batch = pack(groups[:k])
+        ref_BT = token_logprobs(reference, batch.tokens_BT, temperature)
+        return counted(
+            lambda: grpo_updates(
+                policy,
+                optimizer,
+                batch,
+                ref_BT,
+                [grp.rewards for grp in groups[:k]],
+                [[range(k)]],
+                group_size=g,
+                epochs=1,
+                temperature=temperature,
+                loss=shape.loss,
+                grad_clip=shape.grad_clip,
+                after_step=after_step,
+            ),
+            policy,
+        )
+
+    update(1)  # the optimizer's first step creates its state: a one-off
+    once = update(1)
+    train = (update(2) - once) / g
+    return Traffic(generate, inference, train, max(once - train * g, 0.0))

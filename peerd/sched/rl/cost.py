@@ -57,6 +57,10 @@ all-reduce of x bytes over n devices (reduce-scatter + all-gather).
   ``λ (n_gen + n_seq · c + n_dec · T_r)``, an inference or training micro-batch adds ``λ n_mb / pp``
   to its stage's compute, an optimizer step ``λ n_opt / pp``, and each task's per-iteration set-up
   ``λ n_task`` once (λ of the slowest device holding the task). A tiny model is all launches.
+- **Op traffic**: the bytes those ops read and write beyond the weights (logits and their softmax,
+  norms, the KV cache, gradients, optimizer moments; ``Launches.*_bytes*``, counted on the runtime's
+  code) cost 1 / memory bandwidth each: a generation wave ``c · y_gen / B_r``, a micro-batch
+  ``m · y_mb / (pp · tp · B · e_m)`` on its stage, an optimizer step ``y_opt / (pp · B · e_m)``.
 - **Weight sync** (actor bytes X = P b_w) when generation and actor training use different
   devices: into the generator group over its best link from the trainers, then along the
   generators' maximum-bandwidth spanning tree (pipelined chunks):
@@ -173,7 +177,8 @@ def generation_time(model: ModelSize, w: Workload, rep: ReplicaGen, tp: int, seq
     step = max(read / bw, 2.0 * model.params * c / flops) + tp_d
     n = w.launches
     ops = n.generate + n.generate_per_sequence * c + n.decode_step * w.response_len
-    return waves * (prefill + w.response_len * step + ops * rep.launch)
+    traffic = c * n.generate_bytes_per_sequence / bw if n.generate_bytes_per_sequence else 0.0
+    return waves * (prefill + w.response_len * step + ops * rep.launch + traffic)
 
 
 @dataclass(frozen=True)
@@ -190,6 +195,8 @@ class Pipelines:
     """(dp, pp - 1, tp) delay and bandwidth from stage s rank t to stage s+1 rank t."""
     stage_launch: np.ndarray | None = None
     """(dp, pp) the slowest rank's seconds per dispatched op (None: not modelled)."""
+    stage_mem_bw: np.ndarray | None = None
+    """(dp, pp) the slowest rank's memory bytes/s (None: the ops' traffic is not modelled)."""
 
     @classmethod
     def of(cls, cluster: Cluster, grid: np.ndarray) -> Pipelines:
@@ -203,6 +210,7 @@ class Pipelines:
             hop_alpha=cluster.delay[grid[:, :-1], grid[:, 1:]],
             hop_beta=cluster.bw[grid[:, :-1], grid[:, 1:]],
             stage_launch=cluster.launch[grid].max(axis=2),
+            stage_mem_bw=cluster.mem_bw[grid].min(axis=2),
         )
 
 
@@ -231,11 +239,17 @@ def pipeline_slots(model: ModelSize, w: Workload, pipes: Pipelines, tp: int, tra
     factor = (8.0 if k.recompute else 6.0) if train else 2.0
     per_layer = 4 if train else 2
     compute = factor * (model.params / pp) * tokens / (tp * pipes.stage_flops * k.compute_efficiency)
+    n = w.launches
     if pipes.stage_launch is not None:
-        n = w.launches
         compute = compute + (n.train_per_micro_batch if train else n.inference_per_micro_batch) / pp * (
             pipes.stage_launch
         )
+    per_sequence = n.train_bytes_per_sequence if train else n.inference_bytes_per_sequence
+    if pipes.stage_mem_bw is not None and per_sequence:
+        with np.errstate(divide="ignore"):  # a device without a memory bandwidth cannot move the bytes
+            compute = compute + w.micro_batch * per_sequence / (
+                pp * tp * pipes.stage_mem_bw * k.memory_efficiency
+            )
     compute = compute + tp_traffic_array(
         tokens,
         model.layers / pp,
@@ -255,11 +269,16 @@ def pipeline_slots(model: ModelSize, w: Workload, pipes: Pipelines, tp: int, tra
     return slot
 
 
-def task_launches(w: Workload, train: bool, pp: int, launch: float) -> tuple[float, float]:
-    """(seconds per iteration, seconds per optimizer step) of a task's launches outside its micro-batches."""
+def task_launches(w: Workload, train: bool, pp: int, launch: float, mem_bw: float) -> tuple[float, float]:
+    """(seconds per iteration, seconds per optimizer step) of a task's ops outside its micro-batches
+    (``mem_bw``: the slowest device's memory bytes/s, for the optimizer step's traffic)."""
     n = w.launches
     if train:
-        return n.train * launch, n.optimizer_step / pp * launch
+        traffic = 0.0
+        if n.optimizer_step_bytes:
+            bw = mem_bw * w.constants.memory_efficiency
+            traffic = n.optimizer_step_bytes / bw if bw > 0 else INF
+        return n.train * launch, (n.optimizer_step * launch + traffic) / pp
     return n.inference * launch, 0.0
 
 

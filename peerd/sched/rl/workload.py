@@ -111,7 +111,10 @@ class Launches:
     Each op costs a device's ``launch_us`` on top of its arithmetic: negligible for large models,
     the whole cost of tiny ones (a 2-layer GPT of width 32 dispatches ~500 ops to sample a batch of
     three tokens, each ~6 µs on a CPU, against microseconds of FLOPs). Counts per replica; a
-    pipeline stage of pp takes 1/pp of the per-micro-batch and per-step counts.
+    pipeline stage of pp takes 1/pp of the per-micro-batch and per-step counts. The ``*_bytes*``
+    fields are the memory traffic of those ops beyond the weights the arithmetic reads (softmaxes,
+    norms, the KV cache, gradients, optimizer moments), each byte costing 1 / the device's memory
+    bandwidth.
     """
 
     generate: Annotated[float, Range(ge=0)] = 0.0
@@ -130,6 +133,14 @@ class Launches:
     """Per micro-batch forward + backward."""
     optimizer_step: Annotated[float, Range(ge=0)] = 0.0
     """Per optimizer step: gradient clipping, the update, zeroing."""
+    generate_bytes_per_sequence: Annotated[float, Range(ge=0)] = 0.0
+    """Bytes the ops of a generation read and write per sequence (all its decode steps), weights aside."""
+    inference_bytes_per_sequence: Annotated[float, Range(ge=0)] = 0.0
+    """Bytes per sequence of an inference task's forward, weights aside."""
+    train_bytes_per_sequence: Annotated[float, Range(ge=0)] = 0.0
+    """Bytes per sequence of a training micro-batch's forward and backward, weights aside."""
+    optimizer_step_bytes: Annotated[float, Range(ge=0)] = 0.0
+    """Bytes per optimizer step whatever the rows (clipping, the moments' update, zeroing), weights aside."""
 
 
 @dataclass

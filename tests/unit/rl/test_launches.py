@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from peerd.bench.rl_swarm import Settings, job_spec
 from peerd.jobs.rl.learner import Learner
@@ -40,3 +41,30 @@ def test_counted_launches_match_the_rollout_peers_and_the_trainers_ops(task: str
     predicted = ops.inference + ops.train + ops.train_per_micro_batch * figures.updates
     # rows shorter than the longest take one slicing op more to pack than the counts' full-length rows
     assert predicted == pytest.approx(counted.ops, rel=0.05)
+
+
+def test_counted_bytes_match_what_the_runtimes_ops_move_beyond_the_weights():
+    """The traffic counts (real width, one and two blocks, extrapolated; two groups of the longest
+    prompt) predict the bytes of the runtime's own sampling, reference pass and updates."""
+    spec = parse_job_spec(
+        job_spec(Settings(prompts=8, group_size=4, d_model=32), staleness=0, iterations=3, name="c")
+    )
+    ops = rl_workload(spec).launches
+    plan = RLPlan("c", spec)
+    learner = Learner(plan)
+    with torch.no_grad():  # uniform sampling: every completion runs to max_new_tokens, as counted
+        for p in learner.policy.parameters():
+            p.zero_()
+    sequences = plan.prompts * plan.group_size
+    with OpCounter(exclude=learner.policy.parameters()) as counted:
+        groups = sample_shard(learner.policy, plan, 0, 0, range(plan.prompts), 0)
+    assert counted.bytes == pytest.approx(ops.generate_bytes_per_sequence * sequences, rel=0.05)
+    score(plan.task, groups)
+    learner.train(groups)  # builds the optimizer's state
+    weights = [*learner.policy.parameters(), *learner.reference.parameters()]
+    with OpCounter(exclude=weights) as counted:
+        figures = learner.train(groups)
+    predicted = (
+        ops.inference_bytes_per_sequence + ops.train_bytes_per_sequence
+    ) * sequences + ops.optimizer_step_bytes * figures.updates
+    assert counted.bytes == pytest.approx(predicted, rel=0.05)

@@ -300,8 +300,36 @@ def test_pipeline_micro_batches_and_steps_pay_their_launches_per_stage():
     # each stage runs half the layers: half the per-micro-batch ops at its own cost per op
     assert cost.pipeline_slots(TOY, w, pipes, 1, train=False)[0] == pytest.approx(0.8 + 30 * 2e-3)
     assert cost.pipeline_slots(TOY, w, pipes, 1, train=True)[0] == pytest.approx(3.2 + 100 * 2e-3)
-    assert cost.task_launches(w, True, 2, 1e-3) == pytest.approx((10 * 1e-3, 15 * 1e-3))
-    assert cost.task_launches(w, False, 2, 1e-3) == pytest.approx((400 * 1e-3, 0.0))
+    assert cost.task_launches(w, True, 2, 1e-3, 1e9) == pytest.approx((10 * 1e-3, 15 * 1e-3))
+    assert cost.task_launches(w, False, 2, 1e-3, 1e9) == pytest.approx((400 * 1e-3, 0.0))
+
+
+TRAFFIC = Launches(
+    generate_bytes_per_sequence=2e6,
+    inference_bytes_per_sequence=1e6,
+    train_bytes_per_sequence=3e6,
+    optimizer_step_bytes=8e6,
+)
+
+
+def test_the_ops_traffic_costs_its_bytes_at_the_devices_memory_bandwidth():
+    # micro-batches of 2 sequences; memory at half its rate (HALF's efficiency)
+    plain, w = toy_workload(micro_batch=2), toy_workload(micro_batch=2, launches=TRAFFIC)
+    pipes = dataclasses.replace(two_stages(), stage_mem_bw=np.array([[8e9, 2e9]]))
+    # the slower stage moves half of a micro-batch's bytes at 2 GB/s x 0.5
+    for train, per_sequence in ((False, 1e6), (True, 3e6)):
+        extra = (
+            cost.pipeline_slots(TOY, w, pipes, 1, train)[0]
+            - cost.pipeline_slots(TOY, plain, pipes, 1, train)[0]
+        )
+        assert extra == pytest.approx(2 * per_sequence / 2 / 1e9)
+    # an optimizer step: its bytes split over the stages, at the slowest device's memory x 0.5
+    assert cost.task_launches(w, True, 2, 0.0, 2e9) == pytest.approx((0.0, 8e6 / 2 / 1e9))
+    assert cost.task_launches(w, True, 2, 0.0, 0.0)[1] == math.inf  # no measured memory: no way to move them
+    # a generation wave: each of its c sequences' bytes at the replica's memory bandwidth x 0.5
+    rep = cost.ReplicaGen(flops=1e12, mem_bw=1e11, free=256 * 200 * 10, alpha=0.0, beta=math.inf)
+    extra = cost.generation_time(TOY, w, rep, 1, 25) - cost.generation_time(TOY, plain, rep, 1, 25)
+    assert extra == pytest.approx(25 * 2e6 / 5e10)  # three waves of 25/3 sequences
 
 
 def test_tasks_on_devices_with_a_launch_cost_add_it_and_others_do_not():
