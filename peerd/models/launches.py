@@ -42,7 +42,7 @@ class OpCounter(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
         self.ops += 1
-        if not func.is_view:  # a view aliases its input: nothing is read or written
+        if not getattr(func, "is_view", False):  # a view aliases its input: nothing is read or written
             for t in tree_leaves((args, kwargs, out)):
                 if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in self._excluded:
                     self.bytes += t.numel() * t.element_size()
