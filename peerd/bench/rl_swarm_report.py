@@ -6,6 +6,7 @@ in-process replay measured (its docstring says what each figure is).
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 from pathlib import Path
 from typing import Any
@@ -14,6 +15,7 @@ from peerd.jobs.scoring_rl import RLRosterScorer, rl_workload
 from peerd.jobs.spec import JobSpec
 from peerd.sched.allocation import Allocation
 from peerd.sched.consensus.messages import Roster, RosterDevice, RosterEntry, RosterLink
+from peerd.sched.rl.workload import Launches
 
 TARGET_RATIO, TARGET_PASS = 3.0, 0.6  # issue 13: 3x the starting pass rate or >= 0.6, whichever is lower
 
@@ -173,9 +175,36 @@ def committed_roster(
 
 
 def predict(spec: JobSpec, roster: Roster, alloc: dict[str, Any]) -> dict[str, Any]:
-    """The RL cost model's prediction for the committed roles (the trainers, the spares rolling out)."""
+    """The RL cost model's prediction for the committed roles (the trainers, the spares rolling out),
+    with each task's terms (``task_terms``)."""
     allocation = Allocation(tuple(tuple(s) for s in alloc["stages"]), tuple(alloc["spares"]))
-    return RLRosterScorer(spec).predict(roster, allocation).to_dict()
+    scorer = RLRosterScorer(spec)
+    return {**scorer.predict(roster, allocation).to_dict(), "terms_s": task_terms(scorer, roster, allocation)}
+
+
+def task_terms(scorer: RLRosterScorer, roster: Roster, allocation: Allocation) -> dict[str, dict[str, Any]]:
+    """Per task, what the model's seconds are made of: ``flops_and_links`` (the arithmetic at the
+    measured rates, the decode roofline, the trainers' all-reduce), ``launches`` (the counted ops at
+    the measured seconds per op) and ``traffic`` (the bytes those ops move at the memory bandwidth),
+    by pricing the roles without the counts, with the ops alone and whole; ``bound`` names the
+    largest (the task's regime)."""
+    w = scorer.workload
+    none, ops = (
+        RLRosterScorer(scorer.spec, dataclasses.replace(w, launches=launches))
+        .predict(roster, allocation)
+        .tasks
+        for launches in (Launches(), w.launches.without_traffic())
+    )
+    whole = scorer.predict(roster, allocation).tasks
+    out: dict[str, dict[str, Any]] = {}
+    for task, seconds in whole.items():
+        terms = {
+            "flops_and_links": none[task],
+            "launches": ops[task] - none[task],
+            "traffic": seconds - ops[task],
+        }
+        out[task] = {**terms, "bound": max(terms, key=lambda k: terms[k])}
+    return out
 
 
 # The trainer's phases (``peerd.jobs.rl.report``) under the cost model's task names.

@@ -332,13 +332,14 @@ def roles(allocation: Allocation) -> tuple[tuple[str, ...], tuple[str, ...]]:
 class RLRosterScorer:
     """``score(roster, allocation) -> predicted seconds per iteration`` of an rl job, cached per roster.
 
-    The same interface as ``peerd.jobs.scoring.RosterScorer`` (the planner holds either).
+    The same interface as ``peerd.jobs.scoring.RosterScorer`` (the planner holds either). ``workload``
+    replaces the spec's (``rl_workload``), e.g. to price a variant of it.
     """
 
-    def __init__(self, spec: JobSpec) -> None:
+    def __init__(self, spec: JobSpec, workload: Workload | None = None) -> None:
         self.spec = spec
         self.jm = job_model(spec)
-        self.workload = rl_workload(spec)
+        self.workload = workload or rl_workload(spec)
         # the job's trainers (``parallel.d_dp``, ``auto`` = 1): every allocation it scores has as many
         d_dp = spec.parallel.d_dp
         self.replicas = d_dp if isinstance(d_dp, int) else 1

@@ -16,6 +16,7 @@ All sizes are plain counts or bytes; the YAML gives the same names. ``Workload``
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Annotated, Literal
 
@@ -141,6 +142,16 @@ class Launches:
     """Bytes per sequence of a training micro-batch's forward and backward, weights aside."""
     optimizer_step_bytes: Annotated[float, Range(ge=0)] = 0.0
     """Bytes per optimizer step whatever the rows (clipping, the moments' update, zeroing), weights aside."""
+
+    def without_traffic(self) -> Launches:
+        """The op counts alone (the bytes they move at zero)."""
+        return dataclasses.replace(
+            self,
+            generate_bytes_per_sequence=0.0,
+            inference_bytes_per_sequence=0.0,
+            train_bytes_per_sequence=0.0,
+            optimizer_step_bytes=0.0,
+        )
 
 
 @dataclass

@@ -127,8 +127,16 @@ def test_the_rebuilt_roster_scores_like_the_daemons_entries() -> None:
     spec = parse_job_spec(job_spec(Settings(peers=3), staleness=0, iterations=5, name="r"))
     expected = RLRosterScorer(spec).predict(direct, Allocation((("QmB",),), ("QmA", "QmC")))
     got = predict(spec, roster, alloc)
+    terms = got.pop("terms_s")
     assert got == expected.to_dict() and got["seconds"] > 0
     assert set(got["tasks"]) == {"generate", "reference", "actor_train"}
+    # each task's seconds split into its arithmetic and links, its ops' launches and their traffic
+    for task, seconds in got["tasks"].items():
+        parts = {k: v for k, v in terms[task].items() if k != "bound"}
+        assert sum(parts.values()) == pytest.approx(seconds) and min(parts.values()) >= 0
+        assert parts["launches"] > 0 and parts["traffic"] > 0 and terms[task]["bound"] in parts
+    # width 32 at 4 µs per op: generation is its ops (three tokens, ~600 of them), not its FLOPs
+    assert terms["generate"]["bound"] == "launches"
     # the links among the members as probed (the failed one and the non-member left out)
     links = probed_links(status, alloc)
     assert links["measured"] == 6
