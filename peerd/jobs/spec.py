@@ -25,7 +25,7 @@ from peerd.models.gpt import PRESETS, GPTConfig
 from peerd.models.hf import CONFIG_METADATA
 from peerd.models.registry import GPTFamily, ModelFamily, hf_family
 from peerd.rl.spec import RLSpec
-from peerd.rl.tasks import make_task
+from peerd.rl.tasks import VOCAB_SIZE, make_task
 from peerd.sched.consensus.config import ConsensusTiming
 
 Auto = Literal["auto"]
@@ -350,7 +350,15 @@ class JobSpec:
                 need = make_task(rl.task).max_prompt_len + rl.sampling.max_new_tokens
             except ConfigError:  # the task section's own problems are reported field by field already
                 return out
-            room = self.model.gpt_config().max_seq_len
+            cfg = self.model.gpt_config()
+            if cfg.vocab_size != VOCAB_SIZE:  # a wider vocabulary samples tokens no task can decode
+                out.append(
+                    ConfigError(
+                        "model",
+                        f"rl tasks speak bytes: the model's vocab_size must be {VOCAB_SIZE}, got {cfg.vocab_size}",
+                    )
+                )
+            room = cfg.max_seq_len
             if need > room:
                 out.append(
                     ConfigError(

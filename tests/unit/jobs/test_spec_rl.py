@@ -82,6 +82,13 @@ def test_batch_sizes_are_whole_groups() -> None:
     assert "rl.group_size=8" in found["global_batch"]
 
 
+@pytest.mark.parametrize("model", [{"preset": "gpt2"}, {"preset": "tiny", "overrides": {"vocab_size": 512}}])
+def test_a_policy_whose_vocabulary_is_not_the_tasks_bytes_is_refused(model: dict) -> None:
+    # it would sample tokens no task can decode (the cost model's counting ran into them first)
+    found = problems({**RL_JOB, "model": model})
+    assert "vocab_size must be 256" in found["model"]
+
+
 def test_hf_models_and_unknown_tasks_are_refused() -> None:
     data = copy.deepcopy(RL_JOB)
     data["model"] = {"hf": {"model_type": "gpt2", "n_layer": 2, "n_embd": 32, "n_head": 2}}
