@@ -95,39 +95,15 @@ def count_launches(cfg: GPTConfig, shape: IterationShape, make_optimizer: Optimi
     fixed = base - per_prompt * small - per_step
 
     gen = torch.Generator().manual_seed(0)
-    groups = rollout(
-        model, shape.task.problems(shape.prompts, seed=0), shape.group_size, shape.sampling, gen, 0
+    groups = _scored(
+        shape,
+        rollout(model, shape.task.problems(shape.prompts, seed=0), shape.group_size, shape.sampling, gen, 0),
     )
-    for g in groups:
-        g.scores = [shape.task.score(g.problem, c) for c in g.completions]
-    reference = frozen_copy(model)
-    temperature = shape.sampling.temperature
-    inference = count_ops(lambda: token_logprobs(reference, pack(groups).tokens_BT, temperature))
-
+    trainer = _Trainer(model, shape, make_optimizer)
+    inference = count_ops(lambda: trainer.reference_logprobs(groups))
     per = shape.groups_per_update
     parts = [range(a, min(a + per, len(groups))) for a in range(0, len(groups), per)]
-
-    policy = copy.deepcopy(model)
-    optimizer, after_step = make_optimizer(policy.parameters())
-    batch = pack(groups)
-    ref_BT = token_logprobs(reference, batch.tokens_BT, temperature)
-
-    def updates(epochs: int) -> None:
-        grpo_updates(
-            policy,
-            optimizer,
-            batch,
-            ref_BT,
-            [g.rewards for g in groups],
-            [[r] for r in parts],
-            group_size=shape.group_size,
-            epochs=epochs,
-            temperature=temperature,
-            loss=shape.loss,
-            grad_clip=shape.grad_clip,
-            after_step=after_step,
-        )
-
+    updates = trainer.updates(groups, parts)
     updates(1)  # the optimizer's first step creates its state: a one-off, not a per-iteration cost
     once = count_ops(lambda: updates(1))
     per_update = (count_ops(lambda: updates(2)) - once) / len(parts)
@@ -185,41 +161,64 @@ def _traffic(cfg: GPTConfig, shape: IterationShape, make_optimizer: OptimizerFac
         return rollout(model, [problem] * prompts, g, sampling, torch.Generator().manual_seed(0), 0)
 
     generate = (counted(lambda: sample(2), model) - counted(lambda: sample(1), model)) / g
-    groups = sample(2)
-    for group in groups:
-        group.scores = [shape.task.score(group.problem, c) for c in group.completions]
-    reference = frozen_copy(model)
-    temperature = shape.sampling.temperature
+    groups = _scored(shape, sample(2))
+    trainer = _Trainer(model, shape, make_optimizer)
 
     def reference_pass(k: int) -> int:
-        return counted(lambda: token_logprobs(reference, pack(groups[:k]).tokens_BT, temperature), reference)
+        return counted(lambda: trainer.reference_logprobs(groups[:k]), trainer.reference)
 
     inference = (reference_pass(2) - reference_pass(1)) / g
-    policy = copy.deepcopy(model)
-    optimizer, after_step = make_optimizer(policy.parameters())
 
     def update(k: int) -> int:
-        batch = pack(groups[:k])
-        ref_BT = token_logprobs(reference, batch.tokens_BT, temperature)
-        return counted(
-            lambda: grpo_updates(
-                policy,
-                optimizer,
-                batch,
-                ref_BT,
-                [grp.rewards for grp in groups[:k]],
-                [[range(k)]],
-                group_size=g,
-                epochs=1,
-                temperature=temperature,
-                loss=shape.loss,
-                grad_clip=shape.grad_clip,
-                after_step=after_step,
-            ),
-            policy,
-        )
+        run = trainer.updates(groups[:k], [range(k)])
+        return counted(lambda: run(1), trainer.policy)
 
     update(1)  # the optimizer's first step creates its state: a one-off
     once = update(1)
     train = (update(2) - once) / g
     return Traffic(generate, inference, train, max(once - train * g, 0.0))
+
+
+def _scored(shape: IterationShape, groups: list[RolloutGroup]) -> list[RolloutGroup]:
+    for group in groups:
+        group.scores = [shape.task.score(group.problem, c) for c in group.completions]
+    return groups
+
+
+class _Trainer:
+    """The runtime's trainer of ``model``: its frozen reference and an optimized copy of the policy."""
+
+    def __init__(self, model: GPT, shape: IterationShape, make_optimizer: OptimizerFactory) -> None:
+        self.shape = shape
+        self.reference = frozen_copy(model)
+        self.policy = copy.deepcopy(model)
+        self.optimizer, self.after_step = make_optimizer(self.policy.parameters())
+
+    def reference_logprobs(self, groups: list[RolloutGroup]) -> torch.Tensor:
+        """The trainer's reference pass: packing and the reference's log-probs."""
+        return token_logprobs(self.reference, pack(groups).tokens_BT, self.shape.sampling.temperature)
+
+    def updates(self, groups: list[RolloutGroup], parts: list[range]) -> Callable[[int], object]:
+        """``run(epochs)``: the GRPO updates of ``groups``, one per part (packing and the reference
+        pass done here, outside what ``run`` dispatches)."""
+        batch = pack(groups)
+        ref_BT = token_logprobs(self.reference, batch.tokens_BT, self.shape.sampling.temperature)
+        rewards = [g.rewards for g in groups]
+
+        def run(epochs: int) -> object:
+            return grpo_updates(
+                self.policy,
+                self.optimizer,
+                batch,
+                ref_BT,
+                rewards,
+                [[r] for r in parts],
+                group_size=self.shape.group_size,
+                epochs=epochs,
+                temperature=self.shape.sampling.temperature,
+                loss=self.shape.loss,
+                grad_clip=self.shape.grad_clip,
+                after_step=self.after_step,
+            )
+
+        return run

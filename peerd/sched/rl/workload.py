@@ -16,8 +16,7 @@ All sizes are plain counts or bytes; the YAML gives the same names. ``Workload``
 
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Annotated, Literal
 
 from peerd.errors import ConfigError
@@ -145,7 +144,7 @@ class Launches:
 
     def without_traffic(self) -> Launches:
         """The op counts alone (the bytes they move at zero)."""
-        return dataclasses.replace(
+        return replace(
             self,
             generate_bytes_per_sequence=0.0,
             inference_bytes_per_sequence=0.0,
