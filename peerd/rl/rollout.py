@@ -80,13 +80,18 @@ def _sample(
         tokens_B = logits_BV.argmax(dim=-1)
         logp_BV = F.log_softmax(logits_BV, dim=-1)
     else:
-        logp_BV = F.log_softmax(logits_BV / cfg.temperature, dim=-1)
+        logp_BV = F.log_softmax(_tempered(logits_BV, cfg.temperature), dim=-1)
         draw_BV = logp_BV
         if 0 < cfg.top_k < logits_BV.shape[-1]:
             kth_B1 = logp_BV.topk(cfg.top_k, dim=-1).values[:, -1:]
             draw_BV = logp_BV.masked_fill(logp_BV < kth_B1, float("-inf"))
         tokens_B = draw(draw_BV.exp(), gen)
     return tokens_B, logp_BV.gather(1, tokens_B[:, None]).squeeze(1)
+
+
+def _tempered(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """``logits / temperature``; the logits themselves at 1 (the same values, one pass over them fewer)."""
+    return logits if temperature == 1.0 else logits / temperature
 
 
 def draw(probs_BV: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
@@ -239,5 +244,5 @@ def token_logprobs(model: GPT, tokens_BT: torch.Tensor, temperature: float = 1.0
     """Log-prob (B, T-1) of each next token under ``model`` (the plain, uncached forward)."""
     logits_BTV = model(tokens_BT[:, :-1]).float()
     if temperature > 0:
-        logits_BTV = logits_BTV / temperature
+        logits_BTV = _tempered(logits_BTV, temperature)
     return F.log_softmax(logits_BTV, dim=-1).gather(2, tokens_BT[:, 1:, None]).squeeze(2)
