@@ -52,6 +52,7 @@ from pathlib import Path
 from typing import Any
 
 import click
+import msgspec
 import torch
 import yaml
 from click.core import ParameterSource
@@ -76,6 +77,7 @@ from peerd.jobs.rl.learner import Learner
 from peerd.jobs.rl.report import score
 from peerd.jobs.rl.shards import RLPlan, sample_shard, shard_ranges
 from peerd.jobs.rl.weights import pack_weights
+from peerd.jobs.service import roster_profile
 from peerd.jobs.spec import parse_job_spec
 from peerd.localswarm import LocalSwarm, converged
 from peerd.models import load_checkpoint
@@ -598,8 +600,8 @@ def rl_swarm(s: Settings, png: str | None = None) -> dict[str, Any]:
     start, phases = start_and_phases(plan, s, max(1, len(alloc["spares"])))
     with one_thread():
         end = assess(model, plan, s)
-    launch_s = profile.launch_us * 1e-6 if profile.launch_us is not None else None
-    predicted = predict(job, committed_roster(status, alloc, profile.memory_gb_s * 1e9, launch_s), alloc)
+    measured = roster_profile(profile, "")
+    predicted = predict(job, committed_roster(status, alloc, measured), alloc)
     ids = {p["peer_id"]: p["name"] for p in status.get("peers", [])}
     final_rl = main.view["progress"]["rl"]
     kl_max = final_rl.get("kl_max")  # the trainer's running maximum over every iteration
@@ -623,6 +625,7 @@ def rl_swarm(s: Settings, png: str | None = None) -> dict[str, Any]:
                 "fp32_tflops": profile.tflops.get("fp32"),
                 "memory_gb_s": profile.memory_gb_s,
                 "launch_us": profile.launch_us,
+                "element_ns": msgspec.structs.asdict(profile.element_ns) if profile.element_ns else None,
             },
             "links": probed_links(status, alloc),
             "note": f"{s.peers} daemons share {cores} cores with whatever else runs on the machine",
@@ -658,13 +661,12 @@ def rl_swarm(s: Settings, png: str | None = None) -> dict[str, Any]:
     }
     if s.compare_async is not None:
         out["compare_async"] = comparison_report(s, arms, phases, plan, cores)
-    memory_bandwidth = profile.memory_gb_s * 1e9
 
     def arms_of(followed: dict[str, Followed]) -> dict[str, dict[str, Any]]:
         specs = {name: parse_job_spec(placement_spec(s, name)) for name in followed}
         views = {name: f.view for name, f in followed.items()}
         statuses = {name: f.status for name, f in followed.items()}
-        return placement_arms(views, statuses, specs, memory_bandwidth, launch_s)
+        return placement_arms(views, statuses, specs, measured)
 
     if placements:
         out["compare_colocated"] = colocated_report(arms_of(placements))

@@ -133,14 +133,13 @@ def probed_links(status: dict[str, Any], alloc: dict[str, Any]) -> dict[str, Any
     return out
 
 
-def committed_roster(
-    status: dict[str, Any], alloc: dict[str, Any], memory_bandwidth: float, launch_s: float | None
-) -> Roster:
+def committed_roster(status: dict[str, Any], alloc: dict[str, Any], measured: RosterDevice) -> Roster:
     """The committed roster's peers as the owner's status shows them, in the form the RL cost model reads.
 
     Each entry as ``peerd.jobs.service`` builds it: fp32 TFLOPS, free memory, measured links (one-way
-    delay = RTT / 2, upload bandwidth), each peer's machine, cores and threads; ``memory_bandwidth``
-    (bytes/s) and ``launch_s`` (seconds per dispatched op) from the shared profile cache.
+    delay = RTT / 2, upload bandwidth), each peer's machine, cores and threads; the memory bandwidth,
+    seconds per op and element costs of ``measured`` (the shared profile cache's, as a daemon
+    declares them: ``peerd.jobs.service.roster_profile``).
     """
     rows = {p["peer_id"]: p for p in status.get("peers", [])}
     members = list(alloc["roster"])
@@ -155,11 +154,12 @@ def committed_roster(
             float(row["tflops"]["fp32"]),
             int(memory),
             "",
-            memory_bandwidth,
-            launch_s,
+            measured.memory_bandwidth,
+            measured.launch_s,
             row.get("host_id"),
             row.get("host_cores"),
             row.get("threads"),
+            measured.element_s,
         )
         links = {
             x["dst"]: RosterLink(x["dst"], x["rtt_ms"] / 2e3, x["bw_up_mbps"] * 1e6)
@@ -185,15 +185,16 @@ def predict(spec: JobSpec, roster: Roster, alloc: dict[str, Any]) -> dict[str, A
 def task_terms(scorer: RLRosterScorer, roster: Roster, allocation: Allocation) -> dict[str, dict[str, Any]]:
     """Per task, what the model's seconds are made of: ``flops_and_links`` (the arithmetic at the
     measured rates, the decode roofline, the trainers' all-reduce), ``launches`` (the counted ops at
-    the measured seconds per op) and ``traffic`` (the bytes those ops move at the memory bandwidth),
-    by pricing the roles without the counts, with the ops alone and whole; ``bound`` names the
-    largest (the task's regime)."""
+    the measured seconds per op), ``traffic`` (the bytes those ops move at the memory bandwidth) and
+    ``elements`` (the GELU, softmax and attention units beyond that, at the measured ns per unit),
+    by pricing the roles without the counts, with the ops alone, with their traffic and whole;
+    ``bound`` names the largest (the task's regime)."""
     w = scorer.workload
-    none, ops = (
+    none, ops, moved = (
         RLRosterScorer(scorer.spec, dataclasses.replace(w, launches=launches))
         .predict(roster, allocation)
         .tasks
-        for launches in (Launches(), w.launches.without_traffic())
+        for launches in (Launches(), w.launches.without_traffic(), w.launches.without_elements())
     )
     whole = scorer.predict(roster, allocation).tasks
     out: dict[str, dict[str, Any]] = {}
@@ -201,7 +202,8 @@ def task_terms(scorer: RLRosterScorer, roster: Roster, allocation: Allocation) -
         terms = {
             "flops_and_links": none[task],
             "launches": ops[task] - none[task],
-            "traffic": seconds - ops[task],
+            "traffic": moved[task] - ops[task],
+            "elements": seconds - moved[task],
         }
         out[task] = {**terms, "bound": max(terms, key=lambda k: terms[k])}
     return out
@@ -292,11 +294,10 @@ def placement_arms(
     views: dict[str, dict[str, Any]],
     statuses: dict[str, dict[str, Any]],
     specs: dict[str, JobSpec],
-    memory_bandwidth: float,
-    launch_s: float | None,
+    device: RosterDevice,
 ) -> dict[str, dict[str, Any]]:
     """Comparison arms (each job's final view, the owner's status right before its submission, its
-    spec): each arm's roles, measured iteration (the trainers' loop, as the main prediction reads
+    spec; ``device``: the shared profile as ``committed_roster`` takes it): each arm's roles, measured iteration (the trainers' loop, as the main prediction reads
     it), the RL cost model's prediction for it on the roster its consensus planned with, and what
     its trainers sent to average."""
     out: dict[str, dict[str, Any]] = {}
@@ -304,7 +305,7 @@ def placement_arms(
         status = statuses[name]
         ids = {p["peer_id"]: p["name"] for p in status.get("peers", [])}
         alloc, rl = view["allocation"], view["progress"]["rl"]
-        predicted = predict(specs[name], committed_roster(status, alloc, memory_bandwidth, launch_s), alloc)
+        predicted = predict(specs[name], committed_roster(status, alloc, device), alloc)
         measured = loop_seconds(rl.get("phases_s"))
         sent = view["progress"].get("bytes") or {}
         out[name] = {

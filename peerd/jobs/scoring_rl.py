@@ -59,11 +59,13 @@ from peerd.errors import ConfigError
 from peerd.jobs.optimizer import optimizer_config
 from peerd.jobs.scoring import CACHE_ROSTERS, JobModel, RosterScorer, job_model, roster_scenario
 from peerd.jobs.spec import JobSpec
+from peerd.models.costs import matmul_params
 from peerd.pipeline.optim import build_optimizer, build_scheduler
 from peerd.rl.launches import IterationShape, count_launches
 from peerd.rl.tasks import make_task
 from peerd.sched.allocation import Allocation
 from peerd.sched.consensus.messages import Roster, RosterDevice
+from peerd.sched.elements import PerFamily
 from peerd.sched.evolution import SearchConfig
 from peerd.sched.hosts import HostShare, slowdowns
 from peerd.sched.rl.cluster import Cluster, rl_scenario
@@ -118,6 +120,7 @@ def rl_workload(spec: JobSpec) -> Workload:
         heads=cfg.n_head,
         vocab=cfg.vocab_size,
         name=spec.model.preset,
+        matmul_params=float(matmul_params(cfg)),
     )
     shape = IterationShape(
         task=task,
@@ -190,7 +193,13 @@ class _Model:
         found = self._slowed.get(factors)
         if found is None:
             f, cl = np.asarray(factors), self.cluster
-            found = dataclasses.replace(cl, flops=cl.flops / f, mem_bw=cl.mem_bw / f, launch=cl.launch * f)
+            found = dataclasses.replace(
+                cl,
+                flops=cl.flops / f,
+                mem_bw=cl.mem_bw / f,
+                launch=cl.launch * f,
+                element_s=cl.element_s * f[:, None],
+            )
             self._slowed[factors] = found
             while len(self._slowed) > SLOWED_CLUSTERS:
                 self._slowed.popitem(last=False)
@@ -409,10 +418,19 @@ def with_bandwidths(roster: Roster, jm: JobModel) -> Scenario:
         measured[e.peer] = {
             "memory_bandwidth_gb_s": e.profile.memory_bandwidth / 1e9,
             "launch_us": e.profile.launch_s * 1e6 if e.profile.launch_s is not None else None,
+            "element_ns": element_ns(e.profile),
             "host": host_share(e.profile),
         }
     devices = [dataclasses.replace(d, **measured[d.id]) for d in base.devices]
     return dataclasses.replace(base, devices=devices)
+
+
+def element_ns(device: RosterDevice) -> PerFamily | None:
+    """A roster entry's element costs (seconds per unit) as the cost model reads them (ns), or None."""
+    costs = device.element_s
+    if costs is None:
+        return None
+    return PerFamily(*(1e9 * getattr(costs, f.name) for f in dataclasses.fields(PerFamily)))
 
 
 def host_share(device: RosterDevice) -> HostShare | None:

@@ -15,6 +15,8 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
+import msgspec
+
 from peerd.errors import ConfigError
 from peerd.jobs import catalog
 from peerd.jobs.fetch import assemble, gather
@@ -30,6 +32,7 @@ from peerd.sched.consensus.messages import RosterDevice, RosterLink
 from peerd.swarm.node import parse_peer_id
 from peerd.swarm.records import DeviceProfile, LinkMeasurement, LinkStatus, PeerRecord, PeerState
 from peerd.swarm.transport import Transport
+from peerd.wire.types import ElementCosts
 
 REPLICA_BUDGET_BYTES = 4 << 30  # disk for other stages' checkpoint copies, over all jobs
 
@@ -73,7 +76,15 @@ def roster_profile(profile: DeviceProfile | None, region: str) -> RosterDevice:
         profile.host_id if shared else None,
         profile.host_cores if shared else None,
         profile.threads if shared else None,
+        _seconds(profile.element_ns),
     )
+
+
+def _seconds(ns: ElementCosts | None) -> ElementCosts | None:
+    """A profile's element costs (ns per unit) in the roster's seconds."""
+    if ns is None:
+        return None
+    return ElementCosts(**{k: v * 1e-9 for k, v in msgspec.structs.asdict(ns).items()})
 
 
 def roster_links(measurements: list[LinkMeasurement], peers: set[str]) -> tuple[RosterLink, ...]:

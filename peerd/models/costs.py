@@ -51,6 +51,13 @@ def head_params(cfg: GPTConfig) -> int:
     return _ln_params(cfg) + (0 if cfg.tie_weights else cfg.d_model * cfg.vocab_size)
 
 
+def matmul_params(cfg: GPTConfig) -> int:
+    """Weights each token's forward multiplies: every block's linear layers and the head's projection
+    (also when tied to the embedding); the embeddings' lookups and the norms aside."""
+    C, ff = cfg.d_model, cfg.ff
+    return cfg.n_layer * (4 * C * C + 2 * C * ff) + C * cfg.vocab_size
+
+
 def param_count(cfg: GPTConfig) -> int:
     """Total trainable parameters of ``GPT(cfg)`` (tied weights counted once)."""
     return embedding_params(cfg) + cfg.n_layer * block_params(cfg) + head_params(cfg)

@@ -27,6 +27,7 @@ import copy
 import dataclasses
 from collections.abc import Callable, Iterable
 
+import numpy as np
 import torch
 
 from peerd.models.gpt import GPT, GPTConfig
@@ -35,6 +36,7 @@ from peerd.rl.loss import GRPOLossConfig
 from peerd.rl.rollout import RolloutGroup, SamplingConfig, pack, rollout, token_logprobs
 from peerd.rl.tasks import Task
 from peerd.rl.update import frozen_copy, grpo_updates
+from peerd.sched.elements import PerFamily
 from peerd.sched.rl.workload import Launches
 
 OptimizerFactory = Callable[
@@ -119,6 +121,9 @@ def count_launches(cfg: GPTConfig, shape: IterationShape, make_optimizer: Optimi
         inference_bytes_per_sequence=traffic.inference,
         train_bytes_per_sequence=traffic.train,
         optimizer_step_bytes=traffic.optimizer_step,
+        generate_elements=traffic.generate_elements,
+        inference_elements=traffic.inference_elements,
+        train_elements=traffic.train_elements,
     )
 
 
@@ -134,28 +139,46 @@ class Traffic:
     """Per sequence of an update's forward and backward."""
     optimizer_step: float
     """Per update, whatever its rows: gradient clipping, the optimizer's step, zeroing."""
+    generate_elements: PerFamily
+    """Units of the element families (``peerd.sched.elements``) per sequence of a generation."""
+    inference_elements: PerFamily
+    """Those per sequence of the reference pass."""
+    train_elements: PerFamily
+    """Those per sequence of an update's forward and backward."""
 
 
 def count_traffic(cfg: GPTConfig, shape: IterationShape, make_optimizer: OptimizerFactory) -> Traffic:
-    """The bytes of ``Traffic`` for the GPT ``cfg``: counted with one and two blocks, extrapolated to
-    ``cfg.n_layer``."""
-    one, two = (
-        dataclasses.astuple(_traffic(dataclasses.replace(cfg, n_layer=n), shape, make_optimizer))
-        for n in (1, 2)
+    """The bytes and element units of ``Traffic`` for the GPT ``cfg``: counted with one and two blocks,
+    extrapolated to ``cfg.n_layer``."""
+    one, two = (_traffic(dataclasses.replace(cfg, n_layer=n), shape, make_optimizer) for n in (1, 2))
+    generate, inference, train, step = (
+        a + (cfg.n_layer - 1) * (b - a) for a, b in zip(one, two, strict=True)
     )
-    return Traffic(*(a + (cfg.n_layer - 1) * (b - a) for a, b in zip(one, two, strict=True)))
+    return Traffic(
+        float(generate[0]),
+        float(inference[0]),
+        float(train[0]),
+        float(step[0]),
+        PerFamily(*generate[1:].tolist()),
+        PerFamily(*inference[1:].tolist()),
+        PerFamily(*train[1:].tolist()),
+    )
 
 
-def _traffic(cfg: GPTConfig, shape: IterationShape, make_optimizer: OptimizerFactory) -> Traffic:
+def _traffic(
+    cfg: GPTConfig, shape: IterationShape, make_optimizer: OptimizerFactory
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Per sequence of a generation, of the reference pass and of an update, and per optimizer step:
+    the bytes moved, then the units of each element family (none for the step's)."""
     model = _zero_policy(cfg)
     problem = max(shape.task.problems(16, seed=0), key=lambda p: len(p.prompt_ids))
     g = shape.group_size
     sampling = dataclasses.replace(shape.sampling, temperature=1.0, top_k=0)  # uniform: full length
 
-    def counted(fn: Callable[[], object], weights: GPT) -> int:
+    def counted(fn: Callable[[], object], weights: GPT) -> np.ndarray:
         with OpCounter(exclude=weights.parameters()) as counter:
             fn()
-        return counter.bytes
+        return np.array([counter.bytes, *counter.elements.values()], dtype=float)
 
     def sample(prompts: int) -> list[RolloutGroup]:
         return rollout(model, [problem] * prompts, g, sampling, torch.Generator().manual_seed(0), 0)
@@ -164,19 +187,21 @@ def _traffic(cfg: GPTConfig, shape: IterationShape, make_optimizer: OptimizerFac
     groups = _scored(shape, sample(2))
     trainer = _Trainer(model, shape, make_optimizer)
 
-    def reference_pass(k: int) -> int:
+    def reference_pass(k: int) -> np.ndarray:
         return counted(lambda: trainer.reference_logprobs(groups[:k]), trainer.reference)
 
     inference = (reference_pass(2) - reference_pass(1)) / g
 
-    def update(k: int) -> int:
+    def update(k: int) -> np.ndarray:
         run = trainer.updates(groups[:k], [range(k)])
         return counted(lambda: run(1), trainer.policy)
 
     update(1)  # the optimizer's first step creates its state: a one-off
     once = update(1)
     train = (update(2) - once) / g
-    return Traffic(generate, inference, train, max(once - train * g, 0.0))
+    step = np.zeros_like(once)
+    step[0] = max(once[0] - train[0] * g, 0.0)
+    return generate, inference, train, step
 
 
 def _scored(shape: IterationShape, groups: list[RolloutGroup]) -> list[RolloutGroup]:

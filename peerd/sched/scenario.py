@@ -36,6 +36,7 @@ import numpy as np
 from peerd import loading
 from peerd.errors import ConfigError
 from peerd.loading import Range
+from peerd.sched.elements import PerFamily
 from peerd.sched.hosts import HostShare
 
 Auto = Literal["auto"]
@@ -64,6 +65,10 @@ class Device:
     """Microseconds one dispatched device op costs beyond its arithmetic (framework and launch
     overhead, measured on a small model); None = not modelled. The RL scheduler adds it per op
     counted in the workload's ``launches`` (what dominates models too small to fill the device)."""
+    element_ns: PerFamily | None = None
+    """Nanoseconds per unit of the ops that cost more than their launch and traffic
+    (``peerd.sched.elements``); None = not modelled. The RL scheduler adds them per unit counted in
+    the workload's ``launches``."""
     host: HostShare | None = None
     """The machine a CPU device computes on and its cores (``peerd.sched.hosts``); None = its own. An
     rl job's consensus scoring (``peerd.jobs.scoring_rl``) slows the devices of one machine that

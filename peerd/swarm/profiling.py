@@ -30,9 +30,10 @@ from peerd import __version__
 from peerd.durable import remove_leftovers, replace_file
 from peerd.errors import ConfigError
 from peerd.log import get_logger
-from peerd.models.launches import launch_seconds
+from peerd.models.launches import ELEMENT_FAMILIES, element_seconds, launch_seconds
 from peerd.swarm.host import available_cores, host_id
 from peerd.swarm.records import DeviceKind, DeviceProfile
+from peerd.wire.types import ElementCosts
 
 logger = get_logger(__name__)
 
@@ -287,10 +288,10 @@ def _positive(x: Any) -> TypeGuard[float]:
 
 def _cached_profile(
     entry: Any, fingerprint: dict[str, Any]
-) -> tuple[dict[str, float], float, float, float] | None:
-    """(tflops, memory GB/s, launch µs, measured_at) from a cache entry, or None if it is not a
-    well-formed entry for this fingerprint (entries written before the bandwidth or the launch
-    cost was measured count as missing)."""
+) -> tuple[dict[str, float], float, float, dict[str, float], float] | None:
+    """(tflops, memory GB/s, launch µs, element ns, measured_at) from a cache entry, or None if it is
+    not a well-formed entry for this fingerprint (entries written before the bandwidth, the launch
+    cost or the element costs were measured count as missing)."""
     if not isinstance(entry, dict) or entry.get("fingerprint") != fingerprint:
         return None
     tflops, measured_at = entry.get("tflops"), entry.get("measured_at")
@@ -301,7 +302,18 @@ def _cached_profile(
         return None
     if not _positive(gb_s) or not _positive(launch_us):
         return None
-    return {k: float(v) for k, v in tflops.items()}, float(gb_s), float(launch_us), float(measured_at)
+    element_ns = entry.get("element_ns")
+    if not isinstance(element_ns, dict) or set(element_ns) != set(ELEMENT_FAMILIES):
+        return None
+    if not all(_positive(v) or v == 0 for v in element_ns.values()):
+        return None
+    return (
+        {k: float(v) for k, v in tflops.items()},
+        float(gb_s),
+        float(launch_us),
+        {k: float(v) for k, v in element_ns.items()},
+        float(measured_at),
+    )
 
 
 def _store_cache(path: Path, entries: dict[str, Any]) -> None:
@@ -338,21 +350,23 @@ def profile_device(
     entries = _load_cache(path) if path is not None else {}
     cached = None if refresh else _cached_profile(entries.get(key), fingerprint)
     if cached is not None:
-        tflops, gb_s, launch_us, measured_at = cached
+        tflops, gb_s, launch_us, element_ns, measured_at = cached
         logger.debug("device profile for %s from cache %s", dev, path)
     else:
         start = time.perf_counter()
         tflops = measure_tflops(dev, budget_s=budget_s)
         gb_s = measure_memory_bandwidth(dev)
         launch_us = launch_seconds(dev) * 1e6
+        element_ns = {k: v * 1e9 for k, v in element_seconds(dev, launch_us * 1e-6, gb_s * 1e9).items()}
         measured_at = get_dht_time()
         logger.info(
-            "measured %s in %.1f s: %s, memory %.3g GB/s, %.3g µs per op",
+            "measured %s in %.1f s: %s, memory %.3g GB/s, %.3g µs per op, %s",
             dev,
             time.perf_counter() - start,
             ", ".join(f"{k} {v:.3g} TFLOPS" for k, v in tflops.items()),
             gb_s,
             launch_us,
+            ", ".join(f"{k} {v:.3g} ns" for k, v in element_ns.items()),
         )
         if path is not None:
             entries[key] = {
@@ -360,6 +374,7 @@ def profile_device(
                 "tflops": tflops,
                 "memory_gb_s": gb_s,
                 "launch_us": launch_us,
+                "element_ns": element_ns,
                 "measured_at": measured_at,
             }
             _store_cache(path, entries)
@@ -377,6 +392,7 @@ def profile_device(
         measured_at=measured_at,
         memory_gb_s=round(gb_s, 3),
         launch_us=round(launch_us, 3),
+        element_ns=ElementCosts(**{k: round(v, 4) for k, v in element_ns.items()}),
         host_id=host_id() if shared else None,
         host_cores=available_cores() if shared else None,
         threads=torch.get_num_threads() if shared else None,

@@ -16,7 +16,7 @@ from msgspec import Meta
 
 from peerd.errors import ErrorCode, ProtocolError
 from peerd.wire import Schema, WireStruct, canonical_pack, to_builtin
-from peerd.wire.types import Count, HostId, PeerId, PositiveCount, PositiveReal, Real
+from peerd.wire.types import Count, ElementCosts, HostId, PeerId, PositiveCount, PositiveReal, Real
 
 PROTOCOL_VERSION = 1
 PEER_RECORD_KIND = "peer"
@@ -85,6 +85,9 @@ class DeviceProfile(WireStruct, kw_only=True):
     host_id: HostId | None = None
     host_cores: PositiveCount | None = None  # cores available to this peer's process
     threads: PositiveCount | None = None  # compute threads its rates were measured with
+    # measured ns per unit of the ops that cost more than their launch and traffic
+    # (peerd.models.launches.ELEMENT_FAMILIES); absent from older peers
+    element_ns: ElementCosts | None = None
 
 
 class LinkMeasurement(WireStruct, kw_only=True):

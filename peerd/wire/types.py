@@ -56,3 +56,13 @@ class FrozenWireStruct(msgspec.Struct, frozen=True):
 
     Subclasses repeat ``frozen=True``: mypy's dataclass_transform otherwise takes them as mutable.
     """
+
+
+class ElementCosts(FrozenWireStruct, frozen=True, kw_only=True):
+    """Cost per unit, beyond launch and memory traffic, of the ops ``peerd.models.launches`` names
+    in ``ELEMENT_FAMILIES`` (one field each; the unit of the numbers is the containing field's)."""
+
+    gelu: Real  # per output element of a tanh GELU or its backward
+    softmax: Real  # per output element of a softmax, log-softmax or exp
+    attention: Real  # per head (batch x heads) of a fused attention forward
+    attention_backward: Real  # per head of its backward

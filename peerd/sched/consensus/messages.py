@@ -21,7 +21,7 @@ from msgspec.structs import force_setattr, replace
 from peerd.errors import ConfigError, ErrorCode, ProtocolError
 from peerd.sched.allocation import Allocation
 from peerd.wire import FrozenWireStruct, Schema, canonical_pack, check_envelope, decode_map, sha256
-from peerd.wire.types import Count, Hash32, HostId, PositiveCount, PositiveReal, Real
+from peerd.wire.types import Count, ElementCosts, Hash32, HostId, PositiveCount, PositiveReal, Real
 
 VERSION: Final = 1
 
@@ -48,6 +48,8 @@ class RosterDevice(FrozenWireStruct, frozen=True):
     host: HostId | None = None
     host_cores: PositiveCount | None = None
     threads: PositiveCount | None = None
+    # seconds per unit of the ops that cost more than their launch and traffic (RL cost of small models)
+    element_s: ElementCosts | None = None
 
 
 class RosterLink(FrozenWireStruct, frozen=True):

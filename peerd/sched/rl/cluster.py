@@ -22,7 +22,8 @@ import numpy as np
 
 from peerd import loading
 from peerd.errors import ConfigError
-from peerd.sched.rl.workload import Workload
+from peerd.sched.elements import PerFamily
+from peerd.sched.rl.workload import Launches, Workload
 from peerd.sched.scenario import Scenario
 
 WORKLOADS_FILE = "workloads.yaml"
@@ -123,6 +124,10 @@ class Cluster:
     mem_bw: np.ndarray
     launch: np.ndarray
     """Seconds per dispatched op (``launch_us``; 0 where not modelled)."""
+    element_s: np.ndarray
+    """(N, 3) seconds per sequence of the workload's element work (``Launches.*_elements`` at the
+    device's ``element_ns``; 0 where not modelled): a generation's, an inference forward's, a
+    training forward and backward's."""
     delay: np.ndarray
     """One-way delay in seconds, (N, N)."""
     bw: np.ndarray
@@ -150,6 +155,7 @@ class Cluster:
                 d.memory_gb,
                 d.memory_bandwidth_gb_s,
                 d.launch_us,
+                d.element_ns,
                 d.region,
                 d.access_mbps,
             )
@@ -161,6 +167,9 @@ class Cluster:
             memory=np.array([d.memory_gb * 1e9 * k.memory_usable for d in devs]),
             mem_bw=np.array([(d.memory_bandwidth_gb_s or 0.0) * 1e9 for d in devs]),
             launch=np.array([(d.launch_us or 0.0) * 1e-6 for d in devs]),
+            element_s=np.array([_element_seconds(rl.workload.launches, d.element_ns) for d in devs]).reshape(
+                len(devs), 3
+            ),
             delay=delay,
             bw=bw,
             cls=np.array(classes, dtype=np.intp),
@@ -206,8 +215,17 @@ class Cluster:
             memory=self.memory[idx],
             mem_bw=self.mem_bw[idx],
             launch=self.launch[idx],
+            element_s=self.element_s[idx],
             delay=self.delay[np.ix_(idx, idx)],
             bw=self.bw[np.ix_(idx, idx)],
             cls=cls.astype(np.intp),
             regions=tuple(self.regions[i] for i in keep),
         )
+
+
+def _element_seconds(n: Launches, ns: PerFamily | None) -> tuple[float, float, float]:
+    """Seconds per sequence of a generation, an inference forward and a training micro-batch's
+    element work on a device costing ``ns`` per unit (none where it is not modelled)."""
+    if ns is None:
+        return 0.0, 0.0, 0.0
+    return n.generate_elements.seconds(ns), n.inference_elements.seconds(ns), n.train_elements.seconds(ns)

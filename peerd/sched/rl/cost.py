@@ -1,8 +1,10 @@
 """Cost terms of the RL workflow: seconds of each task on a tasklet grid, from device and link parameters.
 
-Notation (SI): P params, L layers, h hidden, F device FLOP/s, B memory bytes/s, e_c / e_m the
-compute / memory efficiencies, α one-way delay (s), β link bytes/s, N sequences of T = T_p + T_r
-tokens, micro-batches of m sequences; ``ar(x, n) = 2(n-1)/n · x/β_min + 2(n-1)·α_max`` is a ring
+Notation (SI): P params (in FLOP and weight-read terms the weights a token multiplies,
+``ModelSize.flop_params``: embeddings aside), L layers, h hidden, F device FLOP/s, B memory
+bytes/s, e_c / e_m the compute / memory efficiencies, α one-way delay (s), β link bytes/s, N
+sequences of T = T_p + T_r tokens, of which a forward over a whole sequence runs T - 1 positions
+(the last token's logits are never needed: written T below), micro-batches of m sequences; ``ar(x, n) = 2(n-1)/n · x/β_min + 2(n-1)·α_max`` is a ring
 all-reduce of x bytes over n devices (reduce-scatter + all-gather).
 
 - **Tensor-parallel traffic** of k tokens through ℓ layers with a all-reduces per layer:
@@ -13,7 +15,7 @@ all-reduce of x bytes over n devices (reduce-scatter + all-gather).
   ``c = S / W`` sequences; ``prefill = 2 P c T_p / F_r + TP(c T_p, L, 2)`` per wave;
   ``step = max((P b_w + c · kv_tok · (T_p + T_r/2)) / B_r, 2 P c / F_r) + TP(c, L, 2)``
   (roofline: weights and the average KV read per decode step, or compute);
-  ``time = W · (prefill + T_r · step)``.
+  ``time = W · (prefill + (T_r - 1) · step)`` (the prefill's logits sample the first token).
 - **Inference** (forward), replica of pp stages, ``M = ceil(S / m)`` micro-batches: per stage and
   micro-batch ``c_s = 2 (P/pp) m T / (tp · min F · e_c) + TP(m T, L/pp, 2)``; per boundary
   ``x_s = max_ranks (α + m T h b_act / tp / β)``; ``time = (M + pp - 1) · max(c_s, x_s)``
@@ -61,6 +63,10 @@ all-reduce of x bytes over n devices (reduce-scatter + all-gather).
   norms, the KV cache, gradients, optimizer moments; ``Launches.*_bytes*``, counted on the runtime's
   code) cost 1 / memory bandwidth each: a generation wave ``c · y_gen / B_r``, a micro-batch
   ``m · y_mb / (pp · tp · B · e_m)`` on its stage, an optimizer step ``y_opt / (pp · B · e_m)``.
+- **Element work**: the GELU, softmax and attention units of those ops (``Launches.*_elements``,
+  per sequence) cost the device's ``element_ns`` per unit beyond their launch and traffic
+  (``peerd.sched.elements``; the slowest rank's): a generation wave ``c · u_gen / tp``, a
+  micro-batch ``m · u_mb / (pp · tp)`` on its stage.
 - **Weight sync** (actor bytes X = P b_w) when generation and actor training use different
   devices: into the generator group over its best link from the trainers, then along the
   generators' maximum-bandwidth spanning tree (pipelined chunks):
@@ -153,6 +159,9 @@ class ReplicaGen:
     beta: float
     launch: float = 0.0
     """Largest seconds per dispatched op among the tp ranks."""
+    element_s: float = 0.0
+    """Seconds per sequence of the generation's element work (``Cluster.element_s``): the slowest
+    rank's over tp."""
 
 
 def generation_time(model: ModelSize, w: Workload, rep: ReplicaGen, tp: int, seqs: float) -> float:
@@ -172,13 +181,15 @@ def generation_time(model: ModelSize, w: Workload, rep: ReplicaGen, tp: int, seq
         c * w.prompt_len, model.layers, 2, model.hidden, k.activation_bytes, tp, rep.alpha, rep.beta
     )
     tp_d = tp_traffic(c, model.layers, 2, model.hidden, k.activation_bytes, tp, rep.alpha, rep.beta)
-    prefill = 2.0 * model.params * c * w.prompt_len / flops + tp_p
-    read = model.params * k.weight_bytes + c * kv_tok * (w.prompt_len + w.response_len / 2.0)
-    step = max(read / bw, 2.0 * model.params * c / flops) + tp_d
+    prefill = 2.0 * model.flop_params * c * w.prompt_len / flops + tp_p
+    read = model.flop_params * k.weight_bytes + c * kv_tok * (w.prompt_len + w.response_len / 2.0)
+    step = max(read / bw, 2.0 * model.flop_params * c / flops) + tp_d
     n = w.launches
     ops = n.generate + n.generate_per_sequence * c + n.decode_step * w.response_len
     traffic = c * n.generate_bytes_per_sequence / bw if n.generate_bytes_per_sequence else 0.0
-    return waves * (prefill + w.response_len * step + ops * rep.launch + traffic)
+    # the prefill's logits give the first token, each decode step's the next: the last token needs none
+    decode_steps = w.response_len - 1
+    return waves * (prefill + decode_steps * step + ops * rep.launch + traffic + c * rep.element_s)
 
 
 @dataclass(frozen=True)
@@ -197,6 +208,8 @@ class Pipelines:
     """(dp, pp) the slowest rank's seconds per dispatched op (None: not modelled)."""
     stage_mem_bw: np.ndarray | None = None
     """(dp, pp) the slowest rank's memory bytes/s (None: the ops' traffic is not modelled)."""
+    stage_element_s: np.ndarray | None = None
+    """(dp, pp, 3) the slowest rank's ``Cluster.element_s`` (None: element work is not modelled)."""
 
     @classmethod
     def of(cls, cluster: Cluster, grid: np.ndarray) -> Pipelines:
@@ -211,6 +224,7 @@ class Pipelines:
             hop_beta=cluster.bw[grid[:, :-1], grid[:, 1:]],
             stage_launch=cluster.launch[grid].max(axis=2),
             stage_mem_bw=cluster.mem_bw[grid].min(axis=2),
+            stage_element_s=cluster.element_s[grid].max(axis=2),
         )
 
 
@@ -235,10 +249,10 @@ def pipeline_slots(model: ModelSize, w: Workload, pipes: Pipelines, tp: int, tra
     """(dp,) seconds of one pipeline slot per replica: its slowest stage's micro-batch compute or transfer."""
     k = w.constants
     pp = pipes.stage_flops.shape[1]
-    tokens = w.micro_batch * w.seq_len
+    tokens = w.micro_batch * w.forward_len
     factor = (8.0 if k.recompute else 6.0) if train else 2.0
     per_layer = 4 if train else 2
-    compute = factor * (model.params / pp) * tokens / (tp * pipes.stage_flops * k.compute_efficiency)
+    compute = factor * (model.flop_params / pp) * tokens / (tp * pipes.stage_flops * k.compute_efficiency)
     n = w.launches
     if pipes.stage_launch is not None:
         compute = compute + (n.train_per_micro_batch if train else n.inference_per_micro_batch) / pp * (
@@ -250,6 +264,8 @@ def pipeline_slots(model: ModelSize, w: Workload, pipes: Pipelines, tp: int, tra
             compute = compute + w.micro_batch * per_sequence / (
                 pp * tp * pipes.stage_mem_bw * k.memory_efficiency
             )
+    if pipes.stage_element_s is not None:
+        compute = compute + w.micro_batch * pipes.stage_element_s[..., 2 if train else 1] / (pp * tp)
     compute = compute + tp_traffic_array(
         tokens,
         model.layers / pp,

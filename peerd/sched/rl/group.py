@@ -179,14 +179,16 @@ def _generate(
             alpha=float(a),
             beta=float(bt),
             launch=float(ln),
+            element_s=float(el) / lay.tp,
         )
-        for f, b, fr, a, bt, ln in zip(
+        for f, b, fr, a, bt, ln, el in zip(
             cluster.flops[devs].min(axis=1),
             cluster.mem_bw[devs].min(axis=1),
             room,
             pair_d.max(axis=(1, 2)),
             pair_b.min(axis=(1, 2)),
             cluster.launch[devs].max(axis=1),
+            cluster.element_s[devs, 0].max(axis=1),
             strict=True,
         )
     ]

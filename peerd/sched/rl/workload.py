@@ -21,6 +21,7 @@ from typing import Annotated, Literal
 
 from peerd.errors import ConfigError
 from peerd.loading import Range
+from peerd.sched.elements import PerFamily
 
 Algo = Literal["grpo", "ppo"]
 WeightSync = Literal["relay", "star"]
@@ -48,6 +49,14 @@ class ModelSize:
     vocab: Count = 151_936
     """Vocabulary size (the logits of the last stage); Qwen's by default."""
     name: str = ""
+    matmul_params: Annotated[float | None, Range(gt=0)] = None
+    """Weights a token's forward multiplies (2 FLOPs each; read once per decode step); default
+    ``params``. Embedding lookups touch a row each: for a tiny model they are a large share of its
+    parameters and none of its arithmetic."""
+
+    @property
+    def flop_params(self) -> float:
+        return self.params if self.matmul_params is None else self.matmul_params
 
     def problems(self) -> list[ConfigError]:
         kv = self.kv_heads or self.heads
@@ -141,16 +150,28 @@ class Launches:
     """Bytes per sequence of a training micro-batch's forward and backward, weights aside."""
     optimizer_step_bytes: Annotated[float, Range(ge=0)] = 0.0
     """Bytes per optimizer step whatever the rows (clipping, the moments' update, zeroing), weights aside."""
+    generate_elements: PerFamily = field(default_factory=PerFamily)
+    """Units per sequence of a generation of the ops that cost more than launch and traffic
+    (``peerd.sched.elements``), each costing a device's ``element_ns``."""
+    inference_elements: PerFamily = field(default_factory=PerFamily)
+    """Those units per sequence of an inference task's forward."""
+    train_elements: PerFamily = field(default_factory=PerFamily)
+    """Those units per sequence of a training micro-batch's forward and backward."""
 
     def without_traffic(self) -> Launches:
-        """The op counts alone (the bytes they move at zero)."""
+        """The op counts alone (the bytes they move and the element work at zero)."""
         return replace(
-            self,
+            self.without_elements(),
             generate_bytes_per_sequence=0.0,
             inference_bytes_per_sequence=0.0,
             train_bytes_per_sequence=0.0,
             optimizer_step_bytes=0.0,
         )
+
+    def without_elements(self) -> Launches:
+        """The op counts and their traffic (the element work at zero)."""
+        none = PerFamily()
+        return replace(self, generate_elements=none, inference_elements=none, train_elements=none)
 
 
 @dataclass
@@ -197,6 +218,12 @@ class Workload:
     @property
     def seq_len(self) -> int:
         return self.prompt_len + self.response_len
+
+    @property
+    def forward_len(self) -> int:
+        """Positions an inference or training forward runs: every token of a sequence but its last,
+        whose next-token logits no log-prob needs."""
+        return self.seq_len - 1
 
     def model(self, role: str) -> ModelSize:
         """The model of ``role``: actor, reference, reward or critic (defaults filled in)."""

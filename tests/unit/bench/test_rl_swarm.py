@@ -23,6 +23,7 @@ from peerd.jobs.scoring_rl import RLRosterScorer
 from peerd.jobs.spec import parse_job_spec
 from peerd.sched.allocation import Allocation
 from peerd.sched.consensus.messages import Roster, RosterDevice, RosterEntry, RosterLink
+from peerd.wire.types import ElementCosts
 
 
 def test_the_job_is_a_valid_rl_job_of_the_settings() -> None:
@@ -106,7 +107,9 @@ def _status() -> dict:
 def test_the_rebuilt_roster_scores_like_the_daemons_entries() -> None:
     status = _status()
     alloc = {"epoch": 3, "roster": ["QmA", "QmB", "QmC"], "stages": [["QmB"]], "spares": ["QmA", "QmC"]}
-    roster = committed_roster(status, alloc, memory_bandwidth=12e9, launch_s=4e-6)
+    costs = ElementCosts(gelu=1e-9, softmax=2e-10, attention=6e-7, attention_backward=9e-7)
+    measured = RosterDevice(0.0, 0, "", 12e9, 4e-6, element_s=costs)
+    roster = committed_roster(status, alloc, measured)
     assert roster.peers == ("QmA", "QmB", "QmC")
     a = roster.entry("QmA")
     assert a is not None and [link.peer for link in a.links] == ["QmB", "QmC"]
@@ -120,7 +123,7 @@ def test_the_rebuilt_roster_scores_like_the_daemons_entries() -> None:
             for x in mine
             if x["status"] == "ok"
         )
-        device = RosterDevice(0.05 * (i + 1), 4 << 30, "", 12e9, 4e-6, "00ff00ff00ff00ff", 2, 1)
+        device = RosterDevice(0.05 * (i + 1), 4 << 30, "", 12e9, 4e-6, "00ff00ff00ff00ff", 2, 1, costs)
         return RosterEntry("j", 3, peer, 0.0, device, links)
 
     direct = Roster.of(3, [entry(i, p) for i, p in enumerate(alloc["roster"])])

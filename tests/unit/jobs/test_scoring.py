@@ -6,6 +6,7 @@ import logging
 import time
 from typing import Any
 
+import msgspec
 import pytest
 
 from peerd.errors import ConfigError
@@ -15,6 +16,7 @@ from peerd.jobs.spec import JobSpec, parse_job_spec
 from peerd.sched.allocation import Allocation
 from peerd.sched.consensus.messages import Roster, RosterDevice, RosterEntry, RosterLink
 from peerd.sched.problem import Shape
+from peerd.wire.types import ElementCosts
 
 PEERS = [f"Qm{c * 20}" for c in "abcdefgh"]
 
@@ -178,6 +180,11 @@ def test_a_roster_entry_carries_the_free_memory_the_peer_measured() -> None:
         name="cpu", kind=DeviceKind.CPU, memory_total_bytes=8 << 30, measured_at=1.0, launch_us=3.5
     )
     assert roster_profile(measured, "eu").launch_s == pytest.approx(3.5e-6)
+    assert roster_profile(measured, "eu").element_s is None  # a peer that predates the measurement
+    costs = ElementCosts(gelu=1.0, softmax=0.25, attention=600.0, attention_backward=900.0)
+    in_ns = roster_profile(msgspec.structs.replace(measured, element_ns=costs), "eu").element_s
+    assert in_ns is not None
+    assert msgspec.structs.astuple(in_ns) == pytest.approx((1e-9, 0.25e-9, 600e-9, 900e-9))
     assert roster_profile(measured, "eu").host is None  # a peer that predates the machine's id
     on_box = DeviceProfile(
         name="cpu",

@@ -8,13 +8,17 @@ import math
 from typing import Any
 
 import pytest
+from msgspec.structs import replace
 
 from peerd.errors import ConfigError
 from peerd.jobs.scoring_rl import RLRosterScorer, required_rollouts, rl_workload, roles
 from peerd.jobs.spec import JobSpec, parse_job_spec
+from peerd.models.costs import matmul_params
 from peerd.sched.allocation import Allocation
 from peerd.sched.consensus.messages import Roster, RosterDevice, RosterEntry, RosterLink
+from peerd.sched.elements import PerFamily
 from peerd.sched.hosts import HostShare
+from peerd.wire.types import ElementCosts
 
 PEERS = [f"Qm{c * 20}" for c in "abcdef"]
 RL_JOB: dict[str, Any] = {
@@ -134,17 +138,39 @@ def test_a_peer_that_measured_its_launch_cost_pays_it_per_counted_op() -> None:
     assert costly.tasks["actor_train"] - plain.tasks["actor_train"] == pytest.approx(updates * 1e-5)
 
 
+def test_a_peer_that_measured_its_element_costs_pays_them_per_counted_unit() -> None:
+    spec = parse_job_spec(RL_JOB)
+    n = rl_workload(spec).launches
+    alloc = Allocation(((PEERS[0],),), (PEERS[1],))
+    base = roster([0.1, 0.1], [1e10, 1e10])
+    plain = RLRosterScorer(spec).predict(base, alloc)
+    costs = ElementCosts(gelu=2e-9, softmax=1e-9, attention=5e-7, attention_backward=8e-7)
+    trainer = replace(base.entries[0], profile=replace(base.entries[0].profile, element_s=costs))
+    costly = RLRosterScorer(spec).predict(Roster.of(0, [trainer, *base.entries[1:]]), alloc)
+    ns = PerFamily(2.0, 1.0, 500.0, 800.0)
+    sequences = 64  # the iteration's prompts x group size, all on the one trainer
+    assert costly.tasks["generate"] == plain.tasks["generate"]  # the rollout peer measured none
+    assert costly.tasks["reference"] - plain.tasks["reference"] == pytest.approx(
+        sequences * n.inference_elements.seconds(ns)
+    )
+    assert costly.tasks["actor_train"] - plain.tasks["actor_train"] == pytest.approx(
+        sequences * n.train_elements.seconds(ns)
+    )
+
+
 def test_a_measured_tflops_is_an_achieved_rate_not_a_peak() -> None:
     """The reference pass costs its forward FLOPs at the peer's measured rate (no MFU factor), its ops
-    and the bytes they move beyond the weights at the peer's memory bandwidth."""
+    and the bytes they move beyond the weights at the peer's memory bandwidth. The FLOPs are those of
+    the weights a token multiplies (no embedding) over every position but each sequence's last."""
     spec = parse_job_spec(RL_JOB)
     w = rl_workload(spec)
     alloc = Allocation(((PEERS[0],),), (PEERS[1],))
     parts = RLRosterScorer(spec).predict(roster([0.1, 0.1], [1e10, 1e10], launch=[1e-5, 1e-5]), alloc)
     sequences = w.prompts * w.responses_per_prompt
     assert w.launches.inference_bytes_per_sequence > 0
+    assert w.actor.flop_params == matmul_params(spec.model.gpt_config()) < w.actor.params
     assert parts.tasks["reference"] == pytest.approx(
-        2 * w.actor.params * sequences * w.seq_len / 0.1e12
+        2 * matmul_params(spec.model.gpt_config()) * sequences * (w.seq_len - 1) / 0.1e12
         + w.launches.inference * 1e-5
         + sequences * w.launches.inference_bytes_per_sequence / 1e10
     )

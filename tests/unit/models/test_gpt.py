@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from peerd.errors import ConfigError
-from peerd.models.costs import layer_costs, param_count, stage_costs
+from peerd.models.costs import layer_costs, matmul_params, param_count, stage_costs
 from peerd.models.gpt import GPT, PRESETS, GPTConfig, build_layer, lm_loss
 
 TINY = GPTConfig.preset("tiny")
@@ -83,6 +83,15 @@ def test_param_count_matches_built_model(name: str) -> None:
     assert model.num_parameters() == param_count(cfg)
     per_layer = [sum(p.numel() for p in layer.parameters()) for layer in model.layers]
     assert per_layer == [c.params for c in layer_costs(cfg)]
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_matmul_params_are_the_linear_weights_a_token_multiplies(tie: bool) -> None:
+    cfg = GPTConfig(tie_weights=tie)
+    model = GPT(cfg, seed=0)
+    linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+    assert matmul_params(cfg) == linear  # a tied head multiplies the embedding table: counted once
+    assert matmul_params(cfg) < param_count(cfg)  # the lookups, norms and biases multiply nothing
 
 
 def test_large_presets_have_published_sizes() -> None:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Any
+
 import pytest
 import torch
 
@@ -12,6 +15,7 @@ from peerd.jobs.rl.shards import RLPlan, sample_shard, shard_ranges
 from peerd.jobs.scoring_rl import rl_workload
 from peerd.jobs.spec import parse_job_spec
 from peerd.models.launches import OpCounter
+from peerd.sched.elements import PerFamily
 
 
 @pytest.mark.parametrize("task", ["addition", "reversal"])
@@ -59,6 +63,7 @@ def test_counted_bytes_match_what_the_runtimes_ops_move_beyond_the_weights():
     with OpCounter(exclude=learner.policy.parameters()) as counted:
         groups = sample_shard(learner.policy, plan, 0, 0, range(plan.prompts), 0)
     assert counted.bytes == pytest.approx(ops.generate_bytes_per_sequence * sequences, rel=0.05)
+    assert counted.elements == _units(ops.generate_elements, sequences)
     score(plan.task, groups)
     learner.train(groups)  # builds the optimizer's state
     weights = [*learner.policy.parameters(), *learner.reference.parameters()]
@@ -68,3 +73,16 @@ def test_counted_bytes_match_what_the_runtimes_ops_move_beyond_the_weights():
         ops.inference_bytes_per_sequence + ops.train_bytes_per_sequence
     ) * sequences + ops.optimizer_step_bytes * figures.updates
     assert counted.bytes == pytest.approx(predicted, rel=0.05)
+    both = PerFamily(
+        *(a + b for a, b in zip(ops.inference_elements.values(), ops.train_elements.values(), strict=True))
+    )
+    assert counted.elements == _units(both, sequences)
+    assert min(ops.train_elements.values()) > 0  # every family runs in an update
+
+
+def _units(per_sequence: PerFamily, sequences: int) -> dict[str, Any]:
+    """The element units of ``sequences`` sequences, as the counter's dict (each within 5 %)."""
+    return {
+        f.name: pytest.approx(getattr(per_sequence, f.name) * sequences, rel=0.05)
+        for f in dataclasses.fields(PerFamily)
+    }

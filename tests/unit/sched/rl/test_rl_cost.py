@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from peerd.errors import ConfigError
+from peerd.sched.elements import PerFamily
 from peerd.sched.rl import cost, exact, memory
 from peerd.sched.rl.baselines import verl_like, verl_like_choice
 from peerd.sched.rl.cluster import Cluster, rl_scenario
@@ -53,7 +54,8 @@ def test_generation_roofline_with_waves():
     read = (2e9 + c * 256 * (100 + 50)) / 5e10  # weights + average KV per step / (B e_m)
     compute = 2e9 * c / 5e11  # below the memory time: decode is memory-bound here
     assert compute < read
-    assert cost.generation_time(TOY, w, rep, 1, 25) == pytest.approx(3 * (prefill + 100 * read))
+    # the prefill's logits sample the first token: T_r - 1 = 99 decode steps
+    assert cost.generation_time(TOY, w, rep, 1, 25) == pytest.approx(3 * (prefill + 99 * read))
     short = cost.ReplicaGen(flops=1e12, mem_bw=1e11, free=256 * 199, alpha=0.0, beta=math.inf)
     assert cost.generation_time(TOY, w, short, 1, 25) == math.inf  # not one sequence's KV fits
 
@@ -73,17 +75,18 @@ def two_stages(stage_launch: np.ndarray | None = None) -> cost.Pipelines:
 def test_pipeline_slot_and_time():
     w = toy_workload()
     pipes = two_stages()
-    # forward of a micro-batch (200 tokens) on half the params: 2 x 5e8 x 200 / (F x 0.5) = 0.4 s, 0.8 s
-    # boundary: 0.01 + 200 x 64 x 2 / 1e6 = 0.0356 s, below the slower stage
-    assert cost.pipeline_slots(TOY, w, pipes, 1, train=False)[0] == pytest.approx(0.8)
-    # training with recomputation: 4 forwards = 3.2 s on the slow stage (transfers 2 x 0.0356)
-    assert cost.pipeline_slots(TOY, w, pipes, 1, train=True)[0] == pytest.approx(3.2)
+    # forward of a micro-batch (199 positions: every token but the last) on half the params:
+    # 2 x 5e8 x 199 / (F x 0.5) = 0.398 s, 0.796 s; boundary: 0.01 + 199 x 64 x 2 / 1e6 = 0.0355 s,
+    # below the slower stage
+    assert cost.pipeline_slots(TOY, w, pipes, 1, train=False)[0] == pytest.approx(0.796)
+    # training with recomputation: 4 forwards = 3.184 s on the slow stage (transfers 2 x 0.0355)
+    assert cost.pipeline_slots(TOY, w, pipes, 1, train=True)[0] == pytest.approx(3.184)
     assert cost.pipeline_time(4, 2, 0.8) == pytest.approx(5 * 0.8)  # 4 micro-batches + 1 slot of bubble
     slow_link = cost.Pipelines(
         pipes.stage_flops, pipes.stage_alpha, pipes.stage_beta, np.array([[[0.01]]]), np.array([[[1e4]]])
     )
-    # 25600 bytes at 1e4 B/s = 2.56 s + 0.01: the link is the slot now
-    assert cost.pipeline_slots(TOY, w, slow_link, 1, train=False)[0] == pytest.approx(2.57)
+    # 25472 bytes at 1e4 B/s = 2.5472 s + 0.01: the link is the slot now
+    assert cost.pipeline_slots(TOY, w, slow_link, 1, train=False)[0] == pytest.approx(2.5572)
 
 
 def test_balanced_split_follows_rates():
@@ -142,7 +145,7 @@ def test_training_task_time_adds_data_parallel_allreduce():
     cl = _cluster([(0, 1, 8.0)], tflops=1.0)  # 8 Mbit/s = 1e6 B/s, 5 ms
     w = toy_workload(prompts=4, optimizer_steps=2)
     r = evaluate_group(cl, w, ("actor_train",), [0, 1], only={"actor_train": Layout(2, 1, 1)})
-    slot = 8 * 1e9 * 200 / (1e12 * 0.5)  # 3.2 s per micro-batch
+    slot = 8 * 1e9 * 199 / (1e12 * 0.5)  # 3.184 s per micro-batch
     micro = 1  # 4 sequences / 2 replicas / 2 steps
     ar = cost.allreduce(1e9 * 2, 2, 0.005, 1e6)  # bf16 gradients of the whole model
     assert r.plans["actor_train"].seconds == pytest.approx(2 * (micro * slot + ar))
@@ -178,7 +181,7 @@ def test_fsdp_tasks_gather_per_micro_batch_and_reshard_for_generation():
     cl = _cluster([(0, 1, 8.0)], tflops=1.0)  # d0-d1: 8 Mbit/s = 1e6 B/s, 5 ms; d0-d2: 1 Tbit/s
     w = toy_workload(prompts=4, optimizer_steps=2)
     sharded = Layout(2, 1, 1, fsdp=True)
-    compute = 8 * 1e9 * 200 / (1e12 * 0.5)  # 3.2 s per micro-batch; 1 per device per step
+    compute = 8 * 1e9 * 199 / (1e12 * 0.5)  # 3.184 s per micro-batch; 1 per device per step
     gather = 0.5 * 2e9 / 1e6 + 0.005  # 1000.005 s: the slow link sets the ring
     train = 2 * gather + (0.5 * 4e9 / 1e6 + 0.005)
     r = evaluate_group(cl, w, ("actor_train",), [0, 1], only={"actor_train": sharded})
@@ -218,7 +221,7 @@ def test_verl_like_trains_and_infers_under_fsdp():
 def test_hsdp_shards_inside_groups_and_all_reduces_across_them():
     cl = _two_regions()  # d0 d1 in r0, d2 d3 in r1: 1 Tbit/s inside a region, 8 Mbit/s and 5 ms across
     w = toy_workload(prompts=4)
-    compute = 8 * 1e9 * 200 / (1e12 * 0.5)  # 3.2 s per micro-batch of 1 sequence; 1 per device
+    compute = 8 * 1e9 * 199 / (1e12 * 0.5)  # 3.184 s per micro-batch of 1 sequence; 1 per device
     gather = 0.5 * 2e9 / 1.25e11  # inside a region's shard group {d0, d1} or {d2, d3}: 8 ms
     scatter = 0.5 * 4e9 / 1.25e11  # fp32 gradients: 16 ms
     allreduce = 2 * 0.5 * (1e9 * 4 / 2) / 1e6 + 2 * 0.005  # fp32 shard of 1/2 over {d0, d2}: 2000.01 s
@@ -226,7 +229,7 @@ def test_hsdp_shards_inside_groups_and_all_reduces_across_them():
     r = evaluate_group(cl, w, ("actor_train",), [0, 1, 2, 3], only={"actor_train": hsdp})
     assert r.plans["actor_train"].seconds == pytest.approx(max(compute, 2 * gather + scatter + allreduce))
     r = evaluate_group(cl, w, ("reference",), [0, 1, 2, 3], only={"reference": hsdp})
-    assert r.plans["reference"].seconds == pytest.approx(max(0.8, gather))  # no all-reduce in inference
+    assert r.plans["reference"].seconds == pytest.approx(max(0.796, gather))  # no all-reduce in inference
     full = Layout(4, 1, 1, fsdp=True)  # FULL_SHARD: every gather crosses the slow link
     ring = 0.75 * 2e9 / 1e6 + 3 * 0.005
     r = evaluate_group(cl, w, ("actor_train",), [0, 1, 2, 3], only={"actor_train": full})
@@ -298,8 +301,8 @@ def test_pipeline_micro_batches_and_steps_pay_their_launches_per_stage():
     w = toy_workload(launches=OPS)
     pipes = two_stages(stage_launch=np.array([[1e-3, 2e-3]]))
     # each stage runs half the layers: half the per-micro-batch ops at its own cost per op
-    assert cost.pipeline_slots(TOY, w, pipes, 1, train=False)[0] == pytest.approx(0.8 + 30 * 2e-3)
-    assert cost.pipeline_slots(TOY, w, pipes, 1, train=True)[0] == pytest.approx(3.2 + 100 * 2e-3)
+    assert cost.pipeline_slots(TOY, w, pipes, 1, train=False)[0] == pytest.approx(0.796 + 30 * 2e-3)
+    assert cost.pipeline_slots(TOY, w, pipes, 1, train=True)[0] == pytest.approx(3.184 + 100 * 2e-3)
     assert cost.task_launches(w, True, 2, 1e-3, 1e9) == pytest.approx((10 * 1e-3, 15 * 1e-3))
     assert cost.task_launches(w, False, 2, 1e-3, 1e9) == pytest.approx((400 * 1e-3, 0.0))
 
@@ -339,7 +342,7 @@ def test_tasks_on_devices_with_a_launch_cost_add_it_and_others_do_not():
     one = {"actor_train": Layout(1, 1, 1), "reference": Layout(1, 1, 1)}
     base = evaluate_group(plain, w, ("reference", "actor_train"), [0], only=one)
     paid = evaluate_group(costly, w, ("reference", "actor_train"), [0], only=one)
-    assert base.plans["actor_train"].seconds == pytest.approx(2 * 2 * 3.2)  # 2 steps x 2 micro-batches
+    assert base.plans["actor_train"].seconds == pytest.approx(2 * 2 * 3.184)  # 2 steps x 2 micro-batches
     # training: the set-up once, per step its two micro-batches' ops and the optimizer step
     train_ops = 10 + 2 * (2 * 200 + 30)
     assert paid.plans["actor_train"].seconds - base.plans["actor_train"].seconds == pytest.approx(
@@ -359,6 +362,41 @@ def test_a_scenario_device_declares_its_launch_cost():
         rl_scenario(Scenario(devices=[dataclasses.replace(devs[0], launch_us=None)]), toy_workload())
     )
     assert without.launch.tolist() == [0.0]
+
+
+ELEMENTS = Launches(
+    generate_elements=PerFamily(gelu=1000, softmax=500, attention=8),
+    inference_elements=PerFamily(gelu=400, softmax=100, attention=4),
+    train_elements=PerFamily(gelu=800, softmax=100, attention=4, attention_backward=4),
+)
+NS = PerFamily(gelu=1.0, softmax=0.5, attention=600.0, attention_backward=900.0)
+
+
+def test_a_scenario_devices_element_costs_price_each_tasks_units_per_sequence():
+    devs = [Device(id="a", tflops=1.0, memory_gb=100, memory_bandwidth_gb_s=10, element_ns=NS)]
+    w = toy_workload(launches=ELEMENTS)
+    cl = Cluster.of(rl_scenario(Scenario(devices=devs), w))
+    per_sequence = [1000 + 250 + 4800, 400 + 50 + 2400, 800 + 50 + 2400 + 3600]  # ns
+    assert cl.element_s[0].tolist() == pytest.approx([1e-9 * n for n in per_sequence])
+    old = Cluster.of(rl_scenario(Scenario(devices=[dataclasses.replace(devs[0], element_ns=None)]), w))
+    assert old.element_s.tolist() == [[0.0, 0.0, 0.0]]  # a device that predates the measurement
+    assert cl.cls.tolist() == [0] and cl.subset([0]).element_s.tolist() == cl.element_s.tolist()
+
+
+def test_element_work_costs_every_sequence_of_a_wave_and_of_a_micro_batch():
+    w = toy_workload(micro_batch=2)
+    rep = cost.ReplicaGen(flops=1e12, mem_bw=1e11, free=256 * 200 * 10, alpha=0.0, beta=math.inf)
+    costly = dataclasses.replace(rep, element_s=2e-3)
+    extra = cost.generation_time(TOY, w, costly, 1, 25) - cost.generation_time(TOY, w, rep, 1, 25)
+    assert extra == pytest.approx(25 * 2e-3)  # three waves of 25/3 sequences
+    # each stage does half the units of its micro-batch's 2 sequences at its own cost per sequence
+    pipes = dataclasses.replace(two_stages(), stage_element_s=np.array([[[0, 1e-3, 3e-3], [0, 2e-3, 4e-3]]]))
+    for train, per_sequence in ((False, 2e-3), (True, 4e-3)):
+        paid = (
+            cost.pipeline_slots(TOY, w, pipes, 1, train)[0]
+            - cost.pipeline_slots(TOY, w, two_stages(), 1, train)[0]
+        )
+        assert paid == pytest.approx(2 * per_sequence / 2)
 
 
 def _cluster(links: list[tuple[int, int, float]], tflops: float = 100.0) -> Cluster:
