@@ -736,6 +736,7 @@ class TaskletRunner:
             compressor=self.cfg.compression.gradient_compressor,
             timeout=self.cfg.averaging_timeout_s,
             epoch=self.commit.epoch,
+            aggregator=self.spec.averaging.build(),
             loss_scaled=self.cfg.precision == "fp16",
         )
 

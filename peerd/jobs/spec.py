@@ -1,7 +1,7 @@
 """The job spec: YAML -> typed, validated dataclasses, reporting every bad field at once.
 
 A spec names what to train (``model``, ``data``), how (batch sizes, ``steps``,
-``optimizer``, ``parallel`` shape, ``compression``), how often to checkpoint, how many
+``optimizer``, ``parallel`` shape, ``compression``, ``averaging``), how often to checkpoint, how many
 peers may take part and how long planning may search. ``load_job_spec(path)`` and
 ``parse_job_spec(mapping)`` (also what decodes the spec inside a peer's job record) raise
 ``JobSpecError`` (a ``ConfigError``) whose ``errors`` lists every problem found, each naming
@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
+from peerd.averaging.aggregate import Aggregator, ClippedMean, Mean
 from peerd.compress.packing import SUPPORTED_BITS
 from peerd.data.config import DataConfig, check_split, pin_local_source
 from peerd.errors import ConfigError
@@ -166,6 +167,31 @@ class CompressionSpec:
 
 
 @dataclass(frozen=True)
+class AveragingSpec:
+    """How data-parallel replicas combine their gradients."""
+
+    aggregator: Literal["mean", "clipped"] = "mean"
+    """``mean``: the plain mean, the same bits on every replica as one process computing the whole
+    batch. ``clipped``: a robust mean for replicas that may be hostile: each replica's contribution
+    to a share of the gradients is first cut to ``clip_ratio`` x the median contribution norm, so one
+    replica sending huge gradients moves the mean by at most ``clip_ratio x median / d_dp`` instead
+    of arbitrarily. It bounds one outlier among 3 or more replicas (with 2 the median is their mean)."""
+    clip_ratio: Annotated[float | None, Range(ge=1, le=1e6)] = None
+    """``clipped`` only: the bound over the median norm (default 2)."""
+
+    def problems(self) -> list[ConfigError]:
+        if self.aggregator == "mean" and self.clip_ratio is not None:
+            return [ConfigError("clip_ratio", "applies to aggregator: clipped only")]
+        return []
+
+    def build(self) -> Aggregator:
+        """The aggregator every reducer of the job's averaging groups combines contributions with."""
+        if self.aggregator == "clipped":
+            return ClippedMean(2.0 if self.clip_ratio is None else self.clip_ratio)
+        return Mean()
+
+
+@dataclass(frozen=True)
 class PlanningSpec:
     time_budget_s: Annotated[float, Range(gt=0, le=3600)] = 30.0
     """Seconds each peer's search island runs per planning epoch."""
@@ -218,6 +244,8 @@ class JobSpec:
     optimizer: OptimizerSpec = field(default_factory=OptimizerSpec)
     parallel: ParallelSpec = field(default_factory=ParallelSpec)
     compression: CompressionSpec = field(default_factory=CompressionSpec)
+    averaging: AveragingSpec = field(default_factory=AveragingSpec)
+    """How the data-parallel replicas (an rl job's trainers) combine their gradients."""
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
     """Compute precision of every stage: fp32, or bf16 / fp16 autocast (master weights, optimizer
     state and the wire stay fp32). fp16 uses a dynamic loss scale; a step that overflows anywhere is
@@ -247,7 +275,7 @@ class JobSpec:
     def problems(self) -> list[ConfigError]:
         """The checks between fields and sections (each section checked itself already)."""
         out = self._kind_problems() + self._size_problems() + self._batch_problems() + self._peer_problems()
-        out += self._validation_problems()
+        out += self._validation_problems() + self._averaging_problems()
         if self.planning.placement == "random" and len(self.parallel.known()) < 2:
             out.append(
                 ConfigError("planning.placement", "random needs fixed parallel d_pp and d_dp, not auto")
@@ -296,13 +324,16 @@ class JobSpec:
                     "rl jobs have no pipeline streams: only compression.gradient_bits applies",
                 )
             )
-        if self.compression.gradient_bits is not None and trainers < 2:
-            out.append(
-                ConfigError(
-                    "compression.gradient_bits",
-                    "a lone trainer averages no gradients: set parallel.d_dp >= 2 or leave it out",
+        for name, default in (
+            ("compression.gradient_bits", self.compression.gradient_bits is None),
+            ("averaging", self.averaging == AveragingSpec()),
+        ):
+            if not default and trainers < 2:
+                out.append(
+                    ConfigError(
+                        name, "a lone trainer averages no gradients: set parallel.d_dp >= 2 or leave it out"
+                    )
                 )
-            )
         if self.parallel.d_pp not in ("auto", 1):
             out.append(
                 ConfigError(
@@ -412,6 +443,13 @@ class JobSpec:
                     f"more than the {val.windows} held out",
                 )
             ]
+        return []
+
+    def _averaging_problems(self) -> list[ConfigError]:
+        if self.kind == "rl" or self.averaging == AveragingSpec():
+            return []  # an rl job's trainers: _rl_problems
+        if self.parallel.known().get("d_dp") == 1:
+            return [ConfigError("averaging", "d_dp 1 averages no gradients: leave averaging out")]
         return []
 
     def _peer_problems(self) -> list[ConfigError]:

@@ -53,11 +53,14 @@ def plan(
     global_batch: int = 24,
     micro_batch: int = 12,
     gradient_bits: int | None = None,
+    averaging: dict[str, Any] | None = None,
 ) -> RLPlan:
+    trainers = 3 if averaging else 2 if gradient_bits is not None else "auto"
     spec = parse_job_spec(
         {
             "compression": {"gradient_bits": gradient_bits},
-            "parallel": {"d_pp": 1, "d_dp": "auto" if gradient_bits is None else 2},
+            "averaging": averaging or {},
+            "parallel": {"d_pp": 1, "d_dp": trainers},
             "kind": "rl",
             "name": "rl-roles",
             "model": {"preset": "tiny", "seed": 3},
@@ -388,6 +391,43 @@ def test_trainers_average_gradients_of_very_different_norms(swarm: Swarm):
 
     first, second = swarm.run(go())
     assert torch.equal(first[0], second[0]) and torch.allclose(first[0], (small + big) / 2)
+
+
+def test_robust_trainers_bound_one_huge_gradient_and_keep_their_figures_exact(swarm: Swarm):
+    """With ``averaging.aggregator: clipped`` a trainer sending a gradient 1e6x the others' moves the
+    mean by at most the clip ratio x the median norm over the trainers, on every trainer alike; the
+    group counts that scale the gradients still come back exact (their own, lossless group)."""
+    p = plan("c3" * 16, averaging={"aggregator": "clipped", "clip_ratio": 2.0})
+    hosts = [swarm.trainer, swarm.r1, swarm.r2]
+    means = [trainer_means(t, [h.peer_id for h in hosts], p, epoch=0) for t in hosts]
+    assert all(m.exact is not None for m in means)
+    honest = [torch.linspace(-1, 1, 500) * (r + 1) for r in range(2)]
+    hostile = torch.full((500,), 1e6)
+    counts = [torch.tensor([3.0, 1 / 3]), torch.tensor([5.0, 2 / 7]), torch.tensor([4.0, 0.5])]
+
+    async def go() -> list[list[torch.Tensor]]:
+        loop = asyncio.get_running_loop()
+        try:
+            calls = [m.mean(loop) for m in means]
+            return await asyncio.gather(
+                *(
+                    asyncio.to_thread(call, [g, n], 1)
+                    for call, g, n in zip(calls, [*honest, hostile], counts, strict=True)
+                )
+            )
+        finally:
+            for m in means:
+                await m.close()
+
+    got = swarm.run(go())
+    assert all(torch.equal(g[0], got[0][0]) and torch.equal(g[1], got[0][1]) for g in got)
+    assert torch.equal(got[0][1], (counts[0] + counts[1] + counts[2]) / 3)  # exact, unclipped
+    # each share: the hostile part cut to 2 x the median part's norm (the larger honest one's)
+    bound = 2 * float(honest[1].norm()) / 3
+    moved = float((got[0][0] - (honest[0] + honest[1]) / 3).norm())
+    assert moved <= bound * 1.001
+    plain = (honest[0] + honest[1] + hostile) / 3  # what the mean would have been: ~1e6 per value
+    assert float(got[0][0].norm()) < 1e-4 * float(plain.norm())
 
 
 def test_async_rollouts_stay_within_the_bound_and_stale_ones_are_counted(swarm: Swarm, async_wait_until):

@@ -8,7 +8,9 @@ error feedback: ``peerd.averaging``); the rest must come back exact, or the trai
 their gradients and report their figures by rounded counts. So a compressing job's trainers keep
 two groups of the same members: ``gradients`` at the spec's width and ``exact``, lossless, each
 call's parts averaged on both at once; without gradient compression one group takes the whole
-call in one round.
+call in one round. A job whose ``averaging.aggregator`` is robust (``clipped``) keeps both groups
+too: only the gradients go through the robust aggregator, which would otherwise cut the exact
+figures and the start weights along with the gradients that share a share with them.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from collections.abc import Hashable, Sequence
 import torch
 
 from peerd.averaging import GradientCompression, GroupAllReduce
+from peerd.averaging.aggregate import Aggregator
 from peerd.jobs.rl.report import Rewards
 from peerd.jobs.rl.shards import RLPlan
 from peerd.rl.update import Average
@@ -30,8 +33,9 @@ GRPO_NORM_RATIO = 1e30
 """The trainers' bound on another trainer's contribution norm over their own (``GroupAllReduce``'s
 screen): none in effect. Honest GRPO gradients differ by orders of magnitude (a trainer whose groups
 all scored alike has only the KL term, 1e3x smaller than another's was seen), and a refusal would
-recur on the same rollouts after every re-plan; contributions are still checked finite, and the
-averaged update is clipped to the spec's ``grad_clip``."""
+recur on the same rollouts after every re-plan; contributions are still checked finite, the
+averaged update is clipped to the spec's ``grad_clip``, and ``averaging.aggregator: clipped`` bounds
+what one trainer among three or more can move the mean by (relative to the median, not to itself)."""
 
 
 class TrainerMeans:
@@ -107,7 +111,9 @@ def trainer_means(
     """The averaging of an rl job's data-parallel trainers in ``epoch`` (``members`` in replica order)."""
     bits = plan.spec.compression.gradient_bits
 
-    def group(key: str, compressor: GradientCompression | None) -> GroupAllReduce:
+    def group(
+        key: str, compressor: GradientCompression | None, aggregator: Aggregator | None = None
+    ) -> GroupAllReduce:
         made = GroupAllReduce(
             transport,
             list(members),
@@ -118,14 +124,18 @@ def trainer_means(
             # others wait for it here: only a longer silence means a trainer is gone
             timeout=plan.rl.rollout_timeout_s + AVERAGING_SLACK_S,
             max_norm_ratio=GRPO_NORM_RATIO,
+            aggregator=aggregator,
         )
         made.max_numel = 2 * plan.params + 64  # a call's tensors: gradients (or weights) and a few figures
         return made
 
     key = f"rl/{plan.job_id}/{epoch}"
-    if bits is None:
+    robust = plan.spec.averaging.aggregator != "mean"
+    if bits is None and not robust:
         return TrainerMeans(group(key, None))
-    return TrainerMeans(group(key, GradientCompression(bits=bits)), group(f"{key}/exact", None))
+    # a robust aggregator would cut the exact figures with the gradients they share a share with
+    compressor = GradientCompression(bits=bits) if bits is not None else None
+    return TrainerMeans(group(key, compressor, plan.spec.averaging.build()), group(f"{key}/exact", None))
 
 
 class PooledRewards:

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from peerd.averaging.aggregate import ClippedMean, Mean
 from peerd.errors import ConfigError, ErrorCode
 from peerd.jobs.spec import JobSpec, JobSpecError, load_job_spec, parse_job_spec
 from peerd.loading import from_mapping, to_mapping
@@ -247,3 +248,17 @@ def test_submit_checks_a_validation_split_against_the_corpus_read_here(tmp_path:
     with pytest.raises(JobSpecError) as err:
         load_job_spec(spec_file({"windows": 5000}))  # more than the corpus has
     assert [e.field for e in err.value.errors] == ["data.validation"]
+
+
+def test_the_averaging_section_picks_the_reducers_aggregator() -> None:
+    assert isinstance(parse_job_spec(spec_with()).averaging.build(), Mean)  # the default: the plain mean
+    clipped = parse_job_spec(spec_with(averaging={"aggregator": "clipped", "clip_ratio": 3.0}))
+    built = clipped.averaging.build()
+    assert isinstance(built, ClippedMean) and built.ratio == 3.0
+    assert "clipped only" in problems(spec_with(averaging={"clip_ratio": 3.0}))["averaging.clip_ratio"]
+    assert "averaging.clip_ratio" in problems(
+        spec_with(averaging={"aggregator": "clipped", "clip_ratio": 0.5})
+    )
+    assert "averaging.aggregator" in problems(spec_with(averaging={"aggregator": "median"}))
+    lone = spec_with(averaging={"aggregator": "clipped"}, parallel={"d_pp": 3, "d_dp": 1}, min_peers=3)
+    assert "averages no gradients" in problems(lone)["averaging"]

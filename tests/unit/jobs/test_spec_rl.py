@@ -6,6 +6,7 @@ import copy
 
 import pytest
 
+from peerd.averaging.aggregate import ClippedMean
 from peerd.jobs.spec import JobSpecError, parse_job_spec
 from peerd.rl.spec import RLSpec
 
@@ -152,3 +153,14 @@ def test_data_parallel_trainers_may_compress_their_gradients_and_a_lone_trainer_
         assert "lone trainer" in problems(data)["compression.gradient_bits"]
     data.update(parallel={"d_pp": 1, "d_dp": 2}, compression={"gradient_bits": 4, "backward_bits": 4})
     assert "only compression.gradient_bits" in problems(data)["compression"]
+
+
+def test_data_parallel_trainers_may_average_robustly_and_a_lone_trainer_may_not() -> None:
+    data = copy.deepcopy(RL_JOB)
+    g = data["rl"]["group_size"]
+    data.update(parallel={"d_pp": 1, "d_dp": 3}, global_batch=6 * g, micro_batch=3 * g, min_peers=3)
+    data.update(averaging={"aggregator": "clipped"})
+    spec = parse_job_spec(data)
+    assert isinstance(spec.averaging.build(), ClippedMean) and spec.averaging.build().ratio == 2.0
+    data.update(parallel={"d_pp": 1, "d_dp": "auto"})
+    assert "lone trainer" in problems(data)["averaging"]
