@@ -19,6 +19,7 @@ import asyncio
 import os
 import statistics
 import time
+from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Annotated, Any
@@ -62,6 +63,10 @@ class ProbeConfig:
     """Deadline for one whole probe session; after it the peer is marked TIMEOUT, not waited on."""
     peers_per_refresh: int = 4
     """Most peers probed per ``refresh`` call (stalest first)."""
+    history: int = 3
+    """A link's published figures are the medians of its last this many successful probes: one
+    probe that ran while the host was busy (a round trip of 10 ms where the others took 0.5) does
+    not stand for the link until the next."""
     max_sessions: int = 4
     """Responder: concurrent probe sessions served; more are refused with BUSY."""
     max_sessions_per_peer: int = 1
@@ -94,6 +99,7 @@ class ProbeConfig:
             "bulk_bytes",
             "frame_bytes",
             "peers_per_refresh",
+            "history",
             "max_sessions",
             "max_sessions_per_peer",
             "answer_burst_bytes",
@@ -292,8 +298,27 @@ class _Partial:
     down_bps: float | None = None
 
 
+def median_measurement(probes: Iterable[LinkMeasurement]) -> LinkMeasurement:
+    """One successful measurement from several of the same link: the median of each figure (of the
+    probes that have it), as of the newest."""
+    probes = list(probes)
+
+    def median(values: Iterable[float | None]) -> float | None:
+        known = [v for v in values if v is not None]
+        return statistics.median(known) if known else None
+
+    newest = max(probes, key=lambda m: m.measured_at)
+    return msgspec.structs.replace(
+        newest,
+        rtt_ms=median(m.rtt_ms for m in probes),
+        bw_up_mbps=median(m.bw_up_mbps for m in probes),
+        bw_down_mbps=median(m.bw_down_mbps for m in probes),
+    )
+
+
 class LinkProber:
-    """Measures links from this peer to others; keeps the latest ``LinkMeasurement`` per peer."""
+    """Measures links from this peer to others; keeps one ``LinkMeasurement`` per peer: the medians
+    of its last ``history`` successful probes, or the failure of its last probe."""
 
     def __init__(
         self,
@@ -306,6 +331,7 @@ class LinkProber:
         self.config = config
         self._now = now
         self.measurements: dict[str, LinkMeasurement] = {}
+        self._recent: dict[str, deque[LinkMeasurement]] = {}  # successful probes, newest last
 
     def stalest(self, peers: Iterable[PeerID]) -> list[PeerID]:
         """The peers to probe next: never measured first, then oldest measurement first; at most ``peers_per_refresh``."""
@@ -336,6 +362,7 @@ class LinkProber:
         alive = {p.to_base58() for p in keep}
         for key in [k for k in self.measurements if k not in alive]:
             del self.measurements[key]
+            self._recent.pop(key, None)
 
     async def probe(self, peer: PeerID) -> LinkMeasurement:
         """Probe one peer within ``probe_timeout_s``; failures come back as a measurement with a status."""
@@ -367,11 +394,17 @@ class LinkProber:
             measured_at=self._now(),
             status=status,
         )
-        previous = self.measurements.get(measurement.peer_id)
+        key = measurement.peer_id
+        previous = self.measurements.get(key)
+        if status is LinkStatus.OK:
+            recent = self._recent.setdefault(key, deque(maxlen=cfg.history))
+            recent.append(measurement)
+            self.measurements[key] = median_measurement(recent)
         # BUSY means the peer is alive but serving other probers: keep its last good numbers (still
         # the best estimate, and left stalest so it is retried first) instead of blanking the link.
-        if not (status is LinkStatus.BUSY and previous is not None and previous.status is LinkStatus.OK):
-            self.measurements[measurement.peer_id] = measurement
+        elif not (status is LinkStatus.BUSY and previous is not None and previous.status is LinkStatus.OK):
+            self.measurements[key] = measurement
+            self._recent.pop(key, None)  # a link that failed starts its figures afresh
         return measurement
 
     async def _session(self, peer: PeerID, partial: list[_Partial]) -> None:

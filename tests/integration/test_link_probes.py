@@ -13,7 +13,7 @@ from hivemind.p2p import P2P, PeerID
 
 from peerd.errors import ErrorCode, ProtocolError
 from peerd.sched.scenario import load_scenario
-from peerd.swarm.links import PROBE_PROTOCOL, LinkProber, ProbeConfig, ProbeResponder
+from peerd.swarm.links import PROBE_PROTOCOL, LinkProber, ProbeConfig, ProbeResponder, median_measurement
 from peerd.swarm.records import LinkMeasurement, LinkStatus
 from peerd.swarm.shaper import LinkShaper
 from peerd.swarm.transport import Connection, Transport
@@ -125,7 +125,10 @@ def test_shaped_link_is_measured_within_25_percent(peers: Peers):
     m = attempts[-1][0]
     assert _within(m), "no probe within 25 % of 80 ms / 20 Mbit/s: " + "; ".join(report)
     assert m.peer_id == peers.a.peer_id.to_base58()
-    assert prober.measurements[m.peer_id] is m and m.measured_at > 1e9  # a DHT-time stamp
+    # published: the medians of the attempts (the history holds three), stamped in DHT time
+    assert (
+        prober.measurements[m.peer_id] == median_measurement(a for a, _ in attempts) and m.measured_at > 1e9
+    )
 
 
 def test_unshaped_loopback_is_much_faster_than_the_shaped_link(peers: Peers):
@@ -171,6 +174,42 @@ def test_refresh_probes_a_bounded_number_stalest_first_and_marks_dead_peers(peer
     assert prober.unmeasured([a, c, nobody, newcomer]) == [nobody, newcomer]
     prober.forget([peers.a.peer_id])
     assert list(prober.measurements) == [a]
+
+
+def test_a_links_published_figures_are_the_medians_of_its_last_probes_until_it_fails(peers: Peers):
+    """One probe taken while the host was busy does not stand for the link: the prober publishes
+    the median of each figure over the last ``history`` successful probes; a failed probe is
+    published as it is and the next success starts afresh."""
+
+    async def go():
+        responder = ProbeResponder(peers.transport(peers.a))
+        await responder.start()
+        prober = LinkProber(peers.transport(peers.b), ProbeConfig(**{**QUICK.__dict__, "history": 3}))
+        probes = [await prober.probe(peers.a.peer_id) for _ in range(4)]
+        published = prober.measurements[peers.a.peer_id.to_base58()]
+        await responder.stop()
+        failed = await prober.probe(peers.a.peer_id)
+        after_failure = prober.measurements[peers.a.peer_id.to_base58()]
+        await responder.start()
+        fresh = await prober.probe(peers.a.peer_id)
+        return (
+            probes,
+            published,
+            failed,
+            after_failure,
+            fresh,
+            prober.measurements[peers.a.peer_id.to_base58()],
+        )
+
+    probes, published, failed, after_failure, fresh, republished = peers.run(go())
+    assert all(m.status == LinkStatus.OK for m in probes)
+    last = probes[1:]  # the first fell out of the history of three
+    assert published.rtt_ms == statistics.median(m.rtt_ms for m in last)
+    assert published.bw_up_mbps == statistics.median(m.bw_up_mbps for m in last)
+    assert published.bw_down_mbps == statistics.median(m.bw_down_mbps for m in last)
+    assert published.measured_at == probes[-1].measured_at and published.status == LinkStatus.OK
+    assert failed.status != LinkStatus.OK and after_failure == failed
+    assert fresh.status == LinkStatus.OK and republished == fresh
 
 
 def test_peer_that_stops_answering_is_marked_timeout_not_waited_on(peers: Peers):
