@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import msgpack
+import msgspec
 
 from peerd.errors import ErrorCode, PeerdError
 from peerd.swarm.records import (
@@ -184,7 +185,7 @@ def reject_vectors() -> dict[str, dict[str, Any]]:
         "not-a-map": ("top level is an array", pack([1, "peer"]), ErrorCode.MALFORMED),
         "ext-type": (
             "msgpack extension types are not allowed",
-            pack({**base(), "x": msgpack.ExtType(5, b"ab")}),
+            pack({**base(), "x": msgspec.msgpack.Ext(5, b"ab")}),
             ErrorCode.MALFORMED,
         ),
         "int-key": ("map keys must be strings", msgpack.packb({**base(), 7: "x"}), ErrorCode.MALFORMED),
