@@ -84,21 +84,30 @@ from peerd.models import load_checkpoint
 from peerd.models.gpt import GPT
 from peerd.rl.tasks import TASKS, TaskConfig, make_task
 from peerd.rl.trainer import evaluate
+from peerd.swarm.links import ProbeConfig
 from peerd.swarm.profiling import profile_device
 
 HELDOUT_SEED_OFFSET = 1_000_003  # as peerd bench grpo: a problem stream apart from the job's
 POLL_S = 0.25
 REPLAY_ITERATIONS = 3
 
+PROBE_INTERVAL_S = 4.0
 SWARM_OPTIONS = {
     "record_ttl": 10.0,
     "refresh_interval": 2.0,
-    "probe_interval": 4.0,
+    "probe_interval": PROBE_INTERVAL_S,
     "probe_budget": 5,
     "startup_timeout": 60.0,
     "shutdown_timeout": 10.0,
     "device": "cpu",
 }
+
+
+LINK_SETTLE_S = (ProbeConfig().history + 1) * PROBE_INTERVAL_S
+"""How long the bench waits once every daemon has measured the others. Those first figures come from
+one probe each, taken while the swarm was forming: on loopback some links showed 3-9 ms round trips
+that settle at 0.3-0.5 ms over the next rounds. After ``history`` more rounds every link's figures
+are medians (``peerd.swarm.links``), and the consensus plans on those."""
 
 
 @dataclass(frozen=True)
@@ -246,6 +255,7 @@ def start_swarm(s: Settings, root: Path, cache: Path) -> LocalSwarm:
         swarm.wait_until(
             lambda v: converged(v, names), timeout=180, what="every daemon to measure the others"
         )
+        time.sleep(LINK_SETTLE_S)
     except BaseException:
         swarm.close()
         raise
