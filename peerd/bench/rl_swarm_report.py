@@ -297,9 +297,10 @@ def placement_arms(
     device: RosterDevice,
 ) -> dict[str, dict[str, Any]]:
     """Comparison arms (each job's final view, the owner's status right before its submission, its
-    spec; ``device``: the shared profile as ``committed_roster`` takes it): each arm's roles, measured iteration (the trainers' loop, as the main prediction reads
-    it), the RL cost model's prediction for it on the roster its consensus planned with, and what
-    its trainers sent to average."""
+    spec; ``device``: the shared profile as ``committed_roster`` takes it): each arm's roles,
+    measured iteration (the trainers' loop, as the main prediction reads it), the RL cost model's
+    prediction for it on the roster its consensus planned with, and what its trainers sent to
+    average."""
     out: dict[str, dict[str, Any]] = {}
     for name, view in views.items():
         status = statuses[name]

@@ -51,11 +51,16 @@ def head_params(cfg: GPTConfig) -> int:
     return _ln_params(cfg) + (0 if cfg.tie_weights else cfg.d_model * cfg.vocab_size)
 
 
+def _block_matmul_weights(cfg: GPTConfig) -> int:
+    """Weights of one block's linear layers (qkv, proj, fc, fc proj), biases aside."""
+    C, ff = cfg.d_model, cfg.ff
+    return 4 * C * C + 2 * C * ff
+
+
 def matmul_params(cfg: GPTConfig) -> int:
     """Weights each token's forward multiplies: every block's linear layers and the head's projection
     (also when tied to the embedding); the embeddings' lookups and the norms aside."""
-    C, ff = cfg.d_model, cfg.ff
-    return cfg.n_layer * (4 * C * C + 2 * C * ff) + C * cfg.vocab_size
+    return cfg.n_layer * _block_matmul_weights(cfg) + cfg.d_model * cfg.vocab_size
 
 
 def param_count(cfg: GPTConfig) -> int:
@@ -69,7 +74,7 @@ def layer_costs(cfg: GPTConfig, seq_len: int | None = None) -> list[LayerCost]:
     C, ff, V = cfg.d_model, cfg.ff, cfg.vocab_size
     # Matmul FLOPs: 2 per weight per token; attention adds QK^T and AV, 2 * T * C each per token
     # (counted over the full T x T square as is customary, although the causal half is masked).
-    block_flops = 2.0 * (4 * C * C + 2 * C * ff) + 4.0 * T * C
+    block_flops = 2.0 * _block_matmul_weights(cfg) + 4.0 * T * C
     # Saved by autograd per token: ln1 in, qkv out (3C), attention out, proj in, ln2 in, fc in,
     # fc out, gelu out (ff each), plus the two residual adds' inputs are the same tensors.
     block_saved = 8 * C + 2 * ff
