@@ -92,6 +92,30 @@ def test_to_builtin_keeps_a_set_optional_and_drops_an_unset_one():
     assert to_builtin(Inner(weight=2.0)) == {"weight": 2.0}
 
 
+class Plain(WireStruct, kw_only=True):
+    tokens: list[list[int]]
+    blobs: dict[str, bytes]
+    pair: tuple[int, ...] = ()
+    items: list[Inner] = msgspec.field(default_factory=list)
+
+
+def test_builtin_fields_and_leaf_lists_convert_as_the_item_by_item_walk_does():
+    msg = Plain(tokens=[[1, 2], [3]], blobs={"a": b"\x00\xff"}, pair=(4, 5), items=[Inner(weight=1.5)])
+    tree = to_builtin(msg)
+    assert tree == {
+        "tokens": [[1, 2], [3]],
+        "blobs": {"a": b"\x00\xff"},
+        "pair": [4, 5],
+        "items": [{"weight": 1.5}],
+    }
+    assert isinstance(tree["blobs"]["a"], bytes)  # bin on the wire, never base64 text
+    assert tree["tokens"] is not msg.tokens  # a copy: the caller's lists stay its own
+    # a leaf list of exact builtins is copied whole; an enum or a struct among the items is still converted
+    assert to_builtin([1, "x", None, 2.5]) == [1, "x", None, 2.5]
+    assert to_builtin([1, Colour.RED]) == [1, "red"]
+    assert to_builtin([Inner(weight=1.0), None]) == [{"weight": 1.0}, None]
+
+
 def reencoded(**fields: object) -> bytes:
     tree = to_builtin(sample())
     tree.update(fields)
