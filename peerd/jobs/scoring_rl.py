@@ -30,7 +30,8 @@ so the consensus compares role assignments with the same arithmetic as ``peerd p
 - the weights reach the rollout peers as the runtime sends them: each trainer to its own rollout
   peers (``weight_sync: star``, the R stars in parallel); a colocated trainer needs no sync;
 - peers whose CPU devices share one machine's cores (the entries' ``host``) slow each other while
-  more of their threads compute at once than the machine has cores (``peerd.sched.hosts``): in
+  more of their threads compute at once than the machine has cores (``peerd.sched.hosts``), and
+  the loopback links between them (the trainers' all-reduce on one machine) slow as much: in
   sync mode the rollout peers and the trainers that sample their own share compute together, then
   the trainers; in async mode every peer computes all the time;
 - one trainer's iteration is its generation (on its rollout peers, or on itself), the rollouts'
@@ -67,7 +68,7 @@ from peerd.sched.allocation import Allocation
 from peerd.sched.consensus.messages import Roster, RosterDevice
 from peerd.sched.elements import PerFamily
 from peerd.sched.evolution import SearchConfig
-from peerd.sched.hosts import HostShare, slowdowns
+from peerd.sched.hosts import HostShare, loopback_factors, slowdowns
 from peerd.sched.rl.cluster import Cluster, rl_scenario
 from peerd.sched.rl.evaluate import Evaluator
 from peerd.sched.rl.group import GroupResult, evaluate_group
@@ -186,19 +187,23 @@ class _Model:
 
     def busy_cluster(self, busy: Iterable[str]) -> Cluster:
         """The cluster while the peers ``busy`` compute at once: the rates of those that share a
-        machine's cores with more threads than it has divided by their slowdown (``sched.hosts``)."""
+        machine's cores with more threads than it has divided by their slowdown, and the loopback
+        links on such a machine slowed as much (``sched.hosts``)."""
         factors = tuple(slowdowns(self.hosts, {self.index[p] for p in busy}))
         if max(factors) == 1.0:
             return self.cluster
         found = self._slowed.get(factors)
         if found is None:
             f, cl = np.asarray(factors), self.cluster
+            links = np.asarray(loopback_factors(self.hosts, factors))
             found = dataclasses.replace(
                 cl,
                 flops=cl.flops / f,
                 mem_bw=cl.mem_bw / f,
                 launch=cl.launch * f,
                 element_s=cl.element_s * f[:, None],
+                delay=cl.delay * links,
+                bw=cl.bw / links,
             )
             self._slowed[factors] = found
             while len(self._slowed) > SLOWED_CLUSTERS:

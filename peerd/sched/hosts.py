@@ -9,6 +9,11 @@ speed. Accelerators (a GPU each) do not share their compute this way and carry n
 The cost models ask this module which devices compute at the same time in a phase of their
 schedule (``slowdowns``) and divide those devices' rates by the answer; idle devices, and devices
 whose host is unknown, keep their measured rates.
+
+A link between two devices of one machine is a loopback: its bytes and every message's hops (the
+daemons' framing, p2pd) run on that machine's cores, not on a wire, and its probed delay and
+bandwidth were measured with those cores to spare. While they are oversubscribed, the link slows
+with them (``loopback_factors``).
 """
 
 from __future__ import annotations
@@ -53,4 +58,18 @@ def slowdowns(shares: Sequence[HostShare | None], busy: Collection[int]) -> list
     return [
         max(1.0, threads[s.host] / cores[s.host]) if s is not None and i in busy else 1.0
         for i, s in enumerate(shares)
+    ]
+
+
+def loopback_factors(shares: Sequence[HostShare | None], factors: Sequence[float]) -> list[list[float]]:
+    """Per ordered pair of devices, the factor their link slows by (delay up, bandwidth down) given
+    each device's compute slowdown ``factors`` (``slowdowns``): the larger of the two for a pair on
+    one machine, 1 for a pair on two machines or with an unknown host."""
+    hosts = [s.host if s is not None else None for s in shares]
+    return [
+        [
+            max(factors[i], factors[j]) if i != j and a is not None and a == b else 1.0
+            for j, b in enumerate(hosts)
+        ]
+        for i, a in enumerate(hosts)
     ]

@@ -45,6 +45,8 @@ class TrainFigures:
     """Seconds the reference's log-probs took."""
     train_s: float = 0.0
     """Seconds the updates took."""
+    average_s: float = 0.0
+    """Of ``train_s``, the seconds spent in the data-parallel trainers' averages (0 for a lone trainer)."""
 
 
 class Learner:
@@ -148,6 +150,17 @@ class Learner:
             with torch.no_grad():
                 ref_BT = token_logprobs(self.reference, batch.tokens_BT, temperature)
         scored = time.perf_counter()
+        averaging = 0.0
+
+        def timed_average(tensors: list[torch.Tensor], exact: int = 0) -> list[torch.Tensor]:
+            nonlocal averaging
+            began = time.perf_counter()
+            try:
+                assert average is not None
+                return average(tensors, exact)
+            finally:
+                averaging += time.perf_counter() - began
+
         figures = grpo_updates(
             self.policy,
             self.optimizer,
@@ -161,7 +174,7 @@ class Learner:
             loss=rl.loss,
             grad_clip=self.grad_clip,
             after_step=self.scheduler.step,
-            average=average,
+            average=timed_average if average is not None else None,
         )
         return TrainFigures(
             loss=figures.loss,
@@ -170,6 +183,7 @@ class Learner:
             updates=figures.updates,
             reference_s=scored - started,
             train_s=time.perf_counter() - scored,
+            average_s=averaging,
         )
 
     def restore(self, state: dict[str, Any]) -> None:

@@ -450,6 +450,7 @@ class RLTrainer:
                 "score": scored - waited,
                 "reference": figures.reference_s,
                 "train": trained - scored - figures.reference_s,
+                **({"average": figures.average_s} if self.group is not None else {}),
                 "publish": published - trained,
                 "checkpoint": done - published,
             },

@@ -315,10 +315,9 @@ def test_peers_on_one_machine_slow_each_other_while_more_compute_than_it_has_cor
     colocated = Allocation((tuple(PEERS[:4]),))
     apart = RLRosterScorer(dp_spec(4)).predict(roster(*rates), colocated)
     shared = RLRosterScorer(dp_spec(4)).predict(roster(*rates, host=BOX), colocated)
-    for task in ("generate", "reference"):
+    # training too: its all-reduce runs over loopback links, on the same oversubscribed cores
+    for task in ("generate", "reference", "actor_train"):
         assert shared.tasks[task] == pytest.approx(2 * apart.tasks[task])
-    # training also waits on the all-reduce, which the machine's cores do not pace here
-    assert apart.tasks["actor_train"] < shared.tasks["actor_train"] < 2 * apart.tasks["actor_train"]
 
     spec = parse_job_spec(RL_JOB)
     two = Allocation(((PEERS[0],),), (PEERS[1], PEERS[2]))

@@ -6,7 +6,7 @@ import pytest
 
 from peerd.errors import ConfigError
 from peerd.loading import from_mapping
-from peerd.sched.hosts import HostShare, slowdowns
+from peerd.sched.hosts import HostShare, loopback_factors, slowdowns
 
 BOX = HostShare("box", cores=2, threads=1)
 
@@ -35,3 +35,17 @@ def test_a_host_share_is_checked_where_it_is_read() -> None:
     with pytest.raises(ConfigError) as err:
         from_mapping(HostShare, {"host": "", "cores": 0})
     assert "cores" in str(err.value) and "host" in str(err.value)
+
+
+def test_a_loopback_link_slows_with_its_machines_cores_and_a_link_between_machines_does_not() -> None:
+    box, other = HostShare("box", cores=2), HostShare("other", cores=2)
+    shares = [box, box, box, other, None]
+    factors = slowdowns(shares, {0, 1, 2, 3, 4})
+    assert factors == [1.5, 1.5, 1.5, 1.0, 1.0]
+    links = loopback_factors(shares, factors)
+    assert links[0][1] == links[1][0] == links[2][0] == 1.5  # on the busy machine
+    assert links[0][0] == 1.0  # no link to itself
+    assert links[0][3] == links[3][0] == 1.0  # between two machines: a wire
+    assert links[0][4] == links[4][4] == 1.0  # a host nobody declared
+    # an idle peer of the busy machine still talks over its cores
+    assert loopback_factors(shares, slowdowns(shares, {0, 1, 2}))[2][0] == 1.5
