@@ -192,6 +192,7 @@ def test_sync_job_equals_the_single_process_reference(swarm: Swarm, tmp_path, in
         assert mine.loss == pytest.approx(want.loss, abs=1e-5)
         assert mine.kl == pytest.approx(want.kl, abs=1e-5)
         assert mine.response_len == want.response_len
+        assert "average" not in mine.seconds  # a lone trainer averages nothing
     # every shard was sampled by the version of its iteration (sync), weights crossed the wire
     assert [s.versions for s in stats] == [[0, 1, 2, 3]] * 2
     assert all(s.weight_fetches == 4 for s in stats)
@@ -269,6 +270,8 @@ def test_data_parallel_trainers_one_fed_by_a_rollout_peer_one_colocated_equal_th
         assert a.pass_rate == b.pass_rate == pytest.approx(want.pass_rate, abs=1e-6)
         assert a.loss == b.loss == pytest.approx(want.loss, abs=1e-4)
         assert a.staleness == b.staleness == {0: 16}  # each trainer counts its own completions
+        # the time in the gradient averages is part of training, and both trainers spend some
+        assert 0 < a.seconds["average"] <= a.seconds["train"] and b.seconds["average"] > 0
     mine, theirs = first.learner.policy.state_dict(), second.learner.policy.state_dict()
     assert all(torch.equal(mine[k], theirs[k]) for k in mine)  # averaged: bit-equal replicas
     assert stats.versions == [0, 1, 2, 3] and stats.weight_fetches == 4  # from trainer 0 only
