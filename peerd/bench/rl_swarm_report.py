@@ -222,6 +222,8 @@ def swarm_tasks(phases_s: dict[str, float] | None) -> dict[str, float]:
     out = {task: phases_s[phase] for task, phase in SWARM_TASKS.items() if phase in phases_s}
     if "wait" in phases_s and "generate" in phases_s:
         out["sync"] = max(phases_s["wait"] - phases_s["generate"], 0.0)
+    if "average" in phases_s:  # data-parallel trainers: their gradient averages, inside actor_train
+        out["average"] = phases_s["average"]
     return out
 
 
@@ -256,12 +258,16 @@ def prediction_report(
         "predicted": predicted,
         "committed_cost_s": committed,
         "rebuilt_over_committed": predicted["seconds"] / committed if committed else None,
-        "per_task_swarm": comparison({**tasks, "sync": predicted["sync"] + predicted["transfers"]}, swarm),
+        "per_task_swarm": comparison(
+            {**tasks, "sync": predicted["sync"] + predicted["transfers"], "average": predicted["average"]},
+            swarm,
+        ),
         "per_task_swarm_source": (
             "the trainer's phase medians over the iterations after the first (protocols/jobs.md "
             "phases_s): generate = the slowest shard's sampling as its rollout peer timed it; sync = "
             "the trainer's wait for the shards beyond that, against the predicted weight sync + "
-            "rollout transfers"
+            "rollout transfers; average (data-parallel trainers) = the time in the gradient "
+            "averages, part of actor_train, against the predicted all-reduces"
         ),
         "swarm_phases_s": swarm_phases_s,
         "per_task": comparison(tasks, phases["median_s"]),
@@ -317,6 +323,10 @@ def placement_arms(
             "predicted_iteration_s": predicted["seconds"],
             "predicted_tasks_s": predicted["tasks"],
             "relative_error": relative_error(predicted["seconds"], measured) if measured else None,
+            # the trainers' all-reduces: predicted (inside actor_train) against their measured phase
+            "average_s": comparison({"average": predicted["average"]}, swarm_tasks(rl.get("phases_s"))).get(
+                "average"
+            ),
             "rewards_last": (rl.get("rewards") or [None])[-1],
             "averaging_bytes": sent.get("averaging"),
             "averaging_raw_bytes": sent.get("averaging_raw"),

@@ -167,6 +167,8 @@ class Prediction:
     """Weight sync trainer -> rollout peers."""
     transfers: float
     """Rollouts rollout peers -> trainer."""
+    average: float = 0.0
+    """Of ``tasks["actor_train"]``, the trainers' gradient all-reduces (0 for a lone trainer)."""
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -302,6 +304,7 @@ class _Model:
             tasks={t: max(float(p["tasks"][t]) for p in parts) for t in ALL_TASKS},
             sync=max(float(p["sync"]) for p in parts),
             transfers=max(float(sum(p["transfers"].values())) for p in parts),
+            average=train.plans["actor_train"].allreduce_s,
         )
 
     def _share(self, replicas: int) -> Evaluator:

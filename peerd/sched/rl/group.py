@@ -44,6 +44,8 @@ class TaskPlan:
     """(dp, pp, tp) device indices."""
     peak: dict[int, float]
     """Device index -> bytes held while this task runs (parked state included)."""
+    allreduce_s: float = 0.0
+    """Of ``seconds``, the data-parallel gradient all-reduces (a pipeline layout's training task)."""
 
 
 @dataclass(frozen=True)
@@ -251,9 +253,9 @@ def _pipeline_task(
             )
         seconds = per_step * (pipe + ar + step_ops) + setup
     else:
-        seconds = pipe + setup
+        ar, seconds = 0.0, pipe + setup
     peak = {int(d): float(b) for d, b in zip(grid.ravel(), need.ravel(), strict=True)}
-    return TaskPlan(task, lay, seconds, grid, peak), None
+    return TaskPlan(task, lay, seconds, grid, peak, per_step * ar), None
 
 
 def _fsdp_task(

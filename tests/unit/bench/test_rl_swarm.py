@@ -171,11 +171,13 @@ def test_the_swarms_phases_become_tasks_and_the_sync_residue() -> None:
     )
     assert swarm_tasks({"wait": 0.02, "train": 0.01}) == {"actor_train": 0.01}  # older rollout peers
     assert swarm_tasks(None) == {}
+    assert swarm_tasks({"train": 0.01, "average": 0.004}) == {"actor_train": 0.01, "average": 0.004}
     predicted = {
         "seconds": 0.02,
         "tasks": {"generate": 0.003, "reference": 0.006, "actor_train": 0.008},
         "sync": 0.0012,
         "transfers": 0.0002,
+        "average": 0.0,
     }
     phases_replayed = {"iterations": 3, "rollout_shards": 2, "median_s": {"generate": 0.004}}
     report = prediction_report(predicted, phases_replayed, 0.05, None, phases)
@@ -183,6 +185,11 @@ def test_the_swarms_phases_become_tasks_and_the_sync_residue() -> None:
     assert swarm["sync"]["predicted_s"] == pytest.approx(0.0014)
     assert swarm["sync"]["measured_s"] == pytest.approx(0.019)
     assert swarm["actor_train"]["relative_error"] == pytest.approx((0.008 - 0.011) / 0.011)
+    assert "average" not in swarm  # a lone trainer publishes no average phase
+    averaged = prediction_report(
+        {**predicted, "average": 0.003}, phases_replayed, 0.05, None, {**phases, "average": 0.004}
+    )["per_task_swarm"]["average"]
+    assert averaged == pytest.approx({"predicted_s": 0.003, "measured_s": 0.004, "relative_error": -0.25})
     # phases without score/checkpoint: no loop to sum, so the polls' figure stands
     assert report["iteration"]["measured_s"] == 0.05 and report["iteration"]["measured_polls_s"] == 0.05
     loop = {**phases, "score": 0.0005, "checkpoint": 0.0}  # every phase of the trainer's loop

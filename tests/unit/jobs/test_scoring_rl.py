@@ -276,6 +276,8 @@ def test_the_trainers_all_reduce_their_gradients_once_per_update() -> None:
     extra = w.optimizer_steps * grads * (8 / 1e6 - 8 / 1e11)
     assert slow.tasks["actor_train"] - fast.tasks["actor_train"] == pytest.approx(extra)
     assert slow.seconds - fast.seconds == pytest.approx(extra)
+    assert slow.average - fast.average == pytest.approx(extra)  # the all-reduces, named apart
+    assert 0 < fast.average < fast.tasks["actor_train"]
     # two colocated trainers (the verl-like plan) pay it too, and nothing else
     colocated = Allocation(((PEERS[0], PEERS[1]),))
     plain = RLRosterScorer(spec).predict(base, colocated)
@@ -330,6 +332,7 @@ def test_peers_on_one_machine_slow_each_other_while_more_compute_than_it_has_cor
     )
     assert crowded.tasks["generate"] == pytest.approx(1.5 * alone.tasks["generate"])
     assert crowded.tasks["actor_train"] == pytest.approx(alone.tasks["actor_train"])  # the trainer alone
+    assert crowded.average == alone.average == 0.0  # a lone trainer averages nothing
 
     # async: the rollout peers sample while the trainer trains, three threads on two cores throughout
     lagged = parse_job_spec({**RL_JOB, "rl": {**RL_JOB["rl"], "staleness": 1}})
