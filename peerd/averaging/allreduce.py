@@ -89,6 +89,10 @@ class AveragingStats:
     """Streams refused at their opening, by reason: ``stranger`` (not a member in this epoch),
     ``stale_epoch``, ``future_epoch``, ``bad_hello`` (another group, or no hello first)."""
     last_step_s: float = 0.0
+    waited_s: float = 0.0
+    """Of the completed steps' time, the seconds before every member's part of this member's share
+    was in: the wait for the slowest member to reach the step (plus its part's trip), summed. The
+    rest is the exchange itself."""
 
 
 class GroupAllReduce:
@@ -276,6 +280,8 @@ class GroupAllReduce:
         self.stats.steps += 1
         self.stats.values_averaged += layout.numel
         self.stats.last_step_s = time.perf_counter() - started
+        if state.all_in is not None:  # parts that came before this member's call cost it no wait
+            self.stats.waited_s += max(0.0, state.all_in - started)
         return unflatten(result_N, tensors)
 
     async def _run(
@@ -391,6 +397,7 @@ class GroupAllReduce:
     def _add_part(self, state: StepState, src: int, part: torch.Tensor, overflowed: bool = False) -> None:
         state.add(src, part, overflowed)
         if state.reducing is None and len(state.parts) == self.size:
+            state.all_in = time.perf_counter()
             state.reducing = asyncio.create_task(self._reduce(state))
 
     async def _reduce(self, state: StepState) -> None:

@@ -33,6 +33,8 @@ class StepState:
         self.result: asyncio.Future[Encoded] = loop.create_future()
         self.reducing: asyncio.Task | None = None  # the reduction, once all contributions are in
         self.touched = loop.time()  # last progress: a contribution arrived
+        self.all_in: float | None = None
+        """``time.perf_counter()`` when the last contribution arrived (the reduction started)."""
 
     def add(self, src: int, part: torch.Tensor, overflowed: bool = False) -> None:
         """Record ``src``'s contribution; a resent one replaces it unless the reduction already started."""

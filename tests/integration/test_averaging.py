@@ -124,6 +124,29 @@ def test_uncompressed_mean_is_exact_and_identical_on_every_member(cluster: Clust
     assert sum(a.stats.raw_bytes_sent for a in avgs) == 2 * 2 * (size - 1) * numel * 4
 
 
+def test_the_wait_for_a_late_member_is_counted_apart_from_the_exchange(cluster: Cluster):
+    """Rank 2 calls 0.3 s after the others: they count about that as waiting, it counts almost none."""
+    avgs = make_group(cluster, 3, "late", timeout=10)
+
+    async def late(a: GroupAllReduce, g: list[torch.Tensor], delay: float) -> list[torch.Tensor]:
+        await asyncio.sleep(delay)
+        return await a.allreduce(0, g)
+
+    async def run() -> None:
+        for a in avgs:
+            await a.start()
+        try:
+            await asyncio.gather(*(late(a, grads(r), 0.3 if r == 2 else 0.0) for r, a in enumerate(avgs)))
+        finally:
+            for a in avgs:
+                await a.close()
+
+    cluster.run(run())
+    for a in avgs[:2]:
+        assert 0.25 < a.stats.waited_s <= a.stats.last_step_s
+    assert avgs[2].stats.waited_s < 0.1 < 0.25 < avgs[0].stats.last_step_s
+
+
 @pytest.mark.parametrize("compressor", [None, "q8"])
 def test_large_gradients_take_the_worker_thread_path_with_the_same_result(
     cluster: Cluster, monkeypatch, compressor: str | None

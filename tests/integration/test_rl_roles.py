@@ -272,6 +272,7 @@ def test_data_parallel_trainers_one_fed_by_a_rollout_peer_one_colocated_equal_th
         assert a.staleness == b.staleness == {0: 16}  # each trainer counts its own completions
         # the time in the gradient averages is part of training, and both trainers spend some
         assert 0 < a.seconds["average"] <= a.seconds["train"] and b.seconds["average"] > 0
+        assert 0 <= a.seconds["average_wait"] <= a.seconds["average"]  # the wait for the other trainer
     mine, theirs = first.learner.policy.state_dict(), second.learner.policy.state_dict()
     assert all(torch.equal(mine[k], theirs[k]) for k in mine)  # averaged: bit-equal replicas
     assert stats.versions == [0, 1, 2, 3] and stats.weight_fetches == 4  # from trainer 0 only

@@ -62,6 +62,11 @@ class TrainerMeans:
             sum(g.stats.raw_bytes_sent for g in self.groups),
         )
 
+    def waited_s(self) -> float:
+        """Seconds the averages so far waited for the other trainers' parts (``AveragingStats.waited_s``;
+        both groups average each call at once: the longer wait counts)."""
+        return max(g.stats.waited_s for g in self.groups)
+
     async def start(self) -> None:
         for group in self.groups:
             await group.start()

@@ -166,6 +166,7 @@ class RLTrainer:
         )
         self._stale_seen = self._late_seen = self._bytes_seen = self._inline_bytes = 0
         self._averaged_seen = (0, 0)  # the groups' bytes (wire, raw) at the last report
+        self._waited_seen = 0.0  # the groups' wait for the other trainers at the last report
         self.told: set[str] = set()
         """Rollout peers that were answered ``done``."""
 
@@ -243,6 +244,7 @@ class RLTrainer:
             assert self.group is not None
             await self.group.start()
             await _in_thread(self.learner.align, self.average)
+            self._waited_seen = self.group.waited_s()  # the alignment's waits are no iteration's
         await self._publish()
 
     async def close(self) -> None:
@@ -450,7 +452,14 @@ class RLTrainer:
                 "score": scored - waited,
                 "reference": figures.reference_s,
                 "train": trained - scored - figures.reference_s,
-                **({"average": figures.average_s} if self.group is not None else {}),
+                **(
+                    {
+                        "average": figures.average_s,
+                        "average_wait": max(0.0, self.group.waited_s() - self._waited_seen),
+                    }
+                    if self.group is not None
+                    else {}
+                ),
                 "publish": published - trained,
                 "checkpoint": done - published,
             },
@@ -463,6 +472,7 @@ class RLTrainer:
             served,
         )
         self._averaged_seen = averaged
+        self._waited_seen = self.group.waited_s() if self.group is not None else 0.0
         self.reports.append(report)
         log.info(
             "rl job %s: iteration %d: reward %.3f pass %.3f kl %.4f, %d rollouts of %d shards (%d missing)",
