@@ -63,12 +63,8 @@ def _plain(tp: Any) -> bool:
     origin = get_origin(tp)
     if origin is Annotated:
         return _plain(get_args(tp)[0])
-    if origin in (
-        Union,
-        types.UnionType,
-        list,
-        dict,
-    ):  # not tuple: msgspec keeps those, to_builtin lists them
+    # not tuple: msgspec.to_builtins keeps a tuple, to_builtin makes it a list
+    if origin in (Union, types.UnionType, list, dict):
         return all(_plain(a) for a in get_args(tp)) and bool(get_args(tp))
     return tp in _SCALARS
 
