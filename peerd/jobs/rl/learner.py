@@ -65,6 +65,8 @@ class Learner:
             self.optimizer, optimizer_config(plan.spec.optimizer), plan.total_updates
         )
         self.grad_clip = plan.spec.optimizer.grad_clip
+        self.numel = sum(t.numel() for t in model.state_dict().values())
+        """Values in the policy's state dict (what a weights blob holds)."""
         self.version = 0
         self.torn = False
         """An iteration's updates failed part-way (its average): the policy is no version's."""

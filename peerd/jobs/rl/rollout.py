@@ -36,7 +36,7 @@ from peerd.jobs.rl.messages import (
     weights_job,
 )
 from peerd.jobs.rl.shards import RLPlan, Shard, sample_shard
-from peerd.jobs.rl.trainer import WEIGHTS_STAGE
+from peerd.jobs.rl.trainer import INLINE_WEIGHTS, WEIGHTS_STAGE
 from peerd.jobs.rl.weights import read_weights
 from peerd.log import get_logger
 from peerd.models.gpt import GPT
@@ -153,7 +153,10 @@ class RolloutPeer:
         await self._take_weights(blob, version)
 
     async def _take_weights(self, blob: bytes | bytearray, version: int) -> None:
-        model = await asyncio.to_thread(self._load, blob, version)
+        if len(blob) <= 4 * INLINE_WEIGHTS:  # a small policy loads faster than a thread hand-off
+            model = self._load(blob, version)
+        else:
+            model = await asyncio.to_thread(self._load, blob, version)
         self.model, self.held = model, version
         self.stats.weight_fetches += 1
         self.stats.weight_bytes += len(blob)
