@@ -43,7 +43,6 @@ from peerd.jobs.records import (
     encode_progress,
     new_job_record,
 )
-from peerd.jobs.rl.weights import pack_weights, read_weights
 from peerd.jobs.spec import load_job_spec, parse_job_spec
 from peerd.loading import to_mapping
 from peerd.pipeline import statesync
@@ -65,6 +64,7 @@ from peerd.pipeline.frames import (
     part_header,
     raw_payload,
 )
+from peerd.rl.weights import pack_weights, read_weights
 from peerd.sched.allocation import Allocation
 from peerd.sched.consensus import messages as consensus
 from peerd.sched.scenario import load_scenario

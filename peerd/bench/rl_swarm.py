@@ -76,7 +76,6 @@ from peerd.errors import ErrorCode, PeerdError
 from peerd.jobs.rl.learner import Learner
 from peerd.jobs.rl.report import score
 from peerd.jobs.rl.shards import RLPlan, sample_shard, shard_ranges
-from peerd.jobs.rl.weights import pack_weights
 from peerd.jobs.service import roster_profile
 from peerd.jobs.spec import parse_job_spec
 from peerd.localswarm import LocalSwarm, converged
@@ -84,6 +83,7 @@ from peerd.models import load_checkpoint
 from peerd.models.gpt import GPT
 from peerd.rl.tasks import TASKS, TaskConfig, make_task
 from peerd.rl.trainer import evaluate
+from peerd.rl.weights import pack_weights
 from peerd.swarm.links import ProbeConfig
 from peerd.swarm.profiling import profile_device
 

@@ -214,14 +214,15 @@ SWARM_TASKS = {"generate": "generate", "reference": "reference", "actor_train": 
 
 
 def swarm_tasks(phases_s: dict[str, float] | None) -> dict[str, float]:
-    """The swarm's median seconds per task, from the trainer's published phases, and ``sync``: what the
-    trainer waited for its shards beyond the slowest shard's sampling (weights to the rollout peers
-    and their load, the shards back, every message's turn through the daemons)."""
+    """The swarm's median seconds per task, from the trainer's published phases, and ``sync``: the
+    trainer's packing of its weights (``publish``) and what it waited for its shards beyond the
+    slowest shard's sampling (weights to the rollout peers and their load, the shards back, every
+    message's turn through the daemons)."""
     if not phases_s:
         return {}
     out = {task: phases_s[phase] for task, phase in SWARM_TASKS.items() if phase in phases_s}
     if "wait" in phases_s and "generate" in phases_s:
-        out["sync"] = max(phases_s["wait"] - phases_s["generate"], 0.0)
+        out["sync"] = max(phases_s["wait"] - phases_s["generate"], 0.0) + phases_s.get("publish", 0.0)
     if "average" in phases_s:  # data-parallel trainers: their gradient averages, inside actor_train
         out["average"] = phases_s["average"]
     return out
@@ -265,8 +266,8 @@ def prediction_report(
         "per_task_swarm_source": (
             "the trainer's phase medians over the iterations after the first (protocols/jobs.md "
             "phases_s): generate = the slowest shard's sampling as its rollout peer timed it; sync = "
-            "the trainer's wait for the shards beyond that, against the predicted weight sync + "
-            "rollout transfers; average (data-parallel trainers) = the time in the gradient "
+            "the trainer's publish and its wait for the shards beyond that, against the predicted "
+            "weight sync (packing, transfer, loading) + rollout transfers; average (data-parallel trainers) = the time in the gradient "
             "averages, part of actor_train, against the predicted all-reduces"
         ),
         "swarm_phases_s": swarm_phases_s,

@@ -27,8 +27,10 @@ so the consensus compares role assignments with the same arithmetic as ``peerd p
   gradients (fp32, or ``compression.gradient_bits`` per element plus the codec's scales:
   ``peerd.jobs.rl.means``) with a ring all-reduce, ``2(R-1)/R`` of the gradient bytes over the slowest link
   between trainers plus ``2(R-1)`` of the largest delay, once per optimizer update;
-- the weights reach the rollout peers as the runtime sends them: each trainer to its own rollout
-  peers (``weight_sync: star``, the R stars in parallel); a colocated trainer needs no sync;
+- the weights reach the rollout peers as the runtime sends them: each trainer packs them
+  (``peerd.rl.weights``) and sends them to its own rollout peers (``weight_sync: star``, the R
+  stars in parallel), each of which checks and loads them (the ops and bytes of both counted on
+  the runtime's functions, ``peerd.rl.launches.count_sync``); a colocated trainer needs no sync;
 - peers whose CPU devices share one machine's cores (the entries' ``host``) slow each other while
   more of their threads compute at once than the machine has cores (``peerd.sched.hosts``), and
   the loopback links between them (the trainers' all-reduce on one machine) slow as much: in

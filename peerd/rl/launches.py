@@ -19,6 +19,10 @@ functions on zero-weight copies of the GPT at its width and vocabulary with one 
 (bytes grow by the same amount with each block) on one and two groups of the task's longest
 prompt: per sequence of a generation (every decode step), of the reference pass and of an update,
 and per optimizer step what an update moves whatever its rows (clipping, the step, zeroing).
+
+A weight sync's host work is counted the same way (``count_sync``): the trainer's packing of its
+new weights (``peerd.rl.weights``), once per iteration, and a rollout peer's checks and copies
+when it loads them, with their bytes scaled to the real state dict.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ from peerd.rl.loss import GRPOLossConfig
 from peerd.rl.rollout import RolloutGroup, SamplingConfig, pack, rollout, token_logprobs
 from peerd.rl.tasks import Task
 from peerd.rl.update import frozen_copy, grpo_updates
+from peerd.rl.weights import pack_weights, policy_weights, read_weights
 from peerd.sched.elements import PerFamily
 from peerd.sched.rl.workload import Launches
 
@@ -110,6 +115,7 @@ def count_launches(cfg: GPTConfig, shape: IterationShape, make_optimizer: Optimi
     once = count_ops(lambda: updates(1))
     per_update = (count_ops(lambda: updates(2)) - once) / len(parts)
     traffic = count_traffic(cfg, shape, make_optimizer)
+    sync = count_sync(cfg)
     return Launches(
         generate=max(fixed, 0.0),
         generate_per_sequence=per_sequence,
@@ -124,7 +130,38 @@ def count_launches(cfg: GPTConfig, shape: IterationShape, make_optimizer: Optimi
         generate_elements=traffic.generate_elements,
         inference_elements=traffic.inference_elements,
         train_elements=traffic.train_elements,
+        publish=sync.publish,
+        publish_bytes=sync.publish_bytes,
+        load=sync.load,
+        load_bytes=sync.load_bytes,
     )
+
+
+@dataclasses.dataclass(frozen=True)
+class SyncWork:
+    """The ops and bytes of a weight sync's host work, counted on the runtime's own functions."""
+
+    publish: float
+    """Ops of the trainer's packing of the new weights (``policy_weights`` then ``pack_weights``)."""
+    publish_bytes: float
+    load: float
+    """Ops of a rollout peer's checking and loading of them (``read_weights``)."""
+    load_bytes: float
+
+
+def count_sync(cfg: GPTConfig) -> SyncWork:
+    """``SyncWork`` of the GPT ``cfg``: ops counted on a narrow copy (one op or a few per tensor,
+    whatever the width), bytes scaled from it to the real state dict's values (they move each value
+    a fixed number of times)."""
+    model = _zero_policy(narrow(cfg))
+    with OpCounter() as packed:
+        blob = pack_weights(0, policy_weights(model))
+    with OpCounter() as loaded:
+        read_weights(blob, model.state_dict(), 0)
+    with torch.device("meta"):  # sizes without allocating them
+        values = sum(t.numel() for t in GPT(cfg).state_dict().values())
+    scale = values / sum(t.numel() for t in model.state_dict().values())
+    return SyncWork(float(packed.ops), packed.bytes * scale, float(loaded.ops), loaded.bytes * scale)
 
 
 @dataclasses.dataclass(frozen=True)

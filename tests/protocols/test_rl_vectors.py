@@ -32,7 +32,7 @@ from peerd.jobs.rl.messages import (
     header,
     parse,
 )
-from peerd.jobs.rl.weights import pack_weights, read_weights
+from peerd.rl.weights import pack_weights, read_weights
 from peerd.swarm.framing import FrameLimits, encode_frame, encode_prefix, error_header, read_frame
 
 _spec = importlib.util.spec_from_file_location(

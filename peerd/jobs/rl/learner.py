@@ -28,6 +28,7 @@ from peerd.pipeline.optim import build_optimizer, build_scheduler
 from peerd.rl.rollout import RolloutGroup, pack, token_logprobs
 from peerd.rl.update import Average, frozen_copy, grpo_updates
 from peerd.rl.warmup import WarmupResult, supervised_warmup
+from peerd.rl.weights import policy_weights
 
 
 @dataclass(frozen=True)
@@ -86,7 +87,7 @@ class Learner:
 
     def weights(self) -> dict[str, torch.Tensor]:
         """A host copy of the policy's weights (what rollout peers load and checkpoints hold)."""
-        return {k: v.detach().to("cpu", copy=True) for k, v in self.policy.state_dict().items()}
+        return policy_weights(self.policy)
 
     def train(
         self,

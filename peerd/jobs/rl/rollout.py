@@ -37,11 +37,11 @@ from peerd.jobs.rl.messages import (
 )
 from peerd.jobs.rl.shards import RLPlan, Shard, sample_shard
 from peerd.jobs.rl.trainer import INLINE_WEIGHTS, WEIGHTS_STAGE
-from peerd.jobs.rl.weights import read_weights
 from peerd.log import get_logger
 from peerd.models.gpt import GPT
 from peerd.pipeline.statesync import StateSyncConfig, fetch_state
 from peerd.rl.rollout import RolloutGroup
+from peerd.rl.weights import read_weights
 from peerd.swarm.framing import FrameLimits
 from peerd.swarm.transport import Connection, Transport
 

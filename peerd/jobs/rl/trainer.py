@@ -58,12 +58,12 @@ from peerd.jobs.rl.messages import (
 )
 from peerd.jobs.rl.report import IterationReport, score, summarize
 from peerd.jobs.rl.shards import RLPlan, assign_shards, sample_shard
-from peerd.jobs.rl.weights import pack_weights
 from peerd.log import get_logger
 from peerd.pipeline import checkpoint
 from peerd.pipeline.statesync import StateServer, StateSyncConfig
 from peerd.rl.rollout import RolloutGroup
 from peerd.rl.update import Average
+from peerd.rl.weights import pack_weights
 from peerd.swarm.framing import FrameLimits, StreamClosed
 from peerd.swarm.transport import Connection, Transport
 

@@ -73,7 +73,9 @@ all-reduce of x bytes over n devices (reduce-scatter + all-gather).
   ``max(min_{i,j} α_ij + X/β_ij,  X/β_tree + α_max)``, β_tree = the tree's narrowest edge
   (``relay``); or (``star``, what peerd's rl runtime does) every generator g receives X from one
   trainer h, whose uplink sends the copies one after another:
-  ``min_h (max_g α_hg + Σ_g X/β_hg)``.
+  ``min_h (max_g α_hg + Σ_g X/β_hg)``. Either way the trainers first pack the new weights
+  (``publish`` ops and ``publish_bytes``, the slowest trainer's) and every generator then checks
+  and loads what it received (``load`` and ``load_bytes``, the slowest generator's).
 """
 
 from __future__ import annotations
@@ -285,16 +287,21 @@ def pipeline_slots(model: ModelSize, w: Workload, pipes: Pipelines, tp: int, tra
     return slot
 
 
+def host_work(ops: float, nbytes: float, launch: float, mem_bw: float) -> float:
+    """Seconds of ``ops`` dispatched ops moving ``nbytes`` on a device (``mem_bw``: achieved bytes/s;
+    none measured: the bytes cannot move)."""
+    if not nbytes:
+        return ops * launch
+    return ops * launch + (nbytes / mem_bw if mem_bw > 0 else INF)
+
+
 def task_launches(w: Workload, train: bool, pp: int, launch: float, mem_bw: float) -> tuple[float, float]:
     """(seconds per iteration, seconds per optimizer step) of a task's ops outside its micro-batches
     (``mem_bw``: the slowest device's memory bytes/s, for the optimizer step's traffic)."""
     n = w.launches
     if train:
-        traffic = 0.0
-        if n.optimizer_step_bytes:
-            bw = mem_bw * w.constants.memory_efficiency
-            traffic = n.optimizer_step_bytes / bw if bw > 0 else INF
-        return n.train * launch, (n.optimizer_step * launch + traffic) / pp
+        bw = mem_bw * w.constants.memory_efficiency
+        return n.train * launch, host_work(n.optimizer_step, n.optimizer_step_bytes, launch, bw) / pp
     return n.inference * launch, 0.0
 
 

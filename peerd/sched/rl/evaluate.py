@@ -108,13 +108,28 @@ class Evaluator:
         g_train = next(i for i, g in enumerate(groups) if "actor_train" in g)
         if g_gen == g_train:
             return 0.0
+        load = self.host_time(counts[g_train], "publish") + self.host_time(counts[g_gen], "load")
         if self.workload.weight_sync == "star":
             senders = np.flatnonzero(np.asarray(counts[g_train]) > 0)
-            return cost.sync_star(
+            return load + cost.sync_star(
                 self.class_delay[senders], self.class_bw[senders], np.asarray(counts[g_gen]), self.sync_bytes
             )
         cross = self.transfer(counts[g_train], counts[g_gen], self.sync_bytes)
-        return max(cross, self.sync_internal(counts[g_gen]))
+        return load + max(cross, self.sync_internal(counts[g_gen]))
+
+    def host_time(self, counts: Counts, work: str) -> float:
+        """Seconds the slowest device of a group with class counts ``counts`` takes for a weight
+        sync's host ``work``: ``publish`` (a trainer packs the new weights) or ``load`` (a generator
+        checks and loads them): ``Launches.<work>`` ops and ``<work>_bytes``."""
+        n = self.workload.launches
+        ops, nbytes = getattr(n, work), getattr(n, f"{work}_bytes")
+        if not (ops or nbytes):
+            return 0.0
+        cl, eff = self.cluster, self.workload.constants.memory_efficiency
+        return max(
+            cost.host_work(ops, nbytes, float(cl.launch[d]), float(cl.mem_bw[d]) * eff)
+            for d in cl.devices_of(counts)
+        )
 
     # --- the whole plan ------------------------------------------------------------------------
     def score(self, groups: Grouping, counts: Sequence[Counts]) -> Score:

@@ -175,10 +175,15 @@ def _solve_grouping(
             coef[base + p] = float(ev.class_delay[ka, kb] + nbytes / ev.class_bw[ka, kb])
         rows.append((coef, -np.inf, 0.0))
     if synced:
-        rows.append(({i_s: -1.0, off_r + len(transfers) - 1: 1.0}, -np.inf, 0.0))
-        coef = {i_s: -1.0}
+        # sync >= host + cross and >= host + internal, host = the trainers' packing + the generators'
+        # loading: one column of each group is chosen, so both are linear in the columns
+        host = {off_x[g_train] + j: ev.host_time(vec, "publish") for j, vec in enumerate(cols[g_train])}
         for j, vec in enumerate(cols[g_gen]):
-            coef[off_x[g_gen] + j] = ev.sync_internal(vec)
+            host[off_x[g_gen] + j] = ev.host_time(vec, "load")
+        rows.append(({i_s: -1.0, off_r + len(transfers) - 1: 1.0, **host}, -np.inf, 0.0))
+        coef = {i_s: -1.0, **host}
+        for j, vec in enumerate(cols[g_gen]):
+            coef[off_x[g_gen] + j] += ev.sync_internal(vec)
         rows.append((coef, -np.inf, 0.0))
     where = {t: g for g, grp in enumerate(grouping) for t in grp}
     edge_index = {e: i for i, e in enumerate(edges)}

@@ -238,7 +238,11 @@ def _pipeline_task(
     split = cost.balanced_split(w.sequences, lay.dp, replica_time, balanced)
     pipe = max(replica_time(r, s) for r, s in enumerate(split))
     setup, step_ops = cost.task_launches(
-        w, train, lay.pp, float(cluster.launch[grid].max()), float(cluster.mem_bw[grid].min())
+        w,
+        train,
+        lay.pp,
+        float(cluster.launch[grid].max()),
+        float(cluster.mem_bw[grid].min()),
     )
     if train:
         grads = model.params / (lay.pp * lay.tp) * w.constants.allreduce_grad_bytes()
@@ -292,7 +296,11 @@ def _fsdp_task(
     steps = w.optimizer_steps if train else 1
     micro = math.ceil(w.sequences / (lay.dp * w.micro_batch * steps) - 1e-9)
     setup, step_ops = cost.task_launches(
-        w, train, 1, float(cluster.launch[devs].max()), float(cluster.mem_bw[devs].min())
+        w,
+        train,
+        1,
+        float(cluster.launch[devs].max()),
+        float(cluster.mem_bw[devs].min()),
     )
     seconds = steps * (micro * slot + step_ops) + setup
     if task == "actor_train" and with_generation:  # reshard into the rollout engine's layout

@@ -157,6 +157,14 @@ class Launches:
     """Those units per sequence of an inference task's forward."""
     train_elements: PerFamily = field(default_factory=PerFamily)
     """Those units per sequence of a training micro-batch's forward and backward."""
+    publish: Annotated[float, Range(ge=0)] = 0.0
+    """Per iteration of the actor's training: packing the new weights for the generators."""
+    publish_bytes: Annotated[float, Range(ge=0)] = 0.0
+    """Bytes those ops read and write."""
+    load: Annotated[float, Range(ge=0)] = 0.0
+    """Per weight sync, on every generator: checking the weights it received and loading them."""
+    load_bytes: Annotated[float, Range(ge=0)] = 0.0
+    """Bytes those ops read and write."""
 
     def without_traffic(self) -> Launches:
         """The op counts alone (the bytes they move and the element work at zero)."""
@@ -166,6 +174,8 @@ class Launches:
             inference_bytes_per_sequence=0.0,
             train_bytes_per_sequence=0.0,
             optimizer_step_bytes=0.0,
+            publish_bytes=0.0,
+            load_bytes=0.0,
         )
 
     def without_elements(self) -> Launches:

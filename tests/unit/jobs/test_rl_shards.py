@@ -83,7 +83,7 @@ def test_problems_and_generators_depend_on_seed_iteration_and_index_only():
 @pytest.mark.parametrize("overrides", [{}, {"tie_weights": True}])
 def test_the_weights_bound_holds_the_packed_weights(overrides: dict):
     from peerd.jobs.rl.learner import Learner
-    from peerd.jobs.rl.weights import pack_weights
+    from peerd.rl.weights import pack_weights
 
     p = plan(model={"preset": "tiny", "seed": 5, "overrides": overrides})
     blob = pack_weights(0, Learner(p).weights())

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from peerd.errors import ErrorCode, ProtocolError
-from peerd.jobs.rl.weights import pack_weights, read_weights
 from peerd.jobs.spec import parse_job_spec
+from peerd.rl.weights import pack_weights, read_weights
 
 
 def gpt(overrides: dict, seed: int):

@@ -15,6 +15,7 @@ from peerd.jobs.rl.shards import RLPlan, sample_shard, shard_ranges
 from peerd.jobs.scoring_rl import rl_workload
 from peerd.jobs.spec import parse_job_spec
 from peerd.models.launches import OpCounter
+from peerd.rl.weights import pack_weights, read_weights
 from peerd.sched.elements import PerFamily
 
 
@@ -45,6 +46,21 @@ def test_counted_launches_match_the_rollout_peers_and_the_trainers_ops(task: str
     predicted = ops.inference + ops.train + ops.train_per_micro_batch * figures.updates
     # rows shorter than the longest take one slicing op more to pack than the counts' full-length rows
     assert predicted == pytest.approx(counted.ops, rel=0.05)
+
+
+@pytest.mark.parametrize("d_model", [16, 64])
+def test_counted_sync_work_matches_the_trainers_publish_and_a_rollout_peers_load(d_model: int):
+    spec = parse_job_spec(job_spec(Settings(d_model=d_model), staleness=0, iterations=3, name="s"))
+    ops = rl_workload(spec).launches
+    learner = Learner(RLPlan("s", spec))
+    with OpCounter() as published:  # what the trainer's _publish runs
+        blob = pack_weights(1, learner.weights())
+    model = spec.model.family().build()
+    with OpCounter() as loaded:  # what a rollout peer's _load dispatches
+        read_weights(blob, model.state_dict(), 1)
+    assert (ops.publish, ops.load) == (published.ops, loaded.ops)  # per tensor: whatever the width
+    assert ops.publish_bytes == pytest.approx(published.bytes, rel=0.01)
+    assert ops.load_bytes == pytest.approx(loaded.bytes, rel=0.01)
 
 
 def test_counted_bytes_match_what_the_runtimes_ops_move_beyond_the_weights():

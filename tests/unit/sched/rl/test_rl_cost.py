@@ -399,7 +399,11 @@ def test_element_work_costs_every_sequence_of_a_wave_and_of_a_micro_batch():
         assert paid == pytest.approx(2 * per_sequence / 2)
 
 
-def _cluster(links: list[tuple[int, int, float]], tflops: float = 100.0) -> Cluster:
+def _cluster(
+    links: list[tuple[int, int, float]],
+    tflops: float = 100.0,
+    launch_us: tuple[float | None, ...] = (None,) * 3,
+) -> Cluster:
     """Three devices in three regions with the given symmetric bandwidths (Mbit/s), 5 ms apart."""
     names = ["r0", "r1", "r2"]
     bw = [[1e6] * 3 for _ in range(3)]
@@ -407,7 +411,14 @@ def _cluster(links: list[tuple[int, int, float]], tflops: float = 100.0) -> Clus
         bw[a][b] = bw[b][a] = v
     delay = [[0.0 if i == j else 5.0 for j in range(3)] for i in range(3)]
     devs = [
-        Device(id=f"d{i}", region=names[i], tflops=tflops, memory_gb=1000, memory_bandwidth_gb_s=100)
+        Device(
+            id=f"d{i}",
+            region=names[i],
+            tflops=tflops,
+            memory_gb=1000,
+            memory_bandwidth_gb_s=100,
+            launch_us=launch_us[i],
+        )
         for i in range(3)
     ]
     sc = Scenario(devices=devs, regions=Regions(names=names, delay_ms=delay, bandwidth_mbps=bw))  # type: ignore[arg-type]
@@ -435,6 +446,20 @@ def test_star_sync_sends_one_copy_per_generator_from_the_best_sender():
     # sender 0: 0.02 + 2 x 1e6/1e6 + 1e6/2e6 = 2.52 s; sender 1: 0.001 + 3 x 10 s
     assert cost.sync_star(delay, bw, counts, 1e6) == pytest.approx(2.52)
     assert cost.sync_star(delay, bw, np.array([0, 0]), 1e6) == 0.0
+
+
+def test_the_sync_adds_the_trainers_packing_and_the_slowest_generators_load():
+    cl = _cluster([(0, 1, 8.0), (0, 2, 8.0)], tflops=1.0, launch_us=(1.0, 2.0, 4.0))
+    host = Launches(publish=50, publish_bytes=2e6, load=100, load_bytes=1e6)
+    plain, w = toy_workload(weight_sync="star"), toy_workload(weight_sync="star", launches=host)
+    grouping = (("generate",), ("reference", "actor_train"))
+    counts = [cl.counts_of([1, 2]), cl.counts_of([0])]
+    extra = Evaluator(cl, w).sync_time(grouping, counts) - Evaluator(cl, plain).sync_time(grouping, counts)
+    # d0 packs (50 ops at 1 µs, 2e6 bytes), then d2 loads slowest (100 ops at 4 µs, 1e6 bytes);
+    # the bytes at 100 GB/s x 0.5 (HALF)
+    assert extra == pytest.approx(50e-6 + 2e6 / 5e10 + 100 * 4e-6 + 1e6 / 5e10)
+    # generation beside training: no sync, nothing packed or loaded
+    assert Evaluator(cl, w).sync_time((("generate", "reference", "actor_train"),), [cl.counts_of([0])]) == 0.0
 
 
 def test_a_star_workload_syncs_as_a_star_and_the_exact_mode_refuses_it():

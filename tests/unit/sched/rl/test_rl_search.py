@@ -16,7 +16,7 @@ from peerd.sched.rl.exact import ExactConfig, solve
 from peerd.sched.rl.hybrid import HybridConfig, search
 from peerd.sched.rl.planner import plan_rl, with_overrides
 from peerd.sched.rl.workflow import Workflow, timing_paths
-from peerd.sched.rl.workload import ModelSize, Workload
+from peerd.sched.rl.workload import Launches, ModelSize, Workload
 from peerd.sched.scenario import Device, Regions, Scenario
 
 SMALL = ModelSize(params=1.5e9, layers=28, hidden=1536, heads=12, kv_heads=2, head_dim=128)
@@ -73,8 +73,8 @@ def test_groupings_and_paths():
 
 @pytest.mark.parametrize(
     "kw",
-    [{}, {"staleness": 1}, {"algo": "ppo"}],
-    ids=["grpo-sync", "grpo-async1", "ppo-sync"],
+    [{}, {"staleness": 1}, {"algo": "ppo"}, {"launches": Launches(load_bytes=2e10, publish_bytes=1e10)}],
+    ids=["grpo-sync", "grpo-async1", "ppo-sync", "grpo-sync-weights-host-work"],
 )
 def test_exact_equals_brute_force(kw):
     w = workload(**kw)

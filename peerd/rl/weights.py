@@ -56,6 +56,12 @@ def _data_offset(index_len: int) -> int:
     return -(-(_PREFIX.size + index_len) // 8) * 8
 
 
+def policy_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """A host copy of ``model``'s state dict: what a trainer packs for its rollout peers and
+    checkpoints hold."""
+    return {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
+
+
 def pack_weights(version: int, weights: dict[str, torch.Tensor]) -> bytes:
     """``weights`` (a state dict of float32 tensors) as the blob of policy ``version``."""
     for name, t in weights.items():
@@ -137,4 +143,4 @@ def read_weights(blob: bytes | bytearray | memoryview, into: dict[str, torch.Ten
             at += n
 
 
-__all__ = ["FORMAT", "MAGIC", "WeightsIndex", "pack_weights", "read_weights"]
+__all__ = ["FORMAT", "MAGIC", "WeightsIndex", "pack_weights", "policy_weights", "read_weights"]
