@@ -155,6 +155,12 @@ class Reducer(Protocol):
     ) -> list[torch.Tensor]: ...
 
 
+def _waited(reducer: Reducer) -> float:
+    """Seconds ``reducer``'s steps so far waited for the slowest replica (``AveragingStats.waited_s``;
+    0 for a reducer that does not count them)."""
+    return float(getattr(getattr(reducer, "stats", None), "waited_s", 0.0))
+
+
 @dataclass(frozen=True)
 class Snapshot:
     """The trainable state as it was at the start of step ``step`` (host memory), before its update."""
@@ -165,7 +171,7 @@ class Snapshot:
     scheduler: dict[str, Any]
 
 
-PHASES = ("compute", "wait", "send", "averaging", "norm", "update")
+PHASES = ("compute", "wait", "send", "averaging_wait", "averaging", "norm", "update")
 _PHASE_OF = {
     Op.FORWARD: "compute",
     Op.BACKWARD: "compute",
@@ -197,9 +203,11 @@ class StepReport:
     phases_s: dict[str, float] = field(default_factory=dict)
     """Where ``step_s`` went (``PHASES``): forward and backward passes with their encoding (``compute``),
     waiting for and decoding neighbours' messages (``wait``), handing messages to the streams until
-    the neighbours acknowledged them (``send``), gradient averaging among the replicas
-    (``averaging``), the replica-wide gradient norm's trip along the pipeline that clipping needs
-    (``norm``: it waits for every stage's averaging), and the optimizer step (``update``)."""
+    the neighbours acknowledged them (``send``), gradient averaging among the replicas: the wait
+    for the slowest replica to reach the step (``averaging_wait``, as the group counts it) and the
+    rest of the all-reduce (``averaging``), the replica-wide gradient norm's trip along the pipeline
+    that clipping needs (``norm``: it waits for every stage's averaging), and the optimizer step
+    (``update``)."""
     rejected: dict[str, int] = field(default_factory=dict)  # cumulative, per error code
     resends: int = 0
     reconnects: int = 0
@@ -710,12 +718,17 @@ class StageWorker:
         mark = time.perf_counter()
         grads, finite = await self._compute(self._local_grads)
         overflowed = not finite
+        waited = 0.0
         if self.reducer is not None:  # the averaging group works on host tensors
+            before = _waited(self.reducer)
             # fp16: an overflow anywhere among the replicas is every replica's (the group carries the flag)
             grads = await self.reducer.allreduce(step, grads, overflowed)
             overflowed = self.reducer.any_overflowed
+            waited = _waited(self.reducer) - before
         now = time.perf_counter()
-        phases["averaging"] += now - mark
+        waited = min(max(waited, 0.0), now - mark)
+        phases["averaging_wait"] += waited
+        phases["averaging"] += now - mark - waited
         mark = now
         scale = 1.0
         if self.exchanges_norms:

@@ -147,6 +147,7 @@ def test_four_peers_reproduce_the_single_process_run(cluster: Cluster):
         assert set(r.phases_s) == set(PHASES) and min(r.phases_s.values()) >= 0
         assert sum(r.phases_s.values()) == pytest.approx(r.step_s, rel=0.01, abs=1e-3)
         assert r.phases_s["compute"] > 0 and r.phases_s["averaging"] > 0  # 2 replicas average
+        assert r.phases_s["averaging_wait"] >= 0
     assert any(r.phases_s["wait"] > 0 for r in result.reports if r.stage == 1)  # stage 1 waits for inputs
 
 

@@ -384,6 +384,36 @@ def test_a_negative_norm_from_a_neighbour_is_only_the_fp16_overflow_verdict():
             asyncio.run(worker.close())
 
 
+def test_the_groups_wait_for_the_slowest_replica_is_its_own_phase():
+    class Stats:
+        waited_s = 0.0
+
+    class Group:
+        stats = Stats()
+        any_overflowed = False
+
+        def follow_deadline(self, seconds):
+            pass
+
+        async def allreduce(self, step, tensors, overflowed=False):
+            await asyncio.sleep(0.05)
+            self.stats.waited_s += 0.03  # as GroupAllReduce counts the wait for the others' parts
+            return list(tensors)
+
+    worker = StageWorker(
+        CFG, stage=0, replica=0, replicas=2, transport=None,  # type: ignore[arg-type]
+        upstream=None, downstream=None, reducer=Group(),  # type: ignore[arg-type]
+    )  # fmt: skip
+    try:
+        run(worker, until=3, close=False)
+        for r in worker.reports:
+            assert r.phases_s["averaging_wait"] == pytest.approx(0.03)
+            assert r.phases_s["averaging"] >= 0.015  # the rest of the 50 ms call
+            assert sum(r.phases_s.values()) == pytest.approx(r.step_s, rel=0.01, abs=1e-3)
+    finally:
+        asyncio.run(worker.close())
+
+
 def test_the_averaging_group_waits_as_long_as_the_worker_deadline_allows():
     class Group:
         def follow_deadline(self, seconds):
