@@ -108,14 +108,14 @@ class Evaluator:
         g_train = next(i for i, g in enumerate(groups) if "actor_train" in g)
         if g_gen == g_train:
             return 0.0
-        load = self.host_time(counts[g_train], "publish") + self.host_time(counts[g_gen], "load")
+        host = self.host_time(counts[g_train], "publish") + self.host_time(counts[g_gen], "load")
         if self.workload.weight_sync == "star":
             senders = np.flatnonzero(np.asarray(counts[g_train]) > 0)
-            return load + cost.sync_star(
+            return host + cost.sync_star(
                 self.class_delay[senders], self.class_bw[senders], np.asarray(counts[g_gen]), self.sync_bytes
             )
         cross = self.transfer(counts[g_train], counts[g_gen], self.sync_bytes)
-        return load + max(cross, self.sync_internal(counts[g_gen]))
+        return host + max(cross, self.sync_internal(counts[g_gen]))
 
     def host_time(self, counts: Counts, work: str) -> float:
         """Seconds the slowest device of a group with class counts ``counts`` takes for a weight
