@@ -343,7 +343,33 @@ def rl_lines(rl: dict[str, Any] | None) -> list[str]:
         f"({rl.get('dropped_stale', 0)} stale, {rl.get('dropped_late', 0)} late), "
         f"{rl.get('shards_missing', 0)} shard(s) missing"
     )
+    phases = rl.get("phases_s") or {}
+    if phases:
+        lines.append("trainer's iteration, median ms: " + _rl_phases(phases))
     return lines
+
+
+RL_LOOP = ("wait", "score", "reference", "train", "publish", "checkpoint")
+
+
+def _rl_phases(phases: dict[str, float]) -> str:
+    """The trainer's loop phases in order, with what lies inside them: the slowest shard's sampling
+    in ``wait``, the data-parallel averages (and their wait for the other trainers) in ``train``."""
+
+    def ms(key: str) -> str:
+        return f"{phases[key] * 1e3:,.1f}"
+
+    parts = []
+    for key in (k for k in RL_LOOP if k in phases):
+        inner = []
+        if key == "wait" and "generate" in phases:
+            inner.append(f"sampling {ms('generate')}")
+        if key == "train" and "average" in phases:
+            inner.append(f"averaging {ms('average')}")
+            if "average_wait" in phases:
+                inner.append(f"{ms('average_wait')} of it waiting for the other trainers")
+        parts.append(f"{key} {ms(key)}" + (f" ({', '.join(inner)})" if inner else ""))
+    return ", ".join(parts)
 
 
 def job_line(view: dict[str, Any]) -> str:

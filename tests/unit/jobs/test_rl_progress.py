@@ -190,6 +190,28 @@ def test_phase_medians_leave_the_first_iteration_out_and_reach_the_job_view() ->
     assert view["phases_s"] == pytest.approx({"wait": 0.03, "train": 0.012, "generate": 0.005})
 
 
+def test_the_panel_shows_the_trainers_phases_with_what_lies_inside_them() -> None:
+    from peerd.cli.render import rl_lines
+
+    phases = {
+        "wait": 0.0066,
+        "generate": 0.0036,
+        "score": 0.0004,
+        "reference": 0.0023,
+        "train": 0.035,
+        "average": 0.026,
+        "average_wait": 0.0124,
+        "publish": 0.0004,
+        "checkpoint": 0.0,
+    }
+    assert rl_lines({"phases_s": phases})[-1] == (
+        "trainer's iteration, median ms: wait 6.6 (sampling 3.6), score 0.4, reference 2.3, "
+        "train 35.0 (averaging 26.0, 12.4 of it waiting for the other trainers), publish 0.4, checkpoint 0.0"
+    )
+    assert rl_lines({"phases_s": {"wait": 0.01, "train": 0.02}})[-1].endswith("wait 10.0, train 20.0")
+    assert not any("iteration" in line for line in rl_lines({"version": 1}))  # none published yet
+
+
 @given(st.lists(st.floats(min_value=-1e6, max_value=1e6, allow_nan=False), min_size=1, max_size=60))
 def test_the_running_median_is_the_median_of_every_prefix(values: list[float]) -> None:
     m = RunningMedian()
