@@ -681,8 +681,14 @@ def rl_swarm(s: Settings, png: str | None = None) -> dict[str, Any]:
     if placements:
         out["compare_colocated"] = colocated_report(arms_of(placements))
     if compressed:
-        quantized = parse_job_spec(placement_spec(s, gradient_arm_names(s)[1]))
-        out["compare_gradient_bits"] = gradient_report(arms_of(compressed), quantized, s.link_mbps)
+        fp32_name, quantized_name = gradient_arm_names(s)
+        quantized = parse_job_spec(placement_spec(s, quantized_name))
+        # the compressed job priced on the fp32 arm's roster and roles: the model's ratio from the
+        # compression alone (each arm's own prediction also holds its own probes of the links)
+        base = compressed[fp32_name]
+        roster = committed_roster(base.status, base.view["allocation"], measured)
+        same = predict(quantized, roster, base.view["allocation"])["seconds"]
+        out["compare_gradient_bits"] = gradient_report(arms_of(compressed), quantized, s.link_mbps, same)
     if png:
         out["png"] = write_plot(out, Path(png))
     return out

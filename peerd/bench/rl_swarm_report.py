@@ -359,19 +359,27 @@ def colocated_report(arms: dict[str, dict[str, Any]]) -> dict[str, Any]:
 
 
 def gradient_report(
-    arms: dict[str, dict[str, Any]], spec: JobSpec, link_mbps: float | None
+    arms: dict[str, dict[str, Any]],
+    spec: JobSpec,
+    link_mbps: float | None,
+    compressed_on_fp32_roster_s: float | None = None,
 ) -> dict[str, Any]:
     """The ``dp-fp32`` and ``dp-q<bits>`` arms (``placement_arms``, fp32 first) of ``spec``'s job, the
     ratio fp32 / compressed of the iteration (> 1: compression pays) and of the averaging bytes, and
-    the regime: how long the fp32 gradients of one iteration take on the shaped link."""
+    the regime: how long the fp32 gradients of one iteration take on the shaped link.
+
+    ``compressed_on_fp32_roster_s``: the compressed job priced on the fp32 arm's roster and roles;
+    the predicted ratio then isolates the compression (each arm's own prediction also carries its
+    own probes of the links, which on loopback move it by more than the bytes saved)."""
     out: dict[str, Any] = dict(arms)
     fp32, quant = arms.values()
     out["measured_ratio_fp32_over_compressed"] = _ratio(
         fp32["measured_iteration_s"], quant["measured_iteration_s"]
     )
     out["predicted_ratio_fp32_over_compressed"] = _ratio(
-        fp32["predicted_iteration_s"], quant["predicted_iteration_s"]
+        fp32["predicted_iteration_s"], compressed_on_fp32_roster_s
     )
+    out["predicted_ratio_own_rosters"] = _ratio(fp32["predicted_iteration_s"], quant["predicted_iteration_s"])
     out["bytes_ratio_fp32_over_compressed"] = _ratio(fp32["averaging_bytes"], quant["averaging_bytes"])
     w = rl_workload(spec)
     grads = w.actor.params * w.constants.grad_bytes * w.optimizer_steps  # one trainer sends, per iteration

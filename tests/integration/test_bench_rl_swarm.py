@@ -74,5 +74,7 @@ def test_a_tiny_rl_swarm_run_reports_curve_heldout_and_prediction(tmp_path: Path
         assert compressed[arm]["measured_iteration_s"] > 0 and compressed[arm]["predicted_iteration_s"] > 0
     # 6 updates' gradients at ~0.26 of fp32, beside the start weights both arms average exact
     assert compressed["bytes_ratio_fp32_over_compressed"] > 1.5
-    assert compressed["predicted_ratio_fp32_over_compressed"] >= 1.0
+    # on one roster and the same roles, fewer bytes to average can only be faster
+    assert compressed["predicted_ratio_fp32_over_compressed"] > 1.0
+    assert compressed["predicted_ratio_own_rosters"] > 0
     assert compressed["regime"]["fp32_gradient_bytes_per_iteration"] > 0

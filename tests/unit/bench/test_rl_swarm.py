@@ -10,6 +10,7 @@ from peerd.bench.rl_swarm_report import (
     committed_roster,
     comparison,
     curve_points,
+    gradient_report,
     heldout_summary,
     predict,
     prediction_report,
@@ -199,3 +200,18 @@ def test_the_swarms_phases_become_tasks_and_the_sync_residue() -> None:
         looped["relative_error"] == pytest.approx(0.02 / 0.043 - 1)
         and "phase medians" in looped["measured_source"]
     )
+
+
+def test_the_gradient_arms_predicted_ratio_is_the_compressions_on_one_roster() -> None:
+    spec = parse_job_spec(job_spec(Settings(peers=3), staleness=0, iterations=5, name="g"))
+
+    def arm(measured: float, predicted: float, sent: int) -> dict[str, float | int]:
+        return {"measured_iteration_s": measured, "predicted_iteration_s": predicted, "averaging_bytes": sent}
+
+    arms = {"dp-fp32": arm(0.020, 0.0140, 4_000_000), "dp-q8": arm(0.025, 0.0141, 1_100_000)}
+    report = gradient_report(arms, spec, None, compressed_on_fp32_roster_s=0.0135)
+    assert report["predicted_ratio_fp32_over_compressed"] == pytest.approx(0.0140 / 0.0135)
+    assert report["predicted_ratio_own_rosters"] == pytest.approx(0.0140 / 0.0141)  # probes differ
+    assert report["measured_ratio_fp32_over_compressed"] == pytest.approx(0.8)
+    assert report["bytes_ratio_fp32_over_compressed"] == pytest.approx(4 / 1.1)
+    assert gradient_report(arms, spec, None)["predicted_ratio_fp32_over_compressed"] is None
