@@ -11,6 +11,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+from peerd.jobs.rl.report import PHASES
 from peerd.jobs.scoring_rl import RLRosterScorer, rl_workload
 from peerd.jobs.spec import JobSpec
 from peerd.sched.allocation import Allocation
@@ -228,17 +229,13 @@ def swarm_tasks(phases_s: dict[str, float] | None) -> dict[str, float]:
     return out
 
 
-# The phases of the trainer's loop, one after another (``generate`` lies inside ``wait``).
-LOOP_PHASES = ("wait", "score", "reference", "train", "publish", "checkpoint")
-
-
 def loop_seconds(phases_s: dict[str, float] | None) -> float | None:
     """The trainer's iteration from its published phase medians: the sum over its loop's phases
     (None when it published none). Every iteration after the first counts, where the polls see
     one iteration's rate every ~2 s (a handful in a short job)."""
-    if not phases_s or not all(k in phases_s for k in LOOP_PHASES):
+    if not phases_s or not all(k in phases_s for k in PHASES):
         return None
-    return sum(phases_s[k] for k in LOOP_PHASES)
+    return sum(phases_s[k] for k in PHASES)
 
 
 def prediction_report(
@@ -282,9 +279,7 @@ def prediction_report(
             "measured_s": measured,
             "relative_error": relative_error(predicted["seconds"], measured) if measured else None,
             "measured_source": (
-                "the trainer's phase medians on the swarm, summed over its loop ("
-                + ", ".join(LOOP_PHASES)
-                + ")"
+                "the trainer's phase medians on the swarm, summed over its loop (" + ", ".join(PHASES) + ")"
                 if looped is not None
                 else "the trainer's own iteration times on the swarm (completions / rollouts/s) the polls saw, median"
             ),

@@ -349,7 +349,8 @@ def rl_lines(rl: dict[str, Any] | None) -> list[str]:
     return lines
 
 
-RL_LOOP = ("wait", "score", "reference", "train", "publish", "checkpoint")
+# peerd.jobs.rl.report.PHASES, written out: importing it would load torch into `peerd status`
+RL_PHASES = ("wait", "score", "reference", "train", "publish", "checkpoint")
 
 
 def _rl_phases(phases: dict[str, float]) -> str:
@@ -360,7 +361,7 @@ def _rl_phases(phases: dict[str, float]) -> str:
         return f"{phases[key] * 1e3:,.1f}"
 
     parts = []
-    for key in (k for k in RL_LOOP if k in phases):
+    for key in (k for k in RL_PHASES if k in phases):
         inner = []
         if key == "wait" and "generate" in phases:
             inner.append(f"sampling {ms('generate')}")

@@ -10,7 +10,8 @@ from peerd.rl.tasks import Task
 
 PHASES = ("wait", "score", "reference", "train", "publish", "checkpoint")
 """The trainer's phases of an iteration, back to back; ``generate`` (the slowest shard's sampling, as
-its rollout peer reported it) overlaps ``wait``."""
+its rollout peer reported it) overlaps ``wait``, and with data-parallel trainers ``average`` (their
+gradient averages) and its part ``average_wait`` (the wait for the other trainers) lie in ``train``."""
 
 
 def score(task: Task, groups: list[RolloutGroup]) -> None:
@@ -58,7 +59,8 @@ class IterationReport:
     averaging_raw_bytes: int = 0
     """What those would have been as raw fp32 (more than ``averaging_bytes`` when gradients are compressed)."""
     seconds: dict[str, float] = field(default_factory=dict)
-    """Seconds per phase (``PHASES``, and ``generate`` when the shards said)."""
+    """Seconds per phase (``PHASES``, ``generate`` when the shards said, ``average`` and
+    ``average_wait`` with data-parallel trainers)."""
     rollouts_per_s: float = 0.0
     """Completions trained on per second of this iteration's wall-clock time."""
 

@@ -191,7 +191,10 @@ def test_phase_medians_leave_the_first_iteration_out_and_reach_the_job_view() ->
 
 
 def test_the_panel_shows_the_trainers_phases_with_what_lies_inside_them() -> None:
-    from peerd.cli.render import rl_lines
+    from peerd.cli.render import RL_PHASES, rl_lines
+    from peerd.jobs.rl.report import PHASES
+
+    assert RL_PHASES == PHASES  # the panel's copy of the trainer's loop
 
     phases = {
         "wait": 0.0066,
