@@ -61,17 +61,16 @@ from peerd.bench import emit_json
 from peerd.bench.rl_swarm_report import (
     async_ratio,
     colocated_report,
-    committed_roster,
     curve_points,
     gradient_report,
     heldout_summary,
     placement_arms,
     predict,
     prediction_report,
-    probed_links,
     throughput,
     write_plot,
 )
+from peerd.bench.rosters import committed_roster, probed_links
 from peerd.errors import ErrorCode, PeerdError
 from peerd.jobs.rl.learner import Learner
 from peerd.jobs.rl.report import score

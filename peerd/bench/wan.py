@@ -71,15 +71,19 @@ from statistics import median
 from typing import Any
 
 import click
+import msgspec
 import yaml
 from click.core import ParameterSource
 
 from peerd.bench import emit_json
+from peerd.bench.rosters import committed_roster
 from peerd.errors import ErrorCode, PeerdError
+from peerd.jobs.scoring import RosterScorer
 from peerd.jobs.spec import parse_job_spec
 from peerd.jobs.views import WIRE_KINDS
 from peerd.localswarm import LocalSwarm, converged
 from peerd.log import get_logger
+from peerd.sched.allocation import Allocation
 from peerd.sched.scenario import load_scenario
 
 logger = get_logger(__name__)
@@ -436,6 +440,7 @@ def run_arm(swarm: LocalSwarm, spec: dict[str, Any], timeout: float) -> dict[str
     deadline = submitted + timeout
     ended = ""
     phases: list[dict[str, float]] = []
+    status: dict[str, Any] = {}
     cpu: dict[int, tuple[float | None, float | None]] = {}  # step -> (swarm CPU s, machine busy CPU s)
     while not ended:
         with contextlib.suppress(PeerdError):
@@ -458,6 +463,8 @@ def run_arm(swarm: LocalSwarm, spec: dict[str, Any], timeout: float) -> dict[str
                 ended = f"all steps trained, job still {view.get('state')}: cancelled"
         if ended:
             phases = tasklet_phases(swarm, job)  # before a cancel closes the tasklets
+            with contextlib.suppress(PeerdError):
+                status = owner.status()  # the peers' profiles and links, to score the commit offline
             break
         if time.monotonic() > deadline:
             with contextlib.suppress(PeerdError):
@@ -490,6 +497,7 @@ def run_arm(swarm: LocalSwarm, spec: dict[str, Any], timeout: float) -> dict[str
         "bytes": wire,
         "phases": phases,
         "cpu": cpu,
+        "status": status,
     }
 
 
@@ -621,6 +629,7 @@ def arm_result(
         "host_cpu": host_cpu(run.get("cpu") or {}, steady, cores) if source == "polls" else None,
         "predicted_s_per_step": predicted,
         "measured_over_predicted": s_per_step / predicted if s_per_step and predicted else None,
+        "prediction": prediction_parts(spec, alloc, run.get("status") or {}),
         "final_loss": losses[-1][1] if losses else None,
         "loss_points": len(losses),
         "bytes": run["bytes"],
@@ -630,6 +639,30 @@ def arm_result(
         "loss_vs_wall_s": [[round(first_seen[s], 2), loss] for s, loss in losses if s in first_seen],
     }
     return out
+
+
+def prediction_parts(
+    spec: dict[str, Any], alloc: dict[str, Any], status: dict[str, Any]
+) -> dict[str, Any] | None:
+    """The committed allocation scored again on the roster rebuilt from a daemon's status after the
+    arm (the links as probed then, which may have moved since the commit), with the parts of the
+    cost (``peerd.sched.cost_peerd``: ``pp`` the pipelined forward and backward, ``dp`` the slowest
+    stage's all-reduce), and that roster, so that a reader can score it with another model."""
+    if not status or not alloc.get("stages"):
+        return None
+    try:
+        roster = committed_roster(status, alloc)
+        allocation = Allocation(tuple(tuple(s) for s in alloc["stages"]), tuple(alloc.get("spares") or ()))
+        cost = RosterScorer(parse_job_spec(spec)).cost(roster, allocation)
+    except KeyError as exc:
+        return {"error": f"the status after the arm has no row for member {exc}"}
+    except PeerdError as exc:  # the commit does not fit the roster as the status shows it
+        return {"error": str(exc)}
+    return {
+        "s_per_step": cost.total,
+        "parts": cost.parts,
+        "roster": msgspec.to_builtins(roster.entries),
+    }
 
 
 def wire_ratio(counters: dict[str, int], kinds: tuple[str, ...] = WIRE_KINDS) -> float | None:

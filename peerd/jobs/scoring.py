@@ -32,7 +32,7 @@ from peerd.sched.consensus.messages import Roster
 from peerd.sched.cost_peerd import INFEASIBLE
 from peerd.sched.evolution import Island, SearchConfig
 from peerd.sched.layout import score_allocation
-from peerd.sched.objective import Objective
+from peerd.sched.objective import Cost, Objective
 from peerd.sched.planner import make_island, make_objective
 from peerd.sched.problem import Problem, Shape, candidate_shapes
 from peerd.sched.scenario import Device, Link, ModelShape, Scenario, TrainingSpec
@@ -175,6 +175,10 @@ class RosterScorer:
 
     def __call__(self, roster: Roster, allocation: Allocation) -> float:
         """The cost of ``allocation`` exactly as written; ConfigError if it does not fit the roster or the job."""
+        return self.cost(roster, allocation).total
+
+    def cost(self, roster: Roster, allocation: Allocation) -> Cost:
+        """``allocation``'s seconds per iteration with the parts the objective adds up (``Cost.parts``)."""
         scenario = self.scenario(roster)
         shape = Shape(allocation.d_pp, allocation.d_dp)
         key = (roster.digest, shape)
@@ -184,7 +188,8 @@ class RosterScorer:
                 raise ConfigError("stages", f"shape {shape} is not allowed for this roster and job")
             obj = self._objectives[key] = make_objective(Problem(scenario), shape, self.jm.objective)
         self.evaluations += 1
-        total = float(score_allocation(obj, allocation).total)
+        cost = score_allocation(obj, allocation)
+        total = float(cost.total)
         if not math.isfinite(total):
             raise ConfigError("allocation", "scored as infinite")
         if total >= INFEASIBLE:  # cost_peerd: INFEASIBLE x (1 + layers no stage's memory could take)
@@ -193,7 +198,7 @@ class RosterScorer:
                 "allocation",
                 f"does not fit the peers' free memory: {short} layer(s) fit on no stage of {allocation.stages}",
             )
-        return total
+        return cost
 
     def island(
         self, scenario: Scenario, seed: int, time_budget: float, config: SearchConfig | None = None

@@ -7,19 +7,18 @@ import pytest
 from peerd.bench.rl_swarm import Settings, job_spec
 from peerd.bench.rl_swarm_report import (
     async_ratio,
-    committed_roster,
     comparison,
     curve_points,
     gradient_report,
     heldout_summary,
     predict,
     prediction_report,
-    probed_links,
     relative_error,
     swarm_tasks,
     target,
     throughput,
 )
+from peerd.bench.rosters import committed_roster, probed_links
 from peerd.jobs.scoring_rl import RLRosterScorer
 from peerd.jobs.spec import parse_job_spec
 from peerd.sched.allocation import Allocation

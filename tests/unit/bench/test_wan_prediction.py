@@ -1,0 +1,62 @@
+"""``peerd bench wan``'s prediction parts: the commit scored again on the roster a daemon's status shows."""
+
+from __future__ import annotations
+
+import pytest
+
+from peerd.bench.wan import arm_spec, arms, prediction_parts
+from peerd.jobs.scoring import RosterScorer
+from peerd.jobs.spec import parse_job_spec
+from peerd.sched.allocation import Allocation
+from peerd.sched.consensus.messages import Roster, RosterDevice, RosterEntry, RosterLink
+
+PEERS = ["QmA", "QmB", "QmC", "QmD"]
+
+
+def _status() -> dict:
+    rows = [
+        {
+            "peer_id": p,
+            "tflops": {"fp32": 0.05 * (i + 1)},
+            "memory_free_bytes": 4 << 30,
+            "memory_total_bytes": 8 << 30,
+        }
+        for i, p in enumerate(PEERS)
+    ]
+    links = [
+        {"src": a, "dst": b, "status": "ok", "rtt_ms": 2.0 + i, "bw_up_mbps": 50.0 + 5 * i}
+        for i, (a, b) in enumerate((a, b) for a in PEERS for b in PEERS if a != b)
+    ]
+    return {"peers": rows, "links": links}
+
+
+def test_the_commit_is_scored_again_with_its_parts_and_its_roster() -> None:
+    spec = arm_spec(arms(1)[0], 4, 6)  # 2 stages x 2 replicas, compressed
+    alloc = {"epoch": 2, "roster": PEERS, "stages": [["QmA", "QmC"], ["QmB", "QmD"]], "spares": []}
+    status = _status()
+    got = prediction_parts(spec, alloc, status)
+    assert got is not None and "error" not in got
+
+    # the daemons' own entries, as peerd.jobs.service writes them, scored by the job's cost model
+    def entry(i: int, peer: str) -> RosterEntry:
+        links = tuple(
+            RosterLink(x["dst"], x["rtt_ms"] / 2e3, x["bw_up_mbps"] * 1e6)
+            for x in status["links"]
+            if x["src"] == peer
+        )
+        return RosterEntry("j", 2, peer, 0.0, RosterDevice(0.05 * (i + 1), 4 << 30, ""), links)
+
+    direct = Roster.of(2, [entry(i, p) for i, p in enumerate(PEERS)])
+    expected = RosterScorer(parse_job_spec(spec)).cost(direct, Allocation((("QmA", "QmC"), ("QmB", "QmD"))))
+    assert got["s_per_step"] == pytest.approx(expected.total) and got["s_per_step"] > 0
+    assert got["parts"] == pytest.approx(expected.parts)
+    assert got["parts"]["pp"] + got["parts"]["dp"] == pytest.approx(got["s_per_step"])
+    assert [e["peer"] for e in got["roster"]] == PEERS and len(got["roster"][0]["links"]) == 3
+
+
+def test_a_status_without_a_members_row_says_so() -> None:
+    spec = arm_spec(arms(1)[0], 4, 6)
+    alloc = {"epoch": 2, "roster": [*PEERS, "QmGone"], "stages": [["QmA", "QmC"], ["QmB", "QmD"]]}
+    got = prediction_parts(spec, alloc, _status())
+    assert got is not None and "QmGone" in got["error"]
+    assert prediction_parts(spec, alloc, {}) is None
