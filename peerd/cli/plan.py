@@ -93,7 +93,8 @@ def plan(
     for name in sorted(given & {"mode", "algo", "staleness", "workload", "budget"}):
         raise CliError(f"--{'async' if name == 'staleness' else name} needs --kind rl", 2)
     sc = load_scenario(scenario)
-    _refuse_hosts(sc)
+    if objective != "peerd":
+        _refuse_hosts(sc, f"the {objective} objective prices no compute (plan with --objective peerd)")
     result = run_plan(sc, objective, seed=seed, time_budget=time_budget, generations=generations)
     if as_json:
         data = result.to_dict()
@@ -117,7 +118,7 @@ def _plan_rl(
     from peerd.sched.rl.planner import plan_rl
 
     rl = load_rl_scenario(path, workload)
-    _refuse_hosts(rl.scenario)
+    _refuse_hosts(rl.scenario, "peerd plan --kind rl prices every device as its own machine")
     result = plan_rl(rl, mode, algo=algo, staleness=staleness, seed=seed, budget=budget)  # type: ignore[arg-type]
     if as_json:
         click.echo(json.dumps(result.to_dict(), indent=2))
@@ -125,14 +126,13 @@ def _plan_rl(
         click.echo(render_rl(result.to_dict(), len(rl.scenario.devices)))
 
 
-def _refuse_hosts(sc: Scenario) -> None:
-    """Shared machines (``devices[].host``) are priced by rl jobs' consensus scoring only, not here."""
+def _refuse_hosts(sc: Scenario, why: str) -> None:
+    """Shared machines (``devices[].host``) slow the compute of the ``peerd`` objective and of an rl
+    job's consensus scoring; where a plan cannot price them, a scenario that names one is refused."""
     for i, d in enumerate(sc.devices):
         if d.host is not None:
             raise ConfigError(
-                f"devices[{i}].host",
-                "peerd plan prices every device as its own machine; shared machines are modelled "
-                "only where an rl job's peers score its roles: remove host",
+                f"devices[{i}].host", f"a shared machine would be ignored: {why}; or remove host"
             )
 
 

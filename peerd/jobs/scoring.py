@@ -15,6 +15,10 @@ smallest member's memory holds (weights, optimizer state and in-flight activatio
 candidate at all: scoring refuses it, so no peer proposes, votes for or commits it, and a job
 whose roster cannot hold it keeps planning until peers with the memory join. (The ``dtfm``
 objective, the DT-FM yardstick, models no memory.)
+
+Machines: a CPU device's entry says which machine it computes on, with how many cores and
+threads (``host_share``). Under the ``peerd`` objective the tasklets of one machine slow each
+other's compute while they keep more threads busy than it has cores (``peerd.sched.hosts``).
 """
 
 from __future__ import annotations
@@ -28,9 +32,10 @@ import numpy as np
 from peerd.errors import ConfigError
 from peerd.jobs.spec import JobSpec
 from peerd.sched.allocation import Allocation
-from peerd.sched.consensus.messages import Roster
+from peerd.sched.consensus.messages import Roster, RosterDevice
 from peerd.sched.cost_peerd import INFEASIBLE
 from peerd.sched.evolution import Island, SearchConfig
+from peerd.sched.hosts import HostShare
 from peerd.sched.layout import score_allocation
 from peerd.sched.objective import Cost, Objective
 from peerd.sched.planner import make_island, make_objective
@@ -119,6 +124,13 @@ def job_shapes(scenario: Scenario, jm: JobModel) -> list[Shape]:
     return shapes
 
 
+def host_share(device: RosterDevice) -> HostShare | None:
+    """The machine a roster entry's CPU device shares, or None (an accelerator, an older peer)."""
+    if device.host is None or device.host_cores is None or device.threads is None:
+        return None
+    return HostShare(device.host, device.host_cores, device.threads)
+
+
 def roster_scenario(roster: Roster, jm: JobModel) -> Scenario:
     """The scenario of one roster view: a device per entry, links as measured (see the module docstring)."""
     peers = set(roster.peers)
@@ -135,6 +147,7 @@ def roster_scenario(roster: Roster, jm: JobModel) -> Scenario:
             region=e.profile.region,
             tflops=max(float(e.profile.tflops), MIN_TFLOPS),
             memory_gb=max(e.profile.memory_bytes, 1) / 1e9,
+            host=host_share(e.profile),
         )
         for e in roster.entries
     ]

@@ -60,7 +60,7 @@ import torch
 from peerd.averaging import GradientCompression
 from peerd.errors import ConfigError
 from peerd.jobs.optimizer import optimizer_config
-from peerd.jobs.scoring import CACHE_ROSTERS, JobModel, RosterScorer, job_model, roster_scenario
+from peerd.jobs.scoring import CACHE_ROSTERS, JobModel, RosterScorer, host_share, job_model, roster_scenario
 from peerd.jobs.spec import JobSpec
 from peerd.models.costs import matmul_params
 from peerd.pipeline.optim import build_optimizer, build_scheduler
@@ -70,7 +70,7 @@ from peerd.sched.allocation import Allocation
 from peerd.sched.consensus.messages import Roster, RosterDevice
 from peerd.sched.elements import PerFamily
 from peerd.sched.evolution import SearchConfig
-from peerd.sched.hosts import HostShare, loopback_factors, slowdowns
+from peerd.sched.hosts import loopback_factors, slowdowns
 from peerd.sched.rl.cluster import Cluster, rl_scenario
 from peerd.sched.rl.evaluate import Evaluator
 from peerd.sched.rl.group import GroupResult, evaluate_group
@@ -441,13 +441,6 @@ def element_ns(device: RosterDevice) -> PerFamily | None:
     if costs is None:
         return None
     return PerFamily(*(1e9 * getattr(costs, f.name) for f in dataclasses.fields(PerFamily)))
-
-
-def host_share(device: RosterDevice) -> HostShare | None:
-    """The machine a roster entry's CPU device shares, or None (an accelerator, an older peer)."""
-    if device.host is None or device.host_cores is None or device.threads is None:
-        return None
-    return HostShare(device.host, device.host_cores, device.threads)
 
 
 def scorer_for(spec: JobSpec) -> RosterScorer | RLRosterScorer:

@@ -7,7 +7,10 @@ s = seq, h = hidden, p_l = parameters of layer l (mean p̄ used for the split).
 - Compute. Forward FLOPs per token of a layer: 2 p_l + 4 s h (matmuls + attention);
   a micro-batch's forward + backward costs ``mult`` forwards (3, or 4 with activation
   recomputation). Stage k runs at its slowest replica: ``t_k = mult * b * s * f̄ /
-  (min TFLOPS in group k * 1e12)`` seconds per layer per micro-batch.
+  (min TFLOPS in group k * 1e12)`` seconds per layer per micro-batch. CPU devices that share a
+  machine (``Device.host``) compute at ``cores / threads`` of their measured rate while the
+  layout's tasklets on that machine keep more threads busy than it has cores: in the pipeline's
+  steady state every stage computes at once (``peerd.sched.hosts``; spares idle).
 - Memory. A device of stage k holding n layers needs ``n * (p̄ * state_bytes +
   inflight_k * b * s * act_mem)`` bytes, ``act_mem`` = 34 h per token per layer (2 h
   with recomputation), ``inflight_k`` = M for GPipe, min(M, G - k) for 1F1B.
@@ -45,6 +48,7 @@ from typing import NamedTuple
 import numpy as np
 
 from peerd.errors import ConfigError
+from peerd.sched.hosts import HostLoad
 from peerd.sched.objective import Cost, Edge, Objective, edge_culprits
 from peerd.sched.problem import Problem, Shape
 
@@ -54,7 +58,6 @@ INFEASIBLE = 1e9
 @dataclass(frozen=True)
 class PeerdGroup:
     members: np.ndarray
-    tflops: float  # slowest member
     memory: float  # smallest member, bytes
     a: np.ndarray  # per member: sum of 2 * delay to the rest of the group (s)
     b: np.ndarray  # per member: sum of 16 / (D * bandwidth), times bytes gives seconds
@@ -151,6 +154,7 @@ class PeerdObjective(Objective):
         np.fill_diagonal(bi, 0.0)
         self.a2, self.bi = a2, bi
         super().__init__(problem, shape)
+        self.host_load = HostLoad.of(problem.hosts)
         # What a device adds to an even stage's data-parallel exchange.
         self.affinity = a2 + self.layer_grad * (model.layers / shape.d_pp) * bi
 
@@ -168,11 +172,24 @@ class PeerdObjective(Objective):
         ix = np.ix_(members, members)
         return PeerdGroup(
             members,
-            float(self.problem.tflops[members].min()),
             float(self.problem.memory_bytes[members].min()),
             self.a2[ix].sum(axis=1),
             self.bi[ix].sum(axis=1),
         )
+
+    def busy_tflops(self, members: np.ndarray) -> np.ndarray:
+        """(P, G, D) each member's TFLOPS while every tasklet of its layout computes (``members``
+        (P, G, D) device indices): its measured rate, divided on a machine whose cores the layout's
+        CPU devices oversubscribe (``peerd.sched.hosts``; spares idle)."""
+        rates = self.problem.tflops[members]
+        if self.host_load is None:
+            return rates
+        flat = members.reshape(len(members), -1)
+        return rates / self.host_load.factors(flat).reshape(members.shape)
+
+    def stage_tflops(self, members: np.ndarray) -> np.ndarray:
+        """(P, G) the slowest member's TFLOPS per stage (``busy_tflops``): what paces the stage."""
+        return self.busy_tflops(members).min(axis=2)
 
     # --- the batched core: every cost goes through here ----------------------------------
     def batch_cost(self, x: LayoutArrays) -> tuple[np.ndarray, np.ndarray]:
@@ -206,7 +223,7 @@ class PeerdObjective(Objective):
         return self.grad_prefix[ends] - self.grad_prefix[ends - n]
 
     def _arrays(self, groups: list[PeerdGroup], edges: list[Edge]) -> LayoutArrays:
-        tflops = np.array([[x.tflops for x in groups]])
+        tflops = self.stage_tflops(np.stack([x.members for x in groups])[None])
         memory = np.array([[x.memory for x in groups]])
         a = np.stack([x.a for x in groups])[None]
         b = np.stack([x.b for x in groups])[None]
@@ -235,8 +252,10 @@ class PeerdObjective(Objective):
         out: list[int] = []
         top = dp[0].max()
         grad_bytes = self.stage_grad_bytes(n)[0]
+        members = np.stack([x.members for x in groups])
+        rates = self.busy_tflops(members[None])[0]
         for k, grp in enumerate(groups):
-            tfl = self.problem.tflops[grp.members]
+            tfl = rates[k]
             if stage[0, k] >= stage[0].max() - 1e-12 or total[0] >= INFEASIBLE:
                 out.extend(int(d) for d in grp.members[tfl <= tfl.min()])
             if total[0] >= INFEASIBLE:
@@ -257,7 +276,7 @@ class PeerdObjective(Objective):
         cells = grid.size
         npairs = len(upos)
         p_idx = np.arange(npairs)
-        tfl, mem = self.problem.tflops, self.problem.memory_bytes
+        mem = self.problem.memory_bytes
         rk, ck = np.divmod(upos, n_dp)
         u = grid[rk, ck]
         is_spare = cand >= cells
@@ -288,7 +307,7 @@ class PeerdObjective(Objective):
 
         replace_row(rk, ck, u, v, np.ones(npairs, dtype=bool))
         replace_row(rl, cl, v, u, ~is_spare)
-        tflops = tfl[members].min(axis=2)
+        tflops = self.stage_tflops(members)
         memory = mem[members].min(axis=2)
         if n_pp > 1:
             pmat = self.pair_cost[members[:, :-1], members[:, 1:]]  # (P, G-1, D)

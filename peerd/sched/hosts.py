@@ -22,6 +22,8 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Annotated
 
+import numpy as np
+
 from peerd.errors import ConfigError
 from peerd.loading import Range
 
@@ -73,3 +75,39 @@ def loopback_factors(shares: Sequence[HostShare | None], factors: Sequence[float
         ]
         for i, a in enumerate(hosts)
     ]
+
+
+class HostLoad:
+    """``slowdowns`` for many layouts at once: the devices (indices) each layout keeps busy.
+
+    Built once per roster from the devices' shares; ``factors(busy)`` takes the busy devices of P
+    layouts as a (P, K) index array and gives each one's compute slowdown, (P, K).
+    """
+
+    def __init__(self, shares: Sequence[HostShare | None]) -> None:
+        names = sorted({s.host for s in shares if s is not None})
+        where = {h: k for k, h in enumerate(names)}
+        self.host = np.array([where[s.host] if s is not None else -1 for s in shares], dtype=np.intp)
+        self.threads = np.array([s.threads if s is not None else 0 for s in shares], dtype=float)
+        self.cores = np.ones(len(names))
+        for s in shares:
+            if s is not None:
+                self.cores[where[s.host]] = max(self.cores[where[s.host]], s.cores)
+        # (N, H + 1): a device's threads in its host's column; the last column collects the unknown
+        self._load = np.zeros((len(shares), len(names) + 1))
+        self._load[np.arange(len(shares)), self.host] = self.threads
+
+    @classmethod
+    def of(cls, shares: Sequence[HostShare | None]) -> HostLoad | None:
+        """None when no device shares a machine's cores (every factor would be 1)."""
+        return cls(shares) if any(s is not None for s in shares) else None
+
+    def factors(self, busy: np.ndarray) -> np.ndarray:
+        """(P, K) slowdowns of the busy devices ``busy`` (P, K) of P layouts, each device once per layout."""
+        threads = self._load[busy].sum(axis=1)[:, :-1]  # (P, H) busy threads per host
+        ratio = np.maximum(1.0, threads / self.cores)  # (P, H)
+        host = self.host[busy]
+        picked = (
+            np.take_along_axis(ratio, np.maximum(host, 0), axis=1) if ratio.shape[1] else np.ones(busy.shape)
+        )
+        return np.where(host >= 0, picked, 1.0)

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from peerd.errors import ConfigError
+from peerd.sched.hosts import HostShare
 from peerd.sched.scenario import Scenario
 
 
@@ -41,6 +42,7 @@ class Problem:
         self.regions: list[str] = [d.region for d in devices]
         self.tflops = np.array([d.tflops for d in devices], dtype=float)
         self.memory_bytes = np.array([d.memory_gb * 1e9 for d in devices], dtype=float)
+        self.hosts: list[HostShare | None] = [d.host for d in devices]
         ix = np.ix_(order, order)
         self.delay = np.ascontiguousarray(scenario.delay_matrix()[ix])  # (N, N) seconds
         self.bandwidth = np.ascontiguousarray(scenario.bandwidth_matrix()[ix])  # (N, N) bit/s

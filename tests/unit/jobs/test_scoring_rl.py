@@ -344,7 +344,7 @@ def test_peers_on_one_machine_slow_each_other_while_more_compute_than_it_has_cor
 
 
 def test_a_roster_device_without_all_of_its_machine_is_priced_apart() -> None:
-    from peerd.jobs.scoring_rl import host_share
+    from peerd.jobs.scoring import host_share
 
     assert host_share(RosterDevice(1.0, 1, "", 1e9, None, BOX.host, 2, 1)) == BOX
     assert host_share(RosterDevice(1.0, 1, "", 1e9, None, BOX.host, 2, None)) is None

@@ -74,17 +74,34 @@ def test_bad_input_exits_2_naming_the_field(tmp_path, capsys):
     assert "training.d_dp" in err and "8 devices" in err and "Traceback" not in err
 
 
-def test_a_shared_machine_is_refused_not_ignored(tmp_path, capsys):
-    """``peerd plan`` prices every device as its own machine: a scenario that says otherwise is refused."""
-    devices = [
-        dict(d, host={"host": "box", "cores": 2}) if i == 3 else d for i, d in enumerate(SCENARIO["devices"])
-    ]
+def test_a_shared_machine_is_priced_by_the_peerd_objective_and_refused_by_the_others(tmp_path, capsys):
+    """The dtfm objective prices no compute, so a scenario with a shared machine is refused there;
+    the peerd objective slows the compute of the tasklets that oversubscribe its cores."""
+    devices = [dict(d, host={"host": "box", "cores": 2}) for d in SCENARIO["devices"]]
     path = tmp_path / "shared.yaml"
     path.write_text(yaml.safe_dump(dict(SCENARIO, devices=devices)))
     with pytest.raises(SystemExit) as info:
         main(["plan", str(path)])
     assert info.value.code == 2
-    assert "devices[3].host" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "devices[0].host" in err and "--objective peerd" in err
+
+    def cost(scenario: Path) -> dict:
+        out = CliRunner().invoke(
+            cli,
+            ["plan", str(scenario), "--objective", "peerd", "--generations", "1", "--json", "--seed", "1"],
+        )
+        assert out.exit_code == 0, out.output
+        return json.loads(out.output)
+
+    own = tmp_path / "own.yaml"
+    own.write_text(yaml.safe_dump(SCENARIO))
+    alone, shared = cost(own), cost(path)
+    # eight tasklets on one 2-core machine: 4x the compute per micro-batch, the links unchanged
+    assert shared["parts"]["compute_per_micro_batch"] == pytest.approx(
+        4 * alone["parts"]["compute_per_micro_batch"]
+    )
+    assert shared["total"] > alone["total"]
 
 
 def test_console_script(scenario_file):

@@ -11,6 +11,7 @@ import pytest
 from peerd.errors import ConfigError, InfeasibleError
 from peerd.sched.cost_dtfm import DtfmObjective
 from peerd.sched.cost_peerd import PeerdObjective, split_layers
+from peerd.sched.hosts import HostShare
 from peerd.sched.objective import Objective
 from peerd.sched.planner import plan
 from peerd.sched.problem import Problem, Shape
@@ -146,10 +147,16 @@ def test_a_peer_behind_a_slow_link_is_left_out():
     assert "slow" in dtfm.allocation.devices  # the yardstick has no spares
 
 
+@pytest.mark.parametrize("shared", [False, True])
 @pytest.mark.parametrize(("d_pp", "d_dp"), [(3, 4), (4, 3), (1, 6)])
-def test_vectorised_swaps_match_the_generic_rescoring(d_pp, d_dp):
+def test_vectorised_swaps_match_the_generic_rescoring(d_pp, d_dp, shared):
     sc = random_cluster(16, np.random.default_rng(d_pp), d_pp=2)
     sc = dataclasses.replace(sc, training=dataclasses.replace(sc.training, global_batch=d_dp * 4))
+    if shared:  # two oversubscribed machines and accelerators: a swap changes who slows whom
+        boxes = [HostShare("a", 2, 1), HostShare("b", 3, 2), None]
+        sc = dataclasses.replace(
+            sc, devices=[dataclasses.replace(d, host=boxes[i % 3]) for i, d in enumerate(sc.devices)]
+        )
     obj = PeerdObjective(Problem(sc), Shape(d_pp, d_dp))
     rng = np.random.default_rng(0)
     perm = rng.permutation(16)
@@ -192,3 +199,28 @@ def test_a_stage_exchanges_the_gradients_of_its_own_layers_not_a_mean_layers() -
     cost = obj.evaluate([np.array([0, 1]), np.array([2, 3])], NONE).cost  # even split: 2 + 2 layers
     # the embedding's stage is the slowest: its 9e6 parameters, not twice the mean layer's 2.5e6
     assert cost.parts["dp"] == pytest.approx(9e6 * 4 * obj.bi[0, 1], rel=1e-9)
+
+
+def test_tasklets_that_oversubscribe_a_machine_slow_each_other_and_the_plan_avoids_it() -> None:
+    """Four CPU peers share a 2-core machine and a fifth has its own: a 2 x 2 job that leaves a
+    co-hosted peer spare computes at 3/2 of its rate there, one that leaves the lone peer spare at 2."""
+    box = HostShare("box", cores=2, threads=1)
+    devices = [Device(id=f"p{i}", region="lan", tflops=0.05, memory_gb=8.0, host=box) for i in range(4)]
+    devices.append(Device(id="own", region="lan", tflops=0.05, memory_gb=8.0, host=HostShare("own", 2)))
+    sc = Scenario(
+        name="one-box",
+        regions=Regions(names=["lan"], delay_ms=[[0.1]], bandwidth_mbps=[[10000.0]]),
+        devices=devices,
+        model=ModelShape(layers=4, hidden=64, seq=64),
+        training=TrainingSpec(global_batch=8, micro_batch=2, d_pp=2, d_dp=2),
+    )
+    obj = PeerdObjective(Problem(sc), Shape(2, 2))
+    ix = obj.problem.index
+    grid = np.array([[ix["p0"], ix["p1"]], [ix["p2"], ix["own"]]])
+    with_own = obj.grid_cost(grid, np.array([ix["p3"]]))
+    grid[1, 1] = ix["p3"]
+    without = obj.grid_cost(grid, np.array([ix["own"]]))
+    assert without.parts["compute_per_micro_batch"] == pytest.approx(
+        2 / 1.5 * with_own.parts["compute_per_micro_batch"]
+    )
+    assert "own" in plan(sc, "peerd", generations=2, time_budget=30).allocation.devices

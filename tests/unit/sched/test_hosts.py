@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import itertools
+
+import numpy as np
 import pytest
 
 from peerd.errors import ConfigError
 from peerd.loading import from_mapping
-from peerd.sched.hosts import HostShare, loopback_factors, slowdowns
+from peerd.sched.hosts import HostLoad, HostShare, loopback_factors, slowdowns
 
 BOX = HostShare("box", cores=2, threads=1)
 
@@ -49,3 +52,15 @@ def test_a_loopback_link_slows_with_its_machines_cores_and_a_link_between_machin
     assert links[0][4] == links[4][4] == 1.0  # a host nobody declared
     # an idle peer of the busy machine still talks over its cores
     assert loopback_factors(shares, slowdowns(shares, {0, 1, 2}))[2][0] == 1.5
+
+
+def test_host_load_gives_each_layouts_busy_devices_what_slowdowns_gives() -> None:
+    wide, small, other = HostShare("box", 2, 2), HostShare("box", 1, 1), HostShare("other", 1, 1)
+    shares = [BOX, wide, small, None, other, other, BOX]
+    load = HostLoad.of(shares)
+    assert load is not None and HostLoad.of([None, None]) is None
+    layouts = np.array([list(c) for c in itertools.combinations(range(len(shares)), 4)])
+    got = load.factors(layouts)
+    for row, busy in zip(got, layouts, strict=True):
+        want = slowdowns(shares, set(busy.tolist()))
+        assert row.tolist() == pytest.approx([want[i] for i in busy])
