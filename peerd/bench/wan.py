@@ -439,7 +439,7 @@ def run_arm(swarm: LocalSwarm, spec: dict[str, Any], timeout: float) -> dict[str
     view: dict[str, Any] = {}
     deadline = submitted + timeout
     ended = ""
-    phases: list[dict[str, float]] = []
+    phases: list[dict[str, Any]] = []
     status: dict[str, Any] = {}
     cpu: dict[int, tuple[float | None, float | None]] = {}  # step -> (swarm CPU s, machine busy CPU s)
     while not ended:
@@ -542,19 +542,22 @@ def host_cpu(
     }
 
 
-def tasklet_phases(swarm: LocalSwarm, job: str) -> list[dict[str, float]]:
-    """Every daemon's measured seconds per step by phase (compute, wait, send, averaging) for its tasklet of ``job``."""
+def tasklet_phases(swarm: LocalSwarm, job: str) -> list[dict[str, Any]]:
+    """Every daemon's tasklet of ``job``: its stage, its replica and its measured seconds per step by
+    phase (compute, wait, send, averaging, ...)."""
     out = []
     for peer in swarm.live_peers():
         with contextlib.suppress(PeerdError):
-            phases = (peer.control().call("job_status", job_id=job).get("tasklet") or {}).get("phases_s")
-            if phases:
-                out.append(phases)
+            tasklet = peer.control().call("job_status", job_id=job).get("tasklet") or {}
+            if tasklet.get("phases_s"):
+                out.append({k: tasklet.get(k) for k in ("stage", "replica", "phases_s")})
     return out
 
 
-def phase_summary(phases: list[dict[str, float]]) -> dict[str, Any]:
-    """Per phase, the mean and the largest of the tasklets' seconds per step, and the phase that dominates."""
+def phase_summary(tasklets: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per phase, the mean and the largest of the tasklets' seconds per step, the phase that dominates,
+    and each tasklet's phases by stage and replica (where the step's critical path runs)."""
+    phases = [t["phases_s"] for t in tasklets]
     if not phases:
         return {}
     names = sorted({k for p in phases for k in p})
@@ -564,6 +567,7 @@ def phase_summary(phases: list[dict[str, float]]) -> dict[str, Any]:
         "mean_s_per_step": mean,
         "max_s_per_step": {k: max(p.get(k, 0.0) for p in phases) for k in names},
         "dominant": max(mean, key=lambda k: mean[k]),
+        "by_tasklet": sorted(tasklets, key=lambda t: (t.get("stage") or 0, t.get("replica") or 0)),
     }
 
 

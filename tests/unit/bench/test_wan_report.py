@@ -1,10 +1,10 @@
-"""``peerd bench wan``'s prediction parts: the commit scored again on the roster a daemon's status shows."""
+"""``peerd bench wan``'s report: the commit scored again on the roster a daemon's status shows; the tasklets' phases."""
 
 from __future__ import annotations
 
 import pytest
 
-from peerd.bench.wan import arm_spec, arms, prediction_parts
+from peerd.bench.wan import arm_spec, arms, phase_summary, prediction_parts
 from peerd.jobs.scoring import RosterScorer
 from peerd.jobs.spec import parse_job_spec
 from peerd.sched.allocation import Allocation
@@ -60,3 +60,17 @@ def test_a_status_without_a_members_row_says_so() -> None:
     got = prediction_parts(spec, alloc, _status())
     assert got is not None and "QmGone" in got["error"]
     assert prediction_parts(spec, alloc, {}) is None
+
+
+def test_phases_are_summed_up_and_kept_per_tasklet_in_pipeline_order() -> None:
+    tasklets = [
+        {"stage": 1, "replica": 0, "phases_s": {"compute": 0.3, "wait": 0.1}},
+        {"stage": 0, "replica": 1, "phases_s": {"compute": 0.1, "averaging": 0.5}},
+        {"stage": 0, "replica": 0, "phases_s": {"compute": 0.2}},
+    ]
+    got = phase_summary(tasklets)
+    assert got["tasklets"] == 3 and got["dominant"] == "compute"
+    assert got["mean_s_per_step"] == pytest.approx({"averaging": 0.5 / 3, "compute": 0.2, "wait": 0.1 / 3})
+    assert got["max_s_per_step"] == {"averaging": 0.5, "compute": 0.3, "wait": 0.1}
+    assert [(t["stage"], t["replica"]) for t in got["by_tasklet"]] == [(0, 0), (0, 1), (1, 0)]
+    assert phase_summary([]) == {}
