@@ -102,6 +102,8 @@ def job_model(spec: JobSpec) -> JobModel:
         forward_ratio=_ratio(forward_bits),
         backward_ratio=_ratio(comp.backward_bits),
         gradient_ratio=_ratio(comp.gradient_bits),
+        # what peerd.pipeline.worker does: clipping needs the replica's norm; fp16 sends its overflows
+        norm_exchange=spec.optimizer.grad_clip is not None or spec.precision == "fp16",
         activation_bytes=4,  # fp32 on the wire before compression
         gradient_bytes=4,
         state_bytes_per_param=state_bytes_per_param(spec),

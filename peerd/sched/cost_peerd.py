@@ -30,7 +30,11 @@ s = seq, h = hidden, p_l = parameters of layer l (mean p̄ used for the split).
   * gradient_bytes * r_g bytes, so an embedding or a head weighs what it holds (or c_dp_bytes
   scaled by n_k / (L / G)): ``dp_k = max_{d in group k} sum_{d'} 2
   (α + 8 c_k / (D β))``; DP = max_k dp_k (after the pipeline, not overlapped).
-- total = pipe + DP seconds per iteration. Spare devices cost nothing.
+- Gradient norm (``norm_exchange``: clipping, or fp16's overflow verdict). After the all-reduce
+  the stages pass partial sums of squares up the pipeline to stage 0 and the total back down:
+  ``norm = 2 sum_e max_j α_e,j``, one small message per boundary each way (the largest one-way
+  delay among the boundary's matched pairs).
+- total = pipe + DP + norm seconds per iteration. Spare devices cost nothing.
 - Stage order: open-loop TSP over the E_e (the sum term), then the better of the
   two directions (1F1B memory differs); the max term is not part of the TSP.
 
@@ -72,6 +76,7 @@ class LayoutArrays(NamedTuple):
     b: np.ndarray  # (P, G, D) per-byte part of it
     emax: np.ndarray  # (P, G-1) boundary bottlenecks
     emean: np.ndarray  # (P, G-1) boundary mean pair costs
+    hops: np.ndarray  # (P, G-1) boundary's largest one-way delay among its matched pairs
 
 
 class BatchDetail(NamedTuple):
@@ -83,6 +88,7 @@ class BatchDetail(NamedTuple):
     dp: np.ndarray  # (P, G) data-parallel seconds per stage
     pipe: np.ndarray  # (P,) pipelined forward/backward seconds
     stage: np.ndarray  # (P, G) compute seconds per stage per micro-batch
+    norm: np.ndarray  # (P,) the gradient norm's trip along the pipeline and back
 
 
 class PeerdObjective(Objective):
@@ -153,6 +159,9 @@ class PeerdObjective(Objective):
         np.fill_diagonal(a2, 0.0)
         np.fill_diagonal(bi, 0.0)
         self.a2, self.bi = a2, bi
+        self.norm_exchange = tr.norm_exchange
+        self.hop = (problem.delay + problem.delay.T) / 2.0  # one small message either way
+        np.fill_diagonal(self.hop, 0.0)
         super().__init__(problem, shape)
         self.host_load = HostLoad.of(problem.hosts)
         # What a device adds to an even stage's data-parallel exchange.
@@ -199,7 +208,7 @@ class PeerdObjective(Objective):
 
     def batch_detail(self, x: LayoutArrays) -> BatchDetail:
         """Totals, softs and their parts for P layouts."""
-        tflops, memory, a, b, emax, emean = x
+        tflops, memory, a, b, emax, emean, hops = x
         n_layers, g = self.layers, tflops.shape[1]
         t = self.layer_flops / (tflops * 1e12)  # (P, G) s per layer per micro-batch
         per_layer_mem = self.layer_static + self.inflight[None, :g] * self.layer_act
@@ -212,10 +221,11 @@ class PeerdObjective(Objective):
         if g > 1:
             bubble = np.maximum(bubble, emax.max(axis=1))
         pipe = stage.sum(axis=1) + emax.sum(axis=1) + (self.micro_batches - 1) * bubble
-        total = pipe + dp.max(axis=1)
+        norm = 2.0 * hops.sum(axis=1) if self.norm_exchange else np.zeros(len(pipe))
+        total = pipe + dp.max(axis=1) + norm
         total = np.where(short > 0, INFEASIBLE * (1.0 + short), total)
         soft = dp.mean(axis=1) + emean.sum(axis=1) + stage.mean(axis=1)
-        return BatchDetail(total, soft, n, dp, pipe, stage)
+        return BatchDetail(total, soft, n, dp, pipe, stage, norm)
 
     def stage_grad_bytes(self, n: np.ndarray) -> np.ndarray:
         """(P, G) gradient bytes each stage exchanges, for layers per stage ``n`` taken in order."""
@@ -229,14 +239,23 @@ class PeerdObjective(Objective):
         b = np.stack([x.b for x in groups])[None]
         emax = np.array([[e.value for e in edges]]).reshape(1, len(edges))
         emean = np.array([[e.mean for e in edges]]).reshape(1, len(edges))
-        return LayoutArrays(tflops, memory, a, b, emax, emean)
+        hops = np.array(
+            [
+                [
+                    self.hop[up.members, down.members[list(e.perm)]].max()
+                    for up, down, e in zip(groups[:-1], groups[1:], edges, strict=True)
+                ]
+            ]
+        ).reshape(1, len(edges))
+        return LayoutArrays(tflops, memory, a, b, emax, emean, hops)
 
     def combine(self, groups: list[PeerdGroup], edges: list[Edge], spares: np.ndarray) -> Cost:
-        total, soft, _n, dp, pipe, stage = self.batch_detail(self._arrays(groups, edges))
-        # total = dp + pp here (pp is the whole pipelined forward/backward, compute included).
+        total, soft, _n, dp, pipe, stage, norm = self.batch_detail(self._arrays(groups, edges))
+        # total = dp + pp + norm here (pp is the whole pipelined forward/backward, compute included).
         parts = {
             "dp": float(dp[0].max()),
             "pp": float(pipe[0]),
+            "norm": float(norm[0]),
             "compute_per_micro_batch": float(stage[0].sum()),
             "links_per_micro_batch": float(sum(e.value for e in edges)),
             "micro_batches": float(self.micro_batches),
@@ -248,7 +267,7 @@ class PeerdObjective(Objective):
         return tuple(int(x) for x in n[0])
 
     def critical(self, groups: list[PeerdGroup], edges: list[Edge]) -> list[int]:
-        total, _, n, dp, _, stage = self.batch_detail(self._arrays(groups, edges))
+        total, _, n, dp, _, stage, _ = self.batch_detail(self._arrays(groups, edges))
         out: list[int] = []
         top = dp[0].max()
         grad_bytes = self.stage_grad_bytes(n)[0]
@@ -312,9 +331,10 @@ class PeerdObjective(Objective):
         if n_pp > 1:
             pmat = self.pair_cost[members[:, :-1], members[:, 1:]]  # (P, G-1, D)
             emax, emean = pmat.max(axis=2), pmat.mean(axis=2)
+            hops = self.hop[members[:, :-1], members[:, 1:]].max(axis=2)
         else:
-            emax = emean = np.zeros((npairs, 0))
-        return self.batch_cost(LayoutArrays(tflops, memory, a, b, emax, emean))
+            emax = emean = hops = np.zeros((npairs, 0))
+        return self.batch_cost(LayoutArrays(tflops, memory, a, b, emax, emean, hops))
 
 
 def split_layers(t: np.ndarray, cap: np.ndarray, n_layers: int) -> tuple[np.ndarray, np.ndarray]:

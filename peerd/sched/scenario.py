@@ -189,6 +189,10 @@ class TrainingSpec:
     """Explicit gradient bytes of one (even) stage; overrides the value derived from the model."""
     c_pp_bytes: Annotated[float | None, Range(gt=0)] = None
     """Explicit activation bytes one tasklet sends across a stage boundary per iteration."""
+    norm_exchange: bool = False
+    """The stages pass the replica's gradient norm along the pipeline after the all-reduce (gradient
+    clipping): partial sums up to stage 0, the total back down. The ``peerd`` objective adds that
+    trip, one small message per boundary each way."""
 
 
 @dataclass

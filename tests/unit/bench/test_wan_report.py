@@ -50,7 +50,14 @@ def test_the_commit_is_scored_again_with_its_parts_and_its_roster() -> None:
     expected = RosterScorer(parse_job_spec(spec)).cost(direct, Allocation((("QmA", "QmC"), ("QmB", "QmD"))))
     assert got["s_per_step"] == pytest.approx(expected.total) and got["s_per_step"] > 0
     assert got["parts"] == pytest.approx(expected.parts)
-    assert got["parts"]["pp"] + got["parts"]["dp"] == pytest.approx(got["s_per_step"])
+    parts = got["parts"]
+    assert parts["pp"] + parts["dp"] + parts["norm"] == pytest.approx(got["s_per_step"])
+    # the job clips its gradients: the norm's trip over the one boundary and back, at its slower pair
+    delay = {(x["src"], x["dst"]): x["rtt_ms"] / 2e3 for x in status["links"]}
+    hop = max(
+        (delay["QmA", "QmB"] + delay["QmB", "QmA"]) / 2, (delay["QmC", "QmD"] + delay["QmD", "QmC"]) / 2
+    )
+    assert parts["norm"] == pytest.approx(2 * hop)
     assert [e["peer"] for e in got["roster"]] == PEERS and len(got["roster"][0]["links"]) == 3
 
 

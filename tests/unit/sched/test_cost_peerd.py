@@ -9,9 +9,11 @@ import numpy as np
 import pytest
 
 from peerd.errors import ConfigError, InfeasibleError
+from peerd.sched.allocation import Allocation
 from peerd.sched.cost_dtfm import DtfmObjective
 from peerd.sched.cost_peerd import PeerdObjective, split_layers
 from peerd.sched.hosts import HostShare
+from peerd.sched.layout import score_allocation
 from peerd.sched.objective import Objective
 from peerd.sched.planner import plan
 from peerd.sched.problem import Problem, Shape
@@ -151,7 +153,9 @@ def test_a_peer_behind_a_slow_link_is_left_out():
 @pytest.mark.parametrize(("d_pp", "d_dp"), [(3, 4), (4, 3), (1, 6)])
 def test_vectorised_swaps_match_the_generic_rescoring(d_pp, d_dp, shared):
     sc = random_cluster(16, np.random.default_rng(d_pp), d_pp=2)
-    sc = dataclasses.replace(sc, training=dataclasses.replace(sc.training, global_batch=d_dp * 4))
+    sc = dataclasses.replace(
+        sc, training=dataclasses.replace(sc.training, global_batch=d_dp * 4, norm_exchange=shared)
+    )
     if shared:  # two oversubscribed machines and accelerators: a swap changes who slows whom
         boxes = [HostShare("a", 2, 1), HostShare("b", 3, 2), None]
         sc = dataclasses.replace(
@@ -224,3 +228,27 @@ def test_tasklets_that_oversubscribe_a_machine_slow_each_other_and_the_plan_avoi
         2 / 1.5 * with_own.parts["compute_per_micro_batch"]
     )
     assert "own" in plan(sc, "peerd", generations=2, time_budget=30).allocation.devices
+
+
+def test_clipping_adds_the_norms_trip_up_the_pipeline_and_back() -> None:
+    """With ``norm_exchange`` a step ends with one small message per boundary each way, at the
+    boundary's slowest matched pair; one stage has no trip."""
+    sc = random_cluster(8, np.random.default_rng(5), d_pp=4)
+    sc = dataclasses.replace(sc, training=dataclasses.replace(sc.training, global_batch=8))
+    clipped = dataclasses.replace(sc, training=dataclasses.replace(sc.training, norm_exchange=True))
+    grid = np.arange(8).reshape(4, 2)
+    plain, with_norm = (PeerdObjective(Problem(x), Shape(4, 2)) for x in (sc, clipped))
+    base, cost = plain.grid_cost(grid, NONE), with_norm.grid_cost(grid, NONE)
+    assert base.parts["norm"] == 0.0 and cost.parts["norm"] > 0
+    assert cost.total == pytest.approx(base.total + cost.parts["norm"])
+    # an allocation as written pairs replica j's devices: the trip is over those pairs
+    ids = with_norm.problem.ids
+    alloc = Allocation(tuple(tuple(ids[d] for d in row) for row in grid))
+    delay = with_norm.problem.delay
+    hop = [
+        max((delay[a, b] + delay[b, a]) / 2 for a, b in zip(grid[k], grid[k + 1], strict=True))
+        for k in range(3)
+    ]
+    assert score_allocation(with_norm, alloc).parts["norm"] == pytest.approx(2 * sum(hop))
+    one = PeerdObjective(Problem(clipped), Shape(1, 8)).grid_cost(np.arange(8).reshape(1, 8), NONE)
+    assert one.parts["norm"] == 0.0
