@@ -45,8 +45,10 @@ whose cores the swarm keeps busy the matched links are not what paces a step; ea
 ``host_cpu`` (the daemons' CPU seconds per step and their share of the cores over the steady
 steps, from ``/proc``) says which regime it ran in.
 
-Per arm the JSON reports the measured seconds per step (steady state: after the first
-``WARMUP_STEPS`` and before the last step, whose end-of-job teardown is not), tokens/s, the
+Per arm the JSON reports the measured seconds per step (the median over the tasklets of each
+one's mean wall time from a step's end to the next one's, its first step left out; the bench's
+polls of the owner's status give a second figure, ``s_per_step_polls``, over the steps it saw
+after the first ``WARMUP_STEPS`` and before the last, and the window of ``host_cpu``), tokens/s, the
 loss at equal tokens, bytes on the wire and the compression ratio by kind, the re-plans, the
 compute part of a step (``compute_tiny`` x peers / tasklets) and the rest (link and
 waiting); what the tasklets measured (``measured_phases``: seconds per step in forward and
@@ -54,7 +56,10 @@ backward passes with their encoding, waiting for and decoding neighbours' messag
 until acknowledged, and averaging with the optimizer step; mean and largest over tasklets,
 each worker's first step left out); and the cost model's prediction: the committed
 candidate's cost (the ``peerd`` objective on the roster's measured profiles and links, what
-the planner optimised) with the ratio measured / predicted. ``--png`` writes loss vs
+the planner optimised) with the ratio measured / predicted, and ``prediction``: the commit scored
+again on the roster rebuilt from the owner's status after the arm, with the cost's parts (``pp``,
+``dp``, ``norm``) and that roster, so that a reader can score it with another model. Every
+tasklet's phases and seconds per step are in ``measured_phases.by_tasklet``. ``--png`` writes loss vs
 wall-clock and vs tokens for every arm (when matplotlib is installed).
 """
 
@@ -550,7 +555,7 @@ def tasklet_phases(swarm: LocalSwarm, job: str) -> list[dict[str, Any]]:
         with contextlib.suppress(PeerdError):
             tasklet = peer.control().call("job_status", job_id=job).get("tasklet") or {}
             if tasklet.get("phases_s"):
-                out.append({k: tasklet.get(k) for k in ("stage", "replica", "phases_s")})
+                out.append({k: tasklet.get(k) for k in ("stage", "replica", "s_per_step", "phases_s")})
     return out
 
 
@@ -590,10 +595,16 @@ def arm_result(
     steady = [(t, s) for t, s in samples if WARMUP_STEPS <= s < spec["steps"]]
     if len(steady) < 2 or steady[-1][1] <= steady[0][1]:
         steady = [(t, s) for t, s in samples if s >= 1]  # a fast arm outran the polls: every step seen
-    s_per_step, source = None, "polls"
+    polled = None
     if len(steady) >= 2 and steady[-1][1] > steady[0][1]:
-        s_per_step = (steady[-1][0] - steady[0][0]) / (steady[-1][1] - steady[0][1])
-    elif progress.get("tokens_per_s"):  # too fast for the polls: the tasklets' own rate (median)
+        polled = (steady[-1][0] - steady[0][0]) / (steady[-1][1] - steady[0][1])
+    # the tasklets' own clocks: every step after each one's first, end to end (a fast arm runs its
+    # steady steps between two or three polls of a busy daemon)
+    clocked = [float(t["s_per_step"]) for t in run.get("phases") or [] if t.get("s_per_step")]
+    s_per_step, source = polled, "polls"
+    if clocked:
+        s_per_step, source = median(clocked), "tasklets"
+    elif polled is None and progress.get("tokens_per_s"):  # the tasklets' last steps' rate (median)
         s_per_step, source = tokens_per_step / progress["tokens_per_s"], "daemons"
     first_seen: dict[int, float] = {}
     for t, s in samples:
@@ -623,14 +634,16 @@ def arm_result(
         "wall_s": round(run["wall_s"], 2),
         "s_per_step": s_per_step,
         "s_per_step_source": source,
-        "s_per_step_over_steps": [steady[0][1], steady[-1][1]] if source == "polls" and s_per_step else None,
+        "s_per_step_tasklets": {"min": min(clocked), "max": max(clocked)} if clocked else None,
+        "s_per_step_polls": polled,
+        "s_per_step_over_steps": [steady[0][1], steady[-1][1]] if polled else None,
         "step_seen_at_s": [[round(t, 2), s] for t, s in samples],
         "tokens_per_s": tokens_per_step / s_per_step if s_per_step else None,
         "tokens_per_s_daemons": progress.get("tokens_per_s"),
         "compute_s_per_step": compute,
         "link_and_wait_s_per_step": s_per_step - compute if s_per_step else None,
         "measured_phases": phase_summary(run.get("phases") or []),
-        "host_cpu": host_cpu(run.get("cpu") or {}, steady, cores) if source == "polls" else None,
+        "host_cpu": host_cpu(run.get("cpu") or {}, steady, cores) if polled else None,
         "predicted_s_per_step": predicted,
         "measured_over_predicted": s_per_step / predicted if s_per_step and predicted else None,
         "prediction": prediction_parts(spec, alloc, run.get("status") or {}),

@@ -59,3 +59,6 @@ class JobRunner(Protocol):
 
     def phases(self) -> dict[str, float]:
         """Mean seconds per step in each phase of its tasklet's steps (empty: none measured)."""
+
+    def s_per_step(self) -> float | None:
+        """Mean wall seconds from one of its tasklet's steps' end to the next one's (None: not measured)."""

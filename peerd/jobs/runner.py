@@ -248,6 +248,8 @@ class TaskletRunner:
         self.wire: dict[str, int] = {}
         self._phase_sums: dict[str, float] = {}  # seconds per phase over the steps counted (``phases``)
         self._phase_steps = 0
+        self._step_end: float | None = None  # when the current worker's last step ended (perf_counter)
+        self._steady_s = 0.0  # wall seconds between consecutive step ends of one worker (``s_per_step``)
         self.started_at = store.now()
         self.worker: StageWorker | None = None
         self.recoveries: list[dict[str, Any]] = []  # per adopted commit: where the state came from, how long
@@ -805,10 +807,14 @@ class TaskletRunner:
 
     def _on_report(self, report: StepReport) -> None:
         worker = self.worker
+        now = time.perf_counter()
         if worker is not None and len(worker.reports) > 1:  # a worker's first step warms up: not counted
             for phase, seconds in report.phases_s.items():
                 self._phase_sums[phase] = self._phase_sums.get(phase, 0.0) + seconds
             self._phase_steps += 1
+            if self._step_end is not None:
+                self._steady_s += now - self._step_end
+        self._step_end = now
         self.step = report.step + 1
         self.tokens_per_s = report.tokens_per_s
         if report.loss is not None:
@@ -828,6 +834,11 @@ class TaskletRunner:
         """Mean seconds per step in each phase of ``StepReport.phases_s`` (each worker's first step left out)."""
         n = self._phase_steps
         return {phase: seconds / n for phase, seconds in self._phase_sums.items()} if n else {}
+
+    def s_per_step(self) -> float | None:
+        """Mean wall seconds from one step's end to the next one's, over the steps ``phases`` counts: the
+        phases plus whatever runs between steps (the report, the progress record)."""
+        return self._steady_s / self._phase_steps if self._phase_steps else None
 
     def _worker_bytes(self, worker: StageWorker) -> dict[str, int]:
         sent = {"activations": 0, "gradients": 0, "activations_raw": 0, "gradients_raw": 0}

@@ -521,6 +521,7 @@ def job_view(
             "step": entry.runner.step,
             "recoveries": list(entry.runner.recoveries),
             "phases_s": {k: round(v, 6) for k, v in entry.runner.phases().items()},
+            "s_per_step": entry.runner.s_per_step(),
         }
     return view
 

@@ -64,7 +64,16 @@ def test_quick_wan_bench_trains_the_searched_and_the_random_arm() -> None:
         assert measured["dominant"] in measured["mean_s_per_step"]
         # the daemons' CPU over the steady steps the polls timed (a /proc machine), and the regime it implies
         host = r["host_cpu"]
-        if r["s_per_step_source"] == "polls":
+        # the step time from the tasklets' own clocks: their phases and what runs between steps
+        assert r["s_per_step_source"] == "tasklets" and len(measured["by_tasklet"]) == 4
+        for t in measured["by_tasklet"]:
+            assert t["s_per_step"] >= 0.99 * sum(t["phases_s"].values()), t
+        assert r["s_per_step_tasklets"]["min"] <= r["s_per_step"] <= r["s_per_step_tasklets"]["max"]
+        # the commit scored again on the roster the owner's status shows, with the cost's parts
+        parts = r["prediction"]["parts"]
+        assert parts["pp"] > 0 and parts["dp"] > 0 and parts["norm"] > 0, r["prediction"]
+        assert len(r["prediction"]["roster"]) == 4
+        if r["s_per_step_polls"]:
             assert host["swarm_cpu_s_per_step"] > 0 and 0 < host["swarm_share_of_cores"] <= 1.25, host
             assert host["machine_share_of_cores"] > 0 and host["regime"], host
     # the random arm trained exactly the seeded order every peer derives from public data

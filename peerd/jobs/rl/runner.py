@@ -456,6 +456,10 @@ class RLRunner:
         """None: the pipeline's phases do not apply to rl roles (``peerd bench rl-swarm`` times their tasks)."""
         return {}
 
+    def s_per_step(self) -> None:
+        """None: an rl trainer's iterations are timed in its record (``steady_rollouts_per_s``, ``phases_s``)."""
+        return None
+
     def progress(self) -> Progress | None:
         """The trainer's record for the current commit; None for a rollout peer (it runs no tasklet)."""
         if self.commit is None or self.role != "trainer":

@@ -206,6 +206,9 @@ class _Holding:
     def phases(self) -> dict[str, float]:
         return {}
 
+    def s_per_step(self) -> float | None:
+        return None
+
 
 def test_max_jobs_counts_the_jobs_a_peer_runs_not_those_it_plans() -> None:
     """A stranger's many jobs cannot make a peer load a model for each: running max_jobs, it applies to no
