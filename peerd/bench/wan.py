@@ -647,6 +647,7 @@ def arm_result(
         "predicted_s_per_step": predicted,
         "measured_over_predicted": s_per_step / predicted if s_per_step and predicted else None,
         "prediction": prediction_parts(spec, alloc, run.get("status") or {}),
+        "measured_parts": measured_parts(run.get("phases") or [], s_per_step),
         "final_loss": losses[-1][1] if losses else None,
         "loss_points": len(losses),
         "bytes": run["bytes"],
@@ -664,7 +665,8 @@ def prediction_parts(
     """The committed allocation scored again on the roster rebuilt from a daemon's status after the
     arm (the links as probed then, which may have moved since the commit), with the parts of the
     cost (``peerd.sched.cost_peerd``: ``pp`` the pipelined forward and backward, ``dp`` the slowest
-    stage's all-reduce), and that roster, so that a reader can score it with another model."""
+    stage's all-reduce, ``norm`` the gradient norm's trip), and that roster, so that a reader can
+    score it with another model."""
     if not status or not alloc.get("stages"):
         return None
     try:
@@ -680,6 +682,24 @@ def prediction_parts(
         "parts": cost.parts,
         "roster": msgspec.to_builtins(roster.entries),
     }
+
+
+def measured_parts(tasklets: list[dict[str, Any]], s_per_step: float | None) -> dict[str, float] | None:
+    """The step's measured time in the cost model's parts, from the tasklets' phases.
+
+    ``pp``: the pipelined forward and backward, up to the last tasklet's end of it (the largest
+    compute + wait + send of any tasklet: the slowest replica's first stage, in 1F1B); ``norm``: the
+    norm's trip alone, as the tasklet that waited least for it saw it (the one whose stage averaged
+    last); ``update``: the slowest optimizer step; ``dp``: the rest of the step (the slowest stage's
+    all-reduce with its wait, and what runs between steps). The model prices no ``update``.
+    """
+    phases = [t["phases_s"] for t in tasklets if t.get("phases_s")]
+    if not phases or not s_per_step:
+        return None
+    pp = max(p.get("compute", 0.0) + p.get("wait", 0.0) + p.get("send", 0.0) for p in phases)
+    norm = min(p.get("norm", 0.0) for p in phases)
+    update = max(p.get("update", 0.0) for p in phases)
+    return {"pp": pp, "dp": max(0.0, s_per_step - pp - norm - update), "norm": norm, "update": update}
 
 
 def wire_ratio(counters: dict[str, int], kinds: tuple[str, ...] = WIRE_KINDS) -> float | None:

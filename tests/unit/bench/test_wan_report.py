@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from peerd.bench.wan import arm_spec, arms, phase_summary, prediction_parts
+from peerd.bench.wan import arm_spec, arms, measured_parts, phase_summary, prediction_parts
 from peerd.jobs.scoring import RosterScorer
 from peerd.jobs.spec import parse_job_spec
 from peerd.sched.allocation import Allocation
@@ -81,3 +81,21 @@ def test_phases_are_summed_up_and_kept_per_tasklet_in_pipeline_order() -> None:
     assert got["max_s_per_step"] == {"averaging": 0.5, "compute": 0.3, "wait": 0.1}
     assert [(t["stage"], t["replica"]) for t in got["by_tasklet"]] == [(0, 0), (0, 1), (1, 0)]
     assert phase_summary([]) == {}
+
+
+def test_the_measured_step_is_split_like_the_prediction() -> None:
+    def tasklet(compute: float, wait: float, send: float, norm: float, update: float) -> dict:
+        phases = {
+            "compute": compute,
+            "wait": wait,
+            "send": send,
+            "averaging": 0.1,
+            "norm": norm,
+            "update": update,
+        }
+        return {"stage": 0, "replica": 0, "phases_s": phases}
+
+    # the second tasklet ends the pipeline last (0.35 s) and waits least for the norm (0.02 s)
+    got = measured_parts([tasklet(0.1, 0.1, 0.05, 0.2, 0.01), tasklet(0.1, 0.2, 0.05, 0.02, 0.03)], 0.7)
+    assert got == pytest.approx({"pp": 0.35, "norm": 0.02, "update": 0.03, "dp": 0.3})
+    assert measured_parts([], 0.7) is None and measured_parts([tasklet(0.1, 0, 0, 0, 0)], None) is None
