@@ -56,7 +56,8 @@ log = get_logger(__name__)
     "--objective",
     type=click.Choice(sorted(OBJECTIVES)),
     default="dtfm",
-    help="dtfm: DT-FM's communication yardstick; peerd: iteration time with compute, memory, spares.",
+    help="dtfm: DT-FM's communication yardstick; peerd: iteration time with compute, memory, spares "
+    "(and CPU devices that share a machine's cores: devices[].host).",
 )
 @click.option("--seed", type=int, default=0, help="Search seed (same seed, same plan).")
 @click.option(
