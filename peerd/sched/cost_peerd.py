@@ -28,8 +28,12 @@ s = seq, h = hidden, p_l = parameters of layer l (mean p̄ used for the split).
   (fill and drain once, then the slowest station paces every micro-batch).
 - Data parallel. Stage k exchanges c_k = sum of p_l over its n_k layers (taken in order)
   * gradient_bytes * r_g bytes, so an embedding or a head weighs what it holds (or c_dp_bytes
-  scaled by n_k / (L / G)): ``dp_k = max_{d in group k} sum_{d'} 2
-  (α + 8 c_k / (D β))``; DP = max_k dp_k (after the pipeline, not overlapped).
+  scaled by n_k / (L / G)). The runtime (``peerd.averaging``) sends a member's D - 1 shares of
+  c_k / D at once, to every partner, then gets the averaged shares back the same way; the flows
+  share the member's uplink, taken as its fastest probed link u_d (no flow ran faster):
+  ``dp_k = max_{d in group k} 2 (max_{d'} α + 8 (c_k / D) max(max_{d'} 1 / β, (D - 1) / u_d))``;
+  DP = max_k dp_k (after the pipeline, not overlapped). DT-FM's yardstick sums the D - 1
+  exchanges instead, as if each waited for the one before; with D = 2 the two agree.
 - Gradient norm (``norm_exchange``: clipping, or fp16's overflow verdict). After the all-reduce
   the stages pass partial sums of squares up the pipeline to stage 0 and the total back down:
   ``norm = 2 sum_e max_j α_e,j``, one small message per boundary each way (the largest one-way
@@ -39,8 +43,8 @@ s = seq, h = hidden, p_l = parameters of layer l (mean p̄ used for the split).
   two directions (1F1B memory differs); the max term is not part of the TSP.
 
 Reduction to ``dtfm``: identical devices with free compute, one micro-batch per
-tasklet (M = 1), ratios 1 and the same explicit c_dp/c_pp give T_k = 0, an even
-split, pipe = sum_e E_e = 2 PP and dp_k = dtfm's dp: the totals are equal, so the
+tasklet (M = 1), ratios 1, two replicas and the same explicit c_dp/c_pp give T_k = 0, an
+even split, pipe = sum_e E_e = 2 PP and dp_k = dtfm's dp: the totals are equal, so the
 rankings are too (tested).
 """
 
@@ -63,8 +67,8 @@ INFEASIBLE = 1e9
 class PeerdGroup:
     members: np.ndarray
     memory: float  # smallest member, bytes
-    a: np.ndarray  # per member: sum of 2 * delay to the rest of the group (s)
-    b: np.ndarray  # per member: sum of 16 / (D * bandwidth), times bytes gives seconds
+    a: np.ndarray  # per member: its all-reduce's latency part (s), ``member_terms``
+    b: np.ndarray  # per member: its all-reduce's seconds per byte of the stage's gradients
 
 
 class LayoutArrays(NamedTuple):
@@ -159,6 +163,9 @@ class PeerdObjective(Objective):
         np.fill_diagonal(a2, 0.0)
         np.fill_diagonal(bi, 0.0)
         self.a2, self.bi = a2, bi
+        # a device's uplink: its fastest probed link (concurrent flows share it, none runs faster)
+        fastest = np.where(np.eye(problem.n, dtype=bool), 0.0, problem.bandwidth).max(axis=1, initial=0.0)
+        self.uplink_bi = np.where(fastest > 0, 16.0 / (shape.d_dp * np.maximum(fastest, 1e-300)), 0.0)
         self.norm_exchange = tr.norm_exchange
         self.hop = (problem.delay + problem.delay.T) / 2.0  # one small message either way
         np.fill_diagonal(self.hop, 0.0)
@@ -178,13 +185,17 @@ class PeerdObjective(Objective):
         return pc
 
     def _group(self, members: np.ndarray) -> PeerdGroup:
-        ix = np.ix_(members, members)
-        return PeerdGroup(
-            members,
-            float(self.problem.memory_bytes[members].min()),
-            self.a2[ix].sum(axis=1),
-            self.bi[ix].sum(axis=1),
-        )
+        a, b = self.member_terms(members)
+        return PeerdGroup(members, float(self.problem.memory_bytes[members].min()), a, b)
+
+    def member_terms(self, members: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Each member's all-reduce as ``a + bytes * b`` for groups ``members`` (..., D) of device
+        indices: ``a`` twice its largest one-way delay to the others, ``b`` the seconds per byte of
+        its slowest partner's link or of its uplink carrying all D - 1 shares, the larger."""
+        pairs = (members[..., :, None], members[..., None, :])
+        a = self.a2[pairs].max(axis=-1)
+        uplink = (members.shape[-1] - 1) * self.uplink_bi[members]
+        return a, np.maximum(self.bi[pairs].max(axis=-1), uplink)
 
     def busy_tflops(self, members: np.ndarray) -> np.ndarray:
         """(P, G, D) each member's TFLOPS while every tasklet of its layout computes (``members``
@@ -307,25 +318,11 @@ class PeerdObjective(Objective):
             spares[np.clip(cand - cells, 0, max(len(spares) - 1, 0))] if len(spares) else 0,
             grid[rl, cl],
         )
-        # Base per-row quantities.
-        a_rows = self.a2[grid[:, :, None], grid[:, None, :]].sum(axis=2)  # (G, D)
-        b_rows = self.bi[grid[:, :, None], grid[:, None, :]].sum(axis=2)
-        a = np.broadcast_to(a_rows, (npairs, n_pp, n_dp)).copy()
-        b = np.broadcast_to(b_rows, (npairs, n_pp, n_dp)).copy()
         members = np.broadcast_to(grid, (npairs, n_pp, n_dp)).copy()
-
-        def replace_row(rows, col, out_dev, in_dev, sel):
-            """Row ``rows`` loses out_dev at ``col`` and gains in_dev (only where ``sel``)."""
-            ps, r, c, o, i = p_idx[sel], rows[sel], col[sel], out_dev[sel], in_dev[sel]
-            m = grid[r]  # (S, D)
-            a[ps, r] = a_rows[r] - self.a2[m, o[:, None]] + self.a2[m, i[:, None]]
-            b[ps, r] = b_rows[r] - self.bi[m, o[:, None]] + self.bi[m, i[:, None]]
-            a[ps, r, c] = self.a2[i[:, None], m].sum(axis=1) - self.a2[i, o]
-            b[ps, r, c] = self.bi[i[:, None], m].sum(axis=1) - self.bi[i, o]
-            members[ps, r, c] = i
-
-        replace_row(rk, ck, u, v, np.ones(npairs, dtype=bool))
-        replace_row(rl, cl, v, u, ~is_spare)
+        members[p_idx, rk, ck] = v
+        swapped = p_idx[~is_spare]
+        members[swapped, rl[~is_spare], cl[~is_spare]] = u[~is_spare]
+        a, b = self.member_terms(members)
         tflops = self.stage_tflops(members)
         memory = mem[members].min(axis=2)
         if n_pp > 1:

@@ -35,13 +35,15 @@ def _identical_free_compute(seed: int, n: int = 16, d_pp: int = 4) -> Scenario:
 
 
 def test_reduces_to_dtfm_with_identical_devices_and_free_compute():
-    sc = _identical_free_compute(3)
+    """Two replicas: a member's one exchange is the same whether the exchanges are summed (DT-FM)
+    or run at once (peerd)."""
+    sc = _identical_free_compute(3, d_pp=8)
     problem = Problem(sc)
-    dtfm, peerd = DtfmObjective(problem, Shape(4, 4)), PeerdObjective(problem, Shape(4, 4))
+    dtfm, peerd = DtfmObjective(problem, Shape(8, 2)), PeerdObjective(problem, Shape(8, 2))
     rng = np.random.default_rng(0)
     a, b = [], []
     for _ in range(30):
-        groups = list(rng.permutation(16).reshape(4, 4))
+        groups = list(rng.permutation(16).reshape(8, 2))
         e1 = dtfm.evaluate(groups, NONE)
         assert peerd.evaluate(groups, NONE, order=e1.order).cost.total == pytest.approx(
             e1.cost.total, rel=1e-9
@@ -252,3 +254,36 @@ def test_clipping_adds_the_norms_trip_up_the_pipeline_and_back() -> None:
     assert score_allocation(with_norm, alloc).parts["norm"] == pytest.approx(2 * sum(hop))
     one = PeerdObjective(Problem(clipped), Shape(1, 8)).grid_cost(np.arange(8).reshape(1, 8), NONE)
     assert one.parts["norm"] == 0.0
+
+
+def test_a_members_exchanges_run_at_once_on_its_uplink() -> None:
+    """d_pp = 1 over four devices: each member sends its three shares at once and gets the averages
+    back the same way, its slowest partner's link or its uplink (its fastest link) carrying all
+    three, whichever takes longer."""
+    fast, slow = 800.0, 100.0  # Mbit/s
+    lan = 1e4  # a region's own (unused: one device per region)
+    bw = [[lan, fast, slow, slow], [fast, lan, slow, slow], [slow, slow, lan, slow], [slow, slow, slow, lan]]
+    delay = [[0.0 if i == j else 1.0 + i + j for j in range(4)] for i in range(4)]  # ms
+    devices = [Device(id=f"d{i}", region=f"r{i}", tflops=1e6, memory_gb=1e3) for i in range(4)]
+    names = [f"r{i}" for i in range(4)]
+    sc = Scenario(
+        name="uplinks",
+        regions=Regions(names=names, delay_ms=delay, bandwidth_mbps=bw),
+        devices=devices,
+        model=ModelShape(layers=2, hidden=64, seq=16),
+        training=TrainingSpec(global_batch=4, micro_batch=1, d_pp=1, d_dp=4, c_dp_bytes=4e6),
+    )
+    obj = PeerdObjective(Problem(sc), Shape(1, 4))
+    cost = obj.grid_cost(np.arange(4).reshape(1, 4), NONE)
+    share_bits = 8 * 4e6 / 4  # the one stage exchanges c_dp_bytes, a quarter to each member
+    member = []
+    for i in range(4):
+        others = [j for j in range(4) if j != i]
+        slowest = max(share_bits / (bw[i][j] * 1e6) for j in others)
+        uplink = 3 * share_bits / (max(bw[i][j] for j in others) * 1e6)
+        member.append(2 * (max(delay[i][j] for j in others) / 1e3 + max(slowest, uplink)))
+    assert cost.parts["dp"] == pytest.approx(max(member))
+    # d0's fast uplink carries its three shares in less time than its slow partners' links need;
+    # d2 has no fast link at all: its uplink at 100 Mbit/s carries three shares one after another
+    assert member[0] == pytest.approx(2 * (4 / 1e3 + share_bits / 100e6))
+    assert member[2] == pytest.approx(2 * (6 / 1e3 + 3 * share_bits / 100e6))
