@@ -206,6 +206,16 @@ class DaemonConfig:
             metavar="N",
         ),
     )
+    machine: str = field(
+        default="",
+        metadata=_meta(
+            doc="The machine this peer computes on, as the cost models see it: CPU peers on one machine "
+            "share its cores. Default: this kernel's boot id, which every daemon here shares. Name "
+            "another machine for a daemon pinned to cores that no other daemon here uses (a container "
+            "on its own cpuset), or to emulate separate machines on one.",
+            metavar="NAME",
+        ),
+    )
     scenario: Path | None = field(
         default=None,
         metadata=_meta(
@@ -262,6 +272,8 @@ class DaemonConfig:
                 else:
                     continue
                 out.append(ConfigError(f"{key}[{i}]", wrong))
+        if self.machine and not _NAME.match(self.machine):
+            out.append(ConfigError("machine", f"{self.machine!r}: use 1-64 letters, digits, '.', '_' or '-'"))
         if not self.host_maddrs:
             out.append(ConfigError("host_maddrs", "needs at least one address to listen on"))
         if self.refresh_interval >= self.record_ttl:

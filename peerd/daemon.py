@@ -29,6 +29,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import asdict, dataclass
 from typing import Any
 
+import msgspec
 import torch
 
 from peerd import __version__
@@ -506,10 +507,14 @@ class Daemon:
         )
 
     def _measure_profile(self) -> Any:
+        from peerd.swarm.host import host_id
         from peerd.swarm.profiling import default_cache_path, profile_device
 
         cache = self.config.profile_cache or default_cache_path()
-        return profile_device(self.config.device, cache_path=cache)
+        profile = profile_device(self.config.device, cache_path=cache)
+        if self.config.machine and profile.host_id is not None:  # a CPU device on the machine it names
+            profile = msgspec.structs.replace(profile, host_id=host_id(self.config.machine))
+        return profile
 
     def _make_shaper(self) -> LinkShaper | None:
         if self.config.scenario is None:

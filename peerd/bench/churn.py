@@ -210,10 +210,19 @@ def allocation_of(view: dict[str, Any]) -> Allocation:
 
 
 def start_swarm(
-    root: Path, peers: int, options: dict[str, Any] | None = None, env: dict[str, str] | None = None
+    root: Path,
+    peers: int,
+    options: dict[str, Any] | None = None,
+    env: dict[str, str] | None = None,
+    peer_options: list[dict[str, Any]] | None = None,
 ) -> LocalSwarm:
     swarm = LocalSwarm(
-        peers, root / "s", options={**SWARM_OPTIONS, **(options or {})}, ready_timeout=120, env=env
+        peers,
+        root / "s",
+        options={**SWARM_OPTIONS, **(options or {})},
+        peer_options=peer_options,
+        ready_timeout=120,
+        env=env,
     )
     swarm.start()
     names = [p.name for p in swarm.peers]
@@ -221,12 +230,15 @@ def start_swarm(
     return swarm
 
 
-def join_through_survivor(swarm: LocalSwarm, until: int) -> None:
-    """Start daemons (joining through the newest live peer, not the first) until ``until`` run."""
+def join_through_survivor(
+    swarm: LocalSwarm, until: int, options: Callable[[int], dict[str, Any]] | None = None
+) -> None:
+    """Start daemons (joining through the newest live peer, not the first) until ``until`` run;
+    ``options(i)``, when given, goes into the config of the swarm's ``i``-th peer."""
     while len(swarm.live_peers()) < until:
         live = swarm.live_peers()
         through = [live[-1].info.maddrs[0]] if live and live[-1].info is not None else None
-        swarm.add_peer(initial_peers=through)
+        swarm.add_peer(initial_peers=through, options=options(len(swarm.peers)) if options else None)
 
 
 BENCH_STEPS = 400  # long enough to outlast four failures and their recoveries

@@ -21,14 +21,18 @@ _SALT = b"peerd-host-v1\0"
 
 
 @cache
-def host_id() -> str:
-    """16 hex digits naming this machine (until it reboots)."""
-    try:
-        seed = BOOT_ID.read_bytes().strip()
-    except OSError:
-        seed = b""
-    if not seed:
-        seed = f"{socket.gethostname()}/{uuid.getnode():012x}".encode()
+def host_id(machine: str = "") -> str:
+    """16 hex digits naming this machine (until it reboots), or the machine ``machine`` names when
+    given (a daemon's ``machine`` setting: daemons that name one machine share its cores)."""
+    if machine:
+        seed = b"named\0" + machine.encode()
+    else:
+        try:
+            seed = BOOT_ID.read_bytes().strip()
+        except OSError:
+            seed = b""
+        if not seed:
+            seed = f"{socket.gethostname()}/{uuid.getnode():012x}".encode()
     return hashlib.sha256(_SALT + seed).hexdigest()[:16]
 
 

@@ -9,12 +9,14 @@ replica, and training goes on. The global batch stays the same (each replica acc
 half as many micro-batches), so every step's loss equals a single-process run's that changes
 width at the same step (1e-4, every step).
 
-Whether two replicas beat one is the cost model's call. The daemons advertise the speed the
-tiny GPT really reaches here (``TFLOPS``, far below the matmul peak the profiler measures: four
-daemons share two cores and the model is too small for peak throughput), so the model sees
-the job compute-bound, as it is, and predicts 2 x 2 1.45-1.8x faster whatever the loopback
-links measure (0.08-2.4 Gbit/s, 0.4-22 ms round trips under load). At the matmul peak the job
-looked link-bound, and one slow loopback probe to the newcomer could keep it at 2 x 1.
+Whether two replicas beat one is the cost model's call. Each daemon stands for a volunteer with
+a machine of its own (the daemons' ``machine`` setting): on this one machine four daemons share
+two cores, and the cost model, told so, rightly predicts 2 x 2 no faster than 2 x 1. The daemons
+advertise the speed the tiny GPT reaches here (``TFLOPS``, far below the matmul peak the profiler
+measures: the model is too small for peak throughput), so the model sees the job compute-bound,
+and predicts 2 x 2 1.45-1.8x faster whatever the loopback links measure (0.08-2.4 Gbit/s,
+0.4-22 ms round trips under load). At the matmul peak the job looked link-bound, and one slow
+loopback probe to the newcomer could keep it at 2 x 1.
 
 Then a job with one replica per stage (two spares) loses a peer that leaves gracefully: its
 stage state exists nowhere else, so the leaving peer serves it to its successor before it
@@ -81,11 +83,18 @@ def declared_profiles(out: Path) -> Path:
     return out
 
 
+def own_machine(index: int) -> dict[str, Any]:
+    """Peer ``index``'s config: a machine of its own (what the volunteers of this test have)."""
+    return {"machine": f"volunteer-{index}"}
+
+
 @pytest.fixture(scope="module")
 def swarm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalSwarm]:
     root = tmp_path_factory.mktemp("growth")
     profiles = declared_profiles(root / "device_profiles.json")
-    local = start_swarm(root, 3, {"profile_cache": str(profiles)})
+    local = start_swarm(
+        root, 3, {"profile_cache": str(profiles)}, peer_options=[own_machine(i) for i in range(3)]
+    )
     try:
         yield local
     finally:
@@ -150,7 +159,7 @@ def test_a_short_handed_job_grows_back_onto_a_newcomer(swarm: LocalSwarm) -> Non
     assert (narrow.d_pp, narrow.d_dp, len(narrow.spares)) == (2, 1, 1), narrow
     epoch = max(v["allocation"]["epoch"] for v in first.values())
 
-    join_through_survivor(swarm, 4)
+    join_through_survivor(swarm, 4, own_machine)
     wide = job.wait(
         lambda vs: (
             len(vs) >= 4
@@ -165,6 +174,9 @@ def test_a_short_handed_job_grows_back_onto_a_newcomer(swarm: LocalSwarm) -> Non
         240,
         "the job to grow to 2 x 2 and train on",
     )
+    # every daemon's record names the machine its config gave it: four machines to the cost model
+    machines = {p["peer_id"]: p["host_id"] for p in owner.status()["peers"]}
+    assert len(machines) == 4 and len(set(machines.values())) == 4, machines
     view = next(iter(wide.values()))
     grown = allocation_of(view)
     assert set(narrow.devices) <= set(grown.devices)  # the running tasklets kept their slots
@@ -205,7 +217,7 @@ def test_a_leaving_peer_hands_its_stage_over_without_a_replica(swarm: LocalSwarm
     """One replica per stage: the leaving peer's state is the only copy; it serves it to its successor."""
     spec = {**CHURN_SPEC, "name": "handover", "steps": 600, "parallel": {"d_pp": 2, "d_dp": 1}}
     spec.update(min_peers=2, max_peers=4)
-    join_through_survivor(swarm, 4)  # two tasklets and two spares (the growth test left four)
+    join_through_survivor(swarm, 4, own_machine)  # two tasklets and two spares (the growth test left four)
     owner = swarm.peers[0]
     job = SwarmJob(swarm, owner.control().call("submit", spec=spec)["job_id"], min_views=3)  # 4, one leaves
     first = job.wait(

@@ -77,6 +77,7 @@ def test_json_config_files_work_too(tmp_path):
         ({"host_maddrs": []}, "host_maddrs", "at least one"),
         ({"swarm": "Lab"}, "swarm", "not a valid swarm name"),
         ({"name": "two words"}, "name", "letters, digits"),
+        ({"machine": "box/1"}, "machine", "letters, digits"),
         ({"record_ttl": 10, "refresh_interval": 10}, "refresh_interval", "below record_ttl"),
         ({"record_ttl": 3600, "refresh_interval": 60}, "record_ttl", "must be in (0, 600], got 3600.0"),
         ({"probe_interval": 0}, "probe_interval", "must be > 0"),

@@ -171,6 +171,15 @@ def test_a_cpu_profile_says_which_machine_and_how_much_of_it(measured):
     assert prof.threads == torch.get_num_threads()
 
 
+def test_a_named_machine_has_its_own_id() -> None:
+    """A daemon's ``machine`` setting names the machine its cores belong to, instead of this kernel."""
+    from peerd.swarm.host import host_id
+
+    box = host_id("box-1")
+    assert box == host_id("box-1") and len(box) == 16 and int(box, 16) >= 0
+    assert len({box, host_id("box-2"), host_id()}) == 3
+
+
 def test_the_element_costs_are_measured_and_carried(measured):
     _, prof = measured
     assert prof.element_ns is not None
