@@ -29,8 +29,9 @@ s = seq, h = hidden, p_l = parameters of layer l (mean p̄ used for the split).
 - Data parallel. Stage k exchanges c_k = sum of p_l over its n_k layers (taken in order)
   * gradient_bytes * r_g bytes, so an embedding or a head weighs what it holds (or c_dp_bytes
   scaled by n_k / (L / G)). The runtime (``peerd.averaging``) sends a member's D - 1 shares of
-  c_k / D at once, to every partner, then gets the averaged shares back the same way; the flows
-  share the member's uplink, taken as its fastest probed link u_d (no flow ran faster):
+  c_k / D at once, to every partner, then gets the averaged shares back the same way. Each flow
+  runs on its own measured link; where the scenario declares the member's access link u_d
+  (``Device.access_mbps``), all its flows share that:
   ``dp_k = max_{d in group k} 2 (max_{d'} α + 8 (c_k / D) max(max_{d'} 1 / β, (D - 1) / u_d))``;
   DP = max_k dp_k (after the pipeline, not overlapped). DT-FM's yardstick sums the D - 1
   exchanges instead, as if each waited for the one before; with D = 2 the two agree.
@@ -163,9 +164,8 @@ class PeerdObjective(Objective):
         np.fill_diagonal(a2, 0.0)
         np.fill_diagonal(bi, 0.0)
         self.a2, self.bi = a2, bi
-        # a device's uplink: its fastest probed link (concurrent flows share it, none runs faster)
-        fastest = np.where(np.eye(problem.n, dtype=bool), 0.0, problem.bandwidth).max(axis=1, initial=0.0)
-        self.uplink_bi = np.where(fastest > 0, 16.0 / (shape.d_dp * np.maximum(fastest, 1e-300)), 0.0)
+        # a declared access link carries all of a device's flows; without one, each flow its own link
+        self.uplink_bi = 16.0 / (shape.d_dp * problem.access_bps)
         self.norm_exchange = tr.norm_exchange
         self.hop = (problem.delay + problem.delay.T) / 2.0  # one small message either way
         np.fill_diagonal(self.hop, 0.0)
@@ -191,7 +191,8 @@ class PeerdObjective(Objective):
     def member_terms(self, members: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Each member's all-reduce as ``a + bytes * b`` for groups ``members`` (..., D) of device
         indices: ``a`` twice its largest one-way delay to the others, ``b`` the seconds per byte of
-        its slowest partner's link or of its uplink carrying all D - 1 shares, the larger."""
+        its slowest partner's link or of its declared access link carrying all D - 1 shares, the
+        larger."""
         pairs = (members[..., :, None], members[..., None, :])
         a = self.a2[pairs].max(axis=-1)
         uplink = (members.shape[-1] - 1) * self.uplink_bi[members]

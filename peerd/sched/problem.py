@@ -43,6 +43,10 @@ class Problem:
         self.tflops = np.array([d.tflops for d in devices], dtype=float)
         self.memory_bytes = np.array([d.memory_gb * 1e9 for d in devices], dtype=float)
         self.hosts: list[HostShare | None] = [d.host for d in devices]
+        # bit/s a device's flows share, where its scenario declares an access link (else inf)
+        self.access_bps = np.array(
+            [d.access_mbps * 1e6 if d.access_mbps is not None else np.inf for d in devices], dtype=float
+        )
         ix = np.ix_(order, order)
         self.delay = np.ascontiguousarray(scenario.delay_matrix()[ix])  # (N, N) seconds
         self.bandwidth = np.ascontiguousarray(scenario.bandwidth_matrix()[ix])  # (N, N) bit/s

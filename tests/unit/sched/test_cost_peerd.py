@@ -256,34 +256,35 @@ def test_clipping_adds_the_norms_trip_up_the_pipeline_and_back() -> None:
     assert one.parts["norm"] == 0.0
 
 
-def test_a_members_exchanges_run_at_once_on_its_uplink() -> None:
+def test_a_members_exchanges_run_at_once_each_on_its_link_or_on_a_declared_access_link() -> None:
     """d_pp = 1 over four devices: each member sends its three shares at once and gets the averages
-    back the same way, its slowest partner's link or its uplink (its fastest link) carrying all
-    three, whichever takes longer."""
+    back the same way, each flow on its own link; a device whose access link the scenario declares
+    carries all three on it, when that takes longer."""
     fast, slow = 800.0, 100.0  # Mbit/s
     lan = 1e4  # a region's own (unused: one device per region)
     bw = [[lan, fast, slow, slow], [fast, lan, slow, slow], [slow, slow, lan, slow], [slow, slow, slow, lan]]
     delay = [[0.0 if i == j else 1.0 + i + j for j in range(4)] for i in range(4)]  # ms
-    devices = [Device(id=f"d{i}", region=f"r{i}", tflops=1e6, memory_gb=1e3) for i in range(4)]
-    names = [f"r{i}" for i in range(4)]
+    access = [None, 900.0, 150.0, None]  # d1's access link is faster than its three shares need
+    devices = [
+        Device(id=f"d{i}", region=f"r{i}", tflops=1e6, memory_gb=1e3, access_mbps=access[i]) for i in range(4)
+    ]
     sc = Scenario(
         name="uplinks",
-        regions=Regions(names=names, delay_ms=delay, bandwidth_mbps=bw),
+        regions=Regions(names=[f"r{i}" for i in range(4)], delay_ms=delay, bandwidth_mbps=bw),
         devices=devices,
         model=ModelShape(layers=2, hidden=64, seq=16),
         training=TrainingSpec(global_batch=4, micro_batch=1, d_pp=1, d_dp=4, c_dp_bytes=4e6),
     )
-    obj = PeerdObjective(Problem(sc), Shape(1, 4))
-    cost = obj.grid_cost(np.arange(4).reshape(1, 4), NONE)
+    cost = PeerdObjective(Problem(sc), Shape(1, 4)).grid_cost(np.arange(4).reshape(1, 4), NONE)
     share_bits = 8 * 4e6 / 4  # the one stage exchanges c_dp_bytes, a quarter to each member
     member = []
     for i in range(4):
         others = [j for j in range(4) if j != i]
         slowest = max(share_bits / (bw[i][j] * 1e6) for j in others)
-        uplink = 3 * share_bits / (max(bw[i][j] for j in others) * 1e6)
-        member.append(2 * (max(delay[i][j] for j in others) / 1e3 + max(slowest, uplink)))
+        shared = 3 * share_bits / (access[i] * 1e6) if access[i] else 0.0
+        member.append(2 * (max(delay[i][j] for j in others) / 1e3 + max(slowest, shared)))
     assert cost.parts["dp"] == pytest.approx(max(member))
-    # d0's fast uplink carries its three shares in less time than its slow partners' links need;
-    # d2 has no fast link at all: its uplink at 100 Mbit/s carries three shares one after another
+    # d0 and d1: their slowest partner's link paces them; d2's access link carries its three shares
     assert member[0] == pytest.approx(2 * (4 / 1e3 + share_bits / 100e6))
-    assert member[2] == pytest.approx(2 * (6 / 1e3 + 3 * share_bits / 100e6))
+    assert member[1] == pytest.approx(2 * (5 / 1e3 + share_bits / 100e6))
+    assert member[2] == pytest.approx(2 * (6 / 1e3 + 3 * share_bits / 150e6))
