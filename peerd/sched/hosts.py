@@ -48,19 +48,14 @@ def slowdowns(shares: Sequence[HostShare | None], busy: Collection[int]) -> list
 
     On each host: the busy devices' threads over the host's cores (the most any of its devices
     declares), at least 1. A device that is not busy, or has no ``HostShare``, gets 1.
+    (``HostLoad`` does this for many sets of busy devices at once.)
     """
-    threads: dict[str, int] = {}
-    cores: dict[str, int] = {}
-    for i, share in enumerate(shares):
-        if share is None:
-            continue
-        cores[share.host] = max(cores.get(share.host, 1), share.cores)
-        if i in busy:
-            threads[share.host] = threads.get(share.host, 0) + share.threads
-    return [
-        max(1.0, threads[s.host] / cores[s.host]) if s is not None and i in busy else 1.0
-        for i, s in enumerate(shares)
-    ]
+    out = np.ones(len(shares))
+    load = HostLoad.of(shares)
+    if load is not None and busy:
+        idx = np.array(sorted(busy), dtype=np.intp)
+        out[idx] = load.factors(idx[None])[0]
+    return out.tolist()
 
 
 def loopback_factors(shares: Sequence[HostShare | None], factors: Sequence[float]) -> list[list[float]]:
@@ -88,14 +83,13 @@ class HostLoad:
         names = sorted({s.host for s in shares if s is not None})
         where = {h: k for k, h in enumerate(names)}
         self.host = np.array([where[s.host] if s is not None else -1 for s in shares], dtype=np.intp)
-        self.threads = np.array([s.threads if s is not None else 0 for s in shares], dtype=float)
-        self.cores = np.ones(len(names))
+        self.cores = np.ones(len(names))  # the most cores any device of the host declares
         for s in shares:
             if s is not None:
                 self.cores[where[s.host]] = max(self.cores[where[s.host]], s.cores)
         # (N, H + 1): a device's threads in its host's column; the last column collects the unknown
         self._load = np.zeros((len(shares), len(names) + 1))
-        self._load[np.arange(len(shares)), self.host] = self.threads
+        self._load[np.arange(len(shares)), self.host] = [s.threads if s is not None else 0 for s in shares]
 
     @classmethod
     def of(cls, shares: Sequence[HostShare | None]) -> HostLoad | None:
