@@ -27,8 +27,9 @@ last update, so it can serve both ``self.step - 1`` and ``self.step`` (``availab
 
 Devices: the stage module, its optimizer state, the boundary codecs with their AC-SGD buffers
 and the data batches live on ``TrainConfig.device`` (resolved here: ``auto`` is the first CUDA
-device, else MPS, else the CPU). All device work runs in the compute thread, never on the event
-loop: received tensors move to the device there, and what leaves the device (payloads, the
+device, else MPS, else the CPU). All device work runs in the compute thread, not on the event
+loop (on a CPU stage, a call whose last run was shorter than a thread hand-off, ``INLINE_COMPUTE_S``,
+runs on the loop while the thread is idle): received tensors move to the device there, and what leaves the device (payloads, the
 gradients handed to the averaging group, states for checkpoints and peers) is copied out there
 into host memory (pinned, non-blocking on CUDA: ``peerd.compress.device``). On a device, the
 stream receiver decodes every message off the event loop (a decode may wait on the device).
@@ -171,6 +172,12 @@ class Snapshot:
     scheduler: dict[str, Any]
 
 
+INLINE_COMPUTE_S = 0.004
+"""A compute call (forward, backward, update, ...) whose last run took at most this long runs on
+the event loop of a CPU stage: a hand-off to the compute thread and back waits twice for the GIL
+and for a core, which on a busy machine costs as much as a small stage's micro-batch, while a few
+milliseconds' stall of the loop only delays the streams' reads (they are buffered)."""
+
 PHASES = ("compute", "wait", "send", "averaging_wait", "averaging", "norm", "update")
 _PHASE_OF = {
     Op.FORWARD: "compute",
@@ -297,6 +304,11 @@ class StageWorker:
         self._executor = concurrent.futures.ThreadPoolExecutor(
             1, thread_name_prefix=f"peerd-s{stage}r{replica}"
         )
+        self._running: concurrent.futures.Future[Any] | None = None  # the compute thread's last call
+        self._compute_s: dict[
+            Callable[..., Any], float
+        ] = {}  # seconds each compute function's last call took
+        self.inline_compute_s = INLINE_COMPUTE_S
         self.protocol = stage_protocol(cfg.job, stage)
         expectations = {KIND_ACT: self._expectation(KIND_ACT), KIND_GRAD: self._expectation(KIND_GRAD)}
         decoders: dict[str, Any] = {
@@ -483,7 +495,25 @@ class StageWorker:
     # ------------------------------------------------------------------ one step
 
     async def _compute(self, fn: Callable[..., Any], *args: Any) -> Any:
-        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+        """``fn(*args)`` in the compute thread, or on the event loop when it is short (see
+        ``INLINE_COMPUTE_S``) and the thread is idle, so the two never touch the state at once."""
+        last = self._compute_s.get(fn)  # bound methods compare equal; a fresh lambda has no history
+        idle = self._running is None or self._running.done()
+        if self.device.type == "cpu" and idle and last is not None and last <= self.inline_compute_s:
+            started = time.perf_counter()
+            try:
+                return fn(*args)
+            finally:
+                self._compute_s[fn] = time.perf_counter() - started
+        self._running = self._executor.submit(self._timed, fn, *args)
+        return await asyncio.wrap_future(self._running)
+
+    def _timed(self, fn: Callable[..., Any], *args: Any) -> Any:
+        started = time.perf_counter()
+        try:
+            return fn(*args)
+        finally:
+            self._compute_s[fn] = time.perf_counter() - started
 
     async def train_step(self) -> StepReport:
         step = self.step

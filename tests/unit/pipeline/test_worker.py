@@ -243,6 +243,7 @@ def test_a_cancel_during_the_update_never_splits_it():
     import threading
 
     worker = one_stage(dataclasses.replace(CFG, rollback=True))
+    worker.inline_compute_s = 0.0  # every call in the compute thread, as a large model's
     refs = reference_states(CFG, 4)
     released, inside = threading.Event(), threading.Event()
 
@@ -290,3 +291,40 @@ def test_reset_codecs_empties_both_acsgd_sides():
     w.reset_codecs()
     assert {side: b["examples"] for side, b in w.codecs.buffers().items()} == {"send_act": 0, "recv_act": 0}
     asyncio.run(w.close())
+
+
+def test_short_compute_calls_run_on_the_loop_and_never_beside_the_compute_thread():
+    """A CPU stage's call whose last run was short runs on the event loop (a thread hand-off would
+    cost more); a call with no history, a long one, or any call while the thread is busy goes there."""
+    import threading
+    import time
+
+    worker = one_stage()
+
+    def where() -> threading.Thread:
+        return threading.current_thread()
+
+    def slow_where() -> threading.Thread:
+        time.sleep(2 * worker.inline_compute_s)
+        return threading.current_thread()
+
+    async def go() -> None:
+        loop_thread = threading.current_thread()
+        assert await worker._compute(where) is not loop_thread  # not measured yet
+        assert await worker._compute(where) is loop_thread
+        await worker._compute(slow_where)
+        assert await worker._compute(slow_where) is not loop_thread
+        gate = threading.Event()
+        busy = asyncio.ensure_future(worker._compute(gate.wait, 30.0))
+        await asyncio.sleep(0.05)
+        queued = asyncio.ensure_future(worker._compute(where))
+        await asyncio.sleep(0.05)
+        assert not queued.done()  # it waits for the busy thread instead of running beside it
+        gate.set()
+        await busy
+        assert await queued is not loop_thread
+        worker.inline_compute_s = 0.0
+        assert await worker._compute(where) is not loop_thread
+        await worker.close()
+
+    asyncio.run(go())
