@@ -23,6 +23,7 @@ other's compute while they keep more threads busy than it has cores (``peerd.sch
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -31,9 +32,11 @@ import numpy as np
 
 from peerd.errors import ConfigError
 from peerd.jobs.spec import JobSpec
+from peerd.pipeline.launches import count_layer_work
 from peerd.sched.allocation import Allocation
 from peerd.sched.consensus.messages import Roster, RosterDevice
 from peerd.sched.cost_peerd import INFEASIBLE
+from peerd.sched.elements import PerFamily
 from peerd.sched.evolution import Island, SearchConfig
 from peerd.sched.hosts import HostShare
 from peerd.sched.layout import score_allocation
@@ -85,6 +88,11 @@ def job_model(spec: JobSpec) -> JobModel:
             f"{spec.parallel.d_pp} stages; set {untie}: false or d_pp: 1",
         )
     costs = family.layer_costs(spec.data.seq_len)
+    work = (
+        count_layer_work(family, spec.micro_batch, spec.data.seq_len)
+        if spec.kind != "rl" and spec.planning.objective == "peerd"
+        else None
+    )
     comp = spec.compression
     forward_bits = None if comp.forward == "none" else comp.forward_bits
     model = ModelShape(
@@ -92,6 +100,7 @@ def job_model(spec: JobSpec) -> JobModel:
         hidden=family.hidden,
         seq=spec.data.seq_len,
         layer_params=[float(max(c.params, 1)) for c in costs],
+        layer_work=work,
         name=spec.model.preset or family.name,
     )
     training = TrainingSpec(
@@ -133,6 +142,14 @@ def host_share(device: RosterDevice) -> HostShare | None:
     return HostShare(device.host, device.host_cores, device.threads)
 
 
+def element_ns(device: RosterDevice) -> PerFamily | None:
+    """A roster entry's element costs (seconds per unit) as the cost models read them (ns), or None."""
+    costs = device.element_s
+    if costs is None:
+        return None
+    return PerFamily(*(1e9 * getattr(costs, f.name) for f in dataclasses.fields(PerFamily)))
+
+
 def roster_scenario(roster: Roster, jm: JobModel) -> Scenario:
     """The scenario of one roster view: a device per entry, links as measured (see the module docstring)."""
     peers = set(roster.peers)
@@ -149,6 +166,11 @@ def roster_scenario(roster: Roster, jm: JobModel) -> Scenario:
             region=e.profile.region,
             tflops=max(float(e.profile.tflops), MIN_TFLOPS),
             memory_gb=max(e.profile.memory_bytes, 1) / 1e9,
+            memory_bandwidth_gb_s=(
+                e.profile.memory_bandwidth / 1e9 if e.profile.memory_bandwidth is not None else None
+            ),
+            launch_us=e.profile.launch_s * 1e6 if e.profile.launch_s is not None else None,
+            element_ns=element_ns(e.profile),
             host=host_share(e.profile),
         )
         for e in roster.entries

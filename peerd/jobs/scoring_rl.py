@@ -60,15 +60,14 @@ import torch
 from peerd.averaging import GradientCompression
 from peerd.errors import ConfigError
 from peerd.jobs.optimizer import optimizer_config
-from peerd.jobs.scoring import CACHE_ROSTERS, JobModel, RosterScorer, host_share, job_model, roster_scenario
+from peerd.jobs.scoring import CACHE_ROSTERS, JobModel, RosterScorer, job_model, roster_scenario
 from peerd.jobs.spec import JobSpec
 from peerd.models.costs import matmul_params
 from peerd.pipeline.optim import build_optimizer, build_scheduler
 from peerd.rl.launches import IterationShape, count_launches
 from peerd.rl.tasks import make_task
 from peerd.sched.allocation import Allocation
-from peerd.sched.consensus.messages import Roster, RosterDevice
-from peerd.sched.elements import PerFamily
+from peerd.sched.consensus.messages import Roster
 from peerd.sched.evolution import SearchConfig
 from peerd.sched.hosts import loopback_factors, slowdowns
 from peerd.sched.rl.cluster import Cluster, rl_scenario
@@ -415,32 +414,17 @@ def required_rollouts(min_rollouts: int, roster: int, max_peers: int | None, rep
 
 
 def with_bandwidths(roster: Roster, jm: JobModel) -> Scenario:
-    """``roster_scenario`` with every device's memory bandwidth and seconds per op from its roster entry
-    (a peer that predates the op measurement is priced without launches), and the machine it shares."""
-    base = roster_scenario(roster, jm)
-    measured: dict[str, dict[str, Any]] = {}
+    """``roster_scenario`` (each device's memory bandwidth, seconds per op and per element unit, and the
+    machine it shares, from its roster entry), refusing an entry without a memory bandwidth: an rl job
+    cannot time its generation without it (a peer that predates the op measurement is priced without
+    launches)."""
     for i, e in enumerate(roster.entries):
         if e.profile.memory_bandwidth is None:
             raise ConfigError(
                 f"roster.entries[{i}].profile.memory_bandwidth",
                 f"peer {e.peer} did not measure its memory bandwidth: an rl job cannot time its generation",
             )
-        measured[e.peer] = {
-            "memory_bandwidth_gb_s": e.profile.memory_bandwidth / 1e9,
-            "launch_us": e.profile.launch_s * 1e6 if e.profile.launch_s is not None else None,
-            "element_ns": element_ns(e.profile),
-            "host": host_share(e.profile),
-        }
-    devices = [dataclasses.replace(d, **measured[d.id]) for d in base.devices]
-    return dataclasses.replace(base, devices=devices)
-
-
-def element_ns(device: RosterDevice) -> PerFamily | None:
-    """A roster entry's element costs (seconds per unit) as the cost model reads them (ns), or None."""
-    costs = device.element_s
-    if costs is None:
-        return None
-    return PerFamily(*(1e9 * getattr(costs, f.name) for f in dataclasses.fields(PerFamily)))
+    return roster_scenario(roster, jm)
 
 
 def scorer_for(spec: JobSpec) -> RosterScorer | RLRosterScorer:

@@ -6,8 +6,14 @@ s = seq, h = hidden, p_l = parameters of layer l (mean p̄ used for the split).
 
 - Compute. Forward FLOPs per token of a layer: 2 p_l + 4 s h (matmuls + attention);
   a micro-batch's forward + backward costs ``mult`` forwards (3, or 4 with activation
-  recomputation). Stage k runs at its slowest replica: ``t_k = mult * b * s * f̄ /
-  (min TFLOPS in group k * 1e12)`` seconds per layer per micro-batch. CPU devices that share a
+  recomputation): F = mult * b * s * f̄ per layer per micro-batch. A device d takes
+  ``F / (TFLOPS_d * 1e12) + w̄_d`` seconds for it, where ``w̄_d`` prices the mean layer's work beside
+  its arithmetic (``ModelShape.layer_work``, counted on the runtime's code): ops x the device's
+  seconds per op, traffic / its memory bandwidth, element units x its seconds per unit, each where
+  the device measured it (a small model's stage is dispatch- and traffic-bound: 1.9 ms for a
+  width-128 block's micro-batch of 2 x 64 tokens on one CPU thread, 0.75 ms by its FLOPs). Its
+  rate is F over that; stage k runs at its slowest replica: ``t_k = F / (min rate in group k *
+  1e12)`` seconds per layer per micro-batch. CPU devices that share a
   machine (``Device.host``) compute at ``cores / threads`` of their measured rate while the
   layout's tasklets on that machine keep more threads busy than it has cores: in the pipeline's
   steady state every stage computes at once (``peerd.sched.hosts``; spares idle).
@@ -57,9 +63,11 @@ from typing import NamedTuple
 import numpy as np
 
 from peerd.errors import ConfigError
+from peerd.sched.elements import PerFamily
 from peerd.sched.hosts import HostLoad
 from peerd.sched.objective import Cost, Edge, Objective, edge_culprits
 from peerd.sched.problem import Problem, Shape
+from peerd.sched.scenario import LayerWork
 
 INFEASIBLE = 1e9
 
@@ -170,9 +178,26 @@ class PeerdObjective(Objective):
         self.hop = (problem.delay + problem.delay.T) / 2.0  # one small message either way
         np.fill_diagonal(self.hop, 0.0)
         super().__init__(problem, shape)
+        self.rates = self._rates(problem, model.layer_work)
         self.host_load = HostLoad.of(problem.hosts)
         # What a device adds to an even stage's data-parallel exchange.
         self.affinity = a2 + self.layer_grad * (model.layers / shape.d_pp) * bi
+
+    def _rates(self, problem: Problem, work: list[LayerWork] | None) -> np.ndarray:
+        """(N,) each device's TFLOPS on the mean layer's micro-batch, its work beside the FLOPs included."""
+        seconds = self.layer_flops / (problem.tflops * 1e12)
+        if work is not None:
+            ops = float(np.mean([w.ops for w in work]))
+            traffic = float(np.mean([w.traffic_bytes for w in work]))
+            units = PerFamily(*np.mean([w.elements.values() for w in work], axis=0))
+            for i, dev in enumerate(problem.devices):
+                if dev.launch_us is not None:
+                    seconds[i] += ops * dev.launch_us * 1e-6
+                if dev.memory_bandwidth_gb_s is not None:
+                    seconds[i] += traffic / (dev.memory_bandwidth_gb_s * 1e9)
+                if dev.element_ns is not None:
+                    seconds[i] += units.seconds(dev.element_ns)
+        return self.layer_flops / seconds / 1e12
 
     def _pair_cost(self) -> np.ndarray:
         p = self.problem
@@ -202,7 +227,7 @@ class PeerdObjective(Objective):
         """(P, G, D) each member's TFLOPS while every tasklet of its layout computes (``members``
         (P, G, D) device indices): its measured rate, divided on a machine whose cores the layout's
         CPU devices oversubscribe (``peerd.sched.hosts``; spares idle)."""
-        rates = self.problem.tflops[members]
+        rates = self.rates[members]
         if self.host_load is None:
             return rates
         flat = members.reshape(len(members), -1)

@@ -37,6 +37,7 @@ class Problem:
         self.scenario = scenario
         order = sorted(range(len(scenario.devices)), key=lambda i: scenario.devices[i].id)
         devices = [scenario.devices[i] for i in order]
+        self.devices = devices
         self.ids: list[str] = [d.id for d in devices]
         self.index: dict[str, int] = {d: k for k, d in enumerate(self.ids)}
         self.regions: list[str] = [d.region for d in devices]

@@ -126,6 +126,20 @@ class Link:
         return out
 
 
+@dataclass(frozen=True)
+class LayerWork:
+    """What one micro-batch's forward and backward through a layer costs beside its FLOPs, counted on
+    the runtime's code (``peerd.pipeline.launches``); the ``peerd`` objective prices it at each
+    device's measured ``launch_us``, ``memory_bandwidth_gb_s`` and ``element_ns``."""
+
+    ops: Annotated[float, Range(ge=0)] = 0.0
+    """Dispatched device ops."""
+    traffic_bytes: Annotated[float, Range(ge=0)] = 0.0
+    """Bytes those ops read and write beyond the layer's weights (activations, gradients)."""
+    elements: PerFamily = field(default_factory=PerFamily)
+    """Units of the ops that cost more than their launch and traffic (``peerd.sched.elements``)."""
+
+
 @dataclass
 class ModelShape:
     """The model being trained, as far as the scheduler needs it."""
@@ -140,12 +154,18 @@ class ModelShape:
     """Total parameters; each layer gets params / layers. Default 12 * hidden^2 per layer."""
     layer_params: Annotated[list[float] | None, Range(gt=0)] = None
     """Parameters of each layer (overrides ``params``)."""
+    layer_work: list[LayerWork] | None = None
+    """Per layer, one micro-batch's (``training.micro_batch`` sequences) ops, traffic and element
+    units beside its FLOPs; None = compute priced by FLOPs alone (``peerd`` objective only)."""
     name: str = ""
 
     def problems(self) -> list[ConfigError]:
-        if self.layer_params is None or len(self.layer_params) == self.layers:
-            return []
-        return [ConfigError("layer_params", f"must list {self.layers} layers, got {len(self.layer_params)}")]
+        out = []
+        for name in ("layer_params", "layer_work"):
+            given = getattr(self, name)
+            if given is not None and len(given) != self.layers:
+                out.append(ConfigError(name, f"must list {self.layers} layers, got {len(given)}"))
+        return out
 
     def per_layer_params(self) -> np.ndarray:
         """Parameters of each layer, shape (layers,)."""
