@@ -57,7 +57,8 @@ log = get_logger(__name__)
     type=click.Choice(sorted(OBJECTIVES)),
     default="dtfm",
     help="dtfm: DT-FM's communication yardstick; peerd: iteration time with compute, memory, spares "
-    "(and CPU devices that share a machine's cores: devices[].host).",
+    "(and CPU devices that share a machine's cores: devices[].host; each layer's ops, traffic and "
+    "element units: model.layer_work, at devices[].launch_us, memory_bandwidth_gb_s, element_ns).",
 )
 @click.option("--seed", type=int, default=0, help="Search seed (same seed, same plan).")
 @click.option(
@@ -95,7 +96,7 @@ def plan(
         raise CliError(f"--{'async' if name == 'staleness' else name} needs --kind rl", 2)
     sc = load_scenario(scenario)
     if objective != "peerd":
-        _refuse_hosts(sc, f"the {objective} objective prices no compute (plan with --objective peerd)")
+        _refuse_unpriced(sc, f"the {objective} objective prices no compute (plan with --objective peerd)")
     result = run_plan(sc, objective, seed=seed, time_budget=time_budget, generations=generations)
     if as_json:
         data = result.to_dict()
@@ -119,7 +120,7 @@ def _plan_rl(
     from peerd.sched.rl.planner import plan_rl
 
     rl = load_rl_scenario(path, workload)
-    _refuse_hosts(rl.scenario, "peerd plan --kind rl prices every device as its own machine")
+    _refuse_unpriced(rl.scenario, "peerd plan --kind rl prices every device as its own machine")
     result = plan_rl(rl, mode, algo=algo, staleness=staleness, seed=seed, budget=budget)  # type: ignore[arg-type]
     if as_json:
         click.echo(json.dumps(result.to_dict(), indent=2))
@@ -127,14 +128,17 @@ def _plan_rl(
         click.echo(render_rl(result.to_dict(), len(rl.scenario.devices)))
 
 
-def _refuse_hosts(sc: Scenario, why: str) -> None:
+def _refuse_unpriced(sc: Scenario, why: str) -> None:
     """Shared machines (``devices[].host``) slow the compute of the ``peerd`` objective and of an rl
-    job's consensus scoring; where a plan cannot price them, a scenario that names one is refused."""
+    job's consensus scoring, and ``model.layer_work`` adds to the ``peerd`` objective's compute; where
+    a plan cannot price them, a scenario that names them is refused."""
     for i, d in enumerate(sc.devices):
         if d.host is not None:
             raise ConfigError(
                 f"devices[{i}].host", f"a shared machine would be ignored: {why}; or remove host"
             )
+    if sc.model is not None and sc.model.layer_work is not None:
+        raise ConfigError("model.layer_work", f"the layers' work would be ignored: {why}; or remove it")
 
 
 def render_rl(d: dict, n: int) -> str:

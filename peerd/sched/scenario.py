@@ -60,15 +60,16 @@ class Device:
     """Optional access-link cap: region-level bandwidth to/from this device never exceeds it."""
     memory_bandwidth_gb_s: Annotated[float | None, Range(gt=0)] = None
     """Accelerator memory bandwidth in GB/s (1e9 bytes/s); None = unknown. The RL scheduler needs it
-    (decoding is memory-bound); the training objectives ignore it."""
+    (decoding is memory-bound); the ``peerd`` objective prices ``model.layer_work``'s traffic with it."""
     launch_us: Annotated[float | None, Range(gt=0)] = None
     """Microseconds one dispatched device op costs beyond its arithmetic (framework and launch
     overhead, measured on a small model); None = not modelled. The RL scheduler adds it per op
-    counted in the workload's ``launches`` (what dominates models too small to fill the device)."""
+    counted in the workload's ``launches``, the ``peerd`` objective per op of ``model.layer_work``
+    (what dominates models too small to fill the device)."""
     element_ns: PerFamily | None = None
     """Nanoseconds per unit of the ops that cost more than their launch and traffic
     (``peerd.sched.elements``); None = not modelled. The RL scheduler adds them per unit counted in
-    the workload's ``launches``."""
+    the workload's ``launches``, the ``peerd`` objective per unit of ``model.layer_work``."""
     host: HostShare | None = None
     """The machine a CPU device computes on and its cores (``peerd.sched.hosts``); None = its own. An
     rl job's consensus scoring (``peerd.jobs.scoring_rl``) slows the devices of one machine that

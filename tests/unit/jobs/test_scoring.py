@@ -229,3 +229,35 @@ def test_the_memory_a_stage_needs_follows_the_optimizer() -> None:
     assert state_bytes_per_param(spec(2, 2, optimizer={"name": "sgd", "momentum": 0.9})) == 12.0
     assert state_bytes_per_param(spec(2, 2, optimizer={"name": "sgd"})) == 8.0
     assert job_model(spec(2, 2, optimizer={"name": "sgd"})).training.state_bytes_per_param == 8.0
+
+
+def test_a_pretraining_job_prices_its_layers_work_at_each_peers_measured_costs() -> None:
+    """Under the peerd objective the job model carries each layer's counted work
+    (``peerd.pipeline.launches``), and a roster entry's launch, bandwidth and element costs reach the
+    scenario: the same allocation costs more on peers that measured them than on bare profiles."""
+    job = spec(2, 2, planning={"objective": "peerd"})
+    jm = job_model(job)
+    assert jm.model.layer_work is not None and len(jm.model.layer_work) == jm.model.layers
+    assert job_model(spec(2, 2, planning={"objective": "dtfm"})).model.layer_work is None
+    bare = roster(4)
+    costs = ElementCosts(gelu=1e-9, softmax=0.2e-9, attention=700e-9, attention_backward=900e-9)
+    measured = Roster.of(
+        0,
+        [
+            msgspec.structs.replace(
+                e,
+                profile=msgspec.structs.replace(
+                    e.profile, launch_s=3e-6, memory_bandwidth=3e10, element_s=costs
+                ),
+            )
+            for e in bare.entries
+        ],
+    )
+    scorer = RosterScorer(job)
+    scenario = scorer.scenario(measured)
+    assert [d.launch_us for d in scenario.devices] == pytest.approx([3.0] * 4)
+    assert [d.memory_bandwidth_gb_s for d in scenario.devices] == pytest.approx([30.0] * 4)
+    alloc = Allocation(((PEERS[1], PEERS[2]), (PEERS[3], PEERS[0])))
+    plain, priced = scorer.cost(bare, alloc), scorer.cost(measured, alloc)
+    assert priced.parts["compute_per_micro_batch"] > plain.parts["compute_per_micro_batch"]
+    assert priced.parts["dp"] == pytest.approx(plain.parts["dp"])

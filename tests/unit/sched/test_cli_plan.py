@@ -104,6 +104,34 @@ def test_a_shared_machine_is_priced_by_the_peerd_objective_and_refused_by_the_ot
     assert shared["total"] > alone["total"]
 
 
+def test_layer_work_is_priced_by_the_peerd_objective_and_refused_by_the_others(tmp_path, capsys):
+    """``model.layer_work`` at the devices' measured costs adds to the peerd objective's compute; the
+    dtfm objective prices no compute and refuses it."""
+    work = [{"ops": 100, "traffic_bytes": 1e7, "elements": {"gelu": 1e5}}] * 8
+    devices = [
+        dict(d, launch_us=3.0, memory_bandwidth_gb_s=30.0, element_ns={"gelu": 1.3})
+        for d in SCENARIO["devices"]
+    ]
+    path = tmp_path / "work.yaml"
+    path.write_text(
+        yaml.safe_dump(dict(SCENARIO, devices=devices, model=dict(SCENARIO["model"], layer_work=work)))
+    )
+    with pytest.raises(SystemExit) as info:
+        main(["plan", str(path)])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert "model.layer_work" in err and "--objective peerd" in err
+    args = ["--objective", "peerd", "--generations", "1", "--json", "--seed", "1"]
+    plain = json.loads(CliRunner().invoke(cli, ["plan", str(tmp_path / "work.yaml"), *args]).output)
+    bare = tmp_path / "bare.yaml"
+    bare.write_text(yaml.safe_dump(SCENARIO))
+    flops = json.loads(CliRunner().invoke(cli, ["plan", str(bare), *args]).output)
+    per_layer = 100 * 3e-6 + 1e7 / 30e9 + 1e5 * 1.3e-9
+    assert plain["parts"]["compute_per_micro_batch"] == pytest.approx(  # four stages of two layers
+        flops["parts"]["compute_per_micro_batch"] + 4 * 2 * per_layer
+    )
+
+
 def test_console_script(scenario_file):
     exe = shutil.which("peerd") or str(Path(sys.executable).parent / "peerd")
     out = subprocess.run(

@@ -288,3 +288,54 @@ def test_a_members_exchanges_run_at_once_each_on_its_link_or_on_a_declared_acces
     assert member[0] == pytest.approx(2 * (4 / 1e3 + share_bits / 100e6))
     assert member[1] == pytest.approx(2 * (5 / 1e3 + share_bits / 100e6))
     assert member[2] == pytest.approx(2 * (6 / 1e3 + 3 * share_bits / 150e6))
+
+
+def test_a_layers_work_beside_its_flops_costs_each_device_what_it_measured() -> None:
+    """``model.layer_work`` adds, per layer and micro-batch, ops x the device's seconds per op,
+    traffic / its memory bandwidth and element units x its seconds per unit (the mean layer's, as the
+    FLOPs); a device that measured none of them is priced by its FLOPs alone."""
+    from peerd.sched.elements import PerFamily
+    from peerd.sched.scenario import LayerWork
+
+    work = [
+        LayerWork(ops=10, traffic_bytes=1e6, elements=PerFamily(gelu=1000)),
+        LayerWork(ops=30, traffic_bytes=3e6, elements=PerFamily(gelu=3000, attention=4)),
+    ]
+    measured = dict(
+        launch_us=5.0, memory_bandwidth_gb_s=10.0, element_ns=PerFamily(gelu=2.0, attention=500.0)
+    )
+    devices = [
+        Device(id="bare", region="r", tflops=0.1, memory_gb=8.0),
+        Device(id="measured", region="r", tflops=0.1, memory_gb=8.0, **measured),  # type: ignore[arg-type]
+    ]
+    model = ModelShape(layers=2, hidden=64, seq=32, layer_params=[1e5, 1e5])
+    sc = Scenario(
+        name="work",
+        devices=devices,
+        regions=Regions(names=["r"], delay_ms=[[0.0]], bandwidth_mbps=[[1000.0]]),
+        model=model,
+        training=TrainingSpec(global_batch=2, micro_batch=2, d_pp=1, d_dp=1),
+    )
+    flops_only = PeerdObjective(Problem(sc), Shape(1, 1))
+    priced = PeerdObjective(
+        Problem(dataclasses.replace(sc, model=dataclasses.replace(model, layer_work=work))), Shape(1, 1)
+    )
+    flops_s = flops_only.layer_flops / 0.1e12
+    extra = 20 * 5e-6 + 2e6 / 10e9 + (2000 * 2.0 + 2 * 500.0) * 1e-9  # the mean layer's work
+    ix = priced.problem.index
+    assert priced.rates[ix["bare"]] == pytest.approx(0.1)
+    assert priced.rates[ix["measured"]] == pytest.approx(priced.layer_flops / (flops_s + extra) / 1e12)
+    cost = priced.grid_cost(np.array([[ix["measured"]]]), np.array([ix["bare"]]))
+    assert cost.parts["compute_per_micro_batch"] == pytest.approx(2 * (flops_s + extra))
+    # the bare device is faster on paper, so the plan takes it
+    assert score_allocation(priced, Allocation((("bare",),))).total < cost.total
+
+
+def test_layer_work_must_list_every_layer() -> None:
+    with pytest.raises(ConfigError, match="layer_work"):
+        Scenario.from_mapping(
+            {
+                "devices": [{"id": "a", "tflops": 1, "memory_gb": 1}],
+                "model": {"layers": 2, "hidden": 8, "seq": 8, "layer_work": [{"ops": 3}]},
+            }
+        )
