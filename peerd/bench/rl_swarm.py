@@ -53,7 +53,6 @@ from typing import Any
 
 import click
 import msgspec
-import torch
 import yaml
 from click.core import ParameterSource
 
@@ -70,7 +69,7 @@ from peerd.bench.rl_swarm_report import (
     throughput,
     write_plot,
 )
-from peerd.bench.rosters import committed_roster, probed_links
+from peerd.bench.rosters import committed_roster, daemon_profile, one_thread, probed_links
 from peerd.errors import ErrorCode, PeerdError
 from peerd.jobs.rl.learner import Learner
 from peerd.jobs.rl.report import score
@@ -84,7 +83,6 @@ from peerd.rl.tasks import TASKS, TaskConfig, make_task
 from peerd.rl.trainer import evaluate
 from peerd.rl.weights import pack_weights
 from peerd.swarm.links import ProbeConfig
-from peerd.swarm.profiling import profile_device
 
 HELDOUT_SEED_OFFSET = 1_000_003  # as peerd bench grpo: a problem stream apart from the job's
 POLL_S = 0.25
@@ -316,19 +314,6 @@ def follow(swarm: LocalSwarm, spec: dict[str, Any], timeout: float) -> Followed:
 
 
 # -- in-process parts (one thread) ---------------------------------------------------------------
-
-
-def one_thread() -> contextlib.AbstractContextManager[None]:
-    @contextlib.contextmanager
-    def scope() -> Any:
-        threads = torch.get_num_threads()
-        torch.set_num_threads(1)  # what each daemon computes with
-        try:
-            yield
-        finally:
-            torch.set_num_threads(threads)
-
-    return scope()
 
 
 def assess(model: GPT, plan: RLPlan, s: Settings) -> dict[str, float]:
@@ -564,8 +549,7 @@ def async_comparison(s: Settings) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="peerd-rl-swarm-") as tmp:
         root = Path(tmp)
         cache = root / "device_profiles.json"
-        with one_thread():  # as the daemons compute: they read this entry instead of measuring at once
-            profile_device("cpu", cache_path=cache)
+        daemon_profile(cache)
         swarm = start_swarm(s, root, cache)
         try:
             arms = compare_arms(swarm, s)
@@ -587,8 +571,7 @@ def rl_swarm(s: Settings, png: str | None = None) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="peerd-rl-swarm-") as tmp:
         root = Path(tmp)
         cache = root / "device_profiles.json"
-        with one_thread():  # the daemons' thread count: its entry is theirs, measured once, read by all
-            profile = profile_device("cpu", cache_path=cache)
+        profile = daemon_profile(cache)
         assert profile.memory_gb_s is not None
         swarm = start_swarm(s, root, cache)
         try:

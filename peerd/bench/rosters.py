@@ -8,10 +8,35 @@ committed cost into its parts or price another job on the same peers.
 
 from __future__ import annotations
 
+import contextlib
 import statistics
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
+import torch
+
 from peerd.sched.consensus.messages import Roster, RosterDevice, RosterEntry, RosterLink
+from peerd.swarm.profiling import profile_device
+from peerd.swarm.records import DeviceProfile
+
+
+@contextlib.contextmanager
+def one_thread() -> Iterator[None]:
+    """Torch on one thread inside the block: what each of a local swarm's daemons computes with."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def daemon_profile(cache: Path) -> DeviceProfile:
+    """This machine's CPU profile as a local swarm's daemons (one thread each) will read it from
+    ``cache``: measured here once, so they do not all measure it at once."""
+    with one_thread():
+        return profile_device("cpu", cache_path=cache)
 
 
 def member_links(status: dict[str, Any], members: set[str]) -> list[dict[str, Any]]:
@@ -48,7 +73,7 @@ def committed_roster(
     Each entry as ``peerd.jobs.service`` builds it: fp32 TFLOPS, free memory, measured links (one-way
     delay = RTT / 2, upload bandwidth), each peer's machine, cores and threads; the memory bandwidth,
     seconds per op and element costs of ``measured`` (the shared profile cache's, as a daemon
-    declares them: ``peerd.jobs.service.roster_profile``), which only the RL cost model reads.
+    declares them: ``peerd.jobs.service.roster_profile``), which price small models' compute.
     """
     rows = {p["peer_id"]: p for p in status.get("peers", [])}
     members = list(alloc["roster"])

@@ -77,18 +77,21 @@ from typing import Any
 
 import click
 import msgspec
+import torch
 import yaml
 from click.core import ParameterSource
 
 from peerd.bench import emit_json
-from peerd.bench.rosters import committed_roster
+from peerd.bench.rosters import committed_roster, daemon_profile, one_thread
 from peerd.errors import ErrorCode, PeerdError
 from peerd.jobs.scoring import RosterScorer
+from peerd.jobs.service import roster_profile
 from peerd.jobs.spec import parse_job_spec
 from peerd.jobs.views import WIRE_KINDS
 from peerd.localswarm import LocalSwarm, converged
 from peerd.log import get_logger
 from peerd.sched.allocation import Allocation
+from peerd.sched.consensus.messages import RosterDevice
 from peerd.sched.scenario import load_scenario
 
 logger = get_logger(__name__)
@@ -225,14 +228,10 @@ def tiny_sizes(spec: dict[str, Any]) -> dict[str, float]:
 
 def measure_compute(spec: dict[str, Any], repeats: int = 5) -> float:
     """Seconds of one forward + backward of the global batch through the whole model, one thread (median)."""
-    import torch
-
     job = parse_job_spec(spec)
     family = job.model.family()
     model = family.build()
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # what each daemon gets (LocalSwarm: threads = 1)
-    try:
+    with one_thread():  # what each daemon gets (LocalSwarm: threads = 1)
         g = torch.Generator().manual_seed(0)
         tokens = torch.randint(0, family.vocab_size, (job.global_batch, job.data.seq_len + 1), generator=g)
         times = []
@@ -243,8 +242,6 @@ def measure_compute(spec: dict[str, Any], repeats: int = 5) -> float:
                 loss.backward()
             times.append(time.perf_counter() - started)
         return median(times[1:])  # the first run warms allocator and kernels up
-    finally:
-        torch.set_num_threads(threads)
 
 
 def regime(
@@ -585,7 +582,12 @@ def _holds(status: dict[str, Any], job: str) -> bool:
 
 
 def arm_result(
-    arm: Arm, spec: dict[str, Any], run: dict[str, Any], names: dict[str, str], reg: dict[str, Any]
+    arm: Arm,
+    spec: dict[str, Any],
+    run: dict[str, Any],
+    names: dict[str, str],
+    reg: dict[str, Any],
+    measured: RosterDevice | None = None,
 ) -> dict[str, Any]:
     cores = int(reg["tiny"]["cores"])
     view, samples = run["view"], run["samples"]
@@ -646,7 +648,7 @@ def arm_result(
         "host_cpu": host_cpu(run.get("cpu") or {}, steady, cores) if polled else None,
         "predicted_s_per_step": predicted,
         "measured_over_predicted": s_per_step / predicted if s_per_step and predicted else None,
-        "prediction": prediction_parts(spec, alloc, run.get("status") or {}),
+        "prediction": prediction_parts(spec, alloc, run.get("status") or {}, measured),
         "measured_parts": measured_parts(run.get("phases") or [], s_per_step),
         "final_loss": losses[-1][1] if losses else None,
         "loss_points": len(losses),
@@ -660,17 +662,18 @@ def arm_result(
 
 
 def prediction_parts(
-    spec: dict[str, Any], alloc: dict[str, Any], status: dict[str, Any]
+    spec: dict[str, Any], alloc: dict[str, Any], status: dict[str, Any], measured: RosterDevice | None = None
 ) -> dict[str, Any] | None:
     """The committed allocation scored again on the roster rebuilt from a daemon's status after the
-    arm (the links as probed then, which may have moved since the commit), with the parts of the
+    arm (the links as probed then, which may have moved since the commit; each device's op, traffic
+    and element costs from ``measured``, the profile every daemon read), with the parts of the
     cost (``peerd.sched.cost_peerd``: ``pp`` the pipelined forward and backward, ``dp`` the slowest
     stage's all-reduce, ``norm`` the gradient norm's trip), and that roster, so that a reader can
     score it with another model."""
     if not status or not alloc.get("stages"):
         return None
     try:
-        roster = committed_roster(status, alloc)
+        roster = committed_roster(status, alloc, measured)
         allocation = Allocation(tuple(tuple(s) for s in alloc["stages"]), tuple(alloc.get("spares") or ()))
         cost = RosterScorer(parse_job_spec(spec)).cost(roster, allocation)
     except KeyError as exc:
@@ -747,7 +750,9 @@ def wan(
         root = Path(tmp)
         shaped = shaped_scenario(path, names, reg["bandwidth_factor"], reg["delay_factor"])
         (root / "scenario.yaml").write_text(yaml.safe_dump(shaped, sort_keys=False))
-        options = {**SWARM_OPTIONS, "scenario": str(root / "scenario.yaml")}
+        cache = root / "device_profiles.json"
+        measured = roster_profile(daemon_profile(cache), "")  # what every daemon declares from it
+        options = {**SWARM_OPTIONS, "scenario": str(root / "scenario.yaml"), "profile_cache": str(cache)}
         swarm = LocalSwarm(peers, root / "s", options=options, names=names, ready_timeout=180)
         swarm.start()
         try:
@@ -761,7 +766,7 @@ def wan(
                 logger.info("arm %s: %s", arm.name, arm.what)
                 try:
                     run = run_arm(swarm, specs[arm.name], arm_timeout)
-                    results.append(arm_result(arm, specs[arm.name], run, ids, reg))
+                    results.append(arm_result(arm, specs[arm.name], run, ids, reg, measured))
                 except PeerdError as exc:
                     results.append({"arm": arm.name, "what": arm.what, "error": str(exc)})
                 logger.info("arm %s: %s", arm.name, _brief(results[-1]))
