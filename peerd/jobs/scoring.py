@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from peerd.errors import ConfigError
+from peerd.jobs.optimizer import optimizer_config
 from peerd.jobs.spec import JobSpec
 from peerd.pipeline.launches import count_layer_work
 from peerd.sched.allocation import Allocation
@@ -89,7 +90,7 @@ def job_model(spec: JobSpec) -> JobModel:
         )
     costs = family.layer_costs(spec.data.seq_len)
     work = (
-        count_layer_work(family, spec.micro_batch, spec.data.seq_len)
+        count_layer_work(family, spec.micro_batch, spec.data.seq_len, optimizer_config(spec.optimizer))
         if spec.kind != "rl" and spec.planning.objective == "peerd"
         else None
     )

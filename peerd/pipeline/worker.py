@@ -861,12 +861,7 @@ class StageWorker:
         """
         assert self.step == step, f"update of step {step} applied at step {self.step}"
         if self.cfg.rollback:
-            self._snapshot = Snapshot(
-                step,
-                _host_copy(self.module.state_dict()),
-                _host_copy(self.optimizer.state_dict()),
-                copy.deepcopy(self.scheduler.state_dict()),
-            )
+            self._snapshot = take_snapshot(step, self.module, self.optimizer, self.scheduler)
         for p, g in zip(self.params, grads, strict=True):
             # averaged on the host: back onto the device (a blocking copy: the averaging group may
             # reuse its host buffers as soon as this returns)
@@ -1079,6 +1074,18 @@ class StageWorker:
         without them (an older one) starts both sides empty.
         """
         return self.load_state(checkpoint.load(self._dir(), step))
+
+
+def take_snapshot(
+    step: int, module: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any
+) -> Snapshot:
+    """The trainable state before step ``step``'s update, copied to host memory (rollback)."""
+    return Snapshot(
+        step,
+        _host_copy(module.state_dict()),
+        _host_copy(optimizer.state_dict()),
+        copy.deepcopy(scheduler.state_dict()),
+    )
 
 
 def _host_copy(obj: Any) -> Any:

@@ -45,7 +45,11 @@ s = seq, h = hidden, p_l = parameters of layer l (mean p̄ used for the split).
   the stages pass partial sums of squares up the pipeline to stage 0 and the total back down:
   ``norm = 2 sum_e max_j α_e,j``, one small message per boundary each way (the largest one-way
   delay among the boundary's matched pairs).
-- total = pipe + DP + norm seconds per iteration. Spare devices cost nothing.
+- Update. Each stage then steps its optimizer over its layers' parameters:
+  ``update_k = max_{d in group k} (Σ_l update_ops_l x launch_d + Σ_l update_bytes_l / bandwidth_d)``
+  (``ModelShape.layer_work``, counted on the worker's update with its rollback copy; each term at
+  the member slowest at it, on a shared machine slowed as the compute), UPDATE = max_k update_k.
+- total = pipe + DP + norm + UPDATE seconds per iteration. Spare devices cost nothing.
 - Stage order: open-loop TSP over the E_e (the sum term), then the better of the
   two directions (1F1B memory differs); the max term is not part of the TSP.
 
@@ -90,6 +94,8 @@ class LayoutArrays(NamedTuple):
     emax: np.ndarray  # (P, G-1) boundary bottlenecks
     emean: np.ndarray  # (P, G-1) boundary mean pair costs
     hops: np.ndarray  # (P, G-1) boundary's largest one-way delay among its matched pairs
+    update_op_s: np.ndarray  # (P, G) seconds per op of the stage's slowest member at its update
+    update_byte_s: np.ndarray  # (P, G) seconds per byte of the same
 
 
 class BatchDetail(NamedTuple):
@@ -102,6 +108,7 @@ class BatchDetail(NamedTuple):
     pipe: np.ndarray  # (P,) pipelined forward/backward seconds
     stage: np.ndarray  # (P, G) compute seconds per stage per micro-batch
     norm: np.ndarray  # (P,) the gradient norm's trip along the pipeline and back
+    update: np.ndarray  # (P,) the slowest stage's optimizer step
 
 
 class PeerdObjective(Objective):
@@ -179,6 +186,13 @@ class PeerdObjective(Objective):
         np.fill_diagonal(self.hop, 0.0)
         super().__init__(problem, shape)
         self.rates = self._rates(problem, model.layer_work)
+        work = model.layer_work or []
+        self.update_ops_prefix = np.concatenate([[0.0], np.cumsum([w.update_ops for w in work])])
+        self.update_bytes_prefix = np.concatenate([[0.0], np.cumsum([w.update_traffic_bytes for w in work])])
+        self.op_s = np.array([d.launch_us * 1e-6 if d.launch_us else 0.0 for d in problem.devices])
+        self.byte_s = np.array(
+            [1e-9 / d.memory_bandwidth_gb_s if d.memory_bandwidth_gb_s else 0.0 for d in problem.devices]
+        )
         self.host_load = HostLoad.of(problem.hosts)
         # What a device adds to an even stage's data-parallel exchange.
         self.affinity = a2 + self.layer_grad * (model.layers / shape.d_pp) * bi
@@ -227,11 +241,19 @@ class PeerdObjective(Objective):
         """(P, G, D) each member's TFLOPS while every tasklet of its layout computes (``members``
         (P, G, D) device indices): its measured rate, divided on a machine whose cores the layout's
         CPU devices oversubscribe (``peerd.sched.hosts``; spares idle)."""
-        rates = self.rates[members]
+        return self.rates[members] / self.host_factors(members)
+
+    def host_factors(self, members: np.ndarray) -> np.ndarray:
+        """(P, G, D) how much each member's compute slows while every tasklet of its layout computes."""
         if self.host_load is None:
-            return rates
+            return np.ones(members.shape)
         flat = members.reshape(len(members), -1)
-        return rates / self.host_load.factors(flat).reshape(members.shape)
+        return self.host_load.factors(flat).reshape(members.shape)
+
+    def update_rates(self, members: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(P, G) twice: seconds per op and per byte of each stage's update at its slowest member."""
+        slow = self.host_factors(members)
+        return (self.op_s[members] * slow).max(axis=2), (self.byte_s[members] * slow).max(axis=2)
 
     def stage_tflops(self, members: np.ndarray) -> np.ndarray:
         """(P, G) the slowest member's TFLOPS per stage (``busy_tflops``): what paces the stage."""
@@ -245,7 +267,7 @@ class PeerdObjective(Objective):
 
     def batch_detail(self, x: LayoutArrays) -> BatchDetail:
         """Totals, softs and their parts for P layouts."""
-        tflops, memory, a, b, emax, emean, hops = x
+        tflops, memory, a, b, emax, emean, hops, update_op_s, update_byte_s = x
         n_layers, g = self.layers, tflops.shape[1]
         t = self.layer_flops / (tflops * 1e12)  # (P, G) s per layer per micro-batch
         per_layer_mem = self.layer_static + self.inflight[None, :g] * self.layer_act
@@ -259,18 +281,31 @@ class PeerdObjective(Objective):
             bubble = np.maximum(bubble, emax.max(axis=1))
         pipe = stage.sum(axis=1) + emax.sum(axis=1) + (self.micro_batches - 1) * bubble
         norm = 2.0 * hops.sum(axis=1) if self.norm_exchange else np.zeros(len(pipe))
-        total = pipe + dp.max(axis=1) + norm
+        update = (
+            self.stage_sum(self.update_ops_prefix, n) * update_op_s
+            + self.stage_sum(self.update_bytes_prefix, n) * update_byte_s
+        ).max(axis=1)
+        total = pipe + dp.max(axis=1) + norm + update
         total = np.where(short > 0, INFEASIBLE * (1.0 + short), total)
         soft = dp.mean(axis=1) + emean.sum(axis=1) + stage.mean(axis=1)
-        return BatchDetail(total, soft, n, dp, pipe, stage, norm)
+        return BatchDetail(total, soft, n, dp, pipe, stage, norm, update)
 
     def stage_grad_bytes(self, n: np.ndarray) -> np.ndarray:
         """(P, G) gradient bytes each stage exchanges, for layers per stage ``n`` taken in order."""
+        return self.stage_sum(self.grad_prefix, n)
+
+    @staticmethod
+    def stage_sum(prefix: np.ndarray, n: np.ndarray) -> np.ndarray:
+        """(P, G) each stage's sum of a per-layer quantity (``prefix``: its sums over layers [0, i)),
+        for layers per stage ``n`` taken in order."""
+        if len(prefix) == 1:  # not given per layer: nothing to add up
+            return np.zeros(n.shape)
         ends = np.cumsum(n, axis=-1)  # split_layers never places more than the model's layers
-        return self.grad_prefix[ends] - self.grad_prefix[ends - n]
+        return prefix[ends] - prefix[ends - n]
 
     def _arrays(self, groups: list[PeerdGroup], edges: list[Edge]) -> LayoutArrays:
-        tflops = self.stage_tflops(np.stack([x.members for x in groups])[None])
+        members = np.stack([x.members for x in groups])[None]
+        tflops = self.stage_tflops(members)
         memory = np.array([[x.memory for x in groups]])
         a = np.stack([x.a for x in groups])[None]
         b = np.stack([x.b for x in groups])[None]
@@ -284,15 +319,16 @@ class PeerdObjective(Objective):
                 ]
             ]
         ).reshape(1, len(edges))
-        return LayoutArrays(tflops, memory, a, b, emax, emean, hops)
+        return LayoutArrays(tflops, memory, a, b, emax, emean, hops, *self.update_rates(members))
 
     def combine(self, groups: list[PeerdGroup], edges: list[Edge], spares: np.ndarray) -> Cost:
-        total, soft, _n, dp, pipe, stage, norm = self.batch_detail(self._arrays(groups, edges))
-        # total = dp + pp + norm here (pp is the whole pipelined forward/backward, compute included).
+        total, soft, _n, dp, pipe, stage, norm, update = self.batch_detail(self._arrays(groups, edges))
+        # total = dp + pp + norm + update (pp is the whole pipelined forward/backward, compute included).
         parts = {
             "dp": float(dp[0].max()),
             "pp": float(pipe[0]),
             "norm": float(norm[0]),
+            "update": float(update[0]),
             "compute_per_micro_batch": float(stage[0].sum()),
             "links_per_micro_batch": float(sum(e.value for e in edges)),
             "micro_batches": float(self.micro_batches),
@@ -304,7 +340,7 @@ class PeerdObjective(Objective):
         return tuple(int(x) for x in n[0])
 
     def critical(self, groups: list[PeerdGroup], edges: list[Edge]) -> list[int]:
-        total, _, n, dp, _, stage, _ = self.batch_detail(self._arrays(groups, edges))
+        total, _, n, dp, _, stage, *_ = self.batch_detail(self._arrays(groups, edges))
         out: list[int] = []
         top = dp[0].max()
         grad_bytes = self.stage_grad_bytes(n)[0]
@@ -357,7 +393,9 @@ class PeerdObjective(Objective):
             hops = self.hop[members[:, :-1], members[:, 1:]].max(axis=2)
         else:
             emax = emean = hops = np.zeros((npairs, 0))
-        return self.batch_cost(LayoutArrays(tflops, memory, a, b, emax, emean, hops))
+        return self.batch_cost(
+            LayoutArrays(tflops, memory, a, b, emax, emean, hops, *self.update_rates(members))
+        )
 
 
 def split_layers(t: np.ndarray, cap: np.ndarray, n_layers: int) -> tuple[np.ndarray, np.ndarray]:

@@ -129,9 +129,10 @@ class Link:
 
 @dataclass(frozen=True)
 class LayerWork:
-    """What one micro-batch's forward and backward through a layer costs beside its FLOPs, counted on
-    the runtime's code (``peerd.pipeline.launches``); the ``peerd`` objective prices it at each
-    device's measured ``launch_us``, ``memory_bandwidth_gb_s`` and ``element_ns``."""
+    """What one micro-batch's forward and backward through a layer costs beside its FLOPs, and what
+    its optimizer step costs, counted on the runtime's code (``peerd.pipeline.launches``); the
+    ``peerd`` objective prices it at each device's measured ``launch_us``, ``memory_bandwidth_gb_s``
+    and ``element_ns``."""
 
     ops: Annotated[float, Range(ge=0)] = 0.0
     """Dispatched device ops."""
@@ -139,6 +140,11 @@ class LayerWork:
     """Bytes those ops read and write beyond the layer's weights (activations, gradients)."""
     elements: PerFamily = field(default_factory=PerFamily)
     """Units of the ops that cost more than their launch and traffic (``peerd.sched.elements``)."""
+    update_ops: Annotated[float, Range(ge=0)] = 0.0
+    """Ops of one optimizer step over the layer's parameters (with the rollback copy of its state
+    that a job's tasklets keep), once per iteration."""
+    update_traffic_bytes: Annotated[float, Range(ge=0)] = 0.0
+    """Bytes that step reads and writes (weights, gradients, optimizer state, their copies)."""
 
 
 @dataclass

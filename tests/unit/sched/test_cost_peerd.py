@@ -159,10 +159,24 @@ def test_vectorised_swaps_match_the_generic_rescoring(d_pp, d_dp, shared):
         sc, training=dataclasses.replace(sc.training, global_batch=d_dp * 4, norm_exchange=shared)
     )
     if shared:  # two oversubscribed machines and accelerators: a swap changes who slows whom
+        from peerd.sched.scenario import LayerWork
+
         boxes = [HostShare("a", 2, 1), HostShare("b", 3, 2), None]
         sc = dataclasses.replace(
-            sc, devices=[dataclasses.replace(d, host=boxes[i % 3]) for i, d in enumerate(sc.devices)]
+            sc,
+            devices=[
+                dataclasses.replace(
+                    d, host=boxes[i % 3], launch_us=1.0 + i % 5, memory_bandwidth_gb_s=10.0 + i
+                )
+                for i, d in enumerate(sc.devices)
+            ],
         )
+        # and each layer's work beside its FLOPs, its update included, at every device's own costs
+        work = [
+            LayerWork(ops=50 + k, traffic_bytes=1e6 * k, update_ops=10, update_traffic_bytes=2e6 * (k + 1))
+            for k in range(sc.model.layers)
+        ]  # type: ignore[union-attr]
+        sc = dataclasses.replace(sc, model=dataclasses.replace(sc.model, layer_work=work))
     obj = PeerdObjective(Problem(sc), Shape(d_pp, d_dp))
     rng = np.random.default_rng(0)
     perm = rng.permutation(16)
@@ -329,6 +343,43 @@ def test_a_layers_work_beside_its_flops_costs_each_device_what_it_measured() -> 
     assert cost.parts["compute_per_micro_batch"] == pytest.approx(2 * (flops_s + extra))
     # the bare device is faster on paper, so the plan takes it
     assert score_allocation(priced, Allocation((("bare",),))).total < cost.total
+    assert cost.parts["update"] == 0.0  # no optimizer step was counted
+
+
+def test_each_stage_steps_its_optimizer_over_its_own_layers_after_the_exchange() -> None:
+    """The update of a stage is its layers' counted update ops and bytes at its slowest member's
+    measured costs (slowed on a shared machine like its compute); the slowest stage's adds to the total."""
+    from peerd.sched.scenario import LayerWork
+
+    work = [
+        LayerWork(update_ops=40, update_traffic_bytes=8e6),
+        *[LayerWork(update_ops=20, update_traffic_bytes=1e6)] * 3,
+    ]
+    box = HostShare("box", cores=2, threads=1)
+    devices = [
+        Device(
+            id=f"d{i}",
+            region="r",
+            tflops=0.1,
+            memory_gb=8.0,
+            launch_us=4.0,
+            memory_bandwidth_gb_s=20.0,
+            host=box,
+        )
+        for i in range(4)
+    ]
+    sc = Scenario(
+        name="update",
+        devices=devices,
+        regions=Regions(names=["r"], delay_ms=[[0.0]], bandwidth_mbps=[[1000.0]]),
+        model=ModelShape(layers=4, hidden=64, seq=32, layer_work=work),
+        training=TrainingSpec(global_batch=4, micro_batch=2, d_pp=2, d_dp=2),
+    )
+    obj = PeerdObjective(Problem(sc), Shape(2, 2))
+    cost = obj.grid_cost(np.arange(4).reshape(2, 2), NONE)
+    first = (40 + 20) * 4e-6 + 9e6 / 20e9  # an even split: the embedding-heavy layer and one more
+    assert cost.parts["update"] == pytest.approx(2 * first)  # four tasklets on two cores: half speed
+    assert cost.total == pytest.approx(cost.parts["pp"] + cost.parts["dp"] + cost.parts["update"])
 
 
 def test_layer_work_must_list_every_layer() -> None:
