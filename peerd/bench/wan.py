@@ -668,8 +668,8 @@ def prediction_parts(
     arm (the links as probed then, which may have moved since the commit; each device's op, traffic
     and element costs from ``measured``, the profile every daemon read), with the parts of the
     cost (``peerd.sched.cost_peerd``: ``pp`` the pipelined forward and backward, ``dp`` the slowest
-    stage's all-reduce, ``norm`` the gradient norm's trip), and that roster, so that a reader can
-    score it with another model."""
+    stage's all-reduce, ``norm`` the gradient norm's trip, ``update`` the slowest stage's optimizer
+    step), and that roster, so that a reader can score it with another model."""
     if not status or not alloc.get("stages"):
         return None
     try:
@@ -694,7 +694,7 @@ def measured_parts(tasklets: list[dict[str, Any]], s_per_step: float | None) -> 
     compute + wait + send of any tasklet: the slowest replica's first stage, in 1F1B); ``norm``: the
     norm's trip alone, as the tasklet that waited least for it saw it (the one whose stage averaged
     last); ``update``: the slowest optimizer step; ``dp``: the rest of the step (the slowest stage's
-    all-reduce with its wait, and what runs between steps). The model prices no ``update``.
+    all-reduce with its wait, and what runs between steps). The model's parts have the same names.
     """
     phases = [t["phases_s"] for t in tasklets if t.get("phases_s")]
     if not phases or not s_per_step:
