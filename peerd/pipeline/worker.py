@@ -18,8 +18,9 @@ same micro-batch loss weights, same optimizer, schedule and clipping, so an unco
 reproduces it.
 
 State for churn recovery: a step's update (averaged gradients assigned and clipped,
-optimizer and LR-scheduler step, ``self.step += 1``) is one call in the compute thread, so cancelling ``run`` or ``train_step``
-at any await never leaves a half-applied step; ``quiesce`` waits for that call to finish.
+optimizer and LR-scheduler step, ``self.step += 1``) is one call (in the compute thread, or on
+the loop when short), so cancelling ``run`` or ``train_step`` at any await never leaves a
+half-applied step; ``quiesce`` waits for that call to finish.
 With ``TrainConfig.rollback`` the worker keeps a host copy of the state from just before the
 last update, so it can serve both ``self.step - 1`` and ``self.step`` (``available_steps``,
 ``state_at``): survivors that stopped one update apart can all resume from the older step.
@@ -28,10 +29,10 @@ last update, so it can serve both ``self.step - 1`` and ``self.step`` (``availab
 Devices: the stage module, its optimizer state, the boundary codecs with their AC-SGD buffers
 and the data batches live on ``TrainConfig.device`` (resolved here: ``auto`` is the first CUDA
 device, else MPS, else the CPU). All device work runs in the compute thread, not on the event
-loop (on a CPU stage, a call whose last run was shorter than a thread hand-off, ``INLINE_COMPUTE_S``,
-runs on the loop while the thread is idle): received tensors move to the device there, and what leaves the device (payloads, the
-gradients handed to the averaging group, states for checkpoints and peers) is copied out there
-into host memory (pinned, non-blocking on CUDA: ``peerd.compress.device``). On a device, the
+loop (on a CPU stage, a call whose last run was shorter than a thread hand-off,
+``INLINE_COMPUTE_S``, runs on the loop while the thread is idle): received tensors move to the
+device there, and what leaves the device (payloads, the gradients handed to the averaging
+group, states for checkpoints and peers) is copied out there into host memory (pinned, non-blocking on CUDA: ``peerd.compress.device``). On a device, the
 stream receiver decodes every message off the event loop (a decode may wait on the device).
 States load back onto this worker's device whatever device saved them.
 
