@@ -369,6 +369,7 @@ def test_a_cancelled_run_leaves_whole_steps_that_resume_on_the_same_curve(
     async def cancelled() -> list[StageWorker]:
         workers = build_workers(cfg, ALLOC, swarm.peers, on_report=on_report)
         if seed == 0:  # stage 0's backward of step 2 (compute thread) waits for the cancel
+            workers[0].inline_compute_s = 0.0  # held in the thread, not on the loop the cancel needs
             first = next(workers[0].module.parameters())
             first.register_hook(lambda g: (held.wait(60) if workers[0].step == at_step else None, g)[1])
         try:
