@@ -185,7 +185,7 @@ class PeerdObjective(Objective):
         self.hop = (problem.delay + problem.delay.T) / 2.0  # one small message either way
         np.fill_diagonal(self.hop, 0.0)
         super().__init__(problem, shape)
-        self.rates = self._rates(problem, model.layer_work)
+        self.speed = self._rates(problem, model.layer_work)
         work = model.layer_work or []
         self.update_ops_prefix = np.concatenate([[0.0], np.cumsum([w.update_ops for w in work])])
         self.update_bytes_prefix = np.concatenate([[0.0], np.cumsum([w.update_traffic_bytes for w in work])])
@@ -241,7 +241,7 @@ class PeerdObjective(Objective):
         """(P, G, D) each member's TFLOPS while every tasklet of its layout computes (``members``
         (P, G, D) device indices): its measured rate, divided on a machine whose cores the layout's
         CPU devices oversubscribe (``peerd.sched.hosts``; spares idle)."""
-        return self.rates[members] / self.host_factors(members)
+        return self.speed[members] / self.host_factors(members)
 
     def host_factors(self, members: np.ndarray) -> np.ndarray:
         """(P, G, D) how much each member's compute slows while every tasklet of its layout computes."""

@@ -96,6 +96,7 @@ class Objective(ABC):
         self.shape = shape
         self.pair_cost = self._pair_cost()  # (N, N), symmetric, zero diagonal
         self.affinity = self.pair_cost  # (N, N): what a device adds to a group (models refine it)
+        self.speed = problem.tflops  # (N,): how fast a device computes a layer (models refine it)
         self._groups: dict[bytes, Any] = {}
         self._edges: dict[tuple[bytes, bytes], Edge] = {}
         self.evaluations = 0

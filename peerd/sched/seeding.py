@@ -95,7 +95,7 @@ def active_devices(obj: Objective, count: int) -> np.ndarray:
     # Median link cost to the others is robust to a few bad pairs; compute speed enters when known.
     link = np.median(obj.pair_cost + np.diag(np.full(n, np.nan)), axis=1) if n > 1 else np.zeros(n)
     link = np.nan_to_num(link, nan=0.0)
-    tflops = obj.problem.tflops
+    tflops = obj.speed
     speed = tflops / tflops.max() if tflops.max() > 0 else np.ones(n)
     score = link / (link.max() or 1.0) - speed
     return np.sort(np.argsort(score, kind="stable")[:count])

@@ -337,13 +337,20 @@ def test_a_layers_work_beside_its_flops_costs_each_device_what_it_measured() -> 
     flops_s = flops_only.layer_flops / 0.1e12
     extra = 20 * 5e-6 + 2e6 / 10e9 + (2000 * 2.0 + 2 * 500.0) * 1e-9  # the mean layer's work
     ix = priced.problem.index
-    assert priced.rates[ix["bare"]] == pytest.approx(0.1)
-    assert priced.rates[ix["measured"]] == pytest.approx(priced.layer_flops / (flops_s + extra) / 1e12)
+    assert priced.speed[ix["bare"]] == pytest.approx(0.1)
+    assert priced.speed[ix["measured"]] == pytest.approx(priced.layer_flops / (flops_s + extra) / 1e12)
     cost = priced.grid_cost(np.array([[ix["measured"]]]), np.array([ix["bare"]]))
     assert cost.parts["compute_per_micro_batch"] == pytest.approx(2 * (flops_s + extra))
     # the bare device is faster on paper, so the plan takes it
     assert score_allocation(priced, Allocation((("bare",),))).total < cost.total
     assert cost.parts["update"] == 0.0  # no optimizer step was counted
+    # the search's seeds take the faster device as the model sees it, not by its FLOPs alone
+    from peerd.sched.seeding import active_devices
+
+    assert active_devices(priced, 1).tolist() == [ix["bare"]]
+    slower_on_paper = dataclasses.replace(devices[0], tflops=0.0999)  # without the counted work,
+    worse = dataclasses.replace(sc, devices=[slower_on_paper, devices[1]])  # the FLOPs alone decide
+    assert active_devices(PeerdObjective(Problem(worse), Shape(1, 1)), 1).tolist() == [ix["measured"]]
 
 
 def test_each_stage_steps_its_optimizer_over_its_own_layers_after_the_exchange() -> None:
