@@ -8,7 +8,7 @@ on one thread, which its FLOPs price at 0.75 ms. ``count_layer_work`` gives the 
 it prices those with: per layer, the ops (``OpCounter.ops``), the bytes they read and write beyond
 the layer's weights, and the units of each ``ELEMENT_FAMILIES`` family, for one micro-batch of the
 job, forward and backward, as a stage worker runs it (a leaf input that takes a gradient, the
-family's loss on the last layer).
+family's loss on the last layer), in fp32 (a bf16 or fp16 job's casts are not counted).
 
 With the job's optimizer, each layer's update is counted too: what a stage worker's update does
 once per step over the layer's parameters (``StageWorker._apply``: the rollback copy of the state,
