@@ -185,32 +185,30 @@ class PeerdObjective(Objective):
         self.hop = (problem.delay + problem.delay.T) / 2.0  # one small message either way
         np.fill_diagonal(self.hop, 0.0)
         super().__init__(problem, shape)
-        self.speed = self._rates(problem, model.layer_work)
-        work = model.layer_work or []
-        self.update_ops_prefix = np.concatenate([[0.0], np.cumsum([w.update_ops for w in work])])
-        self.update_bytes_prefix = np.concatenate([[0.0], np.cumsum([w.update_traffic_bytes for w in work])])
+        # a device's seconds per op and per byte beside the matmuls: 0 where it measured none
         self.op_s = np.array([d.launch_us * 1e-6 if d.launch_us else 0.0 for d in problem.devices])
         self.byte_s = np.array(
             [1e-9 / d.memory_bandwidth_gb_s if d.memory_bandwidth_gb_s else 0.0 for d in problem.devices]
         )
+        work = model.layer_work or [LayerWork()] * model.layers
+        self.speed = self._rates(problem, work)
+        self.update_ops_prefix = np.concatenate([[0.0], np.cumsum([w.update_ops for w in work])])
+        self.update_bytes_prefix = np.concatenate([[0.0], np.cumsum([w.update_traffic_bytes for w in work])])
         self.host_load = HostLoad.of(problem.hosts)
         # What a device adds to an even stage's data-parallel exchange.
         self.affinity = a2 + self.layer_grad * (model.layers / shape.d_pp) * bi
 
-    def _rates(self, problem: Problem, work: list[LayerWork] | None) -> np.ndarray:
+    def _rates(self, problem: Problem, work: list[LayerWork]) -> np.ndarray:
         """(N,) each device's TFLOPS on the mean layer's micro-batch, its work beside the FLOPs included."""
-        seconds = self.layer_flops / (problem.tflops * 1e12)
-        if work is not None:
-            ops = float(np.mean([w.ops for w in work]))
-            traffic = float(np.mean([w.traffic_bytes for w in work]))
-            units = PerFamily(*np.mean([w.elements.values() for w in work], axis=0))
-            for i, dev in enumerate(problem.devices):
-                if dev.launch_us is not None:
-                    seconds[i] += ops * dev.launch_us * 1e-6
-                if dev.memory_bandwidth_gb_s is not None:
-                    seconds[i] += traffic / (dev.memory_bandwidth_gb_s * 1e9)
-                if dev.element_ns is not None:
-                    seconds[i] += units.seconds(dev.element_ns)
+        units = PerFamily(*np.mean([w.elements.values() for w in work], axis=0))
+        seconds = (
+            self.layer_flops / (problem.tflops * 1e12)
+            + float(np.mean([w.ops for w in work])) * self.op_s
+            + float(np.mean([w.traffic_bytes for w in work])) * self.byte_s
+            + np.array(
+                [units.seconds(d.element_ns) if d.element_ns is not None else 0.0 for d in problem.devices]
+            )
+        )
         return self.layer_flops / seconds / 1e12
 
     def _pair_cost(self) -> np.ndarray:
@@ -298,8 +296,6 @@ class PeerdObjective(Objective):
     def stage_sum(prefix: np.ndarray, n: np.ndarray) -> np.ndarray:
         """(P, G) each stage's sum of a per-layer quantity (``prefix``: its sums over layers [0, i)),
         for layers per stage ``n`` taken in order."""
-        if len(prefix) == 1:  # not given per layer: nothing to add up
-            return np.zeros(n.shape)
         ends = np.cumsum(n, axis=-1)  # split_layers never places more than the model's layers
         return prefix[ends] - prefix[ends - n]
 
