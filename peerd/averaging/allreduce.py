@@ -17,8 +17,9 @@ step times, ``follow_deadline``), so a vanished member costs the others at most 
 before a PeerUnavailable. A failed step aborts this member's
 state (members waiting on it get an error frame at once, not a timeout), closes its
 streams and discards staged error-feedback residuals, so the caller may retry the step
-(same tensors -> same bytes) or re-plan. Retrying only helps while every member is still
-at that step; a member that already completed it answers WRONG_STEP.
+(same tensors -> same bytes) or re-plan. A member that already completed the step (it may
+have used the retrying member's part from the failed attempt) answers the retry with the share
+it reduced then, the same bytes every member got; older steps are WRONG_STEP.
 """
 
 from __future__ import annotations
@@ -231,7 +232,7 @@ class GroupAllReduce:
         return {"last_step": self._steps.last, "feedback": self.math.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self._steps.last = state.get("last_step")
+        self._steps.last, self._steps.answered = state.get("last_step"), None
         self.math.load_state_dict(state.get("feedback", {}))
 
     # ------------------------------------------------------------------ the step
@@ -455,15 +456,16 @@ class GroupAllReduce:
                         f"avg.part of step {msg.step} flags an overflow: this group does not scale its loss",
                         code=ErrorCode.NOT_ALLOWED,
                     )
-                self._steps.check_window(msg.step)
-                held = self._steps.states.get(msg.step)
-                if held is not None and held.total is not None:  # before decoding: sizes must agree
-                    check(msg, Expect(self.digest, total=held.total, layout=held.layout))
                 start, end = share_bounds(msg.total, self.size)[self.rank]
-                part = await _off_loop(end - start, decode_share, payload, end - start)
+                state = self._steps.late(msg.step)
+                if state is not None:
+                    # This member finished the step (maybe with the sender's part from an attempt
+                    # that failed on the sender's side): the sender's retry gets the share everyone got.
+                    check(msg, Expect(self.digest, total=state.total, layout=state.layout))
+                    logger.debug("averaging %s: rank %d's late part of step %d", self.key, src, msg.step)
+                else:
+                    state = await self._take_part(msg, src, payload, end - start)
                 del payload
-                state = self._steps.admit(msg, self.digest)
-                self._add_part(state, src, part, bool(msg.overflow))
                 encoded = await self._wait_result(state)
                 reply = AvgMessage(
                     KIND_SHARE,
@@ -497,6 +499,17 @@ class GroupAllReduce:
                 self.stats.bytes_sent += conn.bytes_sent - sent
                 self.stats.raw_bytes_sent += raw
                 self.stats.bytes_received += conn.bytes_received - received
+
+    async def _take_part(self, msg: AvgMessage, src: int, payload: bytearray, numel: int) -> StepState:
+        """Check, decode and record ``src``'s contribution; the step state it joined."""
+        self._steps.check_window(msg.step)
+        held = self._steps.states.get(msg.step)
+        if held is not None and held.total is not None:  # before decoding: sizes must agree
+            check(msg, Expect(self.digest, total=held.total, layout=held.layout))
+        part = await _off_loop(numel, decode_share, payload, numel)
+        state = self._steps.admit(msg, self.digest)
+        self._add_part(state, src, part, bool(msg.overflow))
+        return state
 
     def _admit(self, conn: Connection, header: dict[str, Any]) -> None:
         try:

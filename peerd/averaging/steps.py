@@ -4,7 +4,8 @@ Window: before its first step a member accepts any step (a group may resume at s
 while step ``t`` runs it accepts ``t`` and ``t+1`` (a faster member may have finished ``t``
 and sent ``t+1`` already; it cannot be further ahead, since finishing ``t+1`` needs this
 member); between steps, after completing ``t``, it accepts only ``t+1``. Everything else is
-WRONG_STEP, and at most two steps are held at once.
+WRONG_STEP, and at most two steps are held at once. The last completed step's answer is kept
+(``answered``): a member retrying that step after this one finished it gets the same share again.
 """
 
 from __future__ import annotations
@@ -59,6 +60,15 @@ class StepBook:
         self.current: int | None = None
         self.last: int | None = None
         self.states: dict[int, StepState] = {}
+        self.answered: StepState | None = None
+        """The last completed step's state while its reduced share is known (the reply to a late part)."""
+
+    def late(self, step: int) -> StepState | None:
+        """The state whose answer a part for ``step`` gets again: ``step`` was this member's last."""
+        done = self.answered
+        if done is None or done.step != step or not done.result.done() or done.result.exception() is not None:
+            return None
+        return done
 
     def check_window(self, step: int) -> None:
         """WRONG_STEP unless a frame for ``step`` may be accepted now."""
@@ -113,7 +123,7 @@ class StepBook:
         return state
 
     def finish(self, step: int) -> None:
-        self.states.pop(step, None)
+        self.answered = self.states.pop(step, None)
         self.current = None
         self.last = step
 

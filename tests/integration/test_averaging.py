@@ -250,7 +250,7 @@ def test_bad_frames_get_typed_errors_are_counted_and_the_group_carries_on(cluste
     nan_frame = bytearray(share_frame)
     nan_frame[24 + 20 : 24 + 24] = struct.pack("<f", float("nan"))  # element 5 (24-byte frame head)
     frames = [
-        (ok | {"step": 0}, share_frame),  # stale: step 0 is done
+        (ok | {"step": 0}, share_frame),  # late: step 0 is done, the reply is its share again
         (ok | {"step": 5}, share_frame),  # too far ahead
         (ok | {"group": "0" * 16}, share_frame),
         (ok | {"src": 0}, share_frame),  # claims to be the receiver's rank
@@ -276,7 +276,7 @@ def test_bad_frames_get_typed_errors_are_counted_and_the_group_carries_on(cluste
 
     codes, after = cluster.run(go())
     assert codes == [
-        "WRONG_STEP",
+        "avg.share",
         "WRONG_STEP",
         "NOT_ALLOWED",
         "NOT_ALLOWED",
@@ -288,7 +288,7 @@ def test_bad_frames_get_typed_errors_are_counted_and_the_group_carries_on(cluste
         "NON_FINITE",
     ]
     assert receiver.stats.rejected == {
-        "WRONG_STEP": 2,
+        "WRONG_STEP": 1,
         "NOT_ALLOWED": 2,
         "MALFORMED": 2,
         "UNSUPPORTED_VERSION": 1,
@@ -321,6 +321,39 @@ def test_a_member_that_never_joins_times_out_and_the_step_can_be_retried(cluster
     expect = rank_order_mean([flatten(g0), flatten(g1)])
     assert all(torch.equal(flatten(r), expect) for r in retried)
     assert avgs[0].stats.failed == 1 and avgs[0].stats.steps == 1
+
+
+def test_a_retry_that_comes_after_the_other_member_finished_gets_the_same_share(
+    cluster: Cluster, monkeypatch
+):
+    """Rank 1 keeps rank 0's part of a failed attempt and finishes the retry before rank 0's new part arrives."""
+    avgs = make_group(cluster, 2, "late-retry", timeout=1.5)
+    g0, g1 = grads(23), grads(24)
+    exchange = GroupAllReduce._exchange
+
+    async def held_until_rank1_is_done(self, j, msg, payload, numel):
+        if self is avgs[0] and avgs[0].stats.failed:  # the retry: rank 1 finishes step 0 first
+            while avgs[1]._steps.last != msg.step:
+                await asyncio.sleep(0.01)
+        return await exchange(self, j, msg, payload, numel)
+
+    monkeypatch.setattr(GroupAllReduce, "_exchange", held_until_rank1_is_done)
+
+    async def go():
+        for a in avgs:
+            await a.start()
+        try:
+            with pytest.raises(PeerUnavailable):
+                await avgs[0].allreduce(0, g0)
+            return await asyncio.gather(avgs[0].allreduce(0, g0), avgs[1].allreduce(0, g1))
+        finally:
+            for a in avgs:
+                await a.close()
+
+    retried = cluster.run(go(), timeout=30)
+    expect = rank_order_mean([flatten(g0), flatten(g1)])
+    assert all(torch.equal(flatten(r), expect) for r in retried)
+    assert avgs[1].stats.rejected == {}
 
 
 def test_a_member_killed_mid_step_fails_the_others_within_the_timeout(cluster: Cluster):

@@ -99,3 +99,21 @@ def test_fail_aborts_the_step_and_resent_parts_replace_until_reduction():
         book.begin(1, 10, "L")  # the failed step may be retried
 
     run(body)
+
+
+def test_the_last_completed_step_keeps_its_answer_for_late_parts_until_the_next_one():
+    def body():
+        book = StepBook(0)
+        state = book.begin(3, 10, "L")
+        book.finish(3)
+        assert book.late(3) is None  # finished without an answer (nothing was reduced)
+        state = book.begin(4, 10, "L")
+        state.result.set_result("share of step 4")
+        book.finish(4)
+        assert book.late(4) is state and book.late(3) is None
+        wrong_step(lambda: book.check_window(4))  # a late part is answered, never admitted again
+        book.begin(5, 10, "L").result.set_result("share of step 5")
+        book.finish(5)
+        assert book.late(4) is None and book.late(5) is not None
+
+    run(body)
