@@ -460,15 +460,20 @@ class Daemon:
 
     def _probe_targets(self) -> list[str]:
         me = self.node.peer_id if self.node else None
-        targets = [
-            pid for pid, e in self.entries.items() if pid != me and e.record.state != PeerState.OFFLINE
+        return [
+            pid
+            for pid, e in self.entries.items()
+            if pid != me and e.record.state != PeerState.OFFLINE and self._may_probe(pid)
         ]
-        if self.prober is not None and self.jobs is not None and self.jobs.manager.holds_work:
-            # A bulk probe fills a link for seconds each way, against the job's own traffic on it
-            # and the compute it needs: while this peer works for a job, only links never measured
-            # (newcomers) or last seen failing are probed; the others keep their measurement.
-            targets = self.prober.unmeasured(targets)
-        return targets
+
+    def _may_probe(self, peer_id: str) -> bool:
+        """A bulk probe fills a link for seconds each way, against a job's own traffic on it and the
+        compute it needs: while this peer works for a job, only links never measured (newcomers) or
+        last seen failing are probed; the others keep their measurement. Asked again while a round
+        runs, so a job that starts mid-round stops it."""
+        if self.prober is None or self.jobs is None or not self.jobs.manager.holds_work:
+            return True
+        return bool(self.prober.unmeasured([peer_id]))
 
     async def _probe_loop(self) -> None:
         assert self.prober is not None and self.announcer is not None
@@ -477,7 +482,9 @@ class Daemon:
             targets = self._probe_targets()
             self.prober.forget([parse_peer_id(pid) for pid in self.entries])
             if targets:
-                results = await self.prober.refresh([parse_peer_id(pid) for pid in targets])
+                results = await self.prober.refresh(
+                    [parse_peer_id(pid) for pid in targets], proceed=self._may_probe
+                )
                 if results:
                     self.announcer.poke()
             with contextlib.suppress(TimeoutError, asyncio.TimeoutError):

@@ -35,9 +35,12 @@ from peerd.swarm.framing import FrameLimits, StreamClosed
 from peerd.swarm.limits import BudgetConfig, ByteBudget, StreamLimits
 from peerd.swarm.records import LinkMeasurement, LinkStatus
 from peerd.swarm.transport import Connection, Transport
+from peerd.tasks import cancel_and_wait
 from peerd.wire import WireStruct, convert, to_builtin
 
 logger = get_logger(__name__)
+
+PROCEED_CHECK_S = 0.25  # how often a running probe asks whether it may go on (``LinkProber.refresh``)
 
 PROBE_PROTOCOL = "peerd/probe/1"
 PING, PONG = "probe.ping", "probe.pong"
@@ -354,11 +357,37 @@ class LinkProber:
         ok = LinkStatus.OK
         return [p for p in peers if (m := self.measurements.get(p)) is None or m.status is not ok]
 
-    async def refresh(self, peers: Iterable[PeerID]) -> list[LinkMeasurement]:
-        """Probe the stalest few of ``peers`` one after another (bulk transfers must not share the uplink)."""
+    async def refresh(
+        self, peers: Iterable[PeerID], *, proceed: Callable[[str], bool] | None = None
+    ) -> list[LinkMeasurement]:
+        """Probe the stalest few of ``peers`` one after another (bulk transfers must not share the uplink).
+
+        ``proceed(peer)`` (a base58 id) is asked before each probe and every ``PROCEED_CHECK_S``
+        while one runs; once it says no, that peer is skipped or its probe abandoned: no
+        measurement of that run, its link keeps the last one. (A daemon that starts working for a
+        job mid-round stops filling its measured links at once, instead of for the rest of the
+        round: five bulk probes took 10 s of a job's first steps.)
+        """
         results = []
         for peer in self.stalest(peers):
-            results.append(await self.probe(peer))
+            key = peer.to_base58()
+            if proceed is None:
+                results.append(await self.probe(peer))
+                continue
+            if not proceed(key):
+                continue
+            probe = asyncio.create_task(self.probe(peer))
+            try:
+                while not probe.done():
+                    await asyncio.wait({probe}, timeout=PROCEED_CHECK_S)
+                    if not probe.done() and not proceed(key):
+                        logger.info("abandoned the probe of %s: its link now carries a job's traffic", key)
+                        break
+            finally:
+                if not probe.done():
+                    await cancel_and_wait(probe)
+            if not probe.cancelled():
+                results.append(probe.result())
         return results
 
     def forget(self, keep: Iterable[PeerID]) -> None:

@@ -13,7 +13,14 @@ from hivemind.p2p import P2P, PeerID
 
 from peerd.errors import ErrorCode, ProtocolError
 from peerd.sched.scenario import load_scenario
-from peerd.swarm.links import PROBE_PROTOCOL, LinkProber, ProbeConfig, ProbeResponder, median_measurement
+from peerd.swarm.links import (
+    PROBE_PROTOCOL,
+    PROCEED_CHECK_S,
+    LinkProber,
+    ProbeConfig,
+    ProbeResponder,
+    median_measurement,
+)
 from peerd.swarm.records import LinkMeasurement, LinkStatus
 from peerd.swarm.shaper import LinkShaper
 from peerd.swarm.transport import Connection, Transport
@@ -174,6 +181,38 @@ def test_refresh_probes_a_bounded_number_stalest_first_and_marks_dead_peers(peer
     assert prober.unmeasured([a, c, nobody, newcomer]) == [nobody, newcomer]
     prober.forget([peers.a.peer_id])
     assert list(prober.measurements) == [a]
+
+
+def test_a_round_stops_within_a_check_when_the_peer_may_no_longer_probe(peers: Peers):
+    """A daemon that starts working for a job mid-round abandons the running bulk probe and skips the
+    rest; the abandoned links keep their last figures and the responder serves the next session."""
+    slow = ProbeConfig(
+        **{**QUICK.__dict__, "bulk_seconds": 3.0, "bulk_bytes": 1 << 30, "probe_timeout_s": 20.0}
+    )
+
+    async def go():
+        for p2p in (peers.a, peers.c):
+            await ProbeResponder(peers.transport(p2p)).start()
+        prober = LinkProber(peers.transport(peers.b), slow)
+        a, c = peers.a.peer_id.to_base58(), peers.c.peer_id.to_base58()
+        skipped = await prober.refresh([peers.a.peer_id, peers.c.peer_id], proceed=lambda pid: False)
+        started = time.monotonic()
+        asked: list[str] = []
+
+        def until_half_a_second(pid: str) -> bool:
+            asked.append(pid)
+            return time.monotonic() - started < 0.5
+
+        abandoned = await prober.refresh([peers.a.peer_id, peers.c.peer_id], proceed=until_half_a_second)
+        took = time.monotonic() - started
+        after = await LinkProber(peers.transport(peers.b), QUICK).probe(peers.a.peer_id)
+        return skipped, abandoned, took, set(asked), dict(prober.measurements), after, {a, c}
+
+    skipped, abandoned, took, asked, measured, after, both = peers.run(go())
+    assert skipped == [] and abandoned == [] and measured == {}
+    assert took < 0.5 + 3 * PROCEED_CHECK_S, f"the round went on for {took:.2f} s"  # a bulk leg alone is 3 s
+    assert asked == both  # the second peer was asked too, and skipped
+    assert after.status == LinkStatus.OK  # the responder let go of the abandoned session
 
 
 def test_a_links_published_figures_are_the_medians_of_its_last_probes_until_it_fails(peers: Peers):
