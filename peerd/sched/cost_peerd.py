@@ -29,9 +29,14 @@ s = seq, h = hidden, p_l = parameters of layer l (mean p̄ used for the split).
 - Pipeline. Per micro-batch, a boundary between stages costs the bottleneck over the
   matched replica pairs of ``α + 8 a r_f / β`` forward plus ``α + 8 a r_b / β``
   backward (a = b s h activation bytes, or ``c_pp_bytes / M`` when given;
-  symmetrised), call it E_e. Stage time T_k = n_k t_k. Both schedules have the
-  same bubble: ``pipe = sum_k T_k + sum_e E_e + (M - 1) max(max_k T_k, max_e E_e)``
-  (fill and drain once, then the slowest station paces every micro-batch).
+  symmetrised), call it E_e. Stage time T_k = n_k t_k. Once the pipeline is full, a
+  boundary holds up each micro-batch for its busier direction's serialisation
+  ``S_e = max(8 a r_f / β, 8 a r_b / β')`` (the two directions are two links carrying
+  activations and gradients at once, and a link's delay overlaps its next message).
+  ``pipe = sum_k T_k + sum_e E_e + (M - 1) max(max_k T_k, max_e S_e)`` for both schedules
+  (one micro-batch there and back, then the slowest station paces every other one); 1F1B
+  with M > G also waits a round trip every G micro-batches (stage 0 holds at most G), so
+  its pace is at least ``(sum_k T_k + sum_e E_e) / G``.
 - Data parallel. Stage k exchanges c_k = sum of p_l over its n_k layers (taken in order)
   * gradient_bytes * r_g bytes, so an embedding or a head weighs what it holds (or c_dp_bytes
   scaled by n_k / (L / G)). The runtime (``peerd.averaging``) sends a member's D - 1 shares of
@@ -92,6 +97,7 @@ class LayoutArrays(NamedTuple):
     a: np.ndarray  # (P, G, D) latency part of each member's data-parallel exchange
     b: np.ndarray  # (P, G, D) per-byte part of it
     emax: np.ndarray  # (P, G-1) boundary bottlenecks
+    smax: np.ndarray  # (P, G-1) boundary's busiest direction per micro-batch (serialisation, no delay)
     emean: np.ndarray  # (P, G-1) boundary mean pair costs
     hops: np.ndarray  # (P, G-1) boundary's largest one-way delay among its matched pairs
     update_op_s: np.ndarray  # (P, G) seconds per op of the stage's slowest member at its update
@@ -185,6 +191,8 @@ class PeerdObjective(Objective):
         self.hop = (problem.delay + problem.delay.T) / 2.0  # one small message either way
         np.fill_diagonal(self.hop, 0.0)
         super().__init__(problem, shape)
+        self.station = self._station()
+        self.cycle_bound = tr.schedule != "gpipe" and self.micro_batches > shape.d_pp
         # a device's seconds per op and per byte beside the matmuls: 0 where it measured none
         self.op_s = np.array([d.launch_us * 1e-6 if d.launch_us else 0.0 for d in problem.devices])
         self.byte_s = np.array(
@@ -213,13 +221,26 @@ class PeerdObjective(Objective):
 
     def _pair_cost(self) -> np.ndarray:
         p = self.problem
-        rf, rb = self.ratios
-        fwd = p.delay + 8.0 * self.c_act * rf / p.bandwidth  # d -> d'
-        bwd = p.delay.T + 8.0 * self.c_act * rb / p.bandwidth.T  # gradients come back d' -> d
-        pc = fwd + bwd
+        fwd_s, bwd_s = self._serialisation()
+        pc = p.delay + fwd_s + p.delay.T + bwd_s  # d -> d', then the gradients come back d' -> d
         pc = (pc + pc.T) / 2.0
         np.fill_diagonal(pc, 0.0)
         return pc
+
+    def _station(self) -> np.ndarray:
+        """(N, N) what a boundary between d and d' holds up each micro-batch once the pipeline is
+        full: its busier direction's serialisation. Each direction is its own link (activations
+        one way, gradients the other, at once) and a link's delay overlaps the next message."""
+        st = np.maximum(*self._serialisation())
+        st = (st + st.T) / 2.0
+        np.fill_diagonal(st, 0.0)
+        return st
+
+    def _serialisation(self) -> tuple[np.ndarray, np.ndarray]:
+        """(N, N) x 2: seconds to put one micro-batch's activations on d -> d' and its gradients on d' -> d."""
+        p = self.problem
+        rf, rb = self.ratios
+        return 8.0 * self.c_act * rf / p.bandwidth, 8.0 * self.c_act * rb / p.bandwidth.T
 
     def _group(self, members: np.ndarray) -> PeerdGroup:
         a, b = self.member_terms(members)
@@ -265,7 +286,7 @@ class PeerdObjective(Objective):
 
     def batch_detail(self, x: LayoutArrays) -> BatchDetail:
         """Totals, softs and their parts for P layouts."""
-        tflops, memory, a, b, emax, emean, hops, update_op_s, update_byte_s = x
+        tflops, memory, a, b, emax, smax, emean, hops, update_op_s, update_byte_s = x
         n_layers, g = self.layers, tflops.shape[1]
         t = self.layer_flops / (tflops * 1e12)  # (P, G) s per layer per micro-batch
         per_layer_mem = self.layer_static + self.inflight[None, :g] * self.layer_act
@@ -274,10 +295,13 @@ class PeerdObjective(Objective):
         stage = n * t  # (P, G)
         c = self.stage_grad_bytes(n)  # (P, G)
         dp = (a + c[..., None] * b).max(axis=2)  # (P, G)
+        fill = stage.sum(axis=1) + emax.sum(axis=1)  # one micro-batch there and back
         bubble = stage.max(axis=1)
         if g > 1:
-            bubble = np.maximum(bubble, emax.max(axis=1))
-        pipe = stage.sum(axis=1) + emax.sum(axis=1) + (self.micro_batches - 1) * bubble
+            bubble = np.maximum(bubble, smax.max(axis=1))
+        if self.cycle_bound:  # 1F1B: stage 0 sends micro-batch i + G only once i's gradient is back
+            bubble = np.maximum(bubble, fill / g)
+        pipe = fill + (self.micro_batches - 1) * bubble
         norm = 2.0 * hops.sum(axis=1) if self.norm_exchange else np.zeros(len(pipe))
         update = (
             self.stage_sum(self.update_ops_prefix, n) * update_op_s
@@ -307,15 +331,13 @@ class PeerdObjective(Objective):
         b = np.stack([x.b for x in groups])[None]
         emax = np.array([[e.value for e in edges]]).reshape(1, len(edges))
         emean = np.array([[e.mean for e in edges]]).reshape(1, len(edges))
-        hops = np.array(
-            [
-                [
-                    self.hop[up.members, down.members[list(e.perm)]].max()
-                    for up, down, e in zip(groups[:-1], groups[1:], edges, strict=True)
-                ]
-            ]
-        ).reshape(1, len(edges))
-        return LayoutArrays(tflops, memory, a, b, emax, emean, hops, *self.update_rates(members))
+        matched = [
+            (up.members, down.members[list(e.perm)])
+            for up, down, e in zip(groups[:-1], groups[1:], edges, strict=True)
+        ]
+        smax = np.array([[self.station[u, d].max() for u, d in matched]]).reshape(1, len(edges))
+        hops = np.array([[self.hop[u, d].max() for u, d in matched]]).reshape(1, len(edges))
+        return LayoutArrays(tflops, memory, a, b, emax, smax, emean, hops, *self.update_rates(members))
 
     def combine(self, groups: list[PeerdGroup], edges: list[Edge], spares: np.ndarray) -> Cost:
         total, soft, _n, dp, pipe, stage, norm, update = self.batch_detail(self._arrays(groups, edges))
@@ -386,11 +408,12 @@ class PeerdObjective(Objective):
         if n_pp > 1:
             pmat = self.pair_cost[members[:, :-1], members[:, 1:]]  # (P, G-1, D)
             emax, emean = pmat.max(axis=2), pmat.mean(axis=2)
+            smax = self.station[members[:, :-1], members[:, 1:]].max(axis=2)
             hops = self.hop[members[:, :-1], members[:, 1:]].max(axis=2)
         else:
-            emax = emean = hops = np.zeros((npairs, 0))
+            emax = smax = emean = hops = np.zeros((npairs, 0))
         return self.batch_cost(
-            LayoutArrays(tflops, memory, a, b, emax, emean, hops, *self.update_rates(members))
+            LayoutArrays(tflops, memory, a, b, emax, smax, emean, hops, *self.update_rates(members))
         )
 
 

@@ -195,7 +195,7 @@ class TrainingSpec:
     d_dp: Annotated[int | Auto, Range(ge=1)] = "auto"
     """Data-parallel width (replicas per stage), or ``auto``."""
     schedule: Literal["gpipe", "1f1b"] = "1f1b"
-    """Micro-batch schedule: same bubble, different activation memory."""
+    """Micro-batch schedule: different activation memory; 1F1B also waits a round trip every d_pp micro-batches."""
     forward_ratio: Annotated[float, Range(gt=0, le=1)] = 1.0
     """Compressed / raw bytes of forward activations (e.g. 0.25 for 4-bit of fp16)."""
     backward_ratio: Annotated[float, Range(gt=0, le=1)] = 1.0

@@ -397,3 +397,36 @@ def test_layer_work_must_list_every_layer() -> None:
                 "model": {"layers": 2, "hidden": 8, "seq": 8, "layer_work": [{"ops": 3}]},
             }
         )
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_a_full_pipeline_is_paced_by_a_boundarys_busier_direction_not_its_round_trip(schedule) -> None:
+    """Two stages, free compute, four micro-batches: one goes there and back (both delays, both
+    directions' serialisation); each of the others costs its busier direction's serialisation, as
+    activations and gradients cross at once on two links and a delay overlaps the next message.
+    1F1B holds at most two micro-batches at stage 0, so there a round trip comes back every two."""
+    delay_ms, mbit = 20.0, 100.0
+    sc = Scenario(
+        name="two-stages",
+        regions=Regions(
+            names=["r0", "r1"],
+            delay_ms=[[0.0, delay_ms], [delay_ms, 0.0]],
+            bandwidth_mbps=[[1e4, mbit], [mbit, 1e4]],
+        ),
+        devices=[Device(id=f"d{i}", region=f"r{i}", tflops=1e9, memory_gb=1e3) for i in range(2)],
+        model=ModelShape(layers=2, hidden=64, seq=16),
+        training=TrainingSpec(
+            global_batch=4,
+            micro_batch=1,
+            d_pp=2,
+            d_dp=1,
+            c_pp_bytes=4e6,
+            backward_ratio=0.5,
+            schedule=schedule,
+        ),
+    )
+    cost = PeerdObjective(Problem(sc), Shape(2, 1)).grid_cost(np.arange(2).reshape(2, 1), NONE)
+    forward, backward = 8 * 1e6 / (mbit * 1e6), 0.5 * 8 * 1e6 / (mbit * 1e6)  # one micro-batch's bytes
+    there_and_back = 2 * delay_ms / 1e3 + forward + backward
+    pace = forward if schedule == "gpipe" else max(forward, there_and_back / 2)
+    assert cost.parts["pp"] == pytest.approx(there_and_back + 3 * pace, rel=1e-6)
