@@ -130,7 +130,8 @@ def _plan_rl(
 
 def _refuse_unpriced(sc: Scenario, why: str) -> None:
     """Shared machines (``devices[].host``) slow the compute of the ``peerd`` objective and of an rl
-    job's consensus scoring, and ``model.layer_work`` adds to the ``peerd`` objective's compute; where
+    job's consensus scoring, ``model.layer_work`` adds to the ``peerd`` objective's compute and
+    ``training.averaging_work`` to its exchanges; where
     a plan cannot price them, a scenario that names them is refused."""
     for i, d in enumerate(sc.devices):
         if d.host is not None:
@@ -139,6 +140,10 @@ def _refuse_unpriced(sc: Scenario, why: str) -> None:
             )
     if sc.model is not None and sc.model.layer_work is not None:
         raise ConfigError("model.layer_work", f"the layers' work would be ignored: {why}; or remove it")
+    if sc.training is not None and sc.training.averaging_work is not None:
+        raise ConfigError(
+            "training.averaging_work", f"the averaging's work would be ignored: {why}; or remove it"
+        )
 
 
 def render_rl(d: dict, n: int) -> str:

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from peerd.averaging.work import count_member_work
 from peerd.errors import ConfigError
 from peerd.jobs.optimizer import optimizer_config
 from peerd.jobs.spec import JobSpec
@@ -96,6 +97,13 @@ def job_model(spec: JobSpec) -> JobModel:
     )
     comp = spec.compression
     forward_bits = None if comp.forward == "none" else comp.forward_bits
+    averaging = (
+        count_member_work(
+            None if comp.gradient_bits is None else f"q{comp.gradient_bits}", spec.averaging.aggregator
+        )
+        if work is not None
+        else None
+    )
     model = ModelShape(
         layers=family.num_layers,  # the splittable units: embedding + blocks + head
         hidden=family.hidden,
@@ -117,6 +125,7 @@ def job_model(spec: JobSpec) -> JobModel:
         activation_bytes=4,  # fp32 on the wire before compression
         gradient_bytes=4,
         state_bytes_per_param=state_bytes_per_param(spec),
+        averaging_work=averaging,
     )
     return JobModel(spec.planning.objective, model, training, single_stage=family.tied)
 

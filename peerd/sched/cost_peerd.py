@@ -44,6 +44,9 @@ s = seq, h = hidden, p_l = parameters of layer l (mean p̄ used for the split).
   runs on its own measured link; where the scenario declares the member's access link u_d
   (``Device.access_mbps``), all its flows share that:
   ``dp_k = max_{d in group k} 2 (max_{d'} α + 8 (c_k / D) max(max_{d'} 1 / β, (D - 1) / u_d))``;
+  Each member also encodes, decodes and reduces (``TrainingSpec.averaging_work``, counted on the
+  runtime's code): its ops x seconds per op + its bytes / memory bandwidth at the stage's slowest
+  member, slowed on a shared machine as the compute, is added to dp_k.
   DP = max_k dp_k (after the pipeline, not overlapped). DT-FM's yardstick sums the D - 1
   exchanges instead, as if each waited for the one before; with D = 2 the two agree.
 - Gradient norm (``norm_exchange``: clipping, or fp16's overflow verdict). After the all-reduce
@@ -76,7 +79,7 @@ from peerd.sched.elements import PerFamily
 from peerd.sched.hosts import HostLoad
 from peerd.sched.objective import Cost, Edge, Objective, edge_culprits
 from peerd.sched.problem import Problem, Shape
-from peerd.sched.scenario import LayerWork
+from peerd.sched.scenario import AveragingWork, LayerWork
 
 INFEASIBLE = 1e9
 
@@ -100,8 +103,8 @@ class LayoutArrays(NamedTuple):
     smax: np.ndarray  # (P, G-1) boundary's busiest direction per micro-batch (serialisation, no delay)
     emean: np.ndarray  # (P, G-1) boundary mean pair costs
     hops: np.ndarray  # (P, G-1) boundary's largest one-way delay among its matched pairs
-    update_op_s: np.ndarray  # (P, G) seconds per op of the stage's slowest member at its update
-    update_byte_s: np.ndarray  # (P, G) seconds per byte of the same
+    host_op_s: np.ndarray  # (P, G) seconds per op of the stage's slowest member (its update, its averaging)
+    host_byte_s: np.ndarray  # (P, G) seconds per byte of the same
 
 
 class BatchDetail(NamedTuple):
@@ -202,6 +205,9 @@ class PeerdObjective(Objective):
         self.speed = self._rates(problem, work)
         self.update_ops_prefix = np.concatenate([[0.0], np.cumsum([w.update_ops for w in work])])
         self.update_bytes_prefix = np.concatenate([[0.0], np.cumsum([w.update_traffic_bytes for w in work])])
+        average_ops, bytes_per_value = (tr.averaging_work or AveragingWork()).at(shape.d_dp)
+        self.average_ops = average_ops
+        self.average_bytes_prefix = np.concatenate([[0.0], np.cumsum(params.astype(float))]) * bytes_per_value
         self.host_load = HostLoad.of(problem.hosts)
         # What a device adds to an even stage's data-parallel exchange.
         self.affinity = a2 + self.layer_grad * (model.layers / shape.d_pp) * bi
@@ -269,8 +275,9 @@ class PeerdObjective(Objective):
         flat = members.reshape(len(members), -1)
         return self.host_load.factors(flat).reshape(members.shape)
 
-    def update_rates(self, members: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(P, G) twice: seconds per op and per byte of each stage's update at its slowest member."""
+    def host_rates(self, members: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(P, G) twice: seconds per op and per byte of each stage's slowest member, slowed where
+        the layout oversubscribes its machine (what its update and its averaging arithmetic run at)."""
         slow = self.host_factors(members)
         return (self.op_s[members] * slow).max(axis=2), (self.byte_s[members] * slow).max(axis=2)
 
@@ -286,7 +293,7 @@ class PeerdObjective(Objective):
 
     def batch_detail(self, x: LayoutArrays) -> BatchDetail:
         """Totals, softs and their parts for P layouts."""
-        tflops, memory, a, b, emax, smax, emean, hops, update_op_s, update_byte_s = x
+        tflops, memory, a, b, emax, smax, emean, hops, host_op_s, host_byte_s = x
         n_layers, g = self.layers, tflops.shape[1]
         t = self.layer_flops / (tflops * 1e12)  # (P, G) s per layer per micro-batch
         per_layer_mem = self.layer_static + self.inflight[None, :g] * self.layer_act
@@ -294,7 +301,8 @@ class PeerdObjective(Objective):
         n, short = split_layers(t, np.minimum(cap, n_layers - g + 1), n_layers)
         stage = n * t  # (P, G)
         c = self.stage_grad_bytes(n)  # (P, G)
-        dp = (a + c[..., None] * b).max(axis=2)  # (P, G)
+        arithmetic = self.average_ops * host_op_s + self.stage_sum(self.average_bytes_prefix, n) * host_byte_s
+        dp = (a + c[..., None] * b).max(axis=2) + arithmetic  # (P, G)
         fill = stage.sum(axis=1) + emax.sum(axis=1)  # one micro-batch there and back
         bubble = stage.max(axis=1)
         if g > 1:
@@ -304,8 +312,8 @@ class PeerdObjective(Objective):
         pipe = fill + (self.micro_batches - 1) * bubble
         norm = 2.0 * hops.sum(axis=1) if self.norm_exchange else np.zeros(len(pipe))
         update = (
-            self.stage_sum(self.update_ops_prefix, n) * update_op_s
-            + self.stage_sum(self.update_bytes_prefix, n) * update_byte_s
+            self.stage_sum(self.update_ops_prefix, n) * host_op_s
+            + self.stage_sum(self.update_bytes_prefix, n) * host_byte_s
         ).max(axis=1)
         total = pipe + dp.max(axis=1) + norm + update
         total = np.where(short > 0, INFEASIBLE * (1.0 + short), total)
@@ -337,7 +345,7 @@ class PeerdObjective(Objective):
         ]
         smax = np.array([[self.station[u, d].max() for u, d in matched]]).reshape(1, len(edges))
         hops = np.array([[self.hop[u, d].max() for u, d in matched]]).reshape(1, len(edges))
-        return LayoutArrays(tflops, memory, a, b, emax, smax, emean, hops, *self.update_rates(members))
+        return LayoutArrays(tflops, memory, a, b, emax, smax, emean, hops, *self.host_rates(members))
 
     def combine(self, groups: list[PeerdGroup], edges: list[Edge], spares: np.ndarray) -> Cost:
         total, soft, _n, dp, pipe, stage, norm, update = self.batch_detail(self._arrays(groups, edges))
@@ -413,7 +421,7 @@ class PeerdObjective(Objective):
         else:
             emax = smax = emean = hops = np.zeros((npairs, 0))
         return self.batch_cost(
-            LayoutArrays(tflops, memory, a, b, emax, smax, emean, hops, *self.update_rates(members))
+            LayoutArrays(tflops, memory, a, b, emax, smax, emean, hops, *self.host_rates(members))
         )
 
 

@@ -147,6 +147,29 @@ class LayerWork:
     """Bytes that step reads and writes (weights, gradients, optimizer state, their copies)."""
 
 
+@dataclass(frozen=True)
+class AveragingWork:
+    """One member's arithmetic in one all-reduce of a stage's gradients (flatten, encode, decode,
+    reduce, unflatten), counted on the runtime's code (``peerd.averaging.work``); the ``peerd``
+    objective prices it at the stage's slowest member's measured seconds per op and memory
+    bandwidth. In a group of D: ``ops + ops_per_partner (D - 1)`` ops and, per gradient value,
+    ``bytes_per_value + bytes_per_value_partners (D - 1) / D`` bytes read and written."""
+
+    ops: Annotated[float, Range(ge=0)] = 0.0
+    ops_per_partner: Annotated[float, Range(ge=0)] = 0.0
+    bytes_per_value: Annotated[float, Range(ge=0)] = 0.0
+    bytes_per_value_partners: Annotated[float, Range(ge=0)] = 0.0
+
+    def at(self, members: int) -> tuple[float, float]:
+        """(ops, bytes per value) of one member of a group of ``members``; nothing alone."""
+        if members < 2:
+            return 0.0, 0.0
+        return (
+            self.ops + self.ops_per_partner * (members - 1),
+            self.bytes_per_value + self.bytes_per_value_partners * (members - 1) / members,
+        )
+
+
 @dataclass
 class ModelShape:
     """The model being trained, as far as the scheduler needs it."""
@@ -220,6 +243,9 @@ class TrainingSpec:
     """The stages pass the replica's gradient norm along the pipeline after the all-reduce (gradient
     clipping): partial sums up to stage 0, the total back down. The ``peerd`` objective adds that
     trip, one small message per boundary each way."""
+    averaging_work: AveragingWork | None = None
+    """What averaging a stage's gradients costs each member's host beside the links (the
+    ``peerd`` objective adds it to the stage's exchange); None: not priced."""
 
 
 @dataclass

@@ -132,6 +132,27 @@ def test_layer_work_is_priced_by_the_peerd_objective_and_refused_by_the_others(t
     )
 
 
+def test_averaging_work_adds_to_the_peerd_objectives_exchange_and_is_refused_by_the_others(tmp_path, capsys):
+    work = {"ops": 100, "ops_per_partner": 50, "bytes_per_value": 100, "bytes_per_value_partners": 60}
+    devices = [dict(d, launch_us=3.0, memory_bandwidth_gb_s=30.0) for d in SCENARIO["devices"]]
+    path = tmp_path / "averaging.yaml"
+    path.write_text(
+        yaml.safe_dump(
+            dict(SCENARIO, devices=devices, training=dict(SCENARIO["training"], averaging_work=work))
+        )
+    )
+    with pytest.raises(SystemExit) as info:
+        main(["plan", str(path)])
+    assert info.value.code == 2
+    assert "training.averaging_work" in capsys.readouterr().err
+    args = ["--objective", "peerd", "--generations", "1", "--json", "--seed", "1"]
+    priced = json.loads(CliRunner().invoke(cli, ["plan", str(path), *args]).output)
+    bare = tmp_path / "bare.yaml"
+    bare.write_text(yaml.safe_dump(dict(SCENARIO, devices=devices)))
+    plain = json.loads(CliRunner().invoke(cli, ["plan", str(bare), *args]).output)
+    assert priced["parts"]["dp"] > plain["parts"]["dp"]
+
+
 def test_console_script(scenario_file):
     exe = shutil.which("peerd") or str(Path(sys.executable).parent / "peerd")
     out = subprocess.run(

@@ -389,6 +389,47 @@ def test_each_stage_steps_its_optimizer_over_its_own_layers_after_the_exchange()
     assert cost.total == pytest.approx(cost.parts["pp"] + cost.parts["dp"] + cost.parts["update"])
 
 
+def test_each_member_averages_at_its_stages_slowest_member_beside_the_links() -> None:
+    """A stage's exchange adds its members' averaging arithmetic: the counted ops and the bytes per
+    gradient value of a group of its width, at the slowest member's measured costs, slowed on a
+    shared machine like its compute."""
+    from peerd.sched.scenario import AveragingWork
+
+    work = AveragingWork(ops=10, ops_per_partner=5, bytes_per_value=20, bytes_per_value_partners=8)
+    box = HostShare("box", cores=2, threads=1)
+    devices = [
+        Device(
+            id=f"d{i}",
+            region="r",
+            tflops=0.1,
+            memory_gb=8.0,
+            launch_us=[4.0, 2.0, 2.0, 2.0][i],
+            memory_bandwidth_gb_s=[20.0, 40.0, 40.0, 10.0][i],
+            host=box,
+        )
+        for i in range(4)
+    ]
+    model = ModelShape(layers=4, hidden=64, seq=32, params=4e6)
+
+    def dp(averaging_work: AveragingWork | None) -> float:
+        sc = Scenario(
+            name="averaging",
+            devices=devices,
+            regions=Regions(names=["r"], delay_ms=[[0.0]], bandwidth_mbps=[[1000.0]]),
+            model=model,
+            training=TrainingSpec(
+                global_batch=4, micro_batch=1, d_pp=1, d_dp=4, averaging_work=averaging_work
+            ),
+        )
+        obj = PeerdObjective(Problem(sc), Shape(1, 4))
+        return obj.grid_cost(np.arange(4).reshape(1, 4), NONE).parts["dp"]
+
+    assert work.at(1) == (0.0, 0.0) and work.at(4) == (25.0, 26.0)
+    # four tasklets on two cores: twice the slowest member's seconds per op (4 us) and per byte (1/10 GB/s)
+    expected = 2 * (25 * 4e-6 + 4e6 * 26 / 10e9)
+    assert dp(work) - dp(None) == pytest.approx(expected)
+
+
 def test_layer_work_must_list_every_layer() -> None:
     with pytest.raises(ConfigError, match="layer_work"):
         Scenario.from_mapping(
