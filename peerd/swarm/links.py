@@ -358,7 +358,7 @@ class LinkProber:
         return [p for p in peers if (m := self.measurements.get(p)) is None or m.status is not ok]
 
     async def refresh(
-        self, peers: Iterable[PeerID], *, proceed: Callable[[str], bool] | None = None
+        self, peers: Iterable[PeerID], *, proceed: Callable[[str], bool] = lambda _peer: True
     ) -> list[LinkMeasurement]:
         """Probe the stalest few of ``peers`` one after another (bulk transfers must not share the uplink).
 
@@ -371,9 +371,6 @@ class LinkProber:
         results = []
         for peer in self.stalest(peers):
             key = peer.to_base58()
-            if proceed is None:
-                results.append(await self.probe(peer))
-                continue
             if not proceed(key):
                 continue
             probe = asyncio.create_task(self.probe(peer))
