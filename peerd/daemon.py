@@ -44,6 +44,7 @@ from peerd.metrics import MetricsServer
 from peerd.swarm.access import access_mode, access_validators
 from peerd.swarm.bans import BanPolicy
 from peerd.swarm.faults import FAULT_INJECTION_ENV, Cut, fault_injection_enabled
+from peerd.swarm.host import IdleLoad
 from peerd.swarm.identity import Identity, make_record_validators
 from peerd.swarm.links import LinkProber, ProbeConfig, ProbeResponder
 from peerd.swarm.membership import (
@@ -115,6 +116,7 @@ class Daemon:
         self.prober: LinkProber | None = None
         self.announcer: Announcer | None = None
         self.profile: DeviceProfile | None = None  # measured in start(), off the event loop
+        self.idle_load = IdleLoad()  # sampled as records are built; priced where daemons share cores
         self.entries: dict[str, PeerEntry] = {}  # peer id -> latest validated record
         assert self.config.home is not None  # resolved() fills every path
         # the peers seen, kept in the home: the next start bootstraps through them too
@@ -210,7 +212,7 @@ class Daemon:
                 transport=self.transport,
                 home=cfg.home,
                 region=cfg.region,
-                profile=lambda: self.profile,
+                profile=self._live_profile,
                 links=lambda: list(self.prober.measurements.values()) if self.prober else [],
                 peers=self._live_records,
                 config=ManagerConfig(max_jobs=cfg.max_jobs),
@@ -495,8 +497,10 @@ class Daemon:
     def _build_record(self, state: PeerState, seq: int, now: float) -> PeerRecord:
         assert self.node is not None
         links = list(self.prober.measurements.values()) if self.prober is not None else []
-        # free memory changes while we run; the measured TFLOPS come from the (cached) profile
-        profile = with_live_memory(self.profile, self.config.device) if self.profile is not None else None
+        # starting up (measuring the device, joining the DHT) and planning or running a job are not idle
+        working = state is not PeerState.ONLINE or (self.jobs is not None and self.jobs.manager.engaged)
+        self.idle_load.sample(time.monotonic(), working=working)
+        profile = self._live_profile()
         # large swarms measure more links than one record may carry: keep the newest
         return fit_peer_record(
             PeerRecord(
@@ -513,12 +517,24 @@ class Daemon:
             )
         )
 
+    def _live_profile(self) -> DeviceProfile | None:
+        """The profile with what changes while we run read now: free memory and, on a CPU device (a
+        machine's cores), the cores this daemon keeps busy without a job; the measured rates come
+        from the (cached) profile."""
+        if self.profile is None:
+            return None
+        profile = with_live_memory(self.profile, self.config.device)
+        if profile.host_id is not None and self.idle_load.cores:
+            profile = msgspec.structs.replace(profile, idle_cores=round(self.idle_load.cores, 4))
+        return profile
+
     def _measure_profile(self) -> Any:
+        from peerd.pipeline.messaging import measure_messaging
         from peerd.swarm.host import host_id
         from peerd.swarm.profiling import default_cache_path, profile_device
 
         cache = self.config.profile_cache or default_cache_path()
-        profile = profile_device(self.config.device, cache_path=cache)
+        profile = profile_device(self.config.device, cache_path=cache, messaging=measure_messaging)
         if self.config.machine and profile.host_id is not None:  # a CPU device on the machine it names
             profile = msgspec.structs.replace(profile, host_id=host_id(self.config.machine))
         return profile

@@ -86,6 +86,17 @@ def link(peer: str, **fields: Any) -> dict[str, Any]:
     return {"peer_id": peer, "measured_at": T0 + 20.0, "status": "ok", **fields}
 
 
+SHARED_CPU_PROFILE = {
+    **base()["profile"],
+    "launch_us": 3.08,
+    "host_id": "f448a7fc47f1841a",
+    "host_cores": 2,
+    "threads": 1,
+    "message_us": 262.5,
+    "wire_byte_ns": 1.125,
+    "idle_cores": 0.0375,
+}
+
 GPU_PROFILE = {
     "name": "NVIDIA H200",
     "kind": "cuda",
@@ -118,6 +129,10 @@ def encode_vectors() -> dict[str, dict[str, Any]]:
                     link(PEER_D, status="unreachable", measured_at=T0 + 25.0),
                 ],
             ),
+        ),
+        "cpu-shared-machine": (
+            "a CPU peer on a machine other daemons share: its cores, what its messages cost, its idle load",
+            base(profile=SHARED_CPU_PROFILE),
         ),
         "offline": ("a peer that left gracefully", base(state="offline", seq=41, updated_at=T0 + 600.0)),
         "unicode-name": (
@@ -217,6 +232,11 @@ def reject_vectors() -> dict[str, dict[str, Any]]:
         "nan-tflops": (
             "measurements must be finite",
             pack(base(profile={**base()["profile"], "tflops": {"fp32": float("nan")}})),
+            ErrorCode.MALFORMED,
+        ),
+        "zero-message-cost": (
+            "measured costs are > 0",
+            pack(base(profile={**SHARED_CPU_PROFILE, "message_us": 0.0})),
             ErrorCode.MALFORMED,
         ),
         "unknown-device-kind": (

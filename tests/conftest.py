@@ -40,11 +40,13 @@ def peerd_home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
 
 @pytest.fixture(scope="session")
 def profile_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A device-profile cache measured once per session; daemons started with it skip the matmul benchmark."""
+    """A device-profile cache measured once per session; daemons started with it skip the matmul
+    benchmark and the messaging cost's loopback pair."""
+    from peerd.pipeline.messaging import measure_messaging
     from peerd.swarm.profiling import profile_device
 
     path = tmp_path_factory.mktemp("profile") / "device_profiles.json"
-    profile_device("cpu", cache_path=path)
+    profile_device("cpu", cache_path=path, messaging=measure_messaging)
     return path
 
 

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from peerd.pipeline.messaging import measure_messaging
 from peerd.sched.consensus.messages import Roster, RosterDevice, RosterEntry, RosterLink
 from peerd.swarm.profiling import profile_device
 from peerd.swarm.records import DeviceProfile
@@ -36,7 +37,7 @@ def daemon_profile(cache: Path) -> DeviceProfile:
     """This machine's CPU profile as a local swarm's daemons (one thread each) will read it from
     ``cache``: measured here once, so they do not all measure it at once."""
     with one_thread():
-        return profile_device("cpu", cache_path=cache)
+        return profile_device("cpu", cache_path=cache, messaging=measure_messaging)
 
 
 def member_links(status: dict[str, Any], members: set[str]) -> list[dict[str, Any]]:
@@ -73,7 +74,8 @@ def committed_roster(
     Each entry as ``peerd.jobs.service`` builds it: fp32 TFLOPS, free memory, measured links (one-way
     delay = RTT / 2, upload bandwidth), each peer's machine, cores and threads; the memory bandwidth,
     seconds per op and element costs of ``measured`` (the shared profile cache's, as a daemon
-    declares them: ``peerd.jobs.service.roster_profile``), which price small models' compute.
+    declares them: ``peerd.jobs.service.roster_profile``), which price small models' compute; what a
+    message costs each peer's machine and its idle load, as its row declares them.
     """
     rows = {p["peer_id"]: p for p in status.get("peers", [])}
     members = list(alloc["roster"])
@@ -94,6 +96,9 @@ def committed_roster(
             row.get("host_cores"),
             row.get("threads"),
             measured.element_s if measured else None,
+            _scaled(row.get("message_us"), 1e-6),
+            _scaled(row.get("wire_byte_ns"), 1e-9),
+            row.get("idle_cores"),
         )
         links = {
             x["dst"]: RosterLink(x["dst"], x["rtt_ms"] / 2e3, x["bw_up_mbps"] * 1e6)
@@ -106,3 +111,7 @@ def committed_roster(
             )
         )
     return Roster.of(int(alloc["epoch"]), entries)
+
+
+def _scaled(value: float | None, factor: float) -> float | None:
+    return value * factor if value is not None else None

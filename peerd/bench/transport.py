@@ -14,21 +14,18 @@ raw baseline.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import statistics
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import click
 import torch
 
 from peerd.bench import emit_json
-from peerd.pipeline.codec import RawDecoder
-from peerd.pipeline.frames import KIND_ACT, Expectation, TensorMessage, raw_payload
-from peerd.pipeline.sender import StreamSender
-from peerd.pipeline.streams import Inbox, StreamConfig, StreamReceiver, StreamStats, stage_protocol
-from peerd.swarm.transport import Connection, Transport, create_p2p
+from peerd.pipeline.frames import raw_payload
+from peerd.pipeline.messaging import StreamPair
+from peerd.swarm.transport import Connection, Transport, loopback_pair
 
 RAW_PROTOCOL = "peerd-bench/raw/1"
 FRAMED_PROTOCOL = "peerd-bench/framed/1"
@@ -102,27 +99,10 @@ async def _framed_run(client: Transport, server_id, payload: memoryview, total: 
         await conn.close()
 
 
-@contextlib.asynccontextmanager
-async def _loopback_pair() -> AsyncIterator[tuple[Any, Any, Transport, Transport]]:
-    """Two p2pd daemons on loopback (``b`` bootstraps from ``a``) and a Transport on each; all closed after."""
-    a = await create_p2p()
-    try:
-        b = await create_p2p(await a.get_visible_maddrs())
-        ta, tb = Transport(a), Transport(b)
-        try:
-            yield a, b, ta, tb
-        finally:
-            await tb.close()
-            await ta.close()
-            await b.shutdown()
-    finally:
-        await a.shutdown()
-
-
 async def _run(total_mib: int, frame_mibs: list[float], repeats: int) -> dict:
     total = total_mib << 20
     largest = memoryview(bytearray(b"\xa5" * int(max(frame_mibs) * (1 << 20))))
-    async with _loopback_pair() as (a, b, server, client):
+    async with loopback_pair() as (a, b, server, client):
         await a.add_binary_stream_handler(RAW_PROTOCOL, raw_handler)
         await server.serve(FRAMED_PROTOCOL, _framed_handler)
         # warm-up: first streams pay for connection set-up in both daemons
@@ -149,63 +129,6 @@ async def _run(total_mib: int, frame_mibs: list[float], repeats: int) -> dict:
 # ---------------------------------------------------------------- the pipeline stream on top
 
 
-class _StreamPair:
-    """A stage-0 sender and a stage-1 receiver on one persistent stream (as between two stage workers)."""
-
-    def __init__(self, client: Transport, server: Transport, tensor: torch.Tensor, count: int) -> None:
-        self.client, self.server, self.tensor, self.count = client, server, tensor, count
-        self.inbox, self.stats = Inbox(0), StreamStats()
-        self.config = StreamConfig(recv_timeout_s=120, ack_timeout_s=120)
-        self.protocol = stage_protocol("stream", 1)
-        self.payload = raw_payload(tensor)
-        self.receiver = StreamReceiver(
-            upstream=client.peer_id,
-            downstream=None,
-            expectations={KIND_ACT: self._expect},
-            decoders={KIND_ACT: RawDecoder()},
-            inbox=self.inbox,
-            stats=self.stats,
-            config=self.config,
-        )
-        self.sender = StreamSender(
-            client, server.peer_id, self.protocol, config=self.config, stats=StreamStats()
-        )
-
-    def _ids_of(self, step: int, mb: int) -> list[int] | None:
-        b = self.tensor.shape[0]
-        return list(range(mb * b, (mb + 1) * b)) if 0 <= mb < self.count else None
-
-    def _expect(self, step: int) -> Expectation:
-        row = tuple(self.tensor.shape[1:])
-        return Expectation("stream", KIND_ACT, 0, "none", "float32", row, (step, step + 1), self._ids_of)
-
-    async def start(self) -> None:
-        await self.receiver.serve(self.server, self.protocol)
-        await self.sender.start()
-
-    async def run(self, step: int) -> float:
-        """Seconds until ``count`` activation messages of step ``step`` are accepted by the receiver."""
-        self.inbox.advance(step)
-        started = time.perf_counter()
-        for mb in range(self.count):
-            ids = self._ids_of(step, mb)
-            assert ids is not None
-            shape = tuple(self.tensor.shape)
-            msg = TensorMessage(
-                KIND_ACT, "stream", step, mb, 0, tuple(ids), "none", shape, "float32", 0, self.payload.nbytes
-            )
-            await self.sender.send(msg, self.payload)
-        for mb in range(self.count):
-            await self.inbox.get(KIND_ACT, step, mb, 120)
-        elapsed = time.perf_counter() - started
-        await self.sender.flush()
-        return elapsed
-
-    async def close(self) -> None:
-        await self.sender.close()
-        await self.server.stop_serving(self.protocol)
-
-
 async def pipeline_stream(total_mib: int, message_mib: float, repeats: int) -> dict[str, Any]:
     """Activation messages through StreamSender -> StreamReceiver vs raw_run of the same bytes (``peerd bench pipeline``)."""
     rows = max(1, int(message_mib * (1 << 20)) // (256 * 512 * 4))
@@ -213,9 +136,9 @@ async def pipeline_stream(total_mib: int, message_mib: float, repeats: int) -> d
     count = max(1, (total_mib << 20) // (tensor.numel() * 4))
     payloads = [raw_payload(tensor)] * count
     total = count * tensor.numel() * 4
-    async with _loopback_pair() as (a, b, client, server):
+    async with loopback_pair() as (a, b, client, server):
         await b.add_binary_stream_handler(RAW_PROTOCOL, raw_handler)
-        pair = _StreamPair(client, server, tensor, count)
+        pair = StreamPair(client, server, tensor, count)
         await pair.start()
         await raw_run(a, b.peer_id, payloads[:2])  # warm-up: connection set-up in both daemons
         await pair.run(0)

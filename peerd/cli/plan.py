@@ -57,7 +57,8 @@ log = get_logger(__name__)
     type=click.Choice(sorted(OBJECTIVES)),
     default="dtfm",
     help="dtfm: DT-FM's communication yardstick; peerd: iteration time with compute, memory, spares "
-    "(and CPU devices that share a machine's cores: devices[].host; each layer's ops, traffic and "
+    "(and CPU devices that share a machine's cores: devices[].host, with what a message costs it and "
+    "its daemons' idle load: message_us, wire_byte_ns, idle_cores; each layer's ops, traffic and "
     "element units: model.layer_work, at devices[].launch_us, memory_bandwidth_gb_s, element_ns).",
 )
 @click.option("--seed", type=int, default=0, help="Search seed (same seed, same plan).")

@@ -497,6 +497,16 @@ class JobManager:
         """Whether this peer holds a runner of a live job (its links carry that job's traffic)."""
         return self._jobs_running_here(besides=None) > 0
 
+    @property
+    def engaged(self) -> bool:
+        """Whether this peer runs a live job or takes part in planning one (its CPU goes to that,
+        besides its upkeep); watching a job it does not apply to is not."""
+        return any(
+            e.record.state not in TERMINAL
+            and (e.runner is not None or (e.planner is not None and e.planner.participate))
+            for e in self.jobs.values()
+        )
+
     def _jobs_running_here(self, besides: JobEntry | None) -> int:
         """Live jobs other than ``besides`` that this peer holds a runner of (a tasklet, a role, a spare)."""
         return sum(

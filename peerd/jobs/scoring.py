@@ -18,7 +18,9 @@ objective, the DT-FM yardstick, models no memory.)
 
 Machines: a CPU device's entry says which machine it computes on, with how many cores and
 threads (``host_share``). Under the ``peerd`` objective the tasklets of one machine slow each
-other's compute while they keep more threads busy than it has cores (``peerd.sched.hosts``).
+other's compute while they keep more threads busy than it has cores (``peerd.sched.hosts``), and
+a layout's compute and messages (each at what its peer measured a message and a byte to cost,
+``messaging``) cannot take less than their CPU time over the machine's cores.
 """
 
 from __future__ import annotations
@@ -160,6 +162,17 @@ def element_ns(device: RosterDevice) -> PerFamily | None:
     return PerFamily(*(1e9 * getattr(costs, f.name) for f in dataclasses.fields(PerFamily)))
 
 
+def messaging(device: RosterDevice) -> dict[str, float]:
+    """A roster entry's messaging costs (µs, ns) and idle cores as ``Device`` fields, where it declares
+    them and the machine they are spent on (a CPU device's host); none otherwise."""
+    if host_share(device) is None:
+        return {}
+    out = {"idle_cores": device.idle_cores} if device.idle_cores is not None else {}
+    if device.message_s is not None and device.wire_byte_s is not None:
+        out |= {"message_us": device.message_s * 1e6, "wire_byte_ns": device.wire_byte_s * 1e9}
+    return out
+
+
 def roster_scenario(roster: Roster, jm: JobModel) -> Scenario:
     """The scenario of one roster view: a device per entry, links as measured (see the module docstring)."""
     peers = set(roster.peers)
@@ -182,6 +195,7 @@ def roster_scenario(roster: Roster, jm: JobModel) -> Scenario:
             launch_us=e.profile.launch_s * 1e6 if e.profile.launch_s is not None else None,
             element_ns=element_ns(e.profile),
             host=host_share(e.profile),
+            **messaging(e.profile),
         )
         for e in roster.entries
     ]

@@ -57,7 +57,8 @@ SERVICE_METHODS = {"fetch"}  # served by JobService itself (it holds the transpo
 def roster_profile(profile: DeviceProfile | None, region: str) -> RosterDevice:
     """What this peer tells a roster about its device: fp32 TFLOPS (what training runs), usable memory,
     memory bandwidth (bytes/s) and seconds per dispatched op (when its profile measured them), and a
-    CPU device's machine, cores and threads (when its profile has all three)."""
+    CPU device's machine, cores and threads (when its profile has all three) with what a message
+    costs that machine and the cores its daemon keeps busy idle (when measured)."""
     if profile is None:
         return RosterDevice(0.0, 0, region)
     tflops = profile.tflops.get("fp32") or max(profile.tflops.values(), default=0.0)
@@ -77,6 +78,9 @@ def roster_profile(profile: DeviceProfile | None, region: str) -> RosterDevice:
         profile.host_cores if shared else None,
         profile.threads if shared else None,
         _seconds(profile.element_ns),
+        profile.message_us * 1e-6 if shared and profile.message_us is not None else None,
+        profile.wire_byte_ns * 1e-9 if shared and profile.wire_byte_ns is not None else None,
+        profile.idle_cores if shared else None,
     )
 
 

@@ -57,7 +57,16 @@ s = seq, h = hidden, p_l = parameters of layer l (mean p̄ used for the split).
   ``update_k = max_{d in group k} (Σ_l update_ops_l x launch_d + Σ_l update_bytes_l / bandwidth_d)``
   (``ModelShape.layer_work``, counted on the worker's update with its rollback copy; each term at
   the member slowest at it, on a shared machine slowed as the compute), UPDATE = max_k update_k.
-- total = pipe + DP + norm + UPDATE seconds per iteration. Spare devices cost nothing.
+- Shared machines' cores. The phases above slow a machine's tasklets while they compute at once;
+  its cores also carry work the phases overlap with the links: the daemons' messages (framing,
+  p2pd's copies and encryption; ``Device.message_us`` per message end and ``wire_byte_ns`` per
+  payload byte end, measured per machine) and their upkeep (``Device.idle_cores``, measured live).
+  A member of stage k sends or receives ``2 M`` messages of ``a (r_f + r_b) / 2`` bytes per
+  neighbour boundary and ``4 (D - 1)`` shares of ``c_k / D`` per iteration; with its compute (on
+  its threads), its update and its averaging arithmetic, the CPU seconds of the layout's members
+  on a machine over the cores its daemons leave idle-free are a floor:
+  ``HOST = max_machines sum CPU / (cores - sum idle_cores)``.
+- total = max(pipe + DP + norm + UPDATE, HOST) seconds per iteration. Spare devices cost nothing.
 - Stage order: open-loop TSP over the E_e (the sum term), then the better of the
   two directions (1F1B memory differs); the max term is not part of the TSP.
 
@@ -105,6 +114,7 @@ class LayoutArrays(NamedTuple):
     hops: np.ndarray  # (P, G-1) boundary's largest one-way delay among its matched pairs
     host_op_s: np.ndarray  # (P, G) seconds per op of the stage's slowest member (its update, its averaging)
     host_byte_s: np.ndarray  # (P, G) seconds per byte of the same
+    members: np.ndarray  # (P, G, D) the devices (indices) of each stage
 
 
 class BatchDetail(NamedTuple):
@@ -118,6 +128,7 @@ class BatchDetail(NamedTuple):
     stage: np.ndarray  # (P, G) compute seconds per stage per micro-batch
     norm: np.ndarray  # (P,) the gradient norm's trip along the pipeline and back
     update: np.ndarray  # (P,) the slowest stage's optimizer step
+    host: np.ndarray  # (P,) the busiest shared machine's CPU seconds over its cores (a floor of total)
 
 
 class PeerdObjective(Objective):
@@ -201,6 +212,11 @@ class PeerdObjective(Objective):
         self.byte_s = np.array(
             [1e-9 / d.memory_bandwidth_gb_s if d.memory_bandwidth_gb_s else 0.0 for d in problem.devices]
         )
+        # its machine's CPU per message end and payload byte end: 0 where not measured (or no host)
+        self.message_s = np.array([(d.message_us or 0.0) * 1e-6 for d in problem.devices])
+        self.wire_byte_s = np.array([(d.wire_byte_ns or 0.0) * 1e-9 for d in problem.devices])
+        self.boundaries = (g > 0).astype(float) + (g < shape.d_pp - 1)  # neighbours per stage position
+        self.threads = np.array([d.host.threads if d.host is not None else 1 for d in problem.devices])
         work = model.layer_work or [LayerWork()] * model.layers
         self.speed = self._rates(problem, work)
         self.update_ops_prefix = np.concatenate([[0.0], np.cumsum([w.update_ops for w in work])])
@@ -208,7 +224,7 @@ class PeerdObjective(Objective):
         average_ops, bytes_per_value = (tr.averaging_work or AveragingWork()).at(shape.d_dp)
         self.average_ops = average_ops
         self.average_bytes_prefix = np.concatenate([[0.0], np.cumsum(params.astype(float))]) * bytes_per_value
-        self.host_load = HostLoad.of(problem.hosts)
+        self.host_load = HostLoad.of(problem.hosts, [d.idle_cores or 0.0 for d in problem.devices])
         # What a device adds to an even stage's data-parallel exchange.
         self.affinity = a2 + self.layer_grad * (model.layers / shape.d_pp) * bi
 
@@ -293,7 +309,7 @@ class PeerdObjective(Objective):
 
     def batch_detail(self, x: LayoutArrays) -> BatchDetail:
         """Totals, softs and their parts for P layouts."""
-        tflops, memory, a, b, emax, smax, emean, hops, host_op_s, host_byte_s = x
+        tflops, memory, a, b, emax, smax, emean, hops, host_op_s, host_byte_s, members = x
         n_layers, g = self.layers, tflops.shape[1]
         t = self.layer_flops / (tflops * 1e12)  # (P, G) s per layer per micro-batch
         per_layer_mem = self.layer_static + self.inflight[None, :g] * self.layer_act
@@ -315,10 +331,42 @@ class PeerdObjective(Objective):
             self.stage_sum(self.update_ops_prefix, n) * host_op_s
             + self.stage_sum(self.update_bytes_prefix, n) * host_byte_s
         ).max(axis=1)
-        total = pipe + dp.max(axis=1) + norm + update
+        host = self.host_floor(members, n, c)
+        total = np.maximum(pipe + dp.max(axis=1) + norm + update, host)
         total = np.where(short > 0, INFEASIBLE * (1.0 + short), total)
         soft = dp.mean(axis=1) + emean.sum(axis=1) + stage.mean(axis=1)
-        return BatchDetail(total, soft, n, dp, pipe, stage, norm, update)
+        return BatchDetail(total, soft, n, dp, pipe, stage, norm, update, host)
+
+    def host_floor(self, members: np.ndarray, n: np.ndarray, c: np.ndarray) -> np.ndarray:
+        """(P,) the least time the busiest shared machine needs per iteration: the CPU seconds of its
+        devices' work (compute on their threads; update, averaging arithmetic and messages on one)
+        over its cores; 0 where no device declares a machine. ``members`` (P, G, D), layers per
+        stage ``n`` and gradient bytes per stage ``c`` (P, G)."""
+        if self.host_load is None:
+            return np.zeros(len(members))
+        g = members.shape[1]
+        layers = (self.micro_batches * n)[..., None]  # (P, G, 1) layer passes per member
+        compute = layers * self.layer_flops / (self.speed[members] * 1e12) * self.threads[members]
+        ops = (self.stage_sum(self.update_ops_prefix, n) + self.average_ops)[..., None]
+        traffic = (
+            self.stage_sum(self.update_bytes_prefix, n) + self.stage_sum(self.average_bytes_prefix, n)
+        )[..., None]
+        # per micro-batch, each neighbour boundary: an activation and a gradient, each sent or received;
+        # per iteration, 2 (D - 1) shares out (parts, then averages) and as many in
+        d = self.shape.d_dp
+        ends = self.micro_batches * 2.0 * self.boundaries[:g] + 4.0 * (d - 1)
+        payload = (
+            self.micro_batches * self.boundaries[:g] * self.c_act * sum(self.ratios) + 4.0 * (d - 1) / d * c
+        )
+        cpu = (
+            compute
+            + ops * self.op_s[members]
+            + traffic * self.byte_s[members]
+            + ends[None, :, None] * self.message_s[members]
+            + payload[..., None] * self.wire_byte_s[members]
+        )
+        flat = members.reshape(len(members), -1)
+        return self.host_load.busiest(flat, cpu.reshape(flat.shape))
 
     def stage_grad_bytes(self, n: np.ndarray) -> np.ndarray:
         """(P, G) gradient bytes each stage exchanges, for layers per stage ``n`` taken in order."""
@@ -345,16 +393,18 @@ class PeerdObjective(Objective):
         ]
         smax = np.array([[self.station[u, d].max() for u, d in matched]]).reshape(1, len(edges))
         hops = np.array([[self.hop[u, d].max() for u, d in matched]]).reshape(1, len(edges))
-        return LayoutArrays(tflops, memory, a, b, emax, smax, emean, hops, *self.host_rates(members))
+        return LayoutArrays(tflops, memory, a, b, emax, smax, emean, hops, *self.host_rates(members), members)
 
     def combine(self, groups: list[PeerdGroup], edges: list[Edge], spares: np.ndarray) -> Cost:
-        total, soft, _n, dp, pipe, stage, norm, update = self.batch_detail(self._arrays(groups, edges))
-        # total = dp + pp + norm + update (pp is the whole pipelined forward/backward, compute included).
+        total, soft, _n, dp, pipe, stage, norm, update, host = self.batch_detail(self._arrays(groups, edges))
+        # total = dp + pp + norm + update (pp is the whole pipelined forward/backward, compute
+        # included), or host_cpu where the busiest shared machine's cores take longer than that.
         parts = {
             "dp": float(dp[0].max()),
             "pp": float(pipe[0]),
             "norm": float(norm[0]),
             "update": float(update[0]),
+            "host_cpu": float(host[0]),
             "compute_per_micro_batch": float(stage[0].sum()),
             "links_per_micro_batch": float(sum(e.value for e in edges)),
             "micro_batches": float(self.micro_batches),
@@ -421,7 +471,7 @@ class PeerdObjective(Objective):
         else:
             emax = smax = emean = hops = np.zeros((npairs, 0))
         return self.batch_cost(
-            LayoutArrays(tflops, memory, a, b, emax, smax, emean, hops, *self.host_rates(members))
+            LayoutArrays(tflops, memory, a, b, emax, smax, emean, hops, *self.host_rates(members), members)
         )
 
 

@@ -79,7 +79,7 @@ class HostLoad:
     layouts as a (P, K) index array and gives each one's compute slowdown, (P, K).
     """
 
-    def __init__(self, shares: Sequence[HostShare | None]) -> None:
+    def __init__(self, shares: Sequence[HostShare | None], idle: Sequence[float] = ()) -> None:
         names = sorted({s.host for s in shares if s is not None})
         where = {h: k for k, h in enumerate(names)}
         self.host = np.array([where[s.host] if s is not None else -1 for s in shares], dtype=np.intp)
@@ -87,14 +87,32 @@ class HostLoad:
         for s in shares:
             if s is not None:
                 self.cores[where[s.host]] = max(self.cores[where[s.host]], s.cores)
+        # what the daemons of a host keep busy without a job (``idle``, per device) is not the
+        # layouts' to use; at least a tenth of the cores is left, whatever they declare
+        taken = np.zeros(len(names))
+        for s, busy in zip(shares, idle, strict=False):
+            if s is not None:
+                taken[where[s.host]] += busy
+        self.spare_cores = np.maximum(self.cores - taken, 0.1 * self.cores)
         # (N, H + 1): a device's threads in its host's column; the last column collects the unknown
         self._load = np.zeros((len(shares), len(names) + 1))
         self._load[np.arange(len(shares)), self.host] = [s.threads if s is not None else 0 for s in shares]
 
     @classmethod
-    def of(cls, shares: Sequence[HostShare | None]) -> HostLoad | None:
+    def of(cls, shares: Sequence[HostShare | None], idle: Sequence[float] = ()) -> HostLoad | None:
         """None when no device shares a machine's cores (every factor would be 1)."""
-        return cls(shares) if any(s is not None for s in shares) else None
+        return cls(shares, idle) if any(s is not None for s in shares) else None
+
+    def busiest(self, devices: np.ndarray, seconds: np.ndarray) -> np.ndarray:
+        """(P,) for P layouts, the most CPU seconds any machine has to spend per core: ``seconds``
+        (P, K) of work of each of the layouts' devices ``devices`` (P, K) summed per machine, over
+        the cores its daemons leave (``idle``); devices whose machine is unknown count nowhere."""
+        host = self.host[devices]
+        per_host = np.zeros((len(devices), len(self.cores) + 1))
+        np.add.at(
+            per_host, (np.arange(len(devices))[:, None], np.where(host >= 0, host, len(self.cores))), seconds
+        )
+        return (per_host[:, :-1] / self.spare_cores).max(axis=1, initial=0.0)
 
     def factors(self, busy: np.ndarray) -> np.ndarray:
         """(P, K) slowdowns of the busy devices ``busy`` (P, K) of P layouts, each device once per layout."""

@@ -74,9 +74,26 @@ class Device:
     """The machine a CPU device computes on and its cores (``peerd.sched.hosts``); None = its own. An
     rl job's consensus scoring (``peerd.jobs.scoring_rl``) slows the devices of one machine that
     compute at once with more threads than it has cores; ``peerd plan`` refuses it."""
+    message_us: Annotated[float | None, Range(gt=0)] = None
+    """Microseconds of its machine's CPU per message the device's daemon sends or receives (its
+    framing and its p2pd's share; measured on a loopback pair, ``peerd.pipeline.messaging``); None =
+    not modelled. With ``wire_byte_ns``, the ``peerd`` objective counts a layout's messages on the
+    cores of ``host`` (so both need it): a machine cannot run its daemons' compute and messaging in
+    less than their CPU time over its cores."""
+    wire_byte_ns: Annotated[float | None, Range(gt=0)] = None
+    """Nanoseconds of its machine's CPU per payload byte the device sends or receives; None = not
+    modelled (see ``message_us``)."""
+    idle_cores: Annotated[float | None, Range(gt=0)] = None
+    """Cores of ``host`` the device's daemon keeps busy while it works for no job (its DHT's upkeep,
+    heartbeats, probes; measured live); None = none. The ``peerd`` objective leaves them out of the
+    cores the machine has for the layout's work."""
 
     def problems(self) -> list[ConfigError]:
-        return [] if self.id else [ConfigError("id", "must be a non-empty string")]
+        out = [] if self.id else [ConfigError("id", "must be a non-empty string")]
+        for key in ("message_us", "wire_byte_ns", "idle_cores"):
+            if getattr(self, key) is not None and self.host is None:
+                out.append(ConfigError(key, "prices messages on a machine's cores: it needs host"))
+        return out
 
 
 @dataclass

@@ -1,4 +1,5 @@
-"""This machine as the cost models see it: an opaque id that peers on one machine share, and its cores.
+"""This machine as the cost models see it: an opaque id that peers on one machine share, its cores,
+and what processes on it spend of them (``cpu_seconds``: what measuring a message's cost reads).
 
 Daemons on one machine compute on the same cores (``peerd.sched.hosts``), so a CPU device's
 profile says which machine it is on. The id is a salted digest of the kernel's boot id, which
@@ -13,6 +14,8 @@ import hashlib
 import os
 import socket
 import uuid
+from collections import deque
+from collections.abc import Callable
 from functools import cache
 from pathlib import Path
 
@@ -41,3 +44,84 @@ def available_cores() -> int:
     if hasattr(os, "sched_getaffinity"):  # Linux; macOS and Windows lack it
         return max(1, len(os.sched_getaffinity(0)))
     return max(1, os.cpu_count() or 1)
+
+
+def children(pid: int | None = None) -> set[int]:
+    """Process ids whose parent is ``pid`` (this process by default); empty where ``/proc`` is missing."""
+    return _descendants(os.getpid() if pid is None else pid, depth=1)
+
+
+def tree_cpu_seconds(pid: int | None = None) -> float | None:
+    """CPU seconds of process ``pid`` (this one by default) and all its descendants (a daemon's DHT
+    process and p2pd), those that ended not counted; None where ``/proc`` cannot be read."""
+    root = os.getpid() if pid is None else pid
+    own = cpu_seconds(root)
+    if own is None:
+        return None
+    return own + sum(cpu_seconds(p) or 0.0 for p in _descendants(root, depth=8))
+
+
+def _descendants(root: int, *, depth: int) -> set[int]:
+    parents: dict[int, set[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        fields = _stat_fields(stat)
+        if fields is not None:
+            parents.setdefault(int(fields[1]), set()).add(int(stat.parent.name))
+    found: set[int] = set()
+    level = {root}
+    for _ in range(depth):
+        level = set().union(*(parents.get(p, set()) for p in level)) - found
+        found |= level
+    return found
+
+
+class IdleLoad:
+    """The cores a daemon's process tree keeps busy while it works for no job (its DHT's upkeep,
+    heartbeats, records, link probes), from samples of its CPU time: what it keeps taking from a
+    shared machine while the jobs work (``peerd.sched.hosts``). Only spans between two idle samples
+    count; the answer is the lower quartile of their CPU per second over the last ``window_s``
+    seconds of such spans: the upkeep goes on in every span, other work (answering a status poll,
+    a swarm's records arriving in a burst as it forms) in some, and moves the mean, not the quartile."""
+
+    def __init__(self, window_s: float = 120.0, read: Callable[[], float | None] = tree_cpu_seconds) -> None:
+        self.window_s = window_s
+        self._read = read
+        self._last: tuple[float, float] | None = None  # (time, CPU seconds) of the last idle sample
+        self._spans: deque[tuple[float, float]] = deque()  # (seconds, CPU seconds) of idle spans
+
+    def sample(self, now: float, *, working: bool) -> None:
+        cpu = self._read()
+        if working or cpu is None:
+            self._last = None  # a span that includes work is not idle
+            return
+        last = self._last
+        if last is not None and now > last[0]:
+            self._spans.append((now - last[0], max(0.0, cpu - last[1])))
+            while sum(s for s, _ in self._spans) - self._spans[0][0] >= self.window_s:
+                self._spans.popleft()
+        self._last = (now, cpu)
+
+    @property
+    def cores(self) -> float | None:
+        """Busy cores while idle, None before one idle span was seen."""
+        rates = sorted(c / s for s, c in self._spans)
+        return rates[(len(rates) - 1) // 4] if rates else None
+
+
+def cpu_seconds(pid: int) -> float | None:
+    """User + system CPU seconds process ``pid`` has run (clock-tick resolution), None if it cannot be read."""
+    fields = _stat_fields(Path(f"/proc/{pid}/stat"))
+    if fields is None:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _stat_fields(path: Path) -> list[str] | None:
+    """``/proc/<pid>/stat`` after the command name (which may hold spaces): field 3 (state) first."""
+    try:
+        text = path.read_text()
+    except OSError:
+        return None
+    _, _, rest = text.rpartition(") ")
+    fields = rest.split()
+    return fields if len(fields) > 12 else None

@@ -4,7 +4,9 @@ TFLOPS come from timing dense square matmuls (2·n³ flops each) per dtype the d
 supports, memory bandwidth from timing a large device-to-device copy (what decoding with a
 KV cache is bound by: the RL cost model's generation term), the seconds per dispatched op from
 timing a toy-width GPT's training steps (what a model too small to fill the device costs:
-``peerd.models.launches``); the measurement is cached in a JSON file under a key made of the hardware
+``peerd.models.launches``), and, where the caller passes a measurer, the host CPU one message
+costs the machine (``MessagingCost``: what a swarm of daemons sharing one machine's cores spends
+beside its compute, ``peerd.pipeline.messaging``); the measurement is cached in a JSON file under a key made of the hardware
 and software versions (CPU model / GPU name, device string, torch, peerd, CUDA), so a
 restart skips it and an upgrade re-measures. Free memory is always read live.
 """
@@ -19,6 +21,8 @@ import platform
 import statistics
 import subprocess
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeGuard
 
@@ -48,6 +52,16 @@ _WINDOWS = 3
 # Copy size per device kind: well past the last-level cache (CPU) or L2 (GPU), so the copy streams memory.
 _COPY_BYTES = {DeviceKind.CPU: 64 << 20, DeviceKind.CUDA: 1 << 30, DeviceKind.MPS: 256 << 20}
 _COPY_BUDGET_S = 0.3
+
+
+@dataclass(frozen=True)
+class MessagingCost:
+    """Host CPU one message costs at each end (sender or receiver: its daemon and its p2pd)."""
+
+    message_s: float
+    """Seconds per message, whatever its size (framing, the event loop, p2pd's stream work)."""
+    byte_s: float
+    """Seconds per payload byte (copies, p2pd's encryption)."""
 
 
 def resolve_device(device: str = "auto") -> torch.device:
@@ -316,6 +330,21 @@ def _cached_profile(
     )
 
 
+def _cached_messaging(entry: Any, fingerprint: dict[str, Any]) -> tuple[bool, MessagingCost | None]:
+    """(whether a cache entry answers what a message costs, the answer): None where it records that
+    this machine could not measure one."""
+    if not isinstance(entry, dict) or entry.get("fingerprint") != fingerprint or "messaging" not in entry:
+        return False, None
+    found = entry["messaging"]
+    if found is None:
+        return True, None
+    if not isinstance(found, dict) or not (
+        _positive(found.get("message_us")) and _positive(found.get("byte_ns"))
+    ):
+        return False, None
+    return True, MessagingCost(found["message_us"] * 1e-6, found["byte_ns"] * 1e-9)
+
+
 def _store_cache(path: Path, entries: dict[str, Any]) -> None:
     """Replace the cache crash-safely (``peerd.durable``); temporaries of writers killed earlier go.
 
@@ -337,11 +366,15 @@ def profile_device(
     cache_path: str | Path | None = None,
     refresh: bool = False,
     budget_s: float | None = None,
+    messaging: Callable[[], MessagingCost | None] | None = None,
 ) -> DeviceProfile:
     """Profile ``device`` (``auto``/``cpu``/``cuda[:N]``/``mps``), reusing a cached measurement when one matches.
 
     ``cache_path=None`` disables the cache; ``refresh=True`` re-measures and overwrites it.
-    Blocking (~2 s on CPU when not cached): call it from a worker thread in async code.
+    ``messaging`` measures what a message costs the host (None where it cannot tell); it runs when
+    the cache holds no answer of it yet, and a cached answer is used with or without it.
+    Blocking (~2 s on CPU when not cached, ~2 s more for ``messaging``): call it from a worker thread
+    in async code.
     """
     dev = resolve_device(device)
     fingerprint = hardware_fingerprint(dev)
@@ -378,6 +411,15 @@ def profile_device(
                 "measured_at": measured_at,
             }
             _store_cache(path, entries)
+    answered, costs = _cached_messaging(entries.get(key), fingerprint)
+    if messaging is not None and (refresh or not answered):
+        costs = messaging()
+        entry = entries.get(key)
+        if path is not None and isinstance(entry, dict):
+            entry["messaging"] = (
+                {"message_us": costs.message_s * 1e6, "byte_ns": costs.byte_s * 1e9} if costs else None
+            )
+            _store_cache(path, entries)
     total, free = memory_info(dev)
     kind = device_kind(dev)
     # a CPU device computes on the machine's cores, which other peers on it share (read live: a
@@ -396,4 +438,6 @@ def profile_device(
         host_id=host_id() if shared else None,
         host_cores=available_cores() if shared else None,
         threads=torch.get_num_threads() if shared else None,
+        message_us=round(costs.message_s * 1e6, 3) if costs is not None else None,
+        wire_byte_ns=round(costs.byte_s * 1e9, 4) if costs is not None else None,
     )

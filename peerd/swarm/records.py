@@ -88,6 +88,13 @@ class DeviceProfile(WireStruct, kw_only=True):
     # measured ns per unit of the ops that cost more than their launch and traffic
     # (peerd.models.launches.ELEMENT_FAMILIES); absent from older peers
     element_ns: ElementCosts | None = None
+    # measured host CPU per message at one end (its daemon and its p2pd), µs, and per payload byte,
+    # ns: what messaging costs a machine's cores (peerd.pipeline.messaging); absent from older peers
+    message_us: PositiveReal | None = None
+    wire_byte_ns: PositiveReal | None = None
+    # cores its daemon, DHT and p2pd keep busy while working for no job, measured live; absent
+    # until measured and from older peers
+    idle_cores: PositiveReal | None = None
 
 
 class LinkMeasurement(WireStruct, kw_only=True):

@@ -12,8 +12,9 @@ matching typed exception.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from contextlib import suppress
 from dataclasses import dataclass, field
 from typing import Any
@@ -615,3 +616,21 @@ class Transport:
             return
         with suppress(PeerdError):
             await conn.send_error(code, message)
+
+
+@contextlib.asynccontextmanager
+async def loopback_pair() -> AsyncIterator[tuple[P2P, P2P, Transport, Transport]]:
+    """Two bare p2pd daemons on loopback (``b`` bootstraps from ``a``) and a Transport on each, all
+    closed on exit: what benchmarks and the messaging-cost measurement send through."""
+    a = await create_p2p()
+    try:
+        b = await create_p2p(await a.get_visible_maddrs())
+        ta, tb = Transport(a), Transport(b)
+        try:
+            yield a, b, ta, tb
+        finally:
+            await tb.close()
+            await ta.close()
+            await b.shutdown()
+    finally:
+        await a.shutdown()

@@ -82,7 +82,7 @@ def test_join_with_an_unreachable_bootstrap_exits_3_and_leaves_nothing_behind(pe
     assert not (home / "control.sock").exists()  # the control endpoint was closed on the way out
 
 
-def test_one_daemon_table_watch_and_home_lock(local_swarm, peerd_cli):
+def test_one_daemon_table_watch_and_home_lock(local_swarm, peerd_cli, wait_until):
     swarm = local_swarm(1)
     peer = swarm.peers[0]
 
@@ -92,6 +92,12 @@ def test_one_daemon_table_watch_and_home_lock(local_swarm, peerd_cli):
     assert "peer0*" in result.stdout and "ONLINE" in result.stdout and peer.info.peer_id[-8:] in result.stdout
     # the local swarm gives each daemon one compute thread, and the daemon applied it
     assert peer.status()["self"]["threads"] == 1 and "training uses 1 compute threads" in peer.log_tail(200)
+    # its record says what a message costs this machine (the cache's measurement) and, once two
+    # refreshes apart without a job, the cores it keeps busy idle (its DHT, p2pd and itself)
+    row = peer.status()["peers"][0]
+    assert row["message_us"] > 0 and row["wire_byte_ns"] > 0
+    idle = wait_until(lambda: peer.status()["peers"][0]["idle_cores"], 20, "the idle load in the record")
+    assert 0 < idle < 2
 
     # off a terminal (click's runner is not one) no cell is cut, however narrow COLUMNS says it is
     narrow = CliRunner(env={"COLUMNS": "40"}).invoke(cli, ["status", "--home", str(peer.home)])

@@ -50,6 +50,10 @@ class RosterDevice(FrozenWireStruct, frozen=True):
     threads: PositiveCount | None = None
     # seconds per unit of the ops that cost more than their launch and traffic (RL cost of small models)
     element_s: ElementCosts | None = None
+    # host CPU seconds per message at one end and per payload byte (what messaging costs its machine)
+    message_s: PositiveReal | None = None
+    wire_byte_s: PositiveReal | None = None
+    idle_cores: PositiveReal | None = None  # cores its daemon keeps busy while working for no job
 
 
 class RosterLink(FrozenWireStruct, frozen=True):

@@ -226,6 +226,7 @@ def test_max_jobs_counts_the_jobs_a_peer_runs_not_those_it_plans() -> None:
             await ms.sync()
             assert all(watcher.jobs[j].planner.participate for j in jobs)  # three jobs planning: no limit
             assert not watcher.holds_work  # planning holds nothing (the daemon still re-probes its links)
+            assert watcher.engaged  # but its CPU plans: no idle load is measured meanwhile
             for j in jobs[:2]:  # two of them committed onto this peer
                 watcher.jobs[j].runner = _Holding()
             assert watcher.holds_work

@@ -197,6 +197,13 @@ def test_a_roster_entry_carries_the_free_memory_the_peer_measured() -> None:
     )
     device = roster_profile(on_box, "eu")
     assert (device.host, device.host_cores, device.threads) == ("0123456789abcdef", 2, 1)
+    assert device.message_s is None and device.idle_cores is None  # not measured
+    busy = msgspec.structs.replace(on_box, message_us=250.0, wire_byte_ns=1.5, idle_cores=0.04)
+    device = roster_profile(busy, "eu")
+    assert (device.message_s, device.wire_byte_s, device.idle_cores) == pytest.approx((250e-6, 1.5e-9, 0.04))
+    # the machine they are spent on is what makes them priceable: without it they stay home
+    homeless = roster_profile(msgspec.structs.replace(busy, host_id=None), "eu")
+    assert (homeless.message_s, homeless.wire_byte_s, homeless.idle_cores) == (None, None, None)
 
 
 def test_a_peer_whose_free_memory_cannot_hold_a_stage_is_never_allocated_one() -> None:
@@ -267,3 +274,32 @@ def test_a_pretraining_job_prices_its_layers_work_at_each_peers_measured_costs()
     ops, per_value = jm.training.averaging_work.at(2)
     added = priced.parts["dp"] - plain.parts["dp"]
     assert ops * 3e-6 < added < ops * 3e-6 + sum(jm.model.layer_params) * per_value / 3e10
+
+
+def test_peers_sharing_a_machine_are_priced_its_cores_for_their_compute_and_messages() -> None:
+    """Roster entries on one machine that declare what a message costs it and their idle load: the
+    scenario carries both, and the cost has a floor of the layout's CPU time over the cores left."""
+    job = spec(2, 2, planning={"objective": "peerd"})
+    bare = roster(4)
+
+    def on_box(message_s: float | None, idle: float | None) -> Roster:
+        profile = {"host": "0123456789abcdef", "host_cores": 2, "threads": 1}
+        if message_s is not None:
+            profile |= {"message_s": message_s, "wire_byte_s": 2e-9, "idle_cores": idle}
+        return Roster.of(
+            0,
+            [
+                msgspec.structs.replace(e, profile=msgspec.structs.replace(e.profile, **profile))
+                for e in bare.entries
+            ],
+        )
+
+    scorer = RosterScorer(job)
+    busy = on_box(5e-3, 0.3)
+    devices = scorer.scenario(busy).devices
+    for d in devices:
+        assert (d.message_us, d.wire_byte_ns, d.idle_cores) == pytest.approx((5e3, 2.0, 0.3))
+    alloc = Allocation(((PEERS[1], PEERS[2]), (PEERS[3], PEERS[0])))
+    shared, priced = scorer.cost(on_box(None, None), alloc), scorer.cost(busy, alloc)
+    assert priced.parts["host_cpu"] > shared.parts["host_cpu"] > 0
+    assert priced.total == pytest.approx(max(priced.parts["host_cpu"], shared.total))

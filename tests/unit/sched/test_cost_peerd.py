@@ -166,7 +166,16 @@ def test_vectorised_swaps_match_the_generic_rescoring(d_pp, d_dp, shared):
             sc,
             devices=[
                 dataclasses.replace(
-                    d, host=boxes[i % 3], launch_us=1.0 + i % 5, memory_bandwidth_gb_s=10.0 + i
+                    d,
+                    host=boxes[i % 3],
+                    launch_us=1.0 + i % 5,
+                    memory_bandwidth_gb_s=10.0 + i,
+                    # and, on the machines, what messages cost them and their daemons' idle load
+                    **(
+                        {"message_us": 100.0 + i, "wire_byte_ns": 1.0 + i % 3, "idle_cores": 0.05 * (i + 1)}
+                        if boxes[i % 3] is not None
+                        else {}
+                    ),
                 )
                 for i, d in enumerate(sc.devices)
             ],
@@ -471,3 +480,62 @@ def test_a_full_pipeline_is_paced_by_a_boundarys_busier_direction_not_its_round_
     there_and_back = 2 * delay_ms / 1e3 + forward + backward
     pace = forward if schedule == "gpipe" else max(forward, there_and_back / 2)
     assert cost.parts["pp"] == pytest.approx(there_and_back + 3 * pace, rel=1e-6)
+
+
+def _busy_box(idle_cores: float | None, hosts: list[str]) -> Scenario:
+    """Four peers with measured messaging costs on fast links: 2 stages x 2 replicas, 4 micro-batches
+    of 1e6 activation bytes, 2e6 gradient bytes per stage."""
+    devices = [
+        Device(
+            id=f"d{i}",
+            region="r",
+            tflops=0.5,
+            memory_gb=8.0,
+            host=HostShare(host, cores=2, threads=1),
+            message_us=500.0,
+            wire_byte_ns=2.0,
+            idle_cores=idle_cores,
+        )
+        for i, host in enumerate(hosts)
+    ]
+    return Scenario(
+        name="busy-box",
+        devices=devices,
+        regions=Regions(names=["r"], delay_ms=[[0.0]], bandwidth_mbps=[[1e5]]),
+        model=ModelShape(layers=4, hidden=64, seq=32),
+        training=TrainingSpec(global_batch=8, micro_batch=1, d_pp=2, d_dp=2, c_pp_bytes=4e6, c_dp_bytes=2e6),
+    )
+
+
+def test_a_machines_cores_bound_the_iteration_by_its_daemons_work_and_messages() -> None:
+    """A shared machine runs its tasklets' compute and their messages on its cores less what its
+    daemons keep busy idle: the iteration takes at least that CPU time over those cores."""
+    obj = PeerdObjective(Problem(_busy_box(0.25, ["box"] * 4)), Shape(2, 2))
+    cost = obj.grid_cost(np.arange(4).reshape(2, 2), NONE)
+    compute = 4 * (4 * 2 * obj.layer_flops / 0.5e12)  # four members: 4 micro-batches x 2 layers each
+    # each member: per micro-batch an activation and a gradient (1e6 B each) at its one boundary,
+    # both sent or received; per iteration 2 x 1 share of 1e6 B out and as many in
+    ends, payload = 4 * (4 * 2 + 4), 4 * (4 * 2e6 + 4 * 1e6)
+    cpu = compute + ends * 500e-6 + payload * 2e-9
+    assert cost.parts["host_cpu"] == pytest.approx(cpu / (2 - 4 * 0.25))
+    phases = cost.parts["pp"] + cost.parts["dp"] + cost.parts["update"] + cost.parts["norm"]
+    assert phases < cost.parts["host_cpu"] == pytest.approx(cost.total)  # the floor binds here
+
+    # without the daemons' idle load there are twice the cores
+    bare = PeerdObjective(Problem(_busy_box(None, ["box"] * 4)), Shape(2, 2))
+    assert bare.grid_cost(np.arange(4).reshape(2, 2), NONE).parts["host_cpu"] == pytest.approx(cpu / 2)
+    # on two machines, each carries its own two members: the busier bounds the iteration
+    apart = PeerdObjective(Problem(_busy_box(0.25, ["x", "y", "x", "y"])), Shape(2, 2))
+    split = apart.grid_cost(np.arange(4).reshape(2, 2), NONE)
+    assert split.parts["host_cpu"] == pytest.approx(cpu / 2 / (2 - 2 * 0.25))
+
+
+def test_no_declared_machine_means_no_floor() -> None:
+    sc = _busy_box(None, ["box"] * 4)
+    sc = dataclasses.replace(
+        sc,
+        devices=[dataclasses.replace(d, host=None, message_us=None, wire_byte_ns=None) for d in sc.devices],
+    )
+    cost = PeerdObjective(Problem(sc), Shape(2, 2)).grid_cost(np.arange(4).reshape(2, 2), NONE)
+    assert cost.parts["host_cpu"] == 0.0
+    assert cost.total == pytest.approx(cost.parts["pp"] + cost.parts["dp"] + cost.parts["update"])

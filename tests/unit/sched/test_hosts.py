@@ -64,3 +64,15 @@ def test_host_load_gives_each_layouts_busy_devices_what_slowdowns_gives() -> Non
     for row, busy in zip(got, layouts, strict=True):
         want = slowdowns(shares, set(busy.tolist()))
         assert row.tolist() == pytest.approx([want[i] for i in busy])
+
+
+def test_the_busiest_machine_counts_its_devices_work_over_the_cores_its_daemons_leave() -> None:
+    shares = [HostShare("a", 2), HostShare("a", 2), HostShare("b", 4), None]
+    load = HostLoad(shares, idle=[0.5, 0.5, 0.0, 3.0])
+    devices = np.array([[0, 1, 2, 3], [0, 2, 3, 3]])
+    seconds = np.array([[1.0, 1.0, 2.0, 100.0], [1.0, 6.0, 100.0, 100.0]])
+    # layout 0: a has 2 s over 1 free core, b 2 s over 4; layout 1: a 1 s over 1, b 6 s over 4;
+    # a device of no known machine (3) counts nowhere
+    np.testing.assert_allclose(load.busiest(devices, seconds), [2.0, 1.5])
+    # daemons that declare more idle load than cores leave a tenth of them
+    assert HostLoad([HostShare("a", 2)], idle=[5.0]).busiest(np.array([[0]]), np.array([[1.0]]))[0] == 5.0

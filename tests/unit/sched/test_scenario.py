@@ -101,6 +101,8 @@ def test_minimal_file_without_model_or_training(tmp_path):
         ({"training": {"global_batch": 8, "d_dp": -2}}, "training.d_dp"),
         ({"training": {"global_batch": 8, "forward_ratio": 2}}, "training.forward_ratio"),
         ({"model": {"layers": 2, "hidden": 8, "seq": 4, "layer_params": [1]}}, "model.layer_params"),
+        ({"devices": [{"id": "x", "region": "a", "message_us": 250}]}, "devices[0].message_us"),
+        ({"devices": [{"id": "x", "region": "a", "idle_cores": 0.1}]}, "devices[0].idle_cores"),
         ({"colour": "blue"}, "colour"),
         ({"devices": []}, "devices"),
     ],

@@ -11,6 +11,7 @@ import peerd
 from peerd.errors import ConfigError
 from peerd.swarm import profiling
 from peerd.swarm.profiling import (
+    MessagingCost,
     cache_key,
     hardware_fingerprint,
     measure_matmul_tflops,
@@ -222,3 +223,51 @@ def test_memory_info_cpu_is_sane():
     total, free = memory_info(torch.device("cpu"))
     assert total > 64 * 2**20
     assert free is None or 0 <= free <= total
+
+
+class CountingMeasurer:
+    """Stands in for the loopback-pair measurement (tested on real p2pd in test_messaging.py): counts calls."""
+
+    def __init__(self, answer: MessagingCost | None) -> None:
+        self.answer, self.calls = answer, 0
+
+    def __call__(self) -> MessagingCost | None:
+        self.calls += 1
+        return self.answer
+
+
+def test_the_messaging_cost_is_measured_once_cached_and_carried(measured):
+    cache, _ = measured
+    measurer = CountingMeasurer(MessagingCost(2.5e-4, 1.25e-9))
+    first = profile_device("cpu", cache_path=cache, messaging=measurer)
+    again = profile_device("cpu", cache_path=cache, messaging=measurer)
+    assert measurer.calls == 1
+    assert first.message_us == again.message_us == 250.0 and first.wire_byte_ns == again.wire_byte_ns == 1.25
+    # a daemon that passes no measurer still declares what the cache knows
+    assert profile_device("cpu", cache_path=cache).message_us == 250.0
+
+
+def test_a_machine_that_cannot_measure_it_says_so_once(tmp_path):
+    cache = tmp_path / "profiles.json"
+    measurer = CountingMeasurer(None)
+    for _ in range(2):
+        prof = profile_device("cpu", cache_path=cache, budget_s=BUDGET, messaging=measurer)
+        assert prof.message_us is None and prof.wire_byte_ns is None
+    assert measurer.calls == 1  # "could not" is an answer too: no loopback pair at every start
+    assert profile_device("cpu", cache_path=cache, budget_s=BUDGET, refresh=True, messaging=measurer)
+    assert measurer.calls == 2
+
+
+@pytest.mark.parametrize("bad", [{"message_us": -1.0, "byte_ns": 1.0}, {"message_us": 5.0}, "fast"])
+def test_a_tampered_messaging_entry_is_remeasured(tmp_path, bad):
+    cache = tmp_path / "profiles.json"
+    profile_device(
+        "cpu", cache_path=cache, budget_s=BUDGET, messaging=CountingMeasurer(MessagingCost(1e-4, 1e-9))
+    )
+    data = json.loads(cache.read_text())
+    for entry in data["entries"].values():
+        entry["messaging"] = bad
+    cache.write_text(json.dumps(data))
+    measurer = CountingMeasurer(MessagingCost(3e-4, 2e-9))
+    assert profile_device("cpu", cache_path=cache, messaging=measurer).message_us == 300.0
+    assert measurer.calls == 1
