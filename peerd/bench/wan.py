@@ -775,7 +775,13 @@ def wan(
     out = {
         "benchmark": "wan",
         "peers": peers,
-        "machine": {"cores": cores, "note": f"{peers} daemons share {cores} cores, one compute thread each"},
+        "machine": {
+            "cores": cores,
+            "note": f"{peers} daemons share {cores} cores, one compute thread each",
+            # what a message costs this machine's CPU at each end, as every daemon declares it
+            "message_us": measured.message_s * 1e6 if measured.message_s else None,
+            "wire_byte_ns": measured.wire_byte_s * 1e9 if measured.wire_byte_s else None,
+        },
         "scenario": {"file": path.name, "mapped": shaped["description"], "regions": shaped["devices"]},
         "regime": reg,
         "job": {k: reference_spec[k] for k in ("model", "data", "steps", "global_batch", "micro_batch")},
