@@ -618,6 +618,8 @@ def rl_swarm(s: Settings, png: str | None = None) -> dict[str, Any]:
                 "memory_gb_s": profile.memory_gb_s,
                 "launch_us": profile.launch_us,
                 "element_ns": msgspec.structs.asdict(profile.element_ns) if profile.element_ns else None,
+                "message_us": profile.message_us,
+                "wire_byte_ns": profile.wire_byte_ns,
             },
             "links": probed_links(status, alloc),
             "note": f"{s.peers} daemons share {cores} cores with whatever else runs on the machine",

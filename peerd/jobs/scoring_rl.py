@@ -15,7 +15,8 @@ so the consensus compares role assignments with the same arithmetic as ``peerd p
 
 - the roster becomes a cluster: measured fp32 TFLOPS, free memory and memory bandwidth of
   every entry (``RosterDevice``; achieved rates, so at efficiency 1), links as
-  ``peerd.jobs.scoring.roster_scenario`` reads them;
+  ``peerd.jobs.scoring.roster_scenario`` reads them, each message also costing the host time its
+  sender and its receiver measured (``message_s``: a delay of the link, ``sched.rl.cluster``);
 - the spec becomes a ``Workload``: the built-in GPT's sizes, ``global_batch / group_size``
   prompts of the task's longest prompt, ``max_new_tokens`` decode steps, one optimizer update
   per ``micro_batch`` completions (times ``epochs``), staleness ``k``, fp32 everywhere (what the

@@ -129,7 +129,9 @@ class Cluster:
     device's ``element_ns``; 0 where not modelled): a generation's, an inference forward's, a
     training forward and backward's."""
     delay: np.ndarray
-    """One-way delay in seconds, (N, N)."""
+    """One-way delay in seconds, (N, N): the link's, and the host time a message costs its sender and
+    its receiver where they measured it (``Device.message_us``: the daemons' framing and p2pd; a
+    small model's weight sync and rollout shards are mostly that)."""
     bw: np.ndarray
     """Link bandwidth in bytes/s, (N, N); inf on the diagonal."""
     cls: np.ndarray
@@ -145,6 +147,9 @@ class Cluster:
             if np.isnan(m).any():
                 i, j = np.argwhere(np.isnan(m))[0]
                 raise ConfigError("links", f"no {what} for {devs[i].id!r} -> {devs[j].id!r}")
+        # a message's host time at its sender and its receiver, where measured (``Device.message_us``)
+        host = np.array([(d.message_us or 0.0) * 1e-6 for d in devs])
+        delay = delay + (host[:, None] + host[None, :]) * (1.0 - np.eye(len(devs)))
         linked = {x for lk in sc.links for x in (lk.src, lk.dst)}
         keys: dict[tuple, int] = {}
         classes = []
@@ -158,6 +163,7 @@ class Cluster:
                 d.element_ns,
                 d.region,
                 d.access_mbps,
+                d.message_us,
             )
             key = (*key, d.id) if d.id in linked else key
             classes.append(keys.setdefault(key, len(keys)))

@@ -473,3 +473,40 @@ def test_a_star_workload_syncs_as_a_star_and_the_exact_mode_refuses_it():
     assert relay.sync_time(grouping, counts) < ev.sync_time(grouping, counts)
     with pytest.raises(ConfigError, match="weight_sync"):
         exact.solve(ev, exact.ExactConfig())
+
+
+def test_a_message_costs_its_sender_and_its_receiver_their_measured_host_time():
+    """Where peers measured what a message costs their machine (``Device.message_us``), every
+    message between them waits that long at each end: a link's delay grows by both (a tiny model's
+    weight sync and rollout shards are mostly that host time)."""
+    from peerd.sched.hosts import HostShare
+
+    box = HostShare("box", cores=2)
+    names = ["r0", "r1"]
+    regions = Regions(names=names, delay_ms=[[0.0, 1.0], [1.0, 0.0]], bandwidth_mbps=[[1e6, 8e3], [8e3, 1e6]])
+    devs = [
+        Device(
+            id=f"d{i}",
+            region=names[i],
+            tflops=1.0,
+            memory_gb=100,
+            memory_bandwidth_gb_s=10,
+            host=box,
+            message_us=us,
+        )
+        for i, us in enumerate((200.0, 300.0))
+    ]
+    cl = Cluster.of(rl_scenario(Scenario(devices=devs, regions=regions), toy_workload()))
+    np.testing.assert_allclose(cl.delay, [[0.0, 1.5e-3], [1.5e-3, 0.0]])
+    assert cl.cls[0] != cl.cls[1]  # unequal costs: not interchangeable
+    bare = Cluster.of(
+        rl_scenario(
+            Scenario(devices=[dataclasses.replace(d, message_us=None) for d in devs], regions=regions),
+            toy_workload(),
+        )
+    )
+    # a star sync of 1 MB from d0 to d1 (1e6 B/s): the same bytes, one message's host time later
+    extra = cost.sync_star(cl.delay[:1], cl.bw[:1], np.array([0, 1]), 1e6) - cost.sync_star(
+        bare.delay[:1], bare.bw[:1], np.array([0, 1]), 1e6
+    )
+    assert extra == pytest.approx(500e-6)
