@@ -12,10 +12,8 @@ its state-transfer line; ``python -m peerd.bench.statesync`` runs it alone.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import statistics
 import time
-from collections.abc import AsyncIterator
 from typing import Any
 
 import click
@@ -24,26 +22,9 @@ import torch
 from peerd.bench import emit_json
 from peerd.bench.transport import RAW_PROTOCOL, raw_handler, raw_run
 from peerd.pipeline.statesync import StateServer, StateSyncConfig, fetch_state, pack_state
-from peerd.swarm.transport import Transport, create_p2p
+from peerd.swarm.transport import Transport, loopback_pair
 
 JOB = "bench" + "0" * 27  # a job id's shape: 32 characters
-
-
-@contextlib.asynccontextmanager
-async def _pair() -> AsyncIterator[tuple[Transport, Transport]]:
-    """Holder and client: two p2pd daemons on loopback with a Transport each; all closed after."""
-    a = await create_p2p()
-    try:
-        b = await create_p2p(await a.get_visible_maddrs())
-        holder, client = Transport(a), Transport(b)
-        try:
-            yield holder, client
-        finally:
-            await client.close()
-            await holder.close()
-            await b.shutdown()
-    finally:
-        await a.shutdown()
 
 
 def _blob(total_mib: int) -> bytes:
@@ -68,7 +49,7 @@ async def statesync_throughput(
     blob = _blob(total_mib)
     view = memoryview(blob)
     rows: list[dict[str, Any]] = []
-    async with _pair() as (holder, client):
+    async with loopback_pair() as (_a, _b, holder, client):
         await holder.p2p.add_binary_stream_handler(RAW_PROTOCOL, raw_handler)
         configs = [StateSyncConfig(chunk_bytes=int(mib * (1 << 20))) for mib in chunk_mibs]
         server = StateServer(holder, JOB, lambda stage, step: blob, config=configs[0])
