@@ -107,12 +107,11 @@ class HostLoad:
         """(P,) for P layouts, the most CPU seconds any machine has to spend per core: ``seconds``
         (P, K) of work of each of the layouts' devices ``devices`` (P, K) summed per machine, over
         the cores its daemons leave (``idle``); devices whose machine is unknown count nowhere."""
-        host = self.host[devices]
-        per_host = np.zeros((len(devices), len(self.cores) + 1))
-        np.add.at(
-            per_host, (np.arange(len(devices))[:, None], np.where(host >= 0, host, len(self.cores))), seconds
-        )
-        return (per_host[:, :-1] / self.spare_cores).max(axis=1, initial=0.0)
+        columns = len(self.cores) + 1  # the last collects the unknown machines
+        host = np.where(self.host[devices] >= 0, self.host[devices], columns - 1)
+        cells = np.arange(len(devices))[:, None] * columns + host  # (P, K): (layout, machine) cell
+        per_host = np.bincount(cells.ravel(), weights=seconds.ravel(), minlength=len(devices) * columns)
+        return (per_host.reshape(len(devices), columns)[:, :-1] / self.spare_cores).max(axis=1, initial=0.0)
 
     def factors(self, busy: np.ndarray) -> np.ndarray:
         """(P, K) slowdowns of the busy devices ``busy`` (P, K) of P layouts, each device once per layout."""
