@@ -1,5 +1,6 @@
 """This machine as the cost models see it: an opaque id that peers on one machine share, its cores,
-and what processes on it spend of them (``cpu_seconds``: what measuring a message's cost reads).
+and what processes on it spend of them (``cpu_seconds``, ``tree_cpu_seconds``: what measuring a
+message's cost and a daemon's idle load, ``IdleLoad``, read).
 
 Daemons on one machine compute on the same cores (``peerd.sched.hosts``), so a CPU device's
 profile says which machine it is on. The id is a salted digest of the kernel's boot id, which

@@ -5,10 +5,10 @@ supports, memory bandwidth from timing a large device-to-device copy (what decod
 KV cache is bound by: the RL cost model's generation term), the seconds per dispatched op from
 timing a toy-width GPT's training steps (what a model too small to fill the device costs:
 ``peerd.models.launches``), and, where the caller passes a measurer, the host CPU one message
-costs the machine (``MessagingCost``: what a swarm of daemons sharing one machine's cores spends
-beside its compute, ``peerd.pipeline.messaging``); the measurement is cached in a JSON file under a key made of the hardware
-and software versions (CPU model / GPU name, device string, torch, peerd, CUDA), so a
-restart skips it and an upgrade re-measures. Free memory is always read live.
+costs the machine (``MessagingCost``: what daemons that share a machine's cores spend beside
+their compute, ``peerd.pipeline.messaging``). The measurement is cached in a JSON file under a
+key made of the hardware and software versions (CPU model / GPU name, device string, torch,
+peerd, CUDA), so a restart skips it and an upgrade re-measures. Free memory is always read live.
 """
 
 from __future__ import annotations
@@ -373,7 +373,7 @@ def profile_device(
     ``cache_path=None`` disables the cache; ``refresh=True`` re-measures and overwrites it.
     ``messaging`` measures what a message costs the host (None where it cannot tell); it runs when
     the cache holds no answer of it yet, and a cached answer is used with or without it.
-    Blocking (~2 s on CPU when not cached, ~2 s more for ``messaging``): call it from a worker thread
+    Blocking (~2 s on CPU when not cached, ~1 s more for ``messaging``): call it from a worker thread
     in async code.
     """
     dev = resolve_device(device)
