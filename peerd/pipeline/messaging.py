@@ -37,8 +37,9 @@ logger = get_logger(__name__)
 SMALL_SHAPE = (2, 16, 64)
 LARGE_SHAPE = (2, 256, 512)
 MESSAGES_PER_ROUND = 8
-SMALL_ROUNDS = 60  # ~0.4 s of CPU at ~0.8 ms per message: 40 clock ticks, so the ticks' rounding stays small
-LARGE_ROUNDS = 6
+# ~0.4 s of CPU at ~0.5 ms per message (both ends): the p2pd processes' CPU is read in 10 ms ticks
+SMALL_ROUNDS = 100
+LARGE_ROUNDS = 6  # 48 MiB: ~0.1 s of CPU per byte cost
 
 
 class StreamPair:
