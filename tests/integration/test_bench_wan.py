@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 
@@ -73,6 +74,12 @@ def test_quick_wan_bench_trains_the_searched_and_the_random_arm() -> None:
         parts = r["prediction"]["parts"]
         assert parts["pp"] > 0 and parts["dp"] > 0 and parts["norm"] > 0, r["prediction"]
         assert len(r["prediction"]["roster"]) == 4
+        if Path("/proc/self/stat").exists():  # where a message's cost can be measured
+            # every daemon declares what a message costs this machine, and the cost has the floor of
+            # the layout's CPU work on the cores they share
+            for entry in r["prediction"]["roster"]:
+                assert entry["profile"]["host"] and entry["profile"]["message_s"] > 0, entry["profile"]
+            assert parts["host_cpu"] > 0, parts
         if r["s_per_step_polls"]:
             assert host["swarm_cpu_s_per_step"] > 0 and 0 < host["swarm_share_of_cores"] <= 1.25, host
             assert host["machine_share_of_cores"] > 0 and host["regime"], host
@@ -81,6 +88,8 @@ def test_quick_wan_bench_trains_the_searched_and_the_random_arm() -> None:
     expected = random_allocation(commit["roster"], Shape(2, 2), placement_seed(c["job_id"], 0))
     assert Allocation.from_plain(commit["stages"], commit["spares"]).canonical() == expected.canonical()
     assert result["ratios"]["a_over_c_tokens_per_s"] > 0
+    if Path("/proc/self/stat").exists():
+        assert result["machine"]["message_us"] > 0 and result["machine"]["wire_byte_ns"] > 0
     cross = result["crossover"]  # predicted from the regime, for arms a and d at this size
     assert cross["slowest_link_mbps"] > 0 and cross["predicted_a_over_d_tokens_per_s"] > 0, cross
 
