@@ -99,11 +99,6 @@ class ProbeConfig:
     """Responder: cap on the seconds one download request may ask for."""
     max_frame_bytes: int = 256 << 10
     """Responder: cap on the frame size a download request may ask for."""
-    working_repeat_s: float = 600.0
-    """Responder, while its peer works for a job: a peer it served a bulk transfer this recently
-    is refused with BUSY (it keeps its figures); a peer that never measured it, or not for this
-    long, is served (a newcomer needs the link to be planned with). A bulk probe fills the link
-    for seconds, against the job's own traffic."""
 
     def __post_init__(self) -> None:
         for name in (
@@ -128,7 +123,6 @@ class ProbeConfig:
             "max_bulk_seconds",
             "answer_rate_Bps",
             "answer_total_rate_Bps",
-            "working_repeat_s",
         ):
             if not getattr(self, name) > 0:
                 raise ConfigError(name, f"must be > 0, got {getattr(self, name)!r}")
@@ -233,9 +227,7 @@ async def _send_bulk(conn: Connection, kind: str, nbytes: int, seconds: float, f
 
 
 class ProbeResponder:
-    """Answers probe sessions from other peers, within its own budget (sessions and answer bytes per
-    peer); while ``working()`` (its peer works for a job) a peer served a bulk transfer within
-    ``working_repeat_s`` is refused with BUSY."""
+    """Answers probe sessions from other peers, within its own budget (sessions and answer bytes per peer)."""
 
     def __init__(
         self,
@@ -243,17 +235,12 @@ class ProbeResponder:
         config: ProbeConfig = ProbeConfig(),
         *,
         clock: Callable[[], float] = time.monotonic,
-        working: Callable[[], bool] = lambda: False,
     ) -> None:
         self.transport = transport
         self.config = config
         self.budget = ByteBudget(config.answer_budget, clock)
-        self._clock = clock
-        self._working = working
-        self._last_bulk: dict[str, float] = {}  # peer (base58) -> when its last bulk transfer ended
         self._active = 0
         self.sessions_served = 0
-        self.refused_working = 0
 
     @property
     def active_sessions(self) -> int:
@@ -269,25 +256,10 @@ class ProbeResponder:
     async def stop(self) -> None:
         await self.transport.stop_serving(PROBE_PROTOCOL)
 
-    def _served_recently(self, peer: str) -> float | None:
-        """Seconds since ``peer``'s last bulk transfer, if within ``working_repeat_s`` (older ones go)."""
-        now, window = self._clock(), self.config.working_repeat_s
-        for key in [k for k, at in self._last_bulk.items() if now - at >= window]:
-            del self._last_bulk[key]
-        at = self._last_bulk.get(peer)
-        return None if at is None else now - at
-
     async def _handle(self, conn: Connection) -> None:
         """One session; the transport has granted its slot and enforces its idle and total timeouts."""
         cfg = self.config
         peer = conn.peer_id
-        key = peer.to_base58()
-        if self._working() and (ago := self._served_recently(key)) is not None:
-            self.refused_working += 1
-            await conn.send_error(
-                ErrorCode.BUSY, f"working for a job; your last bulk probe of this peer was {ago:.0f} s ago"
-            )
-            return
         self._active += 1
         self.sessions_served += 1
         try:
@@ -306,7 +278,6 @@ class ProbeResponder:
                         conn, UP, cfg.idle_timeout_s, first=(header, conn.bytes_received - before)
                     )
                     await conn.send({"kind": UP_RESULT, **to_builtin(timed)})
-                    self._last_bulk[key] = self._clock()
                 elif kind == DOWN_REQUEST:
                     ask = convert(header, _DownRequest, what=DOWN_REQUEST)
                     frame = min(ask.frame_bytes, cfg.max_frame_bytes)
@@ -317,7 +288,6 @@ class ProbeResponder:
                         await _send_bulk(conn, DOWN, grant, min(ask.seconds, cfg.max_bulk_seconds), frame)
                     finally:
                         self.budget.charge(peer, conn.bytes_sent - sent)
-                        self._last_bulk[key] = self._clock()
                     continue
                 else:
                     raise ProtocolError(f"unknown probe message {kind!r}", code=ErrorCode.UNKNOWN_KIND)

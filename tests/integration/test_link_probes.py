@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from hivemind.p2p import P2P, PeerID
 
-from peerd.errors import ConfigError, ErrorCode, ProtocolError
+from peerd.errors import ErrorCode, ProtocolError
 from peerd.sched.scenario import load_scenario
 from peerd.swarm.links import (
     PROBE_PROTOCOL,
@@ -327,39 +327,3 @@ def test_malformed_probe_answers_are_errors_and_bad_requests_are_refused(peers: 
     lied, refused = peers.run(go())
     assert lied.status == LinkStatus.ERROR
     assert refused.code == ErrorCode.MALFORMED and "bytes" in str(refused)
-
-
-def test_a_working_responder_spares_its_links_repeat_bulk_probes_but_serves_newcomers(peers: Peers):
-    """While its peer works for a job, a responder refuses a peer it served a bulk transfer within
-    ``working_repeat_s`` (BUSY: the prober keeps its figures) and still serves one that never
-    measured it; when the job is done it serves everyone again."""
-    working = [False]
-
-    async def go():
-        config = ProbeConfig(**{**QUICK.__dict__, "working_repeat_s": 60.0})
-        responder = ProbeResponder(peers.transport(peers.a), config, working=lambda: working[0])
-        await responder.start()
-        veteran = LinkProber(peers.transport(peers.b), QUICK)
-        newcomer = LinkProber(peers.transport(peers.c), QUICK)
-        first = await veteran.probe(peers.a.peer_id)  # idle: served
-        working[0] = True
-        repeat = await veteran.probe(peers.a.peer_id)
-        kept = veteran.measurements[peers.a.peer_id.to_base58()]
-        fresh = await newcomer.probe(peers.a.peer_id)  # never measured it: served while working
-        again = await newcomer.probe(peers.a.peer_id)
-        working[0] = False
-        after = await veteran.probe(peers.a.peer_id)
-        await responder.stop()
-        return first, repeat, kept, fresh, again, after, responder.refused_working
-
-    first, repeat, kept, fresh, again, after, refused = peers.run(go())
-    assert first.status == LinkStatus.OK and first.bw_up_mbps
-    assert repeat.status == LinkStatus.BUSY and kept == first  # its last good figures stand
-    assert fresh.status == LinkStatus.OK and again.status == LinkStatus.BUSY
-    assert after.status == LinkStatus.OK
-    assert refused == 2
-
-
-def test_the_repeat_window_must_be_positive() -> None:
-    with pytest.raises(ConfigError, match="working_repeat_s"):
-        ProbeConfig(working_repeat_s=0.0)
