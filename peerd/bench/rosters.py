@@ -19,7 +19,7 @@ import torch
 from peerd.pipeline.messaging import measure_messaging
 from peerd.sched.consensus.messages import Roster, RosterDevice, RosterEntry, RosterLink
 from peerd.swarm.profiling import profile_device
-from peerd.swarm.records import DeviceProfile
+from peerd.swarm.records import DeviceProfile, scaled
 
 
 @contextlib.contextmanager
@@ -96,8 +96,8 @@ def committed_roster(
             row.get("host_cores"),
             row.get("threads"),
             measured.element_s if measured else None,
-            _scaled(row.get("message_us"), 1e-6),
-            _scaled(row.get("wire_byte_ns"), 1e-9),
+            scaled(row.get("message_us"), 1e-6),
+            scaled(row.get("wire_byte_ns"), 1e-9),
             row.get("idle_cores"),
         )
         links = {
@@ -111,7 +111,3 @@ def committed_roster(
             )
         )
     return Roster.of(int(alloc["epoch"]), entries)
-
-
-def _scaled(value: float | None, factor: float) -> float | None:
-    return value * factor if value is not None else None

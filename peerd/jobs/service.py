@@ -30,7 +30,7 @@ from peerd.jobs.store import DhtStore
 from peerd.pipeline.replicas import CheckpointReplicas
 from peerd.sched.consensus.messages import RosterDevice, RosterLink
 from peerd.swarm.node import parse_peer_id
-from peerd.swarm.records import DeviceProfile, LinkMeasurement, LinkStatus, PeerRecord, PeerState
+from peerd.swarm.records import DeviceProfile, LinkMeasurement, LinkStatus, PeerRecord, PeerState, scaled
 from peerd.swarm.transport import Transport
 from peerd.wire.types import ElementCosts
 
@@ -65,21 +65,19 @@ def roster_profile(profile: DeviceProfile | None, region: str) -> RosterDevice:
     memory = (
         profile.memory_free_bytes if profile.memory_free_bytes is not None else profile.memory_total_bytes
     )
-    bandwidth = profile.memory_gb_s * 1e9 if profile.memory_gb_s is not None else None
-    launch = profile.launch_us * 1e-6 if profile.launch_us is not None else None
     shared = None not in (profile.host_id, profile.host_cores, profile.threads)
     return RosterDevice(
         round(float(tflops), 6),
         int(memory),
         region,
-        bandwidth,
-        launch,
+        scaled(profile.memory_gb_s, 1e9),
+        scaled(profile.launch_us, 1e-6),
         profile.host_id if shared else None,
         profile.host_cores if shared else None,
         profile.threads if shared else None,
         _seconds(profile.element_ns),
-        profile.message_us * 1e-6 if shared and profile.message_us is not None else None,
-        profile.wire_byte_ns * 1e-9 if shared and profile.wire_byte_ns is not None else None,
+        scaled(profile.message_us, 1e-6) if shared else None,
+        scaled(profile.wire_byte_ns, 1e-9) if shared else None,
         profile.idle_cores if shared else None,
     )
 

@@ -121,27 +121,28 @@ class LinkMeasurement(WireStruct, kw_only=True):
     ) -> LinkMeasurement:
         return cls(
             peer_id=peer_id,
-            rtt_ms=_scaled(rtt_s, 1e3),
-            bw_up_mbps=_scaled(bw_up_bps, 1e-6),
-            bw_down_mbps=_scaled(bw_down_bps, 1e-6),
+            rtt_ms=scaled(rtt_s, 1e3),
+            bw_up_mbps=scaled(bw_up_bps, 1e-6),
+            bw_down_mbps=scaled(bw_down_bps, 1e-6),
             measured_at=measured_at,
             status=status,
         )
 
     @property
     def rtt_s(self) -> float | None:
-        return _scaled(self.rtt_ms, 1e-3)
+        return scaled(self.rtt_ms, 1e-3)
 
     @property
     def bw_up_bps(self) -> float | None:
-        return _scaled(self.bw_up_mbps, 1e6)
+        return scaled(self.bw_up_mbps, 1e6)
 
     @property
     def bw_down_bps(self) -> float | None:
-        return _scaled(self.bw_down_mbps, 1e6)
+        return scaled(self.bw_down_mbps, 1e6)
 
 
-def _scaled(value: float | None, factor: float) -> float | None:
+def scaled(value: float | None, factor: float) -> float | None:
+    """An optional measurement in other units (the records carry ms, Mbit/s, µs; code reads SI)."""
     return None if value is None else value * factor
 
 
