@@ -317,7 +317,11 @@ class PeerdObjective(Objective):
         n, short = split_layers(t, np.minimum(cap, n_layers - g + 1), n_layers)
         stage = n * t  # (P, G)
         c = self.stage_grad_bytes(n)  # (P, G)
-        arithmetic = self.average_ops * host_op_s + self.stage_sum(self.average_bytes_prefix, n) * host_byte_s
+        # a member's host work beside its layers (P, G): its update, its averaging arithmetic
+        update_ops = self.stage_sum(self.update_ops_prefix, n)
+        update_bytes = self.stage_sum(self.update_bytes_prefix, n)
+        average_bytes = self.stage_sum(self.average_bytes_prefix, n)
+        arithmetic = self.average_ops * host_op_s + average_bytes * host_byte_s
         dp = (a + c[..., None] * b).max(axis=2) + arithmetic  # (P, G)
         fill = stage.sum(axis=1) + emax.sum(axis=1)  # one micro-batch there and back
         bubble = stage.max(axis=1)
@@ -327,30 +331,25 @@ class PeerdObjective(Objective):
             bubble = np.maximum(bubble, fill / g)
         pipe = fill + (self.micro_batches - 1) * bubble
         norm = 2.0 * hops.sum(axis=1) if self.norm_exchange else np.zeros(len(pipe))
-        update = (
-            self.stage_sum(self.update_ops_prefix, n) * host_op_s
-            + self.stage_sum(self.update_bytes_prefix, n) * host_byte_s
-        ).max(axis=1)
-        host = self.host_floor(members, n, c)
+        update = (update_ops * host_op_s + update_bytes * host_byte_s).max(axis=1)
+        host = self.host_floor(members, n, c, update_ops + self.average_ops, update_bytes + average_bytes)
         total = np.maximum(pipe + dp.max(axis=1) + norm + update, host)
         total = np.where(short > 0, INFEASIBLE * (1.0 + short), total)
         soft = dp.mean(axis=1) + emean.sum(axis=1) + stage.mean(axis=1)
         return BatchDetail(total, soft, n, dp, pipe, stage, norm, update, host)
 
-    def host_floor(self, members: np.ndarray, n: np.ndarray, c: np.ndarray) -> np.ndarray:
+    def host_floor(
+        self, members: np.ndarray, n: np.ndarray, c: np.ndarray, ops: np.ndarray, traffic: np.ndarray
+    ) -> np.ndarray:
         """(P,) the least time the busiest shared machine needs per iteration: the CPU seconds of its
         devices' work (compute on their threads; update, averaging arithmetic and messages on one)
-        over its cores; 0 where no device declares a machine. ``members`` (P, G, D), layers per
-        stage ``n`` and gradient bytes per stage ``c`` (P, G)."""
+        over its cores; 0 where no device declares a machine. ``members`` (P, G, D); per stage
+        (P, G): layers ``n``, gradient bytes ``c``, a member's ops and bytes beside its layers."""
         if self.host_load is None:
             return np.zeros(len(members))
         g = members.shape[1]
         layers = (self.micro_batches * n)[..., None]  # (P, G, 1) layer passes per member
         compute = layers * self.layer_flops / (self.speed[members] * 1e12) * self.threads[members]
-        ops = (self.stage_sum(self.update_ops_prefix, n) + self.average_ops)[..., None]
-        traffic = (
-            self.stage_sum(self.update_bytes_prefix, n) + self.stage_sum(self.average_bytes_prefix, n)
-        )[..., None]
         # per micro-batch, each neighbour boundary: an activation and a gradient, each sent or received;
         # per iteration, 2 (D - 1) shares out (parts, then averages) and as many in
         d = self.shape.d_dp
@@ -360,8 +359,8 @@ class PeerdObjective(Objective):
         )
         cpu = (
             compute
-            + ops * self.op_s[members]
-            + traffic * self.byte_s[members]
+            + ops[..., None] * self.op_s[members]
+            + traffic[..., None] * self.byte_s[members]
             + ends[None, :, None] * self.message_s[members]
             + payload[..., None] * self.wire_byte_s[members]
         )

@@ -92,7 +92,7 @@ class Device:
         out = [] if self.id else [ConfigError("id", "must be a non-empty string")]
         for key in ("message_us", "wire_byte_ns", "idle_cores"):
             if getattr(self, key) is not None and self.host is None:
-                out.append(ConfigError(key, "prices messages on a machine's cores: it needs host"))
+                out.append(ConfigError(key, "is priced on a machine's cores: it needs host"))
         return out
 
 

@@ -305,7 +305,7 @@ class _Partial:
     down_bps: float | None = None
 
 
-def median_measurement(probes: Iterable[LinkMeasurement]) -> LinkMeasurement:
+def published_measurement(probes: Iterable[LinkMeasurement]) -> LinkMeasurement:
     """One successful measurement from several of the same link, as of the newest: the median of
     each bandwidth and the fastest round trip (of the probes that have them). Queueing behind
     whatever else the hosts or the link carried only ever adds to a round trip, for all of one
@@ -331,7 +331,7 @@ def median_measurement(probes: Iterable[LinkMeasurement]) -> LinkMeasurement:
 class LinkProber:
     """Measures links from this peer to others; keeps one ``LinkMeasurement`` per peer: of its last
     ``history`` successful probes the fastest round trip and the median bandwidths
-    (``median_measurement``), or the failure of its last probe."""
+    (``published_measurement``), or the failure of its last probe."""
 
     def __init__(
         self,
@@ -435,7 +435,7 @@ class LinkProber:
         if status is LinkStatus.OK:
             recent = self._recent.setdefault(key, deque(maxlen=cfg.history))
             recent.append(measurement)
-            self.measurements[key] = median_measurement(recent)
+            self.measurements[key] = published_measurement(recent)
         # BUSY means the peer is alive but serving other probers: keep its last good numbers (still
         # the best estimate, and left stalest so it is retried first) instead of blanking the link.
         elif not (status is LinkStatus.BUSY and previous is not None and previous.status is LinkStatus.OK):

@@ -12,10 +12,9 @@ matching typed exception.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
-from contextlib import suppress
+from contextlib import asynccontextmanager, suppress
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -618,7 +617,7 @@ class Transport:
             await conn.send_error(code, message)
 
 
-@contextlib.asynccontextmanager
+@asynccontextmanager
 async def loopback_pair() -> AsyncIterator[tuple[P2P, P2P, Transport, Transport]]:
     """Two bare p2pd daemons on loopback (``b`` bootstraps from ``a``) and a Transport on each, all
     closed on exit: what benchmarks and the messaging-cost measurement send through."""
