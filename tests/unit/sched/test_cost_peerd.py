@@ -362,6 +362,23 @@ def test_a_layers_work_beside_its_flops_costs_each_device_what_it_measured() -> 
     assert active_devices(PeerdObjective(Problem(worse), Shape(1, 1)), 1).tolist() == [ix["measured"]]
 
 
+def _two_core_box(launch_us: list[float], memory_bandwidth_gb_s: list[float]) -> list[Device]:
+    """One-thread CPU devices in one region on one 2-core machine, with these measured costs."""
+    box = HostShare("box", cores=2, threads=1)
+    return [
+        Device(
+            id=f"d{i}",
+            region="r",
+            tflops=0.1,
+            memory_gb=8.0,
+            launch_us=us,
+            memory_bandwidth_gb_s=gb_s,
+            host=box,
+        )
+        for i, (us, gb_s) in enumerate(zip(launch_us, memory_bandwidth_gb_s, strict=True))
+    ]
+
+
 def test_each_stage_steps_its_optimizer_over_its_own_layers_after_the_exchange() -> None:
     """The update of a stage is its layers' counted update ops and bytes at its slowest member's
     measured costs (slowed on a shared machine like its compute); the slowest stage's adds to the total."""
@@ -371,19 +388,7 @@ def test_each_stage_steps_its_optimizer_over_its_own_layers_after_the_exchange()
         LayerWork(update_ops=40, update_traffic_bytes=8e6),
         *[LayerWork(update_ops=20, update_traffic_bytes=1e6)] * 3,
     ]
-    box = HostShare("box", cores=2, threads=1)
-    devices = [
-        Device(
-            id=f"d{i}",
-            region="r",
-            tflops=0.1,
-            memory_gb=8.0,
-            launch_us=4.0,
-            memory_bandwidth_gb_s=20.0,
-            host=box,
-        )
-        for i in range(4)
-    ]
+    devices = _two_core_box(launch_us=[4.0] * 4, memory_bandwidth_gb_s=[20.0] * 4)
     sc = Scenario(
         name="update",
         devices=devices,
@@ -405,19 +410,7 @@ def test_each_member_averages_at_its_stages_slowest_member_beside_the_links() ->
     from peerd.sched.scenario import AveragingWork
 
     work = AveragingWork(ops=10, ops_per_partner=5, bytes_per_value=20, bytes_per_value_partners=8)
-    box = HostShare("box", cores=2, threads=1)
-    devices = [
-        Device(
-            id=f"d{i}",
-            region="r",
-            tflops=0.1,
-            memory_gb=8.0,
-            launch_us=[4.0, 2.0, 2.0, 2.0][i],
-            memory_bandwidth_gb_s=[20.0, 40.0, 40.0, 10.0][i],
-            host=box,
-        )
-        for i in range(4)
-    ]
+    devices = _two_core_box(launch_us=[4.0, 2.0, 2.0, 2.0], memory_bandwidth_gb_s=[20.0, 40.0, 40.0, 10.0])
     model = ModelShape(layers=4, hidden=64, seq=32, params=4e6)
 
     def dp(averaging_work: AveragingWork | None) -> float:
