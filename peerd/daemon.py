@@ -180,7 +180,12 @@ class Daemon:
             if cfg.swarm_secret_file is not None or cfg.allowed_peers:  # members only
                 self.transport.admit = self._admits
             probe_config = ProbeConfig(peers_per_refresh=max(1, cfg.probe_budget))
-            self.responder = ProbeResponder(self.transport, probe_config)
+            # while it works for a job it spares its links the bulk probes of peers that hold figures
+            self.responder = ProbeResponder(
+                self.transport,
+                probe_config,
+                working=lambda: self.jobs is not None and self.jobs.manager.holds_work,
+            )
             await self.responder.start()
             self.prober = LinkProber(self.transport, probe_config)
 

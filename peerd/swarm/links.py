@@ -227,7 +227,11 @@ async def _send_bulk(conn: Connection, kind: str, nbytes: int, seconds: float, f
 
 
 class ProbeResponder:
-    """Answers probe sessions from other peers, within its own budget (sessions and answer bytes per peer)."""
+    """Answers probe sessions from other peers, within its own budget (sessions and answer bytes per
+    peer). While ``working()`` (its peer works for a job) it refuses with BUSY a prober whose first
+    ping says it holds figures for this link: a bulk leg fills the link for seconds against the
+    job's traffic, and that prober keeps what it has; one without figures (a newcomer, or one whose
+    last probe failed) is served."""
 
     def __init__(
         self,
@@ -235,12 +239,15 @@ class ProbeResponder:
         config: ProbeConfig = ProbeConfig(),
         *,
         clock: Callable[[], float] = time.monotonic,
+        working: Callable[[], bool] = lambda: False,
     ) -> None:
         self.transport = transport
         self.config = config
         self.budget = ByteBudget(config.answer_budget, clock)
+        self._working = working
         self._active = 0
         self.sessions_served = 0
+        self.refused_working = 0
 
     @property
     def active_sessions(self) -> int:
@@ -271,6 +278,10 @@ class ProbeResponder:
                     return
                 kind = header["kind"]
                 sent = conn.bytes_sent
+                if kind == PING and header.get("holds") is True and self._working():
+                    self.refused_working += 1
+                    await conn.send_error(ErrorCode.BUSY, "working for a job: keep your figures of this link")
+                    return
                 if kind == PING:
                     await conn.send({"kind": PONG, "seq": header.get("seq")})
                 elif kind == UP:
@@ -448,12 +459,16 @@ class LinkProber:
         conn = await self.transport.connect(peer, PROBE_PROTOCOL, timeout=cfg.connect_timeout_s)
         try:
             timeout = cfg.probe_timeout_s
+            # the first ping says whether this peer holds good figures for the link: a responder
+            # that works for a job spares its link a bulk probe from a peer that does (BUSY)
+            holds = not self.unmeasured([peer.to_base58()])
             rtts = []
             for seq in range(
                 cfg.pings + 1
-            ):  # seq 0 warms the stream up (first-use costs in p2pd) and is not counted
+            ):  # seq 0 warms the stream up (p2pd's first-use costs): not counted
                 started = time.perf_counter()
-                header, _ = await conn.request({"kind": PING, "seq": seq}, timeout=timeout)
+                ping = {"kind": PING, "seq": seq, **({"holds": True} if holds and seq == 0 else {})}
+                header, _ = await conn.request(ping, timeout=timeout)
                 _expect(header, PONG)
                 if header.get("seq") != seq:
                     raise ProtocolError(f"pong for seq {header.get('seq')!r}, expected {seq}")

@@ -328,3 +328,39 @@ def test_malformed_probe_answers_are_errors_and_bad_requests_are_refused(peers: 
     lied, refused = peers.run(go())
     assert lied.status == LinkStatus.ERROR
     assert refused.code == ErrorCode.MALFORMED and "bytes" in str(refused)
+
+
+def test_a_working_responder_spares_its_links_the_probes_of_peers_that_hold_figures(peers: Peers):
+    """While its peer works for a job, a responder refuses (BUSY) a prober whose first ping says it
+    holds good figures for the link, and that prober keeps them; it serves a prober without any (a
+    newcomer) and one whose last probe of the link failed; when the job is done it serves everyone."""
+    working = [False]
+
+    async def go():
+        responder = ProbeResponder(peers.transport(peers.a), working=lambda: working[0])
+        await responder.start()
+        veteran = LinkProber(peers.transport(peers.b), QUICK)
+        newcomer = LinkProber(peers.transport(peers.c), QUICK)
+        a = peers.a.peer_id
+        first = await veteran.probe(a)  # idle: served
+        working[0] = True
+        repeat = await veteran.probe(a)
+        kept = veteran.measurements[a.to_base58()]
+        fresh = await newcomer.probe(a)  # holds nothing yet: served while the responder works
+        again = await newcomer.probe(a)
+        await responder.stop()
+        lost = await newcomer.probe(a)  # its link failed: it holds no good figures any more
+        await responder.start()
+        recovered = await newcomer.probe(a)
+        working[0] = False
+        after = await veteran.probe(a)
+        await responder.stop()
+        return first, repeat, kept, fresh, again, lost, recovered, after, responder.refused_working
+
+    first, repeat, kept, fresh, again, lost, recovered, after, refused = peers.run(go())
+    assert first.status == LinkStatus.OK and first.bw_up_mbps
+    assert repeat.status == LinkStatus.BUSY and repeat.rtt_ms is None and kept == first  # figures stand
+    assert fresh.status == LinkStatus.OK and again.status == LinkStatus.BUSY
+    assert lost.status != LinkStatus.OK and recovered.status == LinkStatus.OK and recovered.bw_down_mbps
+    assert after.status == LinkStatus.OK
+    assert refused == 2
