@@ -112,7 +112,7 @@ class Settings:
     """What the bench runs (the command line's values); defaults met the target on 4 CPU daemons."""
 
     peers: int = 4
-    """Daemons on loopback: one trainer and rollout peers among them, as the consensus places them."""
+    """Daemons on loopback: the trainers and rollout peers among them, as the consensus places them."""
     task: str = "addition"
     """The verifiable task (``peerd.rl.tasks``)."""
     min_size: int = 1
@@ -162,7 +162,7 @@ class Settings:
     gradients in fp32 and at this many bits (``compression.gradient_bits``): measured and predicted
     iteration, ratio, averaging bytes (None: no comparison)."""
     min_rollout_peers: int = 1
-    """``rl.min_rollout_peers`` of the one-trainer jobs: the consensus keeps at least this many rollout
+    """``rl.min_rollout_peers`` of the consensus-placed jobs: the consensus keeps at least this many rollout
     peers (0: it may choose a lone trainer that samples every prompt itself, as it does on one
     machine's shared cores; the async comparison needs rollout peers)."""
 
@@ -177,7 +177,7 @@ def job_spec(
     gradient_bits: int | None = None,
 ) -> dict[str, Any]:
     """The GRPO job the swarm runs: a 2-layer GPT of width ``d_model``, ``prompts x group_size``
-    completions; ``trainers``: that many data-parallel trainers (None: as the consensus places, one),
+    completions; ``trainers``: that many data-parallel trainers (None: ``auto``, the consensus chooses),
     averaging at ``gradient_bits`` (None: fp32)."""
     task = make_task(TaskConfig(name=s.task, min_size=s.min_size, max_size=s.max_size))
     batch = s.prompts * s.group_size
@@ -691,7 +691,7 @@ QUICK: dict[str, Any] = {
     "--peers",
     default=4,
     show_default=True,
-    help="Daemons (the consensus makes one the trainer and others rollout peers).",
+    help="Daemons (the consensus chooses the trainers and the rollout peers among them).",
 )
 @click.option("--task", "task_name", type=click.Choice(sorted(TASKS)), default="addition", show_default=True)
 @click.option("--min-size", default=1, show_default=True, help="Smallest operand digits / string length.")

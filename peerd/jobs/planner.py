@@ -479,7 +479,7 @@ class JobPlanner:
             return
         previous = running.allocation
         if self.spec.kind == "rl":
-            target = 1  # one trainer; the spares roll out
+            target = 1  # no wider than the running trainers; the spares roll out
         else:
             target = (
                 target_width(self.spec.parallel.d_dp, self.spec.max_peers, previous.d_pp) or previous.d_dp

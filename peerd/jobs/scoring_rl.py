@@ -1,7 +1,8 @@
 """The shared cost model of ``kind: rl`` jobs: a roster and a role assignment -> predicted seconds per GRPO iteration.
 
-An rl job's candidate allocation has one stage of R replicas (R = the spec's ``parallel.d_dp``,
-``auto`` meaning 1): its peers are the R **trainers** in replica order (each computes the
+An rl job's candidate allocation has one stage of R replicas (R = the spec's ``parallel.d_dp``;
+with ``auto`` any R that splits an update's groups equally, ``JobSpec.rl_trainer_counts``, and the
+search, ``RoleSearch``, chooses): its peers are the R **trainers** in replica order (each computes the
 reference's log-probs and the actor's updates, ``reference + actor_train``, on its own 1/R of the
 iteration's prompts); the allocation's spares are the **rollout peers** (``generate``). As
 ``peerd.jobs.rl`` runs it, the rollout peers sorted by id are dealt round-robin (rollout peer i
@@ -359,9 +360,9 @@ class RLRosterScorer:
         self.spec = spec
         self.jm = job_model(spec)
         self.workload = workload or rl_workload(spec)
-        # the job's trainers (``parallel.d_dp``, ``auto`` = 1): every allocation it scores has as many
-        d_dp = spec.parallel.d_dp
-        self.replicas = d_dp if isinstance(d_dp, int) else 1
+        # how many trainers the job may run (``parallel.d_dp``, or with ``auto`` each count that
+        # splits an update's groups equally): an allocation with another count is refused
+        self.trainer_counts = spec.rl_trainer_counts()
         self.min_rollouts = spec.rl_settings().min_rollout_peers
         self._models: OrderedDict[bytes, _Model] = OrderedDict()
         self.evaluations = 0
@@ -381,11 +382,13 @@ class RLRosterScorer:
 
     def predict(self, roster: Roster, allocation: Allocation) -> Prediction:
         trainers, rollouts = roles(allocation)
-        if len(trainers) != self.replicas:  # the runtime runs parallel.d_dp trainers, no other count
+        if len(trainers) not in self.trainer_counts:
+            counts = " or ".join(map(str, self.trainer_counts))
             raise ConfigError(
-                "stages", f"the job runs {self.replicas} trainer(s), the allocation has {len(trainers)}"
+                "stages", f"the job runs {counts} trainer(s), the allocation has {len(trainers)}"
             )
-        need = required_rollouts(self.min_rollouts, len(roster.entries), self.spec.max_peers, self.replicas)
+        fewest = min(self.trainer_counts)  # more trainers than the fewest leave the rollout peers' room
+        need = required_rollouts(self.min_rollouts, len(roster.entries), self.spec.max_peers, fewest)
         if len(rollouts) < need:
             raise ConfigError(
                 "rl.min_rollout_peers",
@@ -399,17 +402,18 @@ class RLRosterScorer:
 
     def island(
         self, scenario: Scenario, seed: int, time_budget: float, config: SearchConfig | None = None
-    ) -> RoleIsland:
+    ) -> RoleSearch:
         """A search over role assignments of ``scenario`` (``seed`` and ``config`` unused: it is deterministic)."""
-        return RoleIsland(
-            _Model(scenario, self.workload), self.spec.max_peers, self.replicas, self.min_rollouts
+        return RoleSearch(
+            _Model(scenario, self.workload), self.spec.max_peers, self.trainer_counts, self.min_rollouts
         )
 
 
 def required_rollouts(min_rollouts: int, roster: int, max_peers: int | None, replicas: int) -> int:
     """The rollout peers an allocation must keep: ``rl.min_rollout_peers``, or as many peers as the
-    roster (within ``max_peers``) has beyond the trainers, whichever is fewer (a job that lost peers
-    runs on with fewer instead of stalling)."""
+    roster (within ``max_peers``) has beyond ``replicas`` trainers (the fewest the job may run),
+    whichever is fewer (a job that lost peers runs on with fewer instead of stalling; ``auto``
+    does not take the rollout peers' places for trainers)."""
     room = min(roster, max_peers or roster) - replicas
     return max(0, min(min_rollouts, room))
 
@@ -458,16 +462,21 @@ class RoleIsland:
     """
 
     def __init__(
-        self, model: _Model, max_peers: int | None, replicas: int = 1, min_rollouts: int = 0
+        self,
+        model: _Model,
+        max_peers: int | None,
+        replicas: int = 1,
+        required: int = 0,
+        counter: _Counter | None = None,
     ) -> None:
         self.model = model
         self.replicas = replicas
-        self.obj = _Counter()
+        self.required = required
+        self.obj = counter or _Counter()
         self.generation = 0
         self._best: tuple[float, Allocation] | None = None
         peers = sorted(model.index)
         self.limit = min(max_peers or len(peers), len(peers))
-        self.required = required_rollouts(min_rollouts, len(peers), max_peers, replicas)
         if len(peers) == replicas:
             self._consider(tuple(peers), ())
         elif replicas == 1:
@@ -556,3 +565,58 @@ class RoleIsland:
                 taken += 1
                 self._frozen = False
         return taken
+
+
+class RoleSearch:
+    """A ``RoleIsland`` for each trainer count the job may run (within the roster and ``max_peers``),
+    stepped side by side; the best is the cheapest of theirs (ties by digest, as the consensus
+    breaks them). With ``parallel.d_dp: auto`` this is how the consensus chooses how many trainers
+    an rl job runs: a single trainer feeds on every other peer's rollouts, more trainers split the
+    reference and training work but average their gradients every update and each need rollout
+    peers of their own; the cost model weighs both on the roster.
+
+    The interface is ``RoleIsland``'s (the one ``peerd.jobs.island.IslandThread`` drives).
+    """
+
+    def __init__(
+        self, model: _Model, max_peers: int | None, counts: Iterable[int], min_rollouts: int = 0
+    ) -> None:
+        counts, peers = sorted(counts), len(model.index)
+        limit = min(max_peers or peers, peers)
+        required = required_rollouts(min_rollouts, peers, max_peers, counts[0])
+        self.obj = _Counter()
+        self.generation = 0
+        self.islands = {
+            r: RoleIsland(model, max_peers, r, required, counter=self.obj)
+            for r in counts
+            if r == counts[0] or r + required <= limit
+        }
+
+    def step(self, generations: int = 1, deadline: float | None = None) -> bool:
+        self.generation += generations
+        stepped = [island.step(generations, deadline) for island in self.islands.values()]
+        return any(stepped)
+
+    def _ranked(self) -> list[tuple[float, str, Allocation]]:
+        found = [(i.best_cost(), best.digest(), best) for i in self.islands.values() for best in i.best(1)]
+        return sorted(found, key=lambda c: c[:2])
+
+    def best(self, k: int = 1) -> list[Allocation]:
+        return [alloc for _, _, alloc in self._ranked()[:1]]
+
+    def best_cost(self) -> float:
+        ranked = self._ranked()
+        return ranked[0][0] if ranked else math.inf
+
+    def accept(self, migrants: Any) -> int:
+        """Each migrant goes to the island of its trainer count (one the job may not run is dropped)."""
+        by_count: dict[int, list[Allocation]] = {}
+        for m in migrants:
+            alloc = m if isinstance(m, Allocation) else Allocation.from_plain(m)
+            try:
+                trainers, _ = roles(alloc)
+            except ConfigError:
+                continue
+            if len(trainers) in self.islands:
+                by_count.setdefault(len(trainers), []).append(alloc)
+        return sum(self.islands[r].accept(found) for r, found in by_count.items())

@@ -272,6 +272,16 @@ class JobSpec:
         """The ``rl`` section with its defaults (an ``rl`` job may leave it out)."""
         return self.rl if self.rl is not None else RLSpec()
 
+    def rl_trainer_counts(self) -> tuple[int, ...]:
+        """How many data-parallel trainers an ``rl`` job may run: ``parallel.d_dp``, or with ``auto``
+        every count that splits an update's groups equally (the consensus chooses among them)."""
+        if isinstance(self.parallel.d_dp, int):
+            return (self.parallel.d_dp,)
+        groups = max(
+            1, self.micro_batch // max(1, self.rl_settings().group_size)
+        )  # bad sizes: reported apart
+        return tuple(r for r in range(1, groups + 1) if groups % r == 0)
+
     def problems(self) -> list[ConfigError]:
         """The checks between fields and sections (each section checked itself already)."""
         out = self._kind_problems() + self._size_problems() + self._batch_problems() + self._peer_problems()
@@ -316,7 +326,9 @@ class JobSpec:
             )
         if self.data != DataConfig():
             out.append(ConfigError("data", "rl jobs take their problems from rl.task: leave data out"))
+        # the fewest trainers it may run (``auto``: one) and the most (what averaging settings need)
         trainers = self.parallel.d_dp if isinstance(self.parallel.d_dp, int) else 1
+        most = max(self.rl_trainer_counts())
         if dataclasses.replace(self.compression, gradient_bits=None) != CompressionSpec():
             out.append(
                 ConfigError(
@@ -328,12 +340,14 @@ class JobSpec:
             ("compression.gradient_bits", self.compression.gradient_bits is None),
             ("averaging", self.averaging == AveragingSpec()),
         ):
-            if not default and trainers < 2:
-                out.append(
-                    ConfigError(
-                        name, "a lone trainer averages no gradients: set parallel.d_dp >= 2 or leave it out"
-                    )
+            if not default and most < 2:
+                why = (
+                    "a lone trainer averages no gradients: set parallel.d_dp >= 2 or leave it out"
+                    if isinstance(self.parallel.d_dp, int)
+                    else f"an update of {self.micro_batch} completions is one group: parallel.d_dp auto "
+                    "can only run one trainer, which averages no gradients; leave it out"
                 )
+                out.append(ConfigError(name, why))
         if self.parallel.d_pp not in ("auto", 1):
             out.append(
                 ConfigError(

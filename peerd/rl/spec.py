@@ -9,10 +9,11 @@ How an ``rl`` job reads the rest of the spec (``peerd.jobs.spec`` checks it):
   clipping); ``model`` a built-in GPT (the KV-cached sampler runs over its layers), from its seeded
   init or from ``init_checkpoint`` (a ``peerd fetch`` output of that model, read by the trainers),
   then ``rl.warmup``;
-- ``parallel.d_dp`` trainers (``d_pp`` 1; ``auto`` is one), data parallel: each trains on its equal
+- ``parallel.d_dp`` trainers (``d_pp`` 1; ``auto``: the consensus chooses among the counts that
+  split an update's groups equally), data parallel: each trains on its equal
   share of every update's groups (so ``micro_batch / group_size`` is a multiple of ``d_dp``) and
   they average each update's gradients (in fp32, or at ``compression.gradient_bits`` with error
-  feedback: the only ``compression`` field an rl job reads, refused for a lone trainer); every
+  feedback: the only ``compression`` field an rl job reads, refused where only one trainer can run); every
   other peer of the allocation is a rollout peer, dealt round-robin over the trainers, and a
   trainer left without one samples its share itself
   (with ``d_dp`` peers, every one of them: the colocated plan). ``min_peers`` is at least ``d_dp``;

@@ -52,6 +52,7 @@ def _spec(tmp: Path, **top: Any) -> Path:
         "optimizer": {"name": "adamw", "lr": 0.002, "schedule": "constant"},
         "checkpoint_interval": ITERATIONS,
         "min_peers": 2,  # a trainer and one rollout peer: the job runs on after the kill
+        "parallel": {"d_pp": 1, "d_dp": 1},  # one trainer (the second test runs two)
         "max_peers": 4,
         "planning": {"time_budget_s": 2, "max_skew_s": 1.0},
         "rl": {

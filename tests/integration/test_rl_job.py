@@ -1,7 +1,8 @@
 """A ``kind: rl`` job (GRPO) on three real daemons on loopback, through ``peerd submit``.
 
-The peers agree on the roles through the consensus, scored by the RL cost model: one trainer
-(the allocation's one tasklet) and the rollout peers (its spares). The trainer warms the policy
+The peers agree on the roles through the consensus, scored by the RL cost model: the trainers
+(the allocation's one stage; ``parallel.d_dp: auto`` lets it choose how many) and the rollout peers
+(its spares). The trainer warms the policy
 up, then every iteration the rollout peers sample their shards of the prompts with the policy
 version they fetched and push them; the trainer scores them itself and updates the policy. A
 synchronous job moves the same weights and completions as the single-process sharded reference
@@ -114,11 +115,15 @@ def _submit(swarm: LocalSwarm, spec_file: Path) -> dict[str, Any]:
 
 
 def test_a_sync_grpo_job_equals_the_single_process_reference(swarm: LocalSwarm, tmp_path: Path) -> None:
+    """``parallel.d_dp: auto`` (the default): the consensus chooses one trainer or two (an update's
+    two groups split either way) and the rollout peers; whichever it chose, the job equals the
+    reference of that many trainers and rollout peers."""
     spec_file = _spec(tmp_path, "grpo-sync", min_rollout_peers=1)  # the rollout path (the plan's choice
     final = _submit(swarm, spec_file)  # here could be a lone trainer, the cores being shared)
     assert final["returncode"] == 0 and final["state"] == "done", final["logs"]
     alloc = final["allocation"]
-    assert [len(stage) for stage in alloc["stages"]] == [1], alloc  # one trainer
+    (trainers,) = alloc["stages"]
+    assert len(trainers) in (1, 2), alloc
     rollout_peers = alloc["spares"]
     assert rollout_peers, alloc
 
@@ -128,7 +133,9 @@ def test_a_sync_grpo_job_equals_the_single_process_reference(swarm: LocalSwarm, 
     torch.set_num_threads(1)
     try:
         reference = reference_run(
-            RLPlan(final["job_id"], load_job_spec(spec_file)), rollout_peers=len(rollout_peers)
+            RLPlan(final["job_id"], load_job_spec(spec_file)),
+            rollout_peers=len(rollout_peers),
+            trainers=len(trainers),
         )
     finally:
         torch.set_num_threads(threads)
@@ -142,7 +149,9 @@ def test_a_sync_grpo_job_equals_the_single_process_reference(swarm: LocalSwarm, 
         )
     losses = final["progress"]["losses"]
     assert [i for i, _ in losses] == list(range(ITERATIONS))  # by iteration index, as steps are
-    assert max(abs(loss - ref.loss) for (_, loss), ref in zip(losses, reference, strict=True)) < 1e-5
+    # two trainers average their gradients in another order than the reference sums them
+    tolerance = 1e-5 if len(trainers) == 1 else 1e-4
+    assert max(abs(loss - ref.loss) for (_, loss), ref in zip(losses, reference, strict=True)) < tolerance
     assert rl["staleness"] == [[0, ITERATIONS * 32]]  # synchronous: every completion of the current policy
     assert rl["weight_sync_bytes"] > 0 and rl["shards_missing"] == 0
 

@@ -372,11 +372,44 @@ def test_the_island_places_two_trainers_on_the_fastest_peers() -> None:
     assert alone.best_cost() == scorer(pair, alone.best(1)[0])
 
 
+def test_auto_chooses_the_trainer_count_the_links_afford() -> None:
+    """``parallel.d_dp: auto``: the search runs one island per count that splits an update's groups
+    (1, 2, 4 here); two trainers halve the training where the links make averaging cheap, and a
+    lone trainer wins where they do not."""
+    spec = parse_job_spec(RL_JOB)
+    chosen = {}
+    for bps in (1e11, 1e7):
+        r = roster([0.1] * 6, [5e10] * 6, link_bps=bps)
+        scorer = RLRosterScorer(spec)
+        search = scorer.island(scorer.scenario(r), seed=0, time_budget=1.0)
+        search.step(10)
+        assert set(search.islands) == {1, 2, 4}
+        best = search.best(1)[0]
+        assert search.best_cost() == min(i.best_cost() for i in search.islands.values()) == scorer(r, best)
+        chosen[bps] = len(roles(best)[0])
+        # a migrant goes to the island of its count; one with a count the job may not run is dropped
+        three = Allocation(((PEERS[0], PEERS[1], PEERS[2]),), (PEERS[3],))
+        assert search.accept([three]) == 0
+    assert chosen == {1e11: 2, 1e7: 1}
+    # the rollout peers the job keeps are not taken for trainers: 4 trainers on 4 peers leave none
+    keep = parse_job_spec({**RL_JOB, "rl": {**RL_JOB["rl"], "min_rollout_peers": 1}})
+    four = RLRosterScorer(keep)
+    r4 = roster([0.1] * 4, [5e10] * 4, link_bps=1e11)
+    assert set(four.island(four.scenario(r4), seed=0, time_budget=1.0).islands) == {1, 2}
+    with pytest.raises(ConfigError, match="rollout peer"):
+        four(r4, Allocation((tuple(PEERS[:4]),)))
+
+
 def test_the_scorer_takes_the_specs_number_of_trainers() -> None:
     r = roster([0.1, 0.1, 0.1, 0.1], [5e9] * 4)
     two = Allocation(((PEERS[0], PEERS[1]),), (PEERS[2],))
     with pytest.raises(ConfigError, match="1 trainer"):
-        RLRosterScorer(parse_job_spec(RL_JOB))(r, two)
+        RLRosterScorer(dp_spec(1))(r, two)
+    # auto: any count that splits an update's 4 groups equally
+    auto = RLRosterScorer(parse_job_spec(RL_JOB))
+    assert auto.trainer_counts == (1, 2, 4) and auto(r, two) > 0
+    with pytest.raises(ConfigError, match="1 or 2 or 4 trainer"):
+        auto(r, Allocation(((PEERS[0], PEERS[1], PEERS[2]),), (PEERS[3],)))
     with pytest.raises(ConfigError, match="2 trainer"):
         RLRosterScorer(dp_spec(2))(r, Allocation(((PEERS[0],),), (PEERS[1],)))
     with pytest.raises(ConfigError, match="do not split"):  # 8 prompts over 3 trainers

@@ -148,9 +148,15 @@ def test_data_parallel_trainers_may_compress_their_gradients_and_a_lone_trainer_
     assert parse_job_spec(data).compression.gradient_bits == 8
     data.update(compression={"gradient_bits": 5})
     assert "one of 2, 3, 4, 8" in problems(data)["compression.gradient_bits"]
-    for lone in ({"d_pp": 1, "d_dp": 1}, {"d_pp": "auto", "d_dp": "auto"}):
-        data.update(parallel=lone, compression={"gradient_bits": 4})
-        assert "lone trainer" in problems(data)["compression.gradient_bits"]
+    data.update(parallel={"d_pp": 1, "d_dp": 1}, compression={"gradient_bits": 4})
+    assert "lone trainer" in problems(data)["compression.gradient_bits"]
+    # auto may choose 2 or 4 trainers for an update of 4 groups: the setting applies when it does
+    data.update(parallel={"d_pp": "auto", "d_dp": "auto"})
+    assert parse_job_spec(data).rl_trainer_counts() == (1, 2, 4)
+    data.update(micro_batch=g, global_batch=8 * g)  # one group per update: auto runs one trainer
+    assert parse_job_spec({**data, "compression": {}}).rl_trainer_counts() == (1,)
+    assert "can only run one trainer" in problems(data)["compression.gradient_bits"]
+    data.update(micro_batch=4 * g)
     data.update(parallel={"d_pp": 1, "d_dp": 2}, compression={"gradient_bits": 4, "backward_bits": 4})
     assert "only compression.gradient_bits" in problems(data)["compression"]
 
@@ -162,5 +168,7 @@ def test_data_parallel_trainers_may_average_robustly_and_a_lone_trainer_may_not(
     data.update(averaging={"aggregator": "clipped"})
     spec = parse_job_spec(data)
     assert isinstance(spec.averaging.build(), ClippedMean) and spec.averaging.build().ratio == 2.0
-    data.update(parallel={"d_pp": 1, "d_dp": "auto"})
+    data.update(parallel={"d_pp": 1, "d_dp": "auto"})  # 3 groups an update: 1 or 3 trainers
+    assert parse_job_spec(data).rl_trainer_counts() == (1, 3)
+    data.update(parallel={"d_pp": 1, "d_dp": 1})
     assert "lone trainer" in problems(data)["averaging"]
