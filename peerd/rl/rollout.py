@@ -16,8 +16,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from itertools import chain
 from typing import Annotated
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -202,42 +204,54 @@ class PackedBatch:
         return int(self.mask_BT.sum().item())
 
 
+def _rows(
+    prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]]
+) -> tuple[np.ndarray, np.ndarray]:
+    """``layout``'s arrays: int64 tokens (B, T) and float32 completion-target mask (B, T-1)."""
+    if not all(prompts):
+        raise ValueError("every row needs a prompt token: the first completion token is predicted from it")
+    B = len(prompts)
+    plen = np.fromiter(map(len, prompts), dtype=np.int64, count=B)
+    ends = plen + np.fromiter(map(len, completions), dtype=np.int64, count=B)
+    T = int(ends.max()) if B else 1  # no rows: an empty batch
+    pairs = zip(prompts, completions, strict=True)
+    flat = np.fromiter(
+        chain.from_iterable(chain(p, c) for p, c in pairs), dtype=np.int64, count=int(ends.sum())
+    )
+    at = np.arange(T)
+    tokens = np.full((B, T), PAD_TOKEN, dtype=np.int64)
+    tokens[at < ends[:, None]] = flat  # row-major: each row's prompt + completion, then pads
+    # target index t predicts token t+1: completion token j sits at target index len(p) - 1 + j
+    t = at[: T - 1]
+    mask = ((t >= (plen - 1)[:, None]) & (t < (ends - 1)[:, None])).astype(np.float32)
+    return tokens, mask
+
+
 def layout(
     prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]], device: torch.device | str = "cpu"
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Right-padded rows ``prompt + completion`` (B, T) and the (B, T-1) mask of completion targets.
 
-    Rows are built as Python lists and become tensors at once: per-row tensor ops would cost a
-    tiny policy's trainer more than its forward pass (11 dispatched ops a row).
+    Built with numpy from the flattened token lists and wrapped as tensors without a copy: per-row
+    tensor ops would cost a tiny policy's trainer more than its forward pass (11 dispatched ops a
+    row), and per-row Python lists 0.3 ms of its 2 ms reference pass at 128 rows.
     """
-    if not all(prompts):
-        raise ValueError("every row needs a prompt token: the first completion token is predicted from it")
-    seqs = [[*p, *c] for p, c in zip(prompts, completions, strict=True)]
-    T = max((len(s) for s in seqs), default=1)  # no rows: an empty batch
-    # target index t predicts token t+1: completion token j sits at target index len(p) - 1 + j
-    masks = [
-        [0.0] * (len(p) - 1) + [1.0] * len(c) + [0.0] * (T - len(p) - len(c))
-        for p, c in zip(prompts, completions, strict=True)
-    ]
-    B = len(seqs)
-    tokens_BT = torch.tensor([s + [PAD_TOKEN] * (T - len(s)) for s in seqs], dtype=torch.long).reshape(B, T)
-    mask_BT = torch.tensor(masks, dtype=torch.float32).reshape(B, T - 1)
-    return tokens_BT.to(device), mask_BT.to(device)
+    tokens, mask = _rows(prompts, completions)
+    return torch.from_numpy(tokens).to(device), torch.from_numpy(mask).to(device)
 
 
 def pack(groups: Sequence[RolloutGroup], device: torch.device | str = "cpu") -> PackedBatch:
     """Lay every completion of ``groups`` out as one right-padded batch."""
     rows = [(gi, ci) for gi, g in enumerate(groups) for ci in range(g.size)]
     prompts = [groups[gi].problem.prompt_ids for gi, _ in rows]
-    comps = [groups[gi].completions[ci] for gi, ci in rows]
-    tokens_BT, mask_BT = layout(prompts, comps, device)
-    width = mask_BT.shape[1]
-    olds = []
-    for p, (gi, ci) in zip(prompts, rows, strict=True):
-        lps = groups[gi].logprobs[ci]
-        olds.append([0.0] * (len(p) - 1) + list(lps) + [0.0] * (width - len(p) + 1 - len(lps)))
-    old_BT = torch.tensor(olds, dtype=torch.float32).reshape(len(rows), width)
-    return PackedBatch(tokens_BT, mask_BT, old_BT.to(device), rows)
+    tokens, mask = _rows(prompts, [groups[gi].completions[ci] for gi, ci in rows])
+    # the behaviour log-probs fill the completion targets, row by row in order (as the mask's ones)
+    old = np.zeros(mask.shape, dtype=np.float32)
+    targets = mask.astype(bool)
+    lps = chain.from_iterable(groups[gi].logprobs[ci] for gi, ci in rows)
+    old[targets] = np.fromiter(lps, dtype=np.float32, count=int(targets.sum()))
+    tokens_BT, mask_BT, old_BT = (torch.from_numpy(a).to(device) for a in (tokens, mask, old))
+    return PackedBatch(tokens_BT, mask_BT, old_BT, rows)
 
 
 def token_logprobs(model: GPT, tokens_BT: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:

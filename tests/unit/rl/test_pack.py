@@ -17,7 +17,7 @@ def _group(prompt: str, completions: list[list[int]]) -> RolloutGroup:
 
 def test_rows_are_right_padded_and_the_mask_marks_completion_targets():
     tokens, mask = layout([[5, 6, 7], [8]], [[1, 2], [3, 4, 9, 10]])
-    assert tokens.tolist() == [[5, 6, 7, 1, 2], [8, 3, 4, 9, 10]]
+    assert tokens.tolist() == [[5, 6, 7, 1, 2], [8, 3, 4, 9, 10]] and tokens.dtype == torch.long
     # target t predicts token t + 1: the completion of row 0 starts at target 2, of row 1 at target 0
     assert mask.tolist() == [[0, 0, 1, 1], [1, 1, 1, 1]]
     tokens, mask = layout([[5, 6]], [[1]], "cpu")
