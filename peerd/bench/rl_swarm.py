@@ -757,7 +757,7 @@ QUICK: dict[str, Any] = {
     default=1,
     show_default=True,
     type=click.IntRange(min=0),
-    help="Rollout peers the consensus keeps at least in the one-trainer jobs (0: it may choose a lone "
+    help="Rollout peers the consensus keeps at least in the jobs it places (0: it may choose a lone "
     "trainer sampling every prompt itself).",
 )
 @click.option("--job-timeout", default=900.0, show_default=True, help="Seconds one job may take.")
