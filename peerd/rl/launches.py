@@ -10,7 +10,7 @@ into a fixed part, a part per sequence and a part per decode step. The trainer i
 iteration's real batch: the reference pass is an inference task's per-iteration ops; the updates
 are counted (after a first step has built the optimizer's state) at one and two epochs, the
 difference being the ops of one update (one micro-batch and its optimizer step: the runtime steps
-once per micro-batch) and the rest the set-up. Packing builds its rows in Python and dispatches a
+once per micro-batch) and the rest the set-up. Packing builds its rows with numpy and dispatches a
 fixed number of ops, so the reference pass's count holds for a data-parallel trainer's share too.
 
 The bytes those ops read and write outside the weights (``OpCounter.bytes``: activations, logits,
