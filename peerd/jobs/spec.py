@@ -277,9 +277,8 @@ class JobSpec:
         every count that splits an update's groups equally (the consensus chooses among them)."""
         if isinstance(self.parallel.d_dp, int):
             return (self.parallel.d_dp,)
-        groups = max(
-            1, self.micro_batch // max(1, self.rl_settings().group_size)
-        )  # bad sizes: reported apart
+        # sizes out of range are reported by the checks; here they count as one group
+        groups = max(1, self.micro_batch // max(1, self.rl_settings().group_size))
         return tuple(r for r in range(1, groups + 1) if groups % r == 0)
 
     def problems(self) -> list[ConfigError]:

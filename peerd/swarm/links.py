@@ -463,9 +463,8 @@ class LinkProber:
             # that works for a job spares its link a bulk probe from a peer that does (BUSY)
             holds = not self.unmeasured([peer.to_base58()])
             rtts = []
-            for seq in range(
-                cfg.pings + 1
-            ):  # seq 0 warms the stream up (p2pd's first-use costs): not counted
+            # seq 0 warms the stream up (p2pd's first-use costs) and is not counted
+            for seq in range(cfg.pings + 1):
                 started = time.perf_counter()
                 ping = {"kind": PING, "seq": seq, **({"holds": True} if holds and seq == 0 else {})}
                 header, _ = await conn.request(ping, timeout=timeout)
