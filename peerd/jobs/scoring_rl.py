@@ -52,7 +52,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections import OrderedDict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -552,12 +552,7 @@ class RoleIsland:
     def accept(self, migrants: Any) -> int:
         """Re-score migrants with this island's number of trainers (as given, in their replica order)."""
         taken = 0
-        for m in migrants:
-            alloc = m if isinstance(m, Allocation) else Allocation.from_plain(m)
-            try:
-                trainers, rollouts = roles(alloc)
-            except ConfigError:
-                continue
+        for trainers, rollouts in _migrant_roles(migrants):
             if len(trainers) != self.replicas:
                 continue
             before = self.best_cost()
@@ -611,12 +606,17 @@ class RoleSearch:
     def accept(self, migrants: Any) -> int:
         """Each migrant goes to the island of its trainer count (one the job may not run is dropped)."""
         by_count: dict[int, list[Allocation]] = {}
-        for m in migrants:
-            alloc = m if isinstance(m, Allocation) else Allocation.from_plain(m)
-            try:
-                trainers, _ = roles(alloc)
-            except ConfigError:
-                continue
+        for trainers, rollouts in _migrant_roles(migrants):
             if len(trainers) in self.islands:
-                by_count.setdefault(len(trainers), []).append(alloc)
+                by_count.setdefault(len(trainers), []).append(Allocation((trainers,), rollouts))
         return sum(self.islands[r].accept(found) for r, found in by_count.items())
+
+
+def _migrant_roles(migrants: Iterable[Any]) -> Iterator[tuple[tuple[str, ...], tuple[str, ...]]]:
+    """The (trainers, rollout peers) of each migrant (an ``Allocation`` or its plain form) that is an
+    rl job's allocation; others are skipped."""
+    for m in migrants:
+        try:
+            yield roles(m if isinstance(m, Allocation) else Allocation.from_plain(m))
+        except ConfigError:
+            continue
