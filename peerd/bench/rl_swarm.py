@@ -63,6 +63,7 @@ from peerd.bench.rl_swarm_report import (
     curve_points,
     gradient_report,
     heldout_summary,
+    kill_report,
     placement_arms,
     predict,
     prediction_report,
@@ -165,6 +166,10 @@ class Settings:
     """``rl.min_rollout_peers`` of the consensus-placed jobs: the consensus keeps at least this many rollout
     peers (0: it may choose a lone trainer that samples every prompt itself, as it does on one
     machine's shared cores; the async comparison needs rollout peers)."""
+    kill_rollout_at: int | None = None
+    """SIGKILL one rollout peer of the main job (not the owner, whose control socket the bench
+    polls) once it has trained this many iterations; the report's ``kill`` section says what the job
+    lost and how its pass rate went on (None: no kill)."""
 
 
 def job_spec(
@@ -270,11 +275,38 @@ class Followed:
     polled: dict[int, dict[str, float]]  # iteration -> kl, response_len, rollouts_per_s seen with it
     status: dict[str, Any]
     """The owner's status right before the submission: the peers and links its consensus planned with."""
+    killed: dict[str, Any] | None = None
+    """The rollout peer killed mid-job (``Settings.kill_rollout_at``): name, peer id, iteration, seconds."""
 
 
-def follow(swarm: LocalSwarm, spec: dict[str, Any], timeout: float) -> Followed:
+def kill_a_rollout_peer(
+    swarm: LocalSwarm, view: dict[str, Any], iteration: int, at_s: float
+) -> dict[str, Any]:
+    """SIGKILL a rollout peer of the job ``view`` shows, other than the owner (peer 0, which the bench
+    polls); PeerdError when it has none."""
+    spares = set((view.get("allocation") or {}).get("spares") or [])
+    victims = [
+        (p, p.info.peer_id) for p in swarm.peers[1:] if p.info is not None and p.info.peer_id in spares
+    ]
+    if not victims:
+        raise PeerdError("no rollout peer besides the owner to kill: raise --min-rollout-peers")
+    victim, peer_id = victims[0]
+    swarm.kill_peer(victim)
+    click.echo(f"  killed rollout peer {victim.name} after iteration {iteration}", err=True)
+    return {
+        "peer": victim.name,
+        "peer_id": peer_id,
+        "at_iteration": iteration,
+        "at_s": round(at_s, 2),
+    }
+
+
+def follow(
+    swarm: LocalSwarm, spec: dict[str, Any], timeout: float, kill_rollout_at: int | None = None
+) -> Followed:
     """Submit ``spec`` through peer 0 and poll ``job_status`` until the job is done; PeerdError when it
-    ends otherwise (failed, cancelled) or takes longer than ``timeout`` (then it is cancelled)."""
+    ends otherwise (failed, cancelled) or takes longer than ``timeout`` (then it is cancelled).
+    ``kill_rollout_at``: SIGKILL a rollout peer once that many iterations are trained."""
     owner = swarm.peers[0]
     # the links as the consensus sees them: a probe taken while an earlier job loaded a shaped link
     # measured what that job left of it, and its prediction should price what the peers planned with
@@ -284,6 +316,7 @@ def follow(swarm: LocalSwarm, spec: dict[str, Any], timeout: float) -> Followed:
     seen: list[tuple[float, int]] = []
     polled: dict[int, dict[str, float]] = {}
     view: dict[str, Any] = {}
+    killed: dict[str, Any] | None = None
     while True:
         with contextlib.suppress(PeerdError):
             view = owner.control().call("job_status", job_id=job)
@@ -298,6 +331,8 @@ def follow(swarm: LocalSwarm, spec: dict[str, Any], timeout: float) -> Followed:
                     f"kl {rl.get('kl'):.4f}",
                     err=True,
                 )
+                if kill_rollout_at is not None and killed is None and it >= kill_rollout_at:
+                    killed = kill_a_rollout_peer(swarm, view, it, time.monotonic() - submitted)
             if view.get("state") in ("done", "failed", "cancelled"):
                 break
         if time.monotonic() - submitted > timeout:
@@ -310,7 +345,7 @@ def follow(swarm: LocalSwarm, spec: dict[str, Any], timeout: float) -> Followed:
         time.sleep(POLL_S)
     if view.get("state") != "done":
         raise PeerdError(f"job {spec['name']} ended {view.get('state')}: {view.get('reason')}")
-    return Followed(job, view, time.monotonic() - submitted, seen, polled, status)
+    return Followed(job, view, time.monotonic() - submitted, seen, polled, status, killed)
 
 
 # -- in-process parts (one thread) ---------------------------------------------------------------
@@ -576,7 +611,7 @@ def rl_swarm(s: Settings, png: str | None = None) -> dict[str, Any]:
         swarm = start_swarm(s, root, cache)
         try:
             click.echo(f"submitting {s.iterations} iterations of GRPO on {s.task}", err=True)
-            main = follow(swarm, spec, s.job_timeout_s)
+            main = follow(swarm, spec, s.job_timeout_s, s.kill_rollout_at)
             alloc = main.view["allocation"]
             status = main.status
             model, fetched = end_policy(swarm, main.job_id, root / "fetched")
@@ -598,6 +633,7 @@ def rl_swarm(s: Settings, png: str | None = None) -> dict[str, Any]:
     final_rl = main.view["progress"]["rl"]
     kl_max = final_rl.get("kl_max")  # the trainer's running maximum over every iteration
     iteration_s = measured_iteration_s(main, per_iteration)
+    curve = curve_points(final_rl.get("rewards") or [], main.polled)
     out: dict[str, Any] = {
         "benchmark": "rl-swarm",
         "settings": asdict(s),
@@ -631,11 +667,12 @@ def rl_swarm(s: Settings, png: str | None = None) -> dict[str, Any]:
         },
         "job_id": main.job_id,
         "wall_s": round(main.wall_s, 2),
-        "curve": curve_points(final_rl.get("rewards") or [], main.polled),
+        "curve": curve,
         "rl_final": {k: v for k, v in final_rl.items() if k != "rewards"},
         # a re-plan mid-job (e.g. a trainer's heartbeat late under load) restarts the trainer's record
         "replans": (main.view.get("planning") or {}).get("replans") or [],
         "churn": main.view.get("churn") or {},
+        "kill": kill_report(main.killed, curve, main.view, per_iteration) if main.killed else None,
         "heldout": {
             **heldout_summary(start, end, [kl_max] if kl_max is not None else []),
             "kl_max_over": "every iteration (the trainer's record)",
@@ -760,6 +797,13 @@ QUICK: dict[str, Any] = {
     help="Rollout peers the consensus keeps at least in the jobs it places (0: it may choose a lone "
     "trainer sampling every prompt itself).",
 )
+@click.option(
+    "--kill-rollout-at",
+    type=click.IntRange(min=1),
+    default=None,
+    help="SIGKILL one rollout peer of the main job (not peer 0, the owner) after this many iterations; "
+    "the JSON's kill section: the pass rate before and at the end, the re-plan, what was lost.",
+)
 @click.option("--job-timeout", default=900.0, show_default=True, help="Seconds one job may take.")
 @click.option(
     "--quick",
@@ -792,6 +836,7 @@ def command(
     compare_gradient_bits: str | None,
     init_checkpoint: str | None,
     min_rollout_peers: int,
+    kill_rollout_at: int | None,
     job_timeout: float,
     quick: bool,
     out: str | None,
@@ -823,6 +868,7 @@ def command(
         compare_gradient_bits=int(compare_gradient_bits) if compare_gradient_bits else None,
         init_checkpoint=str(Path(init_checkpoint).resolve()) if init_checkpoint else None,
         min_rollout_peers=min_rollout_peers,
+        kill_rollout_at=kill_rollout_at,
     )
     if quick:  # smaller defaults; what the command line gives explicitly still counts
         ctx = click.get_current_context()
@@ -834,6 +880,17 @@ def command(
         raise click.BadParameter(
             f"at most --peers - 1 = {s.peers - 1} beside the trainer", param_hint="--min-rollout-peers"
         )
+    if s.kill_rollout_at is not None:
+        if s.kill_rollout_at >= s.iterations:
+            raise click.BadParameter(
+                f"must be below --iterations ({s.iterations})", param_hint="--kill-rollout-at"
+            )
+        others = (s.compare_only, s.compare_colocated, s.compare_async, s.compare_gradient_bits)
+        if any(o not in (None, False) for o in others):
+            raise click.BadParameter(
+                "the comparisons run on the swarm the main job leaves: not with a kill",
+                param_hint="--kill-rollout-at",
+            )
     if (s.link_mbps is not None and not s.link_mbps > 0) or s.link_delay_ms < 0:
         raise click.BadParameter("needs --link-mbps > 0 and --link-delay-ms >= 0")
     if s.compare_colocated:

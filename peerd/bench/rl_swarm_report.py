@@ -99,6 +99,42 @@ def curve_points(rewards: list[list[float]], polled: dict[int, dict[str, float]]
     return [points[i] for i in sorted(points)]
 
 
+KILL_WINDOW = 30  # iterations of rollout pass rate averaged before a kill, and at the end
+
+
+def kill_report(
+    killed: dict[str, Any], curve: list[dict[str, Any]], view: dict[str, Any], per_iteration: int
+) -> dict[str, Any]:
+    """What killing a rollout peer mid-job cost and how the job went on: the rollouts' mean pass rate
+    over the ``KILL_WINDOW`` iterations up to the kill and over the job's last ones, whether a re-plan
+    named the dead peer and left it out, the shards dropped and the completions not trained."""
+    at, peer = killed["at_iteration"], killed["peer_id"]
+
+    def mean_pass(points: list[dict[str, Any]]) -> float | None:
+        rates = [p["pass_rate"] for p in points]
+        return sum(rates) / len(rates) if rates else None
+
+    before = mean_pass([p for p in curve if at - KILL_WINDOW < p["iteration"] <= at])
+    last = curve[-1]["iteration"] if curve else at
+    after = mean_pass([p for p in curve if p["iteration"] > max(at, last - KILL_WINDOW)])
+    rl = (view.get("progress") or {}).get("rl") or {}
+    alloc = view.get("allocation") or {}
+    causes = [r.get("cause", "") for r in (view.get("churn") or {}).get("replans") or []]
+    trained = sum(n for _, n in rl.get("staleness") or [])
+    return {
+        **killed,
+        "window_iterations": KILL_WINDOW,
+        "pass_rate_before": before,
+        "pass_rate_end": after,
+        "rose_after": before is not None and after is not None and after > before,
+        "replanned_without_it": any(peer in c for c in causes)
+        and peer not in {*(p for st in alloc.get("stages") or [] for p in st), *(alloc.get("spares") or [])},
+        "shards_missing": rl.get("shards_missing"),
+        "completions_not_trained": max(0, int(rl.get("iteration") or 0) * per_iteration - trained),
+        "state": view.get("state"),
+    }
+
+
 def comparison(predicted: dict[str, float], measured: dict[str, float]) -> dict[str, dict[str, Any]]:
     """Per key of ``predicted`` found in ``measured``: both and the relative error."""
     return {
@@ -339,6 +375,8 @@ def write_plot(result: dict[str, Any], path: Path) -> str | None:
     left.axhline(held["start"]["pass_rate"], color="grey", linestyle=":", label="held-out start")
     left.axhline(held["end"]["pass_rate"], color="green", linestyle="--", label="held-out end")
     left.axhline(held["target_pass_rate"], color="red", linestyle="-.", label="target")
+    if (kill := result.get("kill")) is not None:
+        left.axvline(kill["at_iteration"], color="black", linewidth=0.8, label=f"{kill['peer']} killed")
     left.set_xlabel("iteration")
     left.legend(fontsize=8)
     kl = [(c["iteration"], c["kl"]) for c in curve if "kl" in c]

@@ -32,8 +32,10 @@ def test_a_tiny_rl_swarm_run_reports_curve_heldout_and_prediction(tmp_path: Path
     assert {"curve", "heldout", "prediction", "regime", "allocation", "rl_final", "wall_s"} <= set(result)
     assert [p["iteration"] for p in result["curve"]] == [1, 2, 3]
     assert all(0.0 <= p["pass_rate"] <= 1.0 for p in result["curve"])
-    # one trainer; the cost model may leave a peer out when its share costs more than it adds
-    assert len(result["allocation"]["trainer"]) == 1 and 1 <= len(result["allocation"]["rollout_peers"]) <= 2
+    # the consensus chooses the trainers (parallel.d_dp auto: 1 or 2 here, a rollout peer being kept);
+    # the cost model may leave a peer out when its share costs more than it adds
+    trainers, rollout_peers = result["allocation"]["trainer"], result["allocation"]["rollout_peers"]
+    assert 1 <= len(trainers) <= 2 and 1 <= len(rollout_peers) <= 3 - len(trainers)
 
     final = result["rl_final"]
     assert final["version"] == 3 and final["staleness"] == [

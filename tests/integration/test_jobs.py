@@ -343,26 +343,37 @@ def _max_jobs_holds_runners_not_plans(ctx: Ctx) -> None:
     assert peerd("cancel", job, "--home", ctx.home(2)).returncode == 0
 
 
-def _own_link_stamps(swarm: LocalSwarm) -> dict[str, dict[str, float]]:
-    """name -> (peer -> when it last measured its link to that peer), from each daemon's published record."""
+def _own_links(swarm: LocalSwarm) -> dict[str, dict[str, tuple[float, str]]]:
+    """name -> (peer -> when it last measured its link to that peer, and that probe's status), from
+    each daemon's published record."""
     out = {}
     for name, view in swarm.statuses().items():
         me = view["self"]["peer_id"]
-        out[name] = {link["dst"]: link["measured_at"] for link in view["links"] if link["src"] == me}
+        out[name] = {
+            link["dst"]: (link["measured_at"], link["status"]) for link in view["links"] if link["src"] == me
+        }
     return out
 
 
 def _working_peers_leave_their_measured_links_alone(ctx: Ctx, runners: set[str]) -> None:
     """A daemon running a tasklet does not re-probe links it measured (a bulk probe would compete with the
-    job's traffic); idle daemons keep re-probing every round (probe_interval 4 s)."""
+    job's traffic), and refuses the probes of idle daemons that hold good figures for their link to
+    it (they keep them); idle daemons keep re-probing each other every round (probe_interval 4 s)."""
     time.sleep(8)  # a probe round begun before the job committed ends, and its records are republished
-    before = _own_link_stamps(ctx.swarm)
+    before = _own_links(ctx.swarm)
     time.sleep(10)
-    after = _own_link_stamps(ctx.swarm)
+    after = _own_links(ctx.swarm)
     for name in runners:
         assert after[name] == before[name], (name, before[name], after[name])
     idle = [n for n in after if n not in runners and n in before]
     assert idle and all(after[n] != before[n] for n in idle), (before, after)
+    # an idle daemon's good figures for its links to the runners stand: the runners refused its
+    # probes (one whose last probe of such a link had failed would be served)
+    ids = {name: view["self"]["peer_id"] for name, view in ctx.swarm.statuses().items()}
+    working = {ids[name] for name in runners}
+    for name in idle:
+        held = {p: link for p, link in before[name].items() if p in working and link[1] == "ok"}
+        assert held and all(after[name].get(p) == link for p, link in held.items()), (name, held, after[name])
 
 
 def _store_forged_cancel(bootstrap: list[str], job: str) -> str:

@@ -11,6 +11,7 @@ from peerd.bench.rl_swarm_report import (
     curve_points,
     gradient_report,
     heldout_summary,
+    kill_report,
     predict,
     prediction_report,
     relative_error,
@@ -214,3 +215,23 @@ def test_the_gradient_arms_predicted_ratio_is_the_compressions_on_one_roster() -
     assert report["measured_ratio_fp32_over_compressed"] == pytest.approx(0.8)
     assert report["bytes_ratio_fp32_over_compressed"] == pytest.approx(4 / 1.1)
     assert gradient_report(arms, spec, None)["predicted_ratio_fp32_over_compressed"] is None
+
+
+def test_a_kill_report_compares_the_pass_rate_before_the_kill_with_the_end() -> None:
+    curve = [{"iteration": i, "pass_rate": 0.2 if i <= 40 else 0.7} for i in range(1, 101)]
+    killed = {"peer": "peer2", "peer_id": "QmDead", "at_iteration": 40, "at_s": 3.5}
+    view = {
+        "state": "done",
+        "allocation": {"stages": [["QmTrainer"]], "spares": ["QmOther"]},
+        "churn": {"replans": [{"cause": "spare QmDead left the swarm"}]},
+        "progress": {"rl": {"iteration": 100, "shards_missing": 1, "staleness": [[0, 100 * 8 - 4]]}},
+    }
+    report = kill_report(killed, curve, view, per_iteration=8)
+    assert report["pass_rate_before"] == pytest.approx(0.2) and report["pass_rate_end"] == pytest.approx(0.7)
+    assert report["rose_after"] and report["replanned_without_it"]
+    assert report["shards_missing"] == 1 and report["completions_not_trained"] == 4
+    assert report["peer"] == "peer2" and report["window_iterations"] == 30
+    # a final allocation that still holds the peer, or no re-plan naming it: not re-planned without it
+    kept = {**view, "allocation": {"stages": [["QmTrainer"]], "spares": ["QmDead"]}}
+    assert not kill_report(killed, curve, kept, 8)["replanned_without_it"]
+    assert not kill_report(killed, curve, {**view, "churn": {}}, 8)["replanned_without_it"]
