@@ -195,7 +195,8 @@ def job_spec(
         "micro_batch": batch // 2 if s.prompts % 2 == 0 else batch,  # two updates per iteration
         "optimizer": {"name": "adamw", "lr": s.lr, "schedule": "constant", "grad_clip": 1.0},
         "checkpoint_interval": iterations,
-        "min_peers": s.peers,
+        # a job must re-plan on the peers a kill leaves: at min_peers = peers it would wait for a newcomer
+        "min_peers": s.peers if s.kill_rollout_at is None else 2,
         "max_peers": s.peers,
         "planning": {"time_budget_s": 2, "max_skew_s": 1.0},
         "rl": {

@@ -16,6 +16,7 @@ peer's token bucket (a small request cannot make it send without bound).
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import statistics
 import time
@@ -70,6 +71,10 @@ class ProbeConfig:
     """Deadline for one whole probe session; after it the peer is marked TIMEOUT, not waited on."""
     peers_per_refresh: int = 4
     """Most peers probed per ``refresh`` call (stalest first)."""
+    busy_backoff_s: float = 60.0
+    """Prober: a peer that answered BUSY while this one holds good figures for its link is not
+    probed again for this long (a peer working for a job refuses such probes for as long as the job
+    runs; a retry every round would only cost it a stream each time)."""
     history: int = 3
     """A link's published figures are the medians of its last this many successful probes: one
     probe that ran while the host was busy (a round trip of 10 ms where the others took 0.5) does
@@ -123,6 +128,7 @@ class ProbeConfig:
             "max_bulk_seconds",
             "answer_rate_Bps",
             "answer_total_rate_Bps",
+            "busy_backoff_s",
         ):
             if not getattr(self, name) > 0:
                 raise ConfigError(name, f"must be > 0, got {getattr(self, name)!r}")
@@ -356,11 +362,14 @@ class LinkProber:
         self._now = now
         self.measurements: dict[str, LinkMeasurement] = {}
         self._recent: dict[str, deque[LinkMeasurement]] = {}  # successful probes, newest last
+        self._resting: dict[str, float] = {}  # peer -> until when a BUSY answer spares it (``now`` time)
 
     def stalest(self, peers: Iterable[PeerID]) -> list[PeerID]:
-        """The peers to probe next: never measured first, then oldest measurement first; at most ``peers_per_refresh``."""
-        me = self.transport.peer_id
+        """The peers to probe next: never measured first, then oldest measurement first; at most
+        ``peers_per_refresh``, none that answered BUSY within ``busy_backoff_s`` (it keeps its figures)."""
+        me, now = self.transport.peer_id, self._now()
         unique = {p.to_base58(): p for p in peers if p != me}
+        unique = {k: p for k, p in unique.items() if self._resting.get(k, now) <= now}
 
         def age_key(item: tuple[str, PeerID]) -> tuple[float, str]:
             known = self.measurements.get(item[0])
@@ -410,6 +419,8 @@ class LinkProber:
         for key in [k for k in self.measurements if k not in alive]:
             del self.measurements[key]
             self._recent.pop(key, None)
+        for key in [k for k in self._resting if k not in alive]:
+            del self._resting[key]
 
     async def probe(self, peer: PeerID) -> LinkMeasurement:
         """Probe one peer within ``probe_timeout_s``; failures come back as a measurement with a status."""
@@ -428,7 +439,13 @@ class LinkProber:
                 status = LinkStatus.TIMEOUT
             else:
                 status = LinkStatus.UNREACHABLE
-            logger.info("probe of %s failed: %s", peer, exc)
+            # a busy peer is routine (it works for a job, or serves other probers)
+            logger.log(
+                logging.DEBUG if status is LinkStatus.BUSY else logging.INFO,
+                "probe of %s failed: %s",
+                peer,
+                exc,
+            )
         except PeerdError as exc:
             status = LinkStatus.ERROR
             logger.warning("probe of %s got a bad answer: %s", peer, exc)
@@ -443,13 +460,16 @@ class LinkProber:
         )
         key = measurement.peer_id
         previous = self.measurements.get(key)
+        self._resting.pop(key, None)
         if status is LinkStatus.OK:
             recent = self._recent.setdefault(key, deque(maxlen=cfg.history))
             recent.append(measurement)
             self.measurements[key] = published_measurement(recent)
-        # BUSY means the peer is alive but serving other probers: keep its last good numbers (still
-        # the best estimate, and left stalest so it is retried first) instead of blanking the link.
-        elif not (status is LinkStatus.BUSY and previous is not None and previous.status is LinkStatus.OK):
+        # BUSY means the peer is alive but working for a job or serving other probers: keep its last
+        # good numbers (still the best estimate) instead of blanking the link, and let it be a while
+        elif status is LinkStatus.BUSY and previous is not None and previous.status is LinkStatus.OK:
+            self._resting[key] = self._now() + cfg.busy_backoff_s
+        else:
             self.measurements[key] = measurement
             self._recent.pop(key, None)  # a link that failed starts its figures afresh
         return measurement

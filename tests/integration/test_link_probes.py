@@ -335,17 +335,22 @@ def test_a_working_responder_spares_its_links_the_probes_of_peers_that_hold_figu
     holds good figures for the link, and that prober keeps them; it serves a prober without any (a
     newcomer) and one whose last probe of the link failed; when the job is done it serves everyone."""
     working = [False]
+    clock = [1e9]  # the veteran's DHT time
 
     async def go():
         responder = ProbeResponder(peers.transport(peers.a), working=lambda: working[0])
         await responder.start()
-        veteran = LinkProber(peers.transport(peers.b), QUICK)
+        veteran = LinkProber(peers.transport(peers.b), QUICK, now=lambda: clock[0])
         newcomer = LinkProber(peers.transport(peers.c), QUICK)
         a = peers.a.peer_id
         first = await veteran.probe(a)  # idle: served
         working[0] = True
         repeat = await veteran.probe(a)
         kept = veteran.measurements[a.to_base58()]
+        # the refused link rests for busy_backoff_s: the next rounds pass it over, then it is back
+        resting = veteran.stalest([a])
+        clock[0] += QUICK.busy_backoff_s
+        rested = veteran.stalest([a])
         fresh = await newcomer.probe(a)  # holds nothing yet: served while the responder works
         again = await newcomer.probe(a)
         await responder.stop()
@@ -355,11 +360,23 @@ def test_a_working_responder_spares_its_links_the_probes_of_peers_that_hold_figu
         working[0] = False
         after = await veteran.probe(a)
         await responder.stop()
-        return first, repeat, kept, fresh, again, lost, recovered, after, responder.refused_working
+        return (
+            first,
+            repeat,
+            kept,
+            (resting, rested),
+            fresh,
+            again,
+            lost,
+            recovered,
+            after,
+            responder.refused_working,
+        )
 
-    first, repeat, kept, fresh, again, lost, recovered, after, refused = peers.run(go())
+    first, repeat, kept, rest, fresh, again, lost, recovered, after, refused = peers.run(go())
     assert first.status == LinkStatus.OK and first.bw_up_mbps
     assert repeat.status == LinkStatus.BUSY and repeat.rtt_ms is None and kept == first  # figures stand
+    assert rest == ([], [peers.a.peer_id])
     assert fresh.status == LinkStatus.OK and again.status == LinkStatus.BUSY
     assert lost.status != LinkStatus.OK and recovered.status == LinkStatus.OK and recovered.bw_down_mbps
     assert after.status == LinkStatus.OK
