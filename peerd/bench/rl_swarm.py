@@ -299,6 +299,7 @@ def kill_a_rollout_peer(
         "peer_id": peer_id,
         "at_iteration": iteration,
         "at_s": round(at_s, 2),
+        "epoch": (view.get("churn") or {}).get("epoch"),
     }
 
 
@@ -673,7 +674,7 @@ def rl_swarm(s: Settings, png: str | None = None) -> dict[str, Any]:
         # a re-plan mid-job (e.g. a trainer's heartbeat late under load) restarts the trainer's record
         "replans": (main.view.get("planning") or {}).get("replans") or [],
         "churn": main.view.get("churn") or {},
-        "kill": kill_report(main.killed, curve, main.view, per_iteration) if main.killed else None,
+        "kill": kill_report(main.killed, curve, main.view, per_iteration, main.seen) if main.killed else None,
         "heldout": {
             **heldout_summary(start, end, [kl_max] if kl_max is not None else []),
             "kl_max_over": "every iteration (the trainer's record)",

@@ -103,11 +103,17 @@ KILL_WINDOW = 30  # iterations of rollout pass rate averaged before a kill, and 
 
 
 def kill_report(
-    killed: dict[str, Any], curve: list[dict[str, Any]], view: dict[str, Any], per_iteration: int
+    killed: dict[str, Any],
+    curve: list[dict[str, Any]],
+    view: dict[str, Any],
+    per_iteration: int,
+    seen: list[tuple[float, int]],
 ) -> dict[str, Any]:
     """What killing a rollout peer mid-job cost and how the job went on: the rollouts' mean pass rate
-    over the ``KILL_WINDOW`` iterations up to the kill and over the job's last ones, whether a re-plan
-    named the dead peer and left it out, the shards dropped and the completions not trained."""
+    over the ``KILL_WINDOW`` iterations up to the kill and over the job's last ones, whether the job
+    re-planned (a later epoch) without the dead peer, how long until the polls saw it train again
+    (``seen``: seconds since submit, iterations done), the shards the last trainer record counts
+    dropped and the completions not trained."""
     at, peer = killed["at_iteration"], killed["peer_id"]
 
     def mean_pass(points: list[dict[str, Any]]) -> float | None:
@@ -119,16 +125,22 @@ def kill_report(
     after = mean_pass([p for p in curve if p["iteration"] > max(at, last - KILL_WINDOW)])
     rl = (view.get("progress") or {}).get("rl") or {}
     alloc = view.get("allocation") or {}
-    causes = [r.get("cause", "") for r in (view.get("churn") or {}).get("replans") or []]
+    members = {*(p for st in alloc.get("stages") or [] for p in st), *(alloc.get("spares") or [])}
+    epoch = (view.get("churn") or {}).get("epoch")
     trained = sum(n for _, n in rl.get("staleness") or [])
+    resumed = [t for t, it in seen if it > at and t > killed["at_s"]]
     return {
         **killed,
         "window_iterations": KILL_WINDOW,
         "pass_rate_before": before,
         "pass_rate_end": after,
         "rose_after": before is not None and after is not None and after > before,
-        "replanned_without_it": any(peer in c for c in causes)
-        and peer not in {*(p for st in alloc.get("stages") or [] for p in st), *(alloc.get("spares") or [])},
+        "epoch_end": epoch,
+        "replanned_without_it": epoch is not None
+        and killed.get("epoch") is not None
+        and epoch > killed["epoch"]
+        and peer not in members,
+        "trained_again_after_s": round(resumed[0] - killed["at_s"], 2) if resumed else None,
         "shards_missing": rl.get("shards_missing"),
         "completions_not_trained": max(0, int(rl.get("iteration") or 0) * per_iteration - trained),
         "state": view.get("state"),

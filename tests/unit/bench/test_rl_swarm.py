@@ -219,19 +219,22 @@ def test_the_gradient_arms_predicted_ratio_is_the_compressions_on_one_roster() -
 
 def test_a_kill_report_compares_the_pass_rate_before_the_kill_with_the_end() -> None:
     curve = [{"iteration": i, "pass_rate": 0.2 if i <= 40 else 0.7} for i in range(1, 101)]
-    killed = {"peer": "peer2", "peer_id": "QmDead", "at_iteration": 40, "at_s": 3.5}
+    killed = {"peer": "peer2", "peer_id": "QmDead", "at_iteration": 40, "at_s": 3.5, "epoch": 1}
     view = {
         "state": "done",
         "allocation": {"stages": [["QmTrainer"]], "spares": ["QmOther"]},
-        "churn": {"replans": [{"cause": "spare QmDead left the swarm"}]},
+        "churn": {"epoch": 3, "replans": []},  # the owner may list none of the re-plans it followed
         "progress": {"rl": {"iteration": 100, "shards_missing": 1, "staleness": [[0, 100 * 8 - 4]]}},
     }
-    report = kill_report(killed, curve, view, per_iteration=8)
+    seen = [(3.0, 38), (3.5, 40), (9.0, 40), (15.5, 44), (20.0, 100)]
+    report = kill_report(killed, curve, view, 8, seen)
     assert report["pass_rate_before"] == pytest.approx(0.2) and report["pass_rate_end"] == pytest.approx(0.7)
-    assert report["rose_after"] and report["replanned_without_it"]
+    assert report["rose_after"] and report["replanned_without_it"] and report["epoch_end"] == 3
+    assert report["trained_again_after_s"] == pytest.approx(12.0)
     assert report["shards_missing"] == 1 and report["completions_not_trained"] == 4
     assert report["peer"] == "peer2" and report["window_iterations"] == 30
-    # a final allocation that still holds the peer, or no re-plan naming it: not re-planned without it
+    # a final allocation that still holds the peer, or no later epoch: not re-planned without it
     kept = {**view, "allocation": {"stages": [["QmTrainer"]], "spares": ["QmDead"]}}
-    assert not kill_report(killed, curve, kept, 8)["replanned_without_it"]
-    assert not kill_report(killed, curve, {**view, "churn": {}}, 8)["replanned_without_it"]
+    assert not kill_report(killed, curve, kept, 8, seen)["replanned_without_it"]
+    same = {**view, "churn": {"epoch": 1}}
+    assert not kill_report(killed, curve, same, 8, seen)["replanned_without_it"]
