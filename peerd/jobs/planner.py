@@ -251,6 +251,12 @@ class JobPlanner:
             keys.append(commit_key(job))
         elif now - self._last_commit_read >= self.config.committed_poll_s:
             keys.append(commit_key(job))
+            if (committed := self.machine.committed) is not None:
+                # the rosters a re-plan begun by others would fill now: their entries wait in the
+                # machine (``ahead_peers``) so that this peer follows (``health.following``) even
+                # when its own view of the job's records gives it no cause of its own
+                newest = self.consensus.replan_epoch(now, committed.epoch)
+                keys += [roster_key(job, e) for e in (newest - 1, newest) if e > committed.epoch]
         results = await asyncio.gather(*(self.store.read(k) for k in keys), return_exceptions=True)
         for key, found in zip(keys, results, strict=True):
             if isinstance(found, PeerdError):

@@ -143,17 +143,17 @@ class JobService:
         return roster_profile(self._profile(), self.region), roster_links(self._links(), set(self.online()))
 
     def make_runner(self, job: JobRecord, spec: JobSpec) -> JobRunner:
-        runner = RLRunner if spec.kind == "rl" else TaskletRunner
-        return runner(
-            job,
-            spec,
-            store=self.store,
-            transport=self.transport,
-            peer_ref=parse_peer_id,
-            checkpoint_root=self.checkpoints,
-            replicas=self.replicas,
-            device=self.device,
-        )
+        common: dict[str, Any] = {
+            "store": self.store,
+            "transport": self.transport,
+            "peer_ref": parse_peer_id,
+            "checkpoint_root": self.checkpoints,
+            "replicas": self.replicas,
+            "device": self.device,
+        }
+        if spec.kind == "rl":  # a trainer stops waiting for a rollout peer the swarm no longer lists
+            return RLRunner(job, spec, online=self.online, **common)
+        return TaskletRunner(job, spec, **common)
 
     async def run(self) -> None:
         await self.manager.run()

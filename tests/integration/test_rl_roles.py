@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import dataclasses
+import time
 from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
@@ -146,6 +147,7 @@ async def train(
     also: Callable[[RLTrainer, list[asyncio.Future]], Awaitable[None]] | None = None,
     tolerate: bool = False,
     inline_weights_bytes: int = 16 << 20,
+    gone: Callable[[str], bool] = lambda _peer: False,
     **options: Any,
 ) -> tuple[RLTrainer, list]:
     """Run the job to its end; ``also(trainer, rollout tasks)`` runs beside it; ``tolerate``: rollout peers may fail."""
@@ -155,6 +157,7 @@ async def train(
         p,
         [t.peer_id for t in transports],
         config=TrainerConfig(poll_hold_s=5, statesync=FAST_SYNC, **options),
+        gone=gone,
     )
     workers = rollout_peers(swarm, p, transports, inline_weights_bytes)
     tasks = [asyncio.ensure_future(w.run()) for w in workers]  # they poll while the trainer warms up
@@ -458,21 +461,32 @@ def test_async_rollouts_stay_within_the_bound_and_stale_ones_are_counted(swarm: 
     assert trainer.refused == {}
 
 
-def test_a_vanished_rollout_peer_costs_only_its_shard_in_flight(swarm: Swarm, async_wait_until):
-    p = plan("a3" * 16, iterations=5, timeout_s=2.0)
+@pytest.mark.parametrize("listed", [True, False], ids=["still-listed", "left-the-swarm"])
+def test_a_vanished_rollout_peer_costs_only_its_shard_in_flight(swarm: Swarm, async_wait_until, listed: bool):
+    """Its shard is dropped at the deadline (2 s), or, once the swarm no longer lists the peer,
+    within a check of that (here the deadline is 120 s, and the job takes far less)."""
+    p = plan(("a3" if listed else "a5") * 16, iterations=5, timeout_s=2.0 if listed else 120.0)
     victim: list[Transport] = []
+    dead: set[str] = set()
 
     async def kill(trainer: RLTrainer, tasks: list[asyncio.Future]) -> None:
         await async_wait_until(lambda: trainer.iteration >= 2, 60, "iteration 2")
         await victim[0].p2p.shutdown()
         await victim[0].close()
         tasks[1].cancel()  # the victim's process is gone with its daemon
+        if not listed:
+            dead.add(str(victim[0].peer_id))  # its record expired: the swarm lists it no more
 
     async def go() -> tuple[RLTrainer, list]:
         victim.append(await swarm.peer())
-        return await train(swarm, p, [swarm.r1, victim[0]], also=kill, tolerate=True)
+        started = time.monotonic()
+        out = await train(swarm, p, [swarm.r1, victim[0]], also=kill, tolerate=True, gone=dead.__contains__)
+        took.append(time.monotonic() - started)
+        return out
 
-    trainer, _ = swarm.run(go())
+    took: list[float] = []
+    trainer, _ = swarm.run(go(), timeout=240)
+    assert listed or took[0] < 60, f"the trainer waited for the vanished peer: {took[0]:.0f} s"
     reports = trainer.reports
     assert [r.iteration for r in reports] == [0, 1, 2, 3, 4]
     assert trainer.missing_shards == 1 and [r.shards_missing for r in reports].count(1) == 1

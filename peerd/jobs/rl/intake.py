@@ -97,6 +97,14 @@ class Intake:
     def complete(self, t: int) -> bool:
         return self.expected() <= set(self.arrived.get(t, {}))
 
+    def give_up(self, t: int, gone: set[str]) -> list[int]:
+        """Stop waiting for the shards of ``t`` that peers ``gone`` (no longer in the swarm) owe: they
+        become absent, as if they had missed the deadline. Returns them."""
+        owed = sorted(s for s in self.expected() - set(self.arrived.get(t, {})) if self.peers[s] in gone)
+        self.missing_shards += len(owed)
+        self.absent.update(owed)
+        return owed
+
     def close(self, t: int) -> tuple[dict[int, Rollouts], list[int]]:
         """Stop taking shards of ``t``: its shards in shard order, and the expected ones that are
         missing (their peers become absent). Shards of ``t`` arriving from now on are late."""

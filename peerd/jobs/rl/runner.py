@@ -26,7 +26,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -79,6 +79,7 @@ class RLRunner:
         device: str = "auto",
         replicas: CheckpointReplicas | None = None,
         checkpoint_replicas: int = CHECKPOINT_REPLICAS,
+        online: Callable[[], Collection[str]] | None = None,
         **_: Any,  # TaskletRunner's other options (ready_timeout, ...) do not apply
     ) -> None:
         self.job, self.spec, self.store = job, spec, store
@@ -93,6 +94,7 @@ class RLRunner:
         self.device = device  # where this peer's role computes (the daemon's --device)
         self.replicas = replicas  # copies of the trainer's checkpoints kept here (a rollout peer's)
         self.checkpoint_replicas = checkpoint_replicas
+        self.online = online  # the peers the swarm lists (a trainer stops waiting for a vanished one)
         self.commit: Commit | None = None
         self.role: str | None = None
         """``trainer``, ``rollout`` or None (not in the current commit)."""
@@ -253,6 +255,7 @@ class RLRunner:
                     trainers=len(trainers),
                     replica=self.replica,
                     group=self._averaging_group(commit.epoch, trainers),
+                    gone=self._gone,
                 )
                 self._learner = None
                 self.state, self.reason = TaskState.RUNNING, ""
@@ -287,6 +290,10 @@ class RLRunner:
         return sent
 
     # ------------------------------------------------------------------ the roles
+
+    def _gone(self, peer: str) -> bool:
+        """Whether the swarm no longer lists ``peer`` (never, without the daemon's list)."""
+        return self.online is not None and peer not in self.online()
 
     def _averaging_group(self, epoch: int, trainers: list[str]) -> TrainerMeans | None:
         """The data-parallel trainers' averaging of this commit (None for a lone trainer)."""

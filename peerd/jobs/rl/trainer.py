@@ -7,7 +7,9 @@ policy version, the packed weights of the last ``staleness + 2`` versions) and
 polls for the latest version, answered with the weights inside when the poller holds an older
 version and takes a blob that size), open to the job's rollout peers only.
 
-Iteration ``t`` waits for every expected rollout peer's shard at most ``rl.rollout_timeout_s``;
+Iteration ``t`` waits for every expected rollout peer's shard at most ``rl.rollout_timeout_s``,
+or until the swarm no longer lists its peer (``gone``, asked every ``GONE_CHECK_S``: a crashed
+peer's record expires long before a generous timeout);
 a shard still missing then is dropped and counted, and its peer is not waited for again until
 it delivers something; meanwhile the trainer samples that peer's shards itself (same generator,
 current version: what the peer would have sent), so a vanished peer costs one timeout and the
@@ -71,6 +73,7 @@ log = get_logger(__name__)
 
 T = TypeVar("T")
 STOP_GRACE_S = 10.0  # how long a stopped trainer lets its iteration finish before it stops averaging
+GONE_CHECK_S = 1.0  # how often a trainer waiting for shards asks whether their peers are still in the swarm
 WEIGHTS_STAGE = 0  # the statesync stage field of policy weights (an rl job has one "stage")
 
 
@@ -141,13 +144,16 @@ class RLTrainer:
         trainers: int = 1,
         replica: int = 0,
         group: TrainerMeans | None = None,
+        gone: Callable[[str], bool] = lambda _peer: False,
     ) -> None:
         """``rollout_peers``: every rollout peer of the job (``assign_shards`` deals them over the
         ``trainers``; this one is ``replica``); ``learner``: continue its policy at its version (a
         re-plan, a checkpoint) instead of warming up; ``device``: where a new learner trains (and
         samples its own shards); ``group``: the data-parallel trainers' averaging group (None or a
-        group of one: this trainer alone)."""
+        group of one: this trainer alone); ``gone(peer)``: whether the swarm no longer lists that
+        rollout peer (its shard is not waited for any longer)."""
         self.transport, self.plan, self.config = transport, plan, config
+        self._gone = gone
         self.on_iteration = on_iteration
         self.replica, self.group = replica, group if group is not None and group.size > 1 else None
         self.average: Average | None = None  # the group's mean, once started
@@ -335,10 +341,24 @@ class RLTrainer:
     # ------------------------------------------------------------ the loop
 
     async def _collect(self, t: int) -> dict[int, Rollouts]:
-        """Shards of iteration ``t``, waiting for the expected ones at most ``rollout_timeout_s``."""
-        with contextlib.suppress(TimeoutError):
-            async with self._changed, asyncio.timeout(self.plan.rl.rollout_timeout_s):
-                await self._changed.wait_for(lambda: self.intake.complete(t))
+        """Shards of iteration ``t``, waiting for the expected ones at most ``rollout_timeout_s`` and
+        not for those of peers the swarm no longer lists."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.plan.rl.rollout_timeout_s
+        async with self._changed:
+            while not self.intake.complete(t) and (left := deadline - loop.time()) > 0:
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(min(left, GONE_CHECK_S)):
+                        await self._changed.wait_for(lambda: self.intake.complete(t))
+                gone = {p for p in map(str, self.peers) if self._gone(p)}
+                if gone and (owed := self.intake.give_up(t, gone)):
+                    log.warning(
+                        "rl job %s: iteration %d: shards %s not waited for: %s left the swarm",
+                        self.plan.job_id,
+                        t,
+                        owed,
+                        ", ".join(sorted(gone)),
+                    )
         shards, missing = self.intake.close(t)
         if missing:
             log.warning(

@@ -79,6 +79,16 @@ def test_closing_an_iteration_marks_the_missing_peers_absent_until_they_deliver(
     assert box.complete(4)
 
 
+def test_shards_owed_by_peers_that_left_the_swarm_are_not_waited_for():
+    box = intake(staleness=0)
+    box.take("Qma", shard(3, 0, 3))
+    assert box.give_up(3, {"Qma", "Qmz"}) == []  # Qma delivered already; Qmz owes nothing
+    assert box.give_up(3, {"Qmb"}) == [1] and box.complete(3)  # nothing else to wait for
+    assert box.absent == {1} and box.missing_shards == 1
+    shards, missing = box.close(3)
+    assert list(shards) == [0] and missing == [] and box.missing_shards == 1
+
+
 def test_status_says_not_ready_before_the_first_version():
     box = intake(version=-1)
     assert not box.status().ready
