@@ -256,3 +256,29 @@ def test_planning_spec_timing_scales_with_clock_skew() -> None:
     fast = PlanningSpec(time_budget_s=2.0, max_skew_s=0.6).timing()
     assert fast.vote_s == 2.0 and fast.search_s == 2.0
     fast.validate()
+
+
+def test_committed_peers_see_a_re_plan_another_peer_began() -> None:
+    """``health.following`` needs the roster entries of a re-plan: a committed planner reads the
+    rosters a re-plan begun now would fill (every ``committed_poll_s``), so it learns that a peer
+    re-plans even when its own view of the job gives it no cause."""
+    swarm = Swarm(6, job_spec=spec(), miss=0.0, seed=4)
+    try:
+        run(swarm.run(T0 + 120))
+        assert all(swarm.commits[p] for p in swarm.peers)
+        mover, *others = swarm.peers
+        assert all(not swarm.planners[p].others_replanning() for p in others)
+        assert run(swarm.planners[mover].replan("a partner stopped answering", ()))
+
+        async def rounds() -> None:
+            for _ in range(int(2 * PlannerConfig().committed_poll_s / POLL) + 2):
+                await swarm.planners[mover].poll_once()  # publishes its roster entry
+                for p in others:
+                    await swarm.planners[p].poll_once()
+                swarm.clock[0] += POLL
+
+        run(rounds())
+        assert all(swarm.planners[p].others_replanning() == {mover} for p in others)
+        assert all(not swarm.planners[p].replanning for p in others)  # they decide themselves
+    finally:
+        swarm.close()
