@@ -357,7 +357,7 @@ class RLTrainer:
                         self.plan.job_id,
                         t,
                         owed,
-                        ", ".join(sorted(gone)),
+                        ", ".join(sorted({self.intake.peers[s] for s in owed})),
                     )
         shards, missing = self.intake.close(t)
         if missing:
