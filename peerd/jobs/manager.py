@@ -55,7 +55,7 @@ from peerd.jobs.roles import JobRunner
 from peerd.jobs.runner import tasklet_of, unsupported
 from peerd.jobs.scoring import job_model
 from peerd.jobs.spec import JobSpec, parse_job_spec
-from peerd.jobs.store import RecordStore
+from peerd.jobs.store import Prefetched, RecordStore
 from peerd.jobs.views import (
     JobEntry,
     effective_state,
@@ -71,7 +71,7 @@ from peerd.log import get_logger
 from peerd.sched.allocation import Allocation
 from peerd.sched.consensus.actions import Commit
 from peerd.sched.consensus.messages import HeldState
-from peerd.swarm.keys import job_key, jobs_key
+from peerd.swarm.keys import job_key, jobs_key, progress_key
 from peerd.tasks import cancel_and_wait, within
 
 logger = get_logger(__name__)
@@ -255,8 +255,9 @@ class JobManager:
             while True:
                 self._wake.clear()  # before the round: a wake set during it (a commit) runs the next at once
                 try:
-                    await self.discover()
-                    await self.tend()
+                    reads = await Prefetched.fetch(self.store, self._round_keys())
+                    await self.discover(reads)
+                    await self.tend(reads)
                 except PeerdError as exc:
                     logger.info("job discovery failed: %s", exc)
                 except Exception:
@@ -272,34 +273,46 @@ class JobManager:
         for entry in self.jobs.values():
             await self._stop(entry)
 
-    async def discover(self) -> None:
+    def _round_keys(self) -> list[str]:
+        """What a round of the loop reads: the job index, the record of every job not known to be
+        finished, and the progress of every committed job still reporting (one DHT traversal)."""
+        keys = [jobs_key(self.swarm)]
+        for job_id, entry in self.jobs.items():
+            if entry.record.state not in TERMINAL:
+                keys.append(job_key(job_id))
+            if entry.commit is not None and not entry.final_progress:
+                keys.append(progress_key(job_id))
+        return keys
+
+    async def discover(self, store: RecordStore | None = None) -> None:
         """Read the job indexes and the records of every job not known to be finished.
 
         Serialized: the loop and control calls (``jobs``, an unknown id) both discover, and
         two interleaved discoveries must never create two entries (two planners) for one job.
+        ``store``: where to read (the loop passes its round's prefetched reads).
         """
         async with self._discovering:
-            await self._discover()
+            await self._discover(store or self.store)
 
-    async def _discover(self) -> None:
+    async def _discover(self, store: RecordStore) -> None:
         ids: set[str] = set()
-        for index in await catalog.read_indexes(self.store, self.swarm, self.rejected):
+        for index in await catalog.read_indexes(store, self.swarm, self.rejected):
             ids.update(index.job_ids)
             if index.owner == self.me:  # after a restart: keep listing the jobs this peer owns
                 self.my_jobs = list(dict.fromkeys([*index.job_ids, *self.my_jobs]))
         for job_id in sorted(ids | set(self.jobs)):
             try:
-                await self._discover_job(job_id)
+                await self._discover_job(job_id, store)
             except PeerdError:
                 raise
             except Exception:  # one job's bad input must not hide the others
                 logger.exception("job %s: skipped in this round", job_id)
 
-    async def _discover_job(self, job_id: str) -> None:
+    async def _discover_job(self, job_id: str, store: RecordStore) -> None:
         entry = self.jobs.get(job_id)
         if entry is not None and entry.record.state in TERMINAL:
             return  # final: nothing changes any more
-        record = await catalog.read_job(self.store, job_id, self.rejected)
+        record = await catalog.read_job(store, job_id, self.rejected)
         if record is None:
             return
         entry = self.jobs.get(job_id)  # submit() may have added it meanwhile
@@ -317,8 +330,12 @@ class JobManager:
         elif record.seq > entry.record.seq:
             entry.record = record
 
-    async def tend(self) -> None:
-        """Start, feed and stop planners and runners; the owner's duties for its own jobs."""
+    async def tend(self, store: RecordStore | None = None) -> None:
+        """Start, feed and stop planners and runners; the owner's duties for its own jobs.
+
+        ``store``: where to read the jobs' progress (the loop passes its round's prefetched reads).
+        """
+        reads = store or self.store
         now = self.store.now()
         # oldest first: with max_jobs, the jobs this peer applies to are the oldest it sees
         for entry in sorted(self.jobs.values(), key=lambda e: e.record.created_at):
@@ -336,7 +353,7 @@ class JobManager:
                     entry.records_read = True
             if entry.commit is not None and not entry.final_progress:
                 with contextlib.suppress(PeerdError):
-                    read = await catalog.read_progress(self.store, rec.job_id)
+                    read = await catalog.read_progress(reads, rec.job_id)
                     if rec.state in TERMINAL:  # read until every tasklet's last record is in
                         entry.progress = merge_final_records(entry.progress, read)
                         entry.final_reads += 1

@@ -236,7 +236,7 @@ class JobPlanner:
     # -- reading --------------------------------------------------------------------------------
 
     async def _read(self, now: float) -> None:
-        """Read the keys this phase needs concurrently (a loaded DHT answers slowly), then feed in order."""
+        """Read the keys this phase needs in one lookup (a loaded DHT answers slowly), then feed in order."""
         job, t = self.job.job_id, self.consensus.timing
         keys: list[str] = []
         epoch = self.machine.epoch
@@ -257,14 +257,15 @@ class JobPlanner:
                 # when its own view of the job's records gives it no cause of its own
                 newest = self.consensus.replan_epoch(now, committed.epoch)
                 keys += [roster_key(job, e) for e in (newest - 1, newest) if e > committed.epoch]
-        results = await asyncio.gather(*(self.store.read(k) for k in keys), return_exceptions=True)
-        for key, found in zip(keys, results, strict=True):
-            if isinstance(found, PeerdError):
-                self.stats["read_failed"] += 1
-                logger.debug("job %s: reading %s failed: %s", job, key, found)
-                continue
-            if isinstance(found, BaseException):
-                raise found
+        if not keys:
+            return
+        try:
+            results = await self.store.read_many(keys)  # one DHT traversal for all of them
+        except PeerdError as exc:
+            self.stats["read_failed"] += 1
+            logger.debug("job %s: reading %s failed: %s", job, ", ".join(keys), exc)
+            return
+        for key, found in results.items():
             now = self.store.now()
             if key == commit_key(job):
                 await self._feed_commits(found, now)

@@ -10,14 +10,14 @@ optional lost reads, for offline driver tests and benchmarks.
 from __future__ import annotations
 
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 from peerd.errors import ErrorCode, PeerdError, ProtocolError
 from peerd.log import get_logger
 from peerd.swarm.identity import peer_id_from_owner_tag
-from peerd.swarm.node import dht_get_latest
+from peerd.swarm.node import dht_get_latest, dht_get_many_latest
 from peerd.tasks import within
 
 logger = get_logger(__name__)
@@ -42,6 +42,10 @@ class RecordStore(Protocol):
     async def put(self, key: str, value: bytes, expires_at: float) -> bool: ...
 
     async def read(self, key: str) -> list[Entry]: ...
+
+    async def read_many(self, keys: Sequence[str]) -> dict[str, list[Entry]]:
+        """``read`` of each key, in one lookup where the store can; PeerdError(TIMEOUT) fails them all."""
+        ...
 
 
 class DhtStore:
@@ -68,7 +72,15 @@ class DhtStore:
 
     async def read(self, key: str) -> list[Entry]:
         """Every live entry under ``key`` whose subkey is an owner tag; PeerdError(TIMEOUT) if the DHT is silent."""
-        found = await dht_get_latest(self.dht, key, timeout=self.timeout, what=key)
+        return self._entries(key, await dht_get_latest(self.dht, key, timeout=self.timeout, what=key))
+
+    async def read_many(self, keys: Sequence[str]) -> dict[str, list[Entry]]:
+        """``read`` of every key by one traversal of the DHT."""
+        what = keys[0] if len(keys) == 1 else f"{len(keys)} keys"  # (none: no lookup at all)
+        found = await dht_get_many_latest(self.dht, keys, timeout=self.timeout, what=what)
+        return {key: self._entries(key, value) for key, value in found.items()}
+
+    def _entries(self, key: str, found: Any) -> list[Entry]:
         if found is None:
             return []
         items = getattr(found.value, "items", None)
@@ -127,6 +139,9 @@ class MemoryStore:
         self.dht.puts += 1
         return True
 
+    async def read_many(self, keys: Sequence[str]) -> dict[str, list[Entry]]:
+        return {key: await self.read(key) for key in dict.fromkeys(keys)}
+
     async def read(self, key: str) -> list[Entry]:
         if self.offline:
             raise PeerdError("this peer is offline", code=ErrorCode.PEER_UNAVAILABLE)
@@ -137,3 +152,35 @@ class MemoryStore:
             for author, (value, expires) in sorted(self.dht.data.get(key, {}).items())
             if expires > now and (author == self.me or self.dht.rng.random() >= self.dht.miss)
         ]
+
+
+class Prefetched:
+    """A ``RecordStore`` that answers reads of the keys one ``read_many`` fetched from what it
+    found, and passes every other read and every put to ``store``.
+
+    A daemon's job loop reads the same few keys each round (the job index, each live job's record
+    and progress): fetched together they cost one DHT traversal instead of one each.
+    """
+
+    def __init__(self, store: RecordStore, found: Mapping[str, list[Entry]]) -> None:
+        self.store, self.found = store, found
+        self.me = store.me
+
+    @classmethod
+    async def fetch(cls, store: RecordStore, keys: Sequence[str]) -> Prefetched:
+        return cls(store, await store.read_many(keys))
+
+    def now(self) -> float:
+        return self.store.now()
+
+    async def put(self, key: str, value: bytes, expires_at: float) -> bool:
+        return await self.store.put(key, value, expires_at)
+
+    async def read(self, key: str) -> list[Entry]:
+        found = self.found.get(key)
+        return list(found) if found is not None else await self.store.read(key)
+
+    async def read_many(self, keys: Sequence[str]) -> dict[str, list[Entry]]:
+        missing = [k for k in keys if k not in self.found]
+        fetched = await self.store.read_many(missing) if missing else {}
+        return {k: list(self.found[k]) if k in self.found else fetched[k] for k in dict.fromkeys(keys)}

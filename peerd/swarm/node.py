@@ -17,7 +17,7 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -246,6 +246,31 @@ def _some(items: list[str], shown: int = 3) -> str:
 def parse_peer_id(peer_id: str) -> PeerID:
     """A base58 peer id string as hivemind's ``PeerID`` (layers above swarm never import hivemind)."""
     return PeerID.from_base58(peer_id)
+
+
+async def dht_get_many_latest(dht: Any, keys: Sequence[str], *, timeout: float, what: str) -> dict[str, Any]:
+    """The latest value (or None) of each of ``keys``, found by one traversal of the DHT.
+
+    ``dht.get(key, latest=True)`` crawls the key's whole neighbourhood, one request to each
+    node near it; one traversal for several keys asks each node for all of them at once, so a
+    daemon's reads of one round cost the requests of one read. ``PeerdError(TIMEOUT)`` naming
+    ``what`` if the DHT is silent.
+    """
+    keys = tuple(dict.fromkeys(keys))
+    if not keys:
+        return {}
+    future = dht.run_coroutine(functools.partial(_get_many_latest, keys=keys), return_future=True)
+    try:
+        found = await within(future, timeout)
+    except TimeoutError:
+        future.cancel()
+        raise PeerdError(f"reading {what} timed out after {timeout:.0f} s", code=ErrorCode.TIMEOUT) from None
+    return {key: found.get(key) for key in keys}
+
+
+async def _get_many_latest(_dht: Any, node: Any, keys: tuple[str, ...]) -> dict[str, Any]:
+    """Runs in the DHT process (``DHT.run_coroutine`` pickles it there)."""
+    return dict(await node.get_many(keys, sufficient_expiration_time=float("inf")))
 
 
 async def dht_get_latest(dht: Any, key: str, *, timeout: float, what: str) -> Any:

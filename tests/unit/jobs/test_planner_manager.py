@@ -279,6 +279,9 @@ def test_concurrent_discoveries_start_one_planner_per_job() -> None:
                 await self.release.wait()
             return await self.inner.read(key)
 
+        async def read_many(self, keys):
+            return {key: await self.read(key) for key in keys}
+
     class WatchedLock(asyncio.Lock):
         """The manager's discovery lock, telling when a second discovery has to wait its turn."""
 

@@ -287,7 +287,7 @@ def test_the_jobs_loop_survives_a_round_that_crashes(monkeypatch: pytest.MonkeyP
     async def scenario() -> None:
         second = asyncio.Event()
 
-        async def discover() -> None:
+        async def discover(store: object = None) -> None:
             rounds.append(len(rounds))
             if len(rounds) == 1:
                 raise RuntimeError("a bug in one round")
