@@ -374,6 +374,10 @@ class LocalSwarm:
         """CPU seconds the live daemons' sessions (daemon, DHT process, p2pd, tasklet workers) used so far."""
         return sessions_cpu_seconds(p.pid for p in self.live_peers() if p.pid is not None)
 
+    def cpu_seconds_by_role(self) -> dict[str, float] | None:
+        """``cpu_seconds`` split by the role of each process (``sessions_cpu_by_role``)."""
+        return sessions_cpu_by_role(p.pid for p in self.live_peers() if p.pid is not None)
+
     def __enter__(self) -> LocalSwarm:
         return self.start()
 
@@ -461,6 +465,38 @@ def sessions_cpu_seconds(sids: Iterable[int]) -> float | None:
         if int(f[3]) in wanted
     )
     return ticks / os.sysconf("SC_CLK_TCK")
+
+
+CPU_ROLES = ("daemon", "dht", "p2pd", "other")
+
+
+def sessions_cpu_by_role(sids: Iterable[int]) -> dict[str, float] | None:
+    """``sessions_cpu_seconds`` split by what each process is: the daemon (the session's leader),
+    its DHT process (which leads a process group of its own), the p2pd daemons, anything else
+    (tasklet workers, torch's helpers). None where /proc is missing."""
+    wanted = set(sids)
+    if not os.path.isdir("/proc"):
+        return None
+    ticks = dict.fromkeys(CPU_ROLES, 0)
+    for pid, f in _process_stats():
+        if int(f[3]) not in wanted:
+            continue
+        if pid == int(f[3]):
+            role = "daemon"
+        elif _command_name(pid) == "p2pd":
+            role = "p2pd"
+        else:
+            role = "dht" if pid == int(f[2]) else "other"
+        ticks[role] += sum(int(x) for x in f[11:15])
+    return {role: n / os.sysconf("SC_CLK_TCK") for role, n in ticks.items()}
+
+
+def _command_name(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/comm") as fh:
+            return fh.read().strip()
+    except OSError:
+        return ""
 
 
 def _reap_session(sid: int, grace: float = 3.0) -> None:

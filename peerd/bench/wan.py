@@ -445,7 +445,8 @@ def run_arm(swarm: LocalSwarm, spec: dict[str, Any], timeout: float) -> dict[str
     ended = ""
     phases: list[dict[str, Any]] = []
     status: dict[str, Any] = {}
-    cpu: dict[int, tuple[float | None, float | None]] = {}  # step -> (swarm CPU s, machine busy CPU s)
+    # step -> (swarm CPU s, machine busy CPU s, swarm CPU s by process role)
+    cpu: dict[int, tuple[float | None, float | None, dict[str, float] | None]] = {}
     while not ended:
         with contextlib.suppress(PeerdError):
             view = owner.control().call("job_status", job_id=job)
@@ -460,7 +461,7 @@ def run_arm(swarm: LocalSwarm, spec: dict[str, Any], timeout: float) -> dict[str
                 )
             if view.get("state") in ("running", "recovering") and (not samples or step > samples[-1][1]):
                 samples.append((time.monotonic() - submitted, step))
-                cpu[step] = (swarm.cpu_seconds(), machine_busy_seconds())
+                cpu[step] = (swarm.cpu_seconds(), machine_busy_seconds(), swarm.cpu_seconds_by_role())
             if view.get("state") in ("done", "failed", "cancelled"):
                 ended = view["state"]
             elif trained_out(view, spec["steps"]):
@@ -517,17 +518,21 @@ def machine_busy_seconds() -> float | None:
 
 
 def host_cpu(
-    cpu: dict[int, tuple[float | None, float | None]], steady: list[tuple[float, int]], cores: int
+    cpu: dict[int, tuple[float | None, float | None, dict[str, float] | None]],
+    steady: list[tuple[float, int]],
+    cores: int,
 ) -> dict[str, Any] | None:
     """The swarm's and the machine's CPU use per step over the steady window, and the regime it implies.
 
     A step of a swarm that keeps (nearly) every core of this machine busy is paced by the cores the
-    daemons share, whatever the links: its ratios say little about the links.
+    daemons share, whatever the links: its ratios say little about the links. The swarm's CPU per
+    step is also split by process role (daemons, their DHT processes, p2pd, other), what the cost
+    model's host floor has to account for.
     """
     if len(steady) < 2:
         return None
     (t0, s0), (t1, s1) = steady[0], steady[-1]
-    (swarm0, busy0), (swarm1, busy1) = cpu.get(s0, (None, None)), cpu.get(s1, (None, None))
+    (swarm0, busy0, roles0), (swarm1, busy1, roles1) = cpu.get(s0, (None,) * 3), cpu.get(s1, (None,) * 3)
     if swarm0 is None or swarm1 is None or busy0 is None or busy1 is None or s1 <= s0 or t1 <= t0:
         return None
     wall = t1 - t0
@@ -539,6 +544,11 @@ def host_cpu(
     )
     return {
         "swarm_cpu_s_per_step": (swarm1 - swarm0) / (s1 - s0),
+        "swarm_cpu_s_per_step_by_role": (
+            {role: (roles1[role] - roles0.get(role, 0.0)) / (s1 - s0) for role in roles1}
+            if roles0 is not None and roles1 is not None
+            else None
+        ),
         "swarm_share_of_cores": swarm_share,
         "machine_share_of_cores": (busy1 - busy0) / (wall * cores),
         "over_steps": [s0, s1],

@@ -83,6 +83,10 @@ def test_quick_wan_bench_trains_the_searched_and_the_random_arm() -> None:
         if r["s_per_step_polls"]:
             assert host["swarm_cpu_s_per_step"] > 0 and 0 < host["swarm_share_of_cores"] <= 1.25, host
             assert host["machine_share_of_cores"] > 0 and host["regime"], host
+            # split by process: the daemons, their DHT processes and p2pd all worked; the parts add up
+            roles = host["swarm_cpu_s_per_step_by_role"]
+            assert roles["daemon"] > 0 and roles["dht"] > 0 and roles["p2pd"] > 0, roles
+            assert sum(roles.values()) == pytest.approx(host["swarm_cpu_s_per_step"], rel=0.1), host
     # the random arm trained exactly the seeded order every peer derives from public data
     commit = c["commit"]
     expected = random_allocation(commit["roster"], Shape(2, 2), placement_seed(c["job_id"], 0))

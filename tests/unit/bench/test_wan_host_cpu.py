@@ -9,7 +9,7 @@ import time
 import pytest
 
 from peerd.bench.wan import HOST_BOUND_SHARE, arm_spec, arms, host_cpu, machine_busy_seconds, regime
-from peerd.localswarm import sessions_cpu_seconds
+from peerd.localswarm import sessions_cpu_by_role, sessions_cpu_seconds
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 
@@ -41,6 +41,35 @@ def test_a_session_counts_its_live_processes_and_the_children_they_reaped() -> N
         leader.wait()
 
 
+def test_a_sessions_cpu_splits_into_the_daemon_its_dht_process_and_the_rest() -> None:
+    # a leader (the daemon) that starts a child leading its own process group (the DHT process) and
+    # a plain child (a worker); each burns a different amount, then sleeps
+    group = "import os\nos.setpgid(0, 0)\n" + BURN.format(s=0.5) + "import time\ntime.sleep(30)\n"
+    plain = BURN.format(s=0.25) + "import time\ntime.sleep(30)\n"
+    script = (
+        "import subprocess, sys, time\n"
+        f"kids = [subprocess.Popen([sys.executable, '-c', {group!r}]), subprocess.Popen([sys.executable, '-c', {plain!r}])]\n"
+        + BURN.format(s=0.1)
+        + "time.sleep(30)\n"
+    )
+    leader = subprocess.Popen([sys.executable, "-c", script], start_new_session=True)
+    try:
+        deadline = time.monotonic() + 20
+        roles: dict[str, float] = {}
+        while time.monotonic() < deadline:
+            roles = sessions_cpu_by_role([leader.pid]) or {}
+            if roles.get("dht", 0) >= 0.5 and roles.get("other", 0) >= 0.25 and roles.get("daemon", 0) >= 0.1:
+                break
+            time.sleep(0.1)
+        assert set(roles) == {"daemon", "dht", "p2pd", "other"}
+        assert 0.5 <= roles["dht"] < 1.5 and 0.25 <= roles["other"] < 1.25 and 0.1 <= roles["daemon"] < 1.1
+        assert roles["p2pd"] == 0.0
+        assert sum(roles.values()) == pytest.approx(sessions_cpu_seconds([leader.pid]), abs=0.05)
+    finally:
+        subprocess.run(["pkill", "-9", "-s", str(leader.pid)], check=False)
+        leader.wait()
+
+
 def test_the_machine_busy_counter_grows_with_work() -> None:
     before = machine_busy_seconds()
     end = time.process_time() + 0.2
@@ -52,17 +81,22 @@ def test_the_machine_busy_counter_grows_with_work() -> None:
 
 def test_a_swarm_that_keeps_the_cores_busy_is_host_bound() -> None:
     steady = [(10.0, 2), (20.0, 7)]  # 5 steps in 10 s
-    busy = host_cpu({2: (100.0, 150.0), 7: (118.0, 169.0)}, steady, cores=2)
+    roles0 = {"daemon": 50.0, "dht": 20.0, "p2pd": 30.0, "other": 0.0}
+    roles1 = {"daemon": 60.0, "dht": 23.0, "p2pd": 35.0, "other": 0.0}
+    busy = host_cpu({2: (100.0, 150.0, roles0), 7: (118.0, 169.0, roles1)}, steady, cores=2)
     assert busy is not None
     assert busy["swarm_cpu_s_per_step"] == pytest.approx(18 / 5)
+    assert busy["swarm_cpu_s_per_step_by_role"] == pytest.approx(
+        {"daemon": 2.0, "dht": 0.6, "p2pd": 1.0, "other": 0.0}
+    )
     assert busy["swarm_share_of_cores"] == pytest.approx(0.9) and busy[
         "machine_share_of_cores"
     ] == pytest.approx(0.95)
     assert busy["regime"].startswith("host-CPU-bound") and busy["over_steps"] == [2, 7]
-    idle = host_cpu({2: (100.0, 150.0), 7: (105.0, 160.0)}, steady, cores=2)
+    idle = host_cpu({2: (100.0, 150.0, None), 7: (105.0, 160.0, None)}, steady, cores=2)
     assert idle is not None and idle["swarm_share_of_cores"] < HOST_BOUND_SHARE
-    assert idle["regime"].startswith("link- or wait-bound")
-    assert host_cpu({2: (None, None), 7: (1.0, 1.0)}, steady, cores=2) is None  # no /proc
+    assert idle["regime"].startswith("link- or wait-bound") and idle["swarm_cpu_s_per_step_by_role"] is None
+    assert host_cpu({2: (None, None, None), 7: (1.0, 1.0, None)}, steady, cores=2) is None  # no /proc
     assert host_cpu({}, steady[:1], cores=2) is None
 
 
