@@ -370,12 +370,9 @@ class LocalSwarm:
             peer._reader.join(timeout=2.0)
         return code
 
-    def cpu_seconds(self) -> float | None:
-        """CPU seconds the live daemons' sessions (daemon, DHT process, p2pd, tasklet workers) used so far."""
-        return sessions_cpu_seconds(p.pid for p in self.live_peers() if p.pid is not None)
-
     def cpu_seconds_by_role(self) -> dict[str, float] | None:
-        """``cpu_seconds`` split by the role of each process (``sessions_cpu_by_role``)."""
+        """CPU seconds the live daemons' sessions used so far, by the role of each process (daemon,
+        DHT process, p2pd, other: ``sessions_cpu_by_role``)."""
         return sessions_cpu_by_role(p.pid for p in self.live_peers() if p.pid is not None)
 
     def __enter__(self) -> LocalSwarm:
@@ -456,15 +453,8 @@ def sessions_cpu_seconds(sids: Iterable[int]) -> float | None:
     """CPU seconds (user + system) the processes of sessions ``sids`` used so far, with the children they
     reaped (zombies too); None where /proc is missing. A child whose parent died before it (reaped by
     init) takes its seconds out of the count."""
-    wanted = set(sids)
-    if not os.path.isdir("/proc"):
-        return None
-    ticks = sum(
-        sum(int(x) for x in f[11:15])  # utime, stime, cutime, cstime
-        for _, f in _process_stats()
-        if int(f[3]) in wanted
-    )
-    return ticks / os.sysconf("SC_CLK_TCK")
+    roles = sessions_cpu_by_role(sids)
+    return None if roles is None else sum(roles.values())
 
 
 CPU_ROLES = ("daemon", "dht", "p2pd", "other")
@@ -487,7 +477,7 @@ def sessions_cpu_by_role(sids: Iterable[int]) -> dict[str, float] | None:
             role = "p2pd"
         else:
             role = "dht" if pid == int(f[2]) else "other"
-        ticks[role] += sum(int(x) for x in f[11:15])
+        ticks[role] += sum(int(x) for x in f[11:15])  # utime, stime, cutime, cstime
     return {role: n / os.sysconf("SC_CLK_TCK") for role, n in ticks.items()}
 
 

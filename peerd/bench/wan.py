@@ -461,7 +461,8 @@ def run_arm(swarm: LocalSwarm, spec: dict[str, Any], timeout: float) -> dict[str
                 )
             if view.get("state") in ("running", "recovering") and (not samples or step > samples[-1][1]):
                 samples.append((time.monotonic() - submitted, step))
-                cpu[step] = (swarm.cpu_seconds(), machine_busy_seconds(), swarm.cpu_seconds_by_role())
+                roles = swarm.cpu_seconds_by_role()
+                cpu[step] = (None if roles is None else sum(roles.values()), machine_busy_seconds(), roles)
             if view.get("state") in ("done", "failed", "cancelled"):
                 ended = view["state"]
             elif trained_out(view, spec["steps"]):

@@ -76,7 +76,7 @@ class DhtStore:
 
     async def read_many(self, keys: Sequence[str]) -> dict[str, list[Entry]]:
         """``read`` of every key by one traversal of the DHT."""
-        what = keys[0] if len(keys) == 1 else f"{len(keys)} keys"  # (none: no lookup at all)
+        what = keys[0] if len(keys) == 1 else f"{len(keys)} keys"
         found = await dht_get_many_latest(self.dht, keys, timeout=self.timeout, what=what)
         return {key: self._entries(key, value) for key, value in found.items()}
 

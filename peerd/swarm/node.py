@@ -260,11 +260,7 @@ async def dht_get_many_latest(dht: Any, keys: Sequence[str], *, timeout: float, 
     if not keys:
         return {}
     future = dht.run_coroutine(functools.partial(_get_many_latest, keys=keys), return_future=True)
-    try:
-        found = await within(future, timeout)
-    except TimeoutError:
-        future.cancel()
-        raise PeerdError(f"reading {what} timed out after {timeout:.0f} s", code=ErrorCode.TIMEOUT) from None
+    found = await _answer(future, timeout=timeout, what=what)
     return {key: found.get(key) for key in keys}
 
 
@@ -275,7 +271,11 @@ async def _get_many_latest(_dht: Any, node: Any, keys: tuple[str, ...]) -> dict[
 
 async def dht_get_latest(dht: Any, key: str, *, timeout: float, what: str) -> Any:
     """``dht.get(key, latest=True)`` awaited from asyncio; ``PeerdError(TIMEOUT)`` naming ``what`` if the DHT is silent."""
-    future = dht.get(key, latest=True, return_future=True)
+    return await _answer(dht.get(key, latest=True, return_future=True), timeout=timeout, what=what)
+
+
+async def _answer(future: Any, *, timeout: float, what: str) -> Any:
+    """A DHT call's future awaited from asyncio; cancelled and ``PeerdError(TIMEOUT)`` naming ``what`` if silent."""
     try:
         return await within(future, timeout)
     except TimeoutError:

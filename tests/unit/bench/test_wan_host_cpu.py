@@ -16,6 +16,16 @@ pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="re
 BURN = "import time\nend = time.process_time() + {s}\nwhile time.process_time() < end: pass\n"
 
 
+def _read_until(read, done, seconds: float = 20.0):
+    """``read()`` every 0.1 s until ``done`` holds for what it returned, or ``seconds`` have passed; the last reading."""
+    deadline = time.monotonic() + seconds
+    value = read()
+    while not done(value) and time.monotonic() < deadline:
+        time.sleep(0.1)
+        value = read()
+    return value
+
+
 def test_a_session_counts_its_live_processes_and_the_children_they_reaped() -> None:
     # a session leader that runs a CPU-bound child to the end (reaped: in the leader's cutime), then burns itself
     script = (
@@ -26,13 +36,7 @@ def test_a_session_counts_its_live_processes_and_the_children_they_reaped() -> N
     )
     leader = subprocess.Popen([sys.executable, "-c", script], start_new_session=True)
     try:
-        deadline = time.monotonic() + 20
-        used = 0.0
-        while time.monotonic() < deadline:
-            used = sessions_cpu_seconds([leader.pid]) or 0.0
-            if used >= 0.7:
-                break
-            time.sleep(0.1)
+        used = _read_until(lambda: sessions_cpu_seconds([leader.pid]) or 0.0, lambda u: u >= 0.7)
         assert 0.7 <= used < 3.0  # the child's 0.4 s, the leader's 0.3 s, and the interpreters' start-up
         assert sessions_cpu_seconds([]) == 0.0
         assert sessions_cpu_seconds([leader.pid + 10_000_000]) == 0.0  # no such session
@@ -54,13 +58,10 @@ def test_a_sessions_cpu_splits_into_the_daemon_its_dht_process_and_the_rest() ->
     )
     leader = subprocess.Popen([sys.executable, "-c", script], start_new_session=True)
     try:
-        deadline = time.monotonic() + 20
-        roles: dict[str, float] = {}
-        while time.monotonic() < deadline:
-            roles = sessions_cpu_by_role([leader.pid]) or {}
-            if roles.get("dht", 0) >= 0.5 and roles.get("other", 0) >= 0.25 and roles.get("daemon", 0) >= 0.1:
-                break
-            time.sleep(0.1)
+        roles = _read_until(
+            lambda: sessions_cpu_by_role([leader.pid]) or {},
+            lambda r: r.get("dht", 0) >= 0.5 and r.get("other", 0) >= 0.25 and r.get("daemon", 0) >= 0.1,
+        )
         assert set(roles) == {"daemon", "dht", "p2pd", "other"}
         assert 0.5 <= roles["dht"] < 1.5 and 0.25 <= roles["other"] < 1.25 and 0.1 <= roles["daemon"] < 1.1
         assert roles["p2pd"] == 0.0
