@@ -185,6 +185,7 @@ class Daemon:
                 self.transport,
                 probe_config,
                 working=lambda: self.jobs is not None and self.jobs.manager.holds_work,
+                serving=self._not_upkeep,
             )
             await self.responder.start()
             self.prober = LinkProber(self.transport, probe_config)
@@ -489,9 +490,10 @@ class Daemon:
             targets = self._probe_targets()
             self.prober.forget([parse_peer_id(pid) for pid in self.entries])
             if targets:
-                results = await self.prober.refresh(
-                    [parse_peer_id(pid) for pid in targets], proceed=self._may_probe
-                )
+                with self._not_upkeep():
+                    results = await self.prober.refresh(
+                        [parse_peer_id(pid) for pid in targets], proceed=self._may_probe
+                    )
                 if results:
                     self.announcer.poke()
             with contextlib.suppress(TimeoutError, asyncio.TimeoutError):
@@ -502,9 +504,7 @@ class Daemon:
     def _build_record(self, state: PeerState, seq: int, now: float) -> PeerRecord:
         assert self.node is not None
         links = list(self.prober.measurements.values()) if self.prober is not None else []
-        # starting up (measuring the device, joining the DHT) and planning or running a job are not idle
-        working = state is not PeerState.ONLINE or (self.jobs is not None and self.jobs.manager.engaged)
-        self.idle_load.sample(time.monotonic(), working=working)
+        self.idle_load.sample(time.monotonic(), working=self._working(state))
         profile = self._live_profile()
         # large swarms measure more links than one record may carry: keep the newest
         return fit_peer_record(
@@ -521,6 +521,16 @@ class Daemon:
                 seq=seq,
             )
         )
+
+    def _working(self, state: PeerState | None = None) -> bool:
+        """Not idle: starting up (measuring the device, joining the DHT), or planning or running a job."""
+        state = self.state if state is None else state
+        return state is not PeerState.ONLINE or (self.jobs is not None and self.jobs.manager.engaged)
+
+    def _not_upkeep(self) -> contextlib.AbstractContextManager[None]:
+        """Around bulk link probes, sent or answered: a daemon that works for a job mostly skips
+        them, so they are not part of the idle load it declares."""
+        return self.idle_load.excluding(working=self._working())
 
     def _live_profile(self) -> DeviceProfile | None:
         """The profile with what changes while we run read now: free memory and, on a CPU device (a

@@ -11,12 +11,14 @@ and a hardware address instead.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import socket
+import time
 import uuid
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from functools import cache
 from pathlib import Path
 
@@ -78,29 +80,62 @@ def _descendants(root: int, *, depth: int) -> set[int]:
 
 class IdleLoad:
     """The cores a daemon's process tree keeps busy while it works for no job (its DHT's upkeep,
-    heartbeats, records, link probes), from samples of its CPU time: what it keeps taking from a
-    shared machine while the jobs work (``peerd.sched.hosts``). Only spans between two idle samples
-    count; the answer is the lower quartile of their CPU per second over the last ``window_s``
-    seconds of such spans: the upkeep goes on in every span, other work (answering a status poll,
-    a swarm's records arriving in a burst as it forms) in some, and moves the mean, not the quartile."""
+    heartbeats, records), from samples of its CPU time: what it keeps taking from a shared machine
+    while the jobs work (``peerd.sched.hosts``). Only spans between two idle samples count, at
+    least ``min_span_s`` long (CPU time moves in clock ticks); work a daemon stops while it works
+    for a job (bulk link probes, sent or answered) runs ``excluding`` and is cut out of the spans.
+    The answer is the lower quartile of the spans' CPU per second over the last ``window_s``
+    seconds of them: the upkeep goes on in every span, other work (answering a status poll, a
+    swarm's records arriving in a burst as it forms) in some, and moves the mean, not the quartile."""
 
-    def __init__(self, window_s: float = 120.0, read: Callable[[], float | None] = tree_cpu_seconds) -> None:
+    def __init__(
+        self,
+        window_s: float = 120.0,
+        read: Callable[[], float | None] = tree_cpu_seconds,
+        *,
+        min_span_s: float = 1.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.window_s = window_s
+        self.min_span_s = min_span_s
         self._read = read
-        self._last: tuple[float, float] | None = None  # (time, CPU seconds) of the last idle sample
+        self._clock = clock
+        self._last: tuple[float, float] | None = None  # (time, CPU seconds) where the open idle span began
         self._spans: deque[tuple[float, float]] = deque()  # (seconds, CPU seconds) of idle spans
+        self._excluded = 0  # ``excluding`` blocks running now
 
     def sample(self, now: float, *, working: bool) -> None:
+        """Close the open span at ``now`` (if it was idle and long enough) and open the next."""
+        if working or self._excluded:
+            self._last = None  # a span that includes work is not idle; not read: /proc scans cost
+            return
         cpu = self._read()
-        if working or cpu is None:
-            self._last = None  # a span that includes work is not idle
+        if cpu is None:
+            self._last = None
             return
         last = self._last
-        if last is not None and now > last[0]:
+        if last is not None and now - last[0] < self.min_span_s:
+            return  # too short to tell from clock ticks: the span goes on
+        if last is not None:
             self._spans.append((now - last[0], max(0.0, cpu - last[1])))
             while sum(s for s, _ in self._spans) - self._spans[0][0] >= self.window_s:
                 self._spans.popleft()
         self._last = (now, cpu)
+
+    @contextlib.contextmanager
+    def excluding(self, *, working: bool) -> Iterator[None]:
+        """Run work that is not upkeep: the open span closes where it begins (``working`` as in
+        ``sample``), the next opens where the last such block ends."""
+        if not self._excluded:
+            self.sample(self._clock(), working=working)
+            self._last = None
+        self._excluded += 1
+        try:
+            yield
+        finally:
+            self._excluded -= 1
+            if not self._excluded and not working and (cpu := self._read()) is not None:
+                self._last = (self._clock(), cpu)
 
     @property
     def cores(self) -> float | None:

@@ -16,12 +16,14 @@ peer's token bucket (a small request cannot make it send without bound).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import statistics
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Annotated, Any
 
@@ -246,11 +248,13 @@ class ProbeResponder:
         *,
         clock: Callable[[], float] = time.monotonic,
         working: Callable[[], bool] = lambda: False,
+        serving: Callable[[], AbstractContextManager[object]] = contextlib.nullcontext,
     ) -> None:
         self.transport = transport
         self.config = config
         self.budget = ByteBudget(config.answer_budget, clock)
         self._working = working
+        self._serving = serving  # entered around each session (the daemon cuts them out of its idle load)
         self._active = 0
         self.sessions_served = 0
         self.refused_working = 0
@@ -271,6 +275,10 @@ class ProbeResponder:
 
     async def _handle(self, conn: Connection) -> None:
         """One session; the transport has granted its slot and enforces its idle and total timeouts."""
+        with self._serving():
+            await self._session(conn)
+
+    async def _session(self, conn: Connection) -> None:
         cfg = self.config
         peer = conn.peer_id
         self._active += 1

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import statistics
 import time
 from collections.abc import Iterator
@@ -334,6 +335,35 @@ def test_malformed_probe_answers_are_errors_and_bad_requests_are_refused(peers: 
     lied, refused = peers.run(go())
     assert lied.status == LinkStatus.ERROR
     assert refused.code == ErrorCode.MALFORMED and "bytes" in str(refused)
+
+
+def test_a_responder_runs_each_session_inside_its_serving_scope(peers: Peers):
+    """The daemon cuts answered probes out of its idle load through ``serving``: every session,
+    bulk legs included, runs inside it, and it is left when the session ends."""
+    events: list[str] = []
+
+    @contextlib.contextmanager
+    def serving() -> Iterator[None]:
+        events.append("enter")
+        try:
+            yield
+        finally:
+            events.append("exit")
+
+    async def go():
+        responder = ProbeResponder(peers.transport(peers.a), serving=serving)
+        await responder.start()
+        measured = await LinkProber(peers.transport(peers.b), QUICK).probe(peers.a.peer_id)
+        for _ in range(50):  # the responder's side ends a moment after the prober's
+            if len(events) == 2:
+                break
+            await asyncio.sleep(0.05)
+        await responder.stop()
+        return measured, responder.sessions_served
+
+    measured, served = peers.run(go())
+    assert measured.status == LinkStatus.OK
+    assert served == 1 and events == ["enter", "exit"]
 
 
 def test_a_working_responder_spares_its_links_the_probes_of_peers_that_hold_figures(peers: Peers):

@@ -91,3 +91,48 @@ def test_a_burst_between_idle_samples_does_not_move_the_idle_load():
         cpu.seconds += used
         load.sample(float(t), working=False)
     assert load.cores == pytest.approx(0.05)
+
+
+def test_work_run_excluding_is_cut_out_of_the_idle_spans():
+    cpu = FakeCpu()
+    clock = FakeCpu()  # a settable clock
+    load = IdleLoad(window_s=100.0, read=cpu, clock=clock)
+    load.sample(0.0, working=False)
+    cpu.seconds, clock.seconds = 0.5, 5.0
+    with load.excluding(working=False):  # closes [0, 5]: 0.5 CPU-s
+        cpu.seconds, clock.seconds = 4.5, 7.0  # a probe round: 4 CPU-s in 2 s
+        load.sample(6.0, working=False)  # a record built meanwhile counts nothing
+    cpu.seconds = 5.5
+    load.sample(17.0, working=False)  # [7, 17]: 1 CPU-s
+    assert load.cores == pytest.approx(0.1)  # both spans 0.1 cores; the round's 2 cores are gone
+
+
+def test_nested_exclusions_reopen_the_span_once_the_last_ends():
+    cpu, clock = FakeCpu(), FakeCpu()
+    load = IdleLoad(window_s=100.0, read=cpu, clock=clock)
+    load.sample(0.0, working=False)
+    with load.excluding(working=False):
+        with load.excluding(working=False):  # a probe answered during our own round
+            cpu.seconds, clock.seconds = 3.0, 2.0
+        cpu.seconds, clock.seconds = 6.0, 4.0
+    cpu.seconds = 6.4
+    load.sample(8.0, working=False)
+    assert load.cores == pytest.approx(0.1)  # [4, 8] only; [0, 0] was too short to count
+
+
+def test_spans_shorter_than_the_minimum_run_on():
+    cpu = FakeCpu()
+    load = IdleLoad(window_s=100.0, read=cpu, min_span_s=1.0)
+    load.sample(0.0, working=False)
+    cpu.seconds = 0.01  # one clock tick
+    load.sample(0.05, working=False)  # a poke right after: no span of 0.2 cores
+    cpu.seconds = 0.2
+    load.sample(2.0, working=False)
+    assert load.cores == pytest.approx(0.1)
+
+
+def test_a_working_sample_does_not_read_the_cpu_time():
+    reads = []
+    load = IdleLoad(read=lambda: reads.append(1) or 0.0)
+    load.sample(0.0, working=True)
+    assert reads == []  # a /proc scan is not free, and a working span is dropped anyway
