@@ -1,12 +1,13 @@
-"""Application-level link emulation: per-destination bandwidth (token bucket) and one-way delay on outgoing bytes.
+"""Application-level link emulation: per-destination bandwidth and one-way delay on outgoing bytes.
 
 Kernel shaping (tc netem) is not available on the machines peerd is tested on, so the
 daemon paces its own outgoing stream bytes instead. Every destination peer has one
-``_Link`` (a token bucket shared by all streams to that peer, like a real link); every
-stream has a ``ShapedChannel`` that reserves bandwidth for each piece it writes and hands
-the piece to the socket only at ``reserved send time + delay``. Pieces are queued, so the
-delay is pipelined: a 40 ms link still carries its full bandwidth, as a real one does.
-The math (``TokenBucket``, ``LinkSpec``) is pure and clock-injected for unit tests.
+``_Link`` (a serialiser shared by all streams to that peer, like a real link); every
+stream has a ``ShapedChannel`` that reserves link time for each piece it writes and hands
+the piece to the socket only when its last byte would have arrived (serialised behind
+the bytes before it, plus the delay). Pieces are queued, so the delay is pipelined: a
+40 ms link still carries its full bandwidth, as a real one does. The math (``_Link``,
+``LinkSpec``) is pure and clock-injected for unit tests.
 """
 
 from __future__ import annotations
@@ -26,7 +27,10 @@ logger = get_logger(__name__)
 
 MIN_PIECE = 4 * 1024
 MAX_PIECE = 256 * 1024
-PIECE_SECONDS = 0.004  # pace in pieces of ~4 ms of link time: smooth enough, few wake-ups
+# pace in pieces of ~16 ms of link time: each piece is a wake-up and a write through p2pd (CPU the
+# emulation takes from the jobs on a shared machine); a piece is handed over once its last byte
+# would have arrived, so the size changes no message's arrival, only how smoothly a stream trickles
+PIECE_SECONDS = 0.016
 LOOKAHEAD_S = 0.05  # a writer may reserve link time up to this far ahead of now (absorbs scheduling jitter)
 MIN_QUEUE_BYTES = (
     4 << 20
@@ -64,42 +68,23 @@ class LinkSpec:
         return int(min(MAX_PIECE, max(MIN_PIECE, self.rate_Bps * PIECE_SECONDS)))
 
 
-class TokenBucket:
-    """Reservation-style token bucket: ``reserve`` returns when the bytes may leave; debt carries over.
-
-    Tokens may go negative: a reservation bigger than the balance is granted at the time
-    the debt is paid off, so back-to-back writers are paced at exactly ``rate_Bps``.
-    """
-
-    def __init__(self, rate_Bps: float, burst_bytes: float, now: float) -> None:
-        assert rate_Bps > 0 and burst_bytes > 0
-        self.rate_Bps = rate_Bps
-        self.burst_bytes = burst_bytes
-        self._tokens = burst_bytes
-        self._stamp = now
-
-    def reserve(self, nbytes: int, now: float) -> float:
-        """Take ``nbytes``; return the time (>= now) at which they may be sent."""
-        if now > self._stamp:
-            self._tokens = min(self.burst_bytes, self._tokens + (now - self._stamp) * self.rate_Bps)
-            self._stamp = now
-        self._tokens -= nbytes
-        if self._tokens >= 0:
-            return max(now, self._stamp)
-        return self._stamp + (-self._tokens) / self.rate_Bps
-
-
 class _Link:
-    """Shared state of one destination: its spec and its bucket (all streams to the peer share the rate)."""
+    """Shared state of one destination: its spec and when it has serialised every byte reserved so
+    far (all streams to the peer share the link, first come first served)."""
 
     def __init__(self, spec: LinkSpec, now: float) -> None:
         self.spec = spec
-        self.bucket = None if math.isinf(spec.rate_Bps) else TokenBucket(spec.rate_Bps, spec.piece_bytes, now)
+        self._free_at = now
 
     def schedule(self, nbytes: int, now: float) -> tuple[float, float]:
-        """``(send_at, visible_at)`` for ``nbytes`` offered at ``now``."""
-        send_at = now if self.bucket is None else self.bucket.reserve(nbytes, now)
-        return send_at, send_at + self.spec.delay_s
+        """``(sent_at, visible_at)`` for ``nbytes`` offered at ``now``: the piece's last byte leaves
+        once the bytes before it have (no burst: a real link has none) and arrives the delay later;
+        the piece is handed over whole then."""
+        rate = self.spec.rate_Bps
+        if math.isinf(rate):
+            return now, now + self.spec.delay_s
+        self._free_at = max(now, self._free_at) + nbytes / rate
+        return self._free_at, self._free_at + self.spec.delay_s
 
 
 class ShapedChannel:
@@ -127,11 +112,11 @@ class ShapedChannel:
             self._raise_if_failed()
             chunk = data[offset : offset + piece]
             now = self._clock()
-            send_at, visible_at = self._link.schedule(chunk.nbytes, now)
-            if send_at - now > LOOKAHEAD_S:
+            sent_at, visible_at = self._link.schedule(chunk.nbytes, now)
+            if sent_at - now > LOOKAHEAD_S:
                 # Sleep only to stay within the look-ahead: the reservation, not the wake-up, fixes
                 # when the piece leaves, so a late wake-up (a busy host) costs no link capacity.
-                await asyncio.sleep(send_at - now - LOOKAHEAD_S)
+                await asyncio.sleep(sent_at - now - LOOKAHEAD_S)
             while self._queued_bytes >= self._max_queued:
                 self._space.clear()
                 await self._space.wait()

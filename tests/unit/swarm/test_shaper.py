@@ -10,37 +10,32 @@ import pytest
 
 from peerd.errors import ConfigError
 from peerd.sched.scenario import load_scenario
-from peerd.swarm.shaper import LOOKAHEAD_S, LinkShaper, LinkSpec, TokenBucket, _Link
+from peerd.swarm.shaper import LOOKAHEAD_S, LinkShaper, LinkSpec, _Link
 
 SCENARIOS = Path(__file__).resolve().parents[3] / "configs" / "scenarios"
 
 
-def test_bucket_grants_burst_then_paces_at_rate():
-    bucket = TokenBucket(rate_Bps=1000.0, burst_bytes=100.0, now=0.0)
-    assert bucket.reserve(100, now=0.0) == 0.0  # the burst
-    assert bucket.reserve(100, now=0.0) == pytest.approx(0.1)
-    assert bucket.reserve(50, now=0.0) == pytest.approx(0.15)
-    # debt carries over: a writer that arrives late still waits its turn
-    assert bucket.reserve(100, now=0.2) == pytest.approx(0.25)
-
-
-def test_bucket_refill_is_capped_at_burst():
-    bucket = TokenBucket(rate_Bps=1000.0, burst_bytes=100.0, now=0.0)
-    bucket.reserve(100, now=0.0)
-    assert bucket.reserve(100, now=10.0) == 10.0  # refilled, but only to the burst size
-    assert bucket.reserve(100, now=10.0) == pytest.approx(10.1)
+def test_a_link_serialises_pieces_first_come_first_served():
+    link = _Link(LinkSpec(delay_s=0.5, bandwidth_bps=8000.0), now=0.0)  # 1000 B/s
+    assert link.schedule(100, now=0.0) == pytest.approx((0.1, 0.6))  # no burst: 100 B take 0.1 s
+    assert link.schedule(100, now=0.0) == pytest.approx((0.2, 0.7))  # behind the first
+    assert link.schedule(50, now=0.05) == pytest.approx((0.25, 0.75))
+    # an idle link does not bank capacity: a later piece starts when it is offered
+    assert link.schedule(100, now=10.0) == pytest.approx((10.1, 10.6))
+    unlimited = _Link(LinkSpec(delay_s=0.5), now=0.0)
+    assert unlimited.schedule(10**9, now=3.0) == (3.0, 3.5)
 
 
 def test_back_to_back_pieces_leave_at_exactly_the_link_rate():
     spec = LinkSpec(delay_s=0.05, bandwidth_bps=8_000_000)  # 1 MB/s
     link = _Link(spec, now=0.0)
     piece = spec.piece_bytes
-    sends, visibles = zip(*(link.schedule(piece, now=0.0) for _ in range(250)), strict=True)
-    # 250 pieces; the first goes out of the burst, the rest one piece-time apart
-    assert sends[-1] == pytest.approx(249 * piece / 1e6)
-    assert all(v - s == pytest.approx(0.05) for s, v in zip(sends, visibles, strict=True))
+    sents, visibles = zip(*(link.schedule(piece, now=0.0) for _ in range(250)), strict=True)
+    # 250 pieces, one piece-time apart; the last byte leaves when the whole has crossed the link
+    assert sents[-1] == pytest.approx(250 * piece / 1e6)
+    assert all(v - s == pytest.approx(0.05) for s, v in zip(sents, visibles, strict=True))
     # pipelined: the delay shifts every piece once, it does not add up per piece
-    assert visibles[-1] - visibles[0] == pytest.approx(sends[-1] - sends[0])
+    assert visibles[-1] == pytest.approx(0.05 + 250 * piece / 1e6)
 
 
 def test_link_spec_validation():
@@ -50,7 +45,7 @@ def test_link_spec_validation():
         LinkSpec(delay_s=float("nan"))
     with pytest.raises(ConfigError):
         LinkSpec(bandwidth_bps=0.0)
-    assert LinkSpec(bandwidth_bps=20e6).piece_bytes == 10_000  # 4 ms of a 2.5 MB/s link
+    assert LinkSpec(bandwidth_bps=20e6).piece_bytes == 40_000  # 16 ms of a 2.5 MB/s link
     assert LinkSpec(bandwidth_bps=1e3).piece_bytes == 4096  # floor
     assert LinkSpec(bandwidth_bps=1e12).piece_bytes == 256 * 1024  # cap
 
@@ -120,7 +115,7 @@ class _RecordingWriter:
 
 
 def test_stream_is_delayed_once_and_paced_at_the_link_rate_on_virtual_time():
-    """2 Mbit/s, 100 ms one-way: each piece reaches the socket at delay + its paced send time, exactly.
+    """2 Mbit/s, 100 ms one-way: each piece reaches the socket when its last byte has crossed the link, exactly.
 
     A delay paid per write (instead of pipelined) would put the last byte at 1 + 50 x 0.1 = 6 s;
     a rate divided by the delay would stretch every gap. Both show up as exact mismatches here.
@@ -150,13 +145,12 @@ def test_stream_is_delayed_once_and_paced_at_the_link_rate_on_virtual_time():
     sent = 0
     for at, data in writes:
         sent += len(data)
-        # the first piece is the bucket's burst; every later byte waits for its share of the rate
-        assert at == pytest.approx(spec.delay_s + (sent - piece) / rate, abs=1e-9)
-    paced_s = (total - piece) / rate
-    assert writes[0][0] == pytest.approx(spec.delay_s)
-    assert writes[-1][0] == pytest.approx(spec.delay_s + paced_s)
+        # each piece is handed over when its last byte has crossed the link: its share of the rate, then the delay
+        assert at == pytest.approx(spec.delay_s + sent / rate, abs=1e-9)
+    assert writes[-1][0] == pytest.approx(spec.delay_s + total / rate)
+    assert max(len(data) for _, data in writes) <= piece
     # the writer returns once its last piece is reserved, up to the look-ahead before it leaves
-    assert returned == pytest.approx(paced_s - LOOKAHEAD_S)
+    assert returned == pytest.approx(total / rate - LOOKAHEAD_S)
 
 
 def test_real_socket_stream_arrives_whole_and_in_order():
