@@ -196,6 +196,13 @@ def _summary_text(s: dict[str, Any]) -> Text:
             f"  on the wire {wire / 1e6:.1f} MB instead of {raw / 1e6:.1f} MB as fp32 "
             f"({s['compression_ratio']:.1f}x less, {s['bytes_saved'] / 1e6:.1f} MB saved)"
         )
+        for kind, ratio in (s.get("compression_by_kind") or {}).items():
+            lines.append(
+                f"    {kind} {s['wire_bytes'][kind] / 1e6:.2f} MB instead of {s['raw_bytes'][kind] / 1e6:.2f} MB "
+                f"({ratio:.1f}x)"
+            )
+    if s.get("regime"):
+        lines.append(f"  compression regime: {s['regime']}")
     if s["allocation_cost"] is not None:
         best = f" (best island {s['island_best_cost']:.4g})" if s["island_best_cost"] else ""
         lines.append(

@@ -39,7 +39,9 @@ def submit(spec_file: str, wait: bool, as_json: bool, config_file: str | None, *
     """Validate SPEC, sign it with the local daemon's key and publish it to the swarm; prints the job id.
 
     A spec with problems is refused before anything is published, with one line per bad
-    field (exit code 2). Exit code 1 when the job (with --wait) fails or is cancelled.
+    field (exit code 2). Exit code 1 when the job (with --wait) fails or is cancelled. For an
+    AC-SGD job it says its regime: the visits per example (steps x global_batch over the
+    corpus's windows, counted here) and how much that lets activations shrink.
     """
     from peerd.jobs.records import normalized_spec
     from peerd.jobs.spec import load_job_spec
@@ -53,6 +55,8 @@ def submit(spec_file: str, wait: bool, as_json: bool, config_file: str | None, *
         return
     for warning in result.get("warnings") or []:
         click.echo(f"warning: {warning}", err=True)
+    if result.get("regime"):  # how much AC-SGD can compress this job's activations
+        click.echo(f"compression: {result['regime']}", err=True)
     if not as_json:
         click.echo(job_id)
     if wait:

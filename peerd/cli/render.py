@@ -310,12 +310,17 @@ def job_panel(view: dict[str, Any], names: dict[str, str]) -> RenderableType:
         lines.append("this tasklet's step: " + ", ".join(f"{k} {v * 1e3:,.0f} ms" for k, v in phases.items()))
     wire = [(k, n) for k, n in sorted((p.get("bytes") or {}).items()) if not k.endswith("_raw") and n]
     if wire:
-        ratio = p.get("compression_ratio")
+        ratio, by_kind = p.get("compression_ratio"), p.get("compression_by_kind") or {}
         lines.append(
             "on the wire: "
-            + ", ".join(f"{k} {_human_bytes(n)}" for k, n in wire)
-            + (f" ({ratio:.1f}x less than fp32)" if ratio else "")
+            + ", ".join(
+                f"{k} {_human_bytes(n)}" + (f" ({by_kind[k]:.1f}x)" if k in by_kind else "") for k, n in wire
+            )
+            + (f"; {ratio:.1f}x less than fp32 in all" if ratio else "")
         )
+    regime = ((view.get("spec") or {}).get("compression") or {}).get("regime")
+    if regime:
+        lines.append(f"compression regime: {regime}")
     return Group(head, *(Text(f"  {line}") for line in lines))
 
 

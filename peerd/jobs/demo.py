@@ -11,11 +11,15 @@ from __future__ import annotations
 import copy
 from typing import Any
 
+from peerd.jobs.views import compression_by_kind
+
 DEMO_SPEC: dict[str, Any] = {
     "name": "gpt-tiny-demo",
     "kind": "pretrain",
     "model": {"preset": "tiny", "seed": 0},
-    "data": {"source": "builtin", "seq_len": 64, "max_bytes": 1048576},
+    # 255 windows for 120 steps x 16 examples: each example comes back ~7.5 times, so AC-SGD sends
+    # deltas from an example's second visit on (a single pass would send only first visits)
+    "data": {"source": "builtin", "seq_len": 64, "max_bytes": 16384},
     "steps": 120,
     "global_batch": 16,
     "micro_batch": 4,
@@ -28,7 +32,13 @@ DEMO_SPEC: dict[str, Any] = {
         "schedule": "cosine",
     },
     "parallel": {"d_pp": 3, "d_dp": 2},
-    "compression": {"forward": "acsgd", "forward_bits": 4, "backward_bits": 8, "gradient_bits": 8},
+    "compression": {
+        "forward": "acsgd",
+        "forward_bits": 4,
+        "first_visit": "q8",
+        "backward_bits": 8,
+        "gradient_bits": 8,
+    },
     "checkpoint_interval": 40,
     "min_peers": 6,
     "max_peers": 6,
@@ -78,6 +88,8 @@ def summarize(view: dict[str, Any], submitted_at: float) -> dict[str, Any]:
         "wire_bytes": wire,
         "raw_bytes": raw,
         "compression_ratio": round(sum(raw.values()) / sum(wire.values()), 3) if sum(wire.values()) else None,
+        "compression_by_kind": compression_by_kind(sent),
+        "regime": ((view.get("spec") or {}).get("compression") or {}).get("regime"),
         "bytes_saved": sum(raw.values()) - sum(wire.values()),
         "allocation_hash": alloc.get("allocation_hash"),
         "allocation_cost": alloc.get("cost"),

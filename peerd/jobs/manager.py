@@ -51,10 +51,11 @@ from peerd.jobs.records import (
     new_job_record,
 )
 from peerd.jobs.recovery import target_width
+from peerd.jobs.regime import activation_regime
 from peerd.jobs.roles import JobRunner
 from peerd.jobs.runner import tasklet_of, unsupported
 from peerd.jobs.scoring import job_model
-from peerd.jobs.spec import JobSpec, parse_job_spec
+from peerd.jobs.spec import JobSpec, parse_job_spec, pin_examples
 from peerd.jobs.store import Prefetched, RecordStore
 from peerd.jobs.views import (
     JobEntry,
@@ -157,6 +158,14 @@ class JobManager:
         if errors:
             raise errors[0]
         warnings = [*warnings, *start_warnings(spec, self._online_with_me())]
+        if spec.planning.examples is None:  # ``peerd submit`` counted them; control callers may not
+            try:
+                spec = await asyncio.get_running_loop().run_in_executor(None, pin_examples, spec)
+            except ConfigError as exc:  # the tasklets read the corpus again, and say what is wrong
+                warnings.append(
+                    f"could not count the training examples here ({exc}): priced as a single pass"
+                )
+        regime = activation_regime(spec)
         now = self.store.now()
         nonce = os.urandom(NONCE_BYTES)
         record = new_job_record(
@@ -184,6 +193,7 @@ class JobManager:
             "owner": self.me,
             "name": spec.name,
             "warnings": warnings,
+            "regime": regime.describe() if regime is not None else None,
         }
 
     async def cancel(self, params: dict[str, Any]) -> dict[str, Any]:

@@ -147,6 +147,7 @@ def train_config(
         backward_bits=comp.backward_bits or 8,
         gradients="quant" if comp.gradient_bits else "none",
         gradient_bits=comp.gradient_bits or 8,
+        seed_codec=comp.first_visit_codec or "fp32",  # fp32 only where nothing is sent as a first visit
     )
     hf = spec.model.hf if isinstance(spec.model.hf, dict) else None  # a path is inlined at submit
     model = ModelBuild(

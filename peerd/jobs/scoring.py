@@ -35,6 +35,7 @@ import numpy as np
 from peerd.averaging.work import count_member_work
 from peerd.errors import ConfigError
 from peerd.jobs.optimizer import optimizer_config
+from peerd.jobs.regime import activation_regime
 from peerd.jobs.spec import JobSpec
 from peerd.pipeline.launches import count_layer_work
 from peerd.sched.allocation import Allocation
@@ -99,6 +100,7 @@ def job_model(spec: JobSpec) -> JobModel:
     )
     comp = spec.compression
     forward_bits = None if comp.forward == "none" else comp.forward_bits
+    regime = activation_regime(spec, family.hidden)  # AC-SGD: what the visits per example let it send
     averaging = (
         count_member_work(
             None if comp.gradient_bits is None else f"q{comp.gradient_bits}", spec.averaging.aggregator
@@ -119,7 +121,7 @@ def job_model(spec: JobSpec) -> JobModel:
         micro_batch=spec.micro_batch,
         d_pp=spec.parallel.d_pp,
         d_dp=spec.parallel.d_dp,
-        forward_ratio=_ratio(forward_bits),
+        forward_ratio=regime.forward_ratio if regime is not None else _ratio(forward_bits),
         backward_ratio=_ratio(comp.backward_bits),
         gradient_ratio=_ratio(comp.gradient_bits),
         # what peerd.pipeline.worker does: clipping needs the replica's norm; fp16 sends its overflows

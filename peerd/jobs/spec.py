@@ -19,7 +19,7 @@ from typing import Annotated, Any, Literal
 
 from peerd.averaging.aggregate import Aggregator, ClippedMean, Mean
 from peerd.compress.packing import SUPPORTED_BITS
-from peerd.data.config import DataConfig, check_split, pin_local_source
+from peerd.data.config import DataConfig, build_dataset, check_split, pin_local_source
 from peerd.errors import ConfigError
 from peerd.loading import ConfigProblems, Range, collect, from_mapping, load_mapping, prefixed
 from peerd.models.gpt import PRESETS, GPTConfig
@@ -30,6 +30,16 @@ from peerd.rl.tasks import VOCAB_SIZE, make_task
 from peerd.sched.consensus.config import ConsensusTiming
 
 Auto = Literal["auto"]
+FIRST_VISIT_CODECS = (
+    "q8",
+    "q4",
+    "q3",
+    "q2",
+    "fp16",
+    "bf16",
+    "fp32",
+)  # registry names (peerd.compress.codecs)
+DEFAULT_FIRST_VISIT = "q8"
 Count = Annotated[int, Range(ge=1)]
 INT32_MAX = 2**31 - 1  # counts must fit the int32 indices and schedules that hold them
 
@@ -151,6 +161,11 @@ class CompressionSpec:
     """Activation gradients sent back up the pipeline."""
     gradient_bits: int | None = None
     """Data-parallel gradient averaging (with error feedback)."""
+    first_visit: str | None = None
+    """``acsgd`` only: the codec of an example's first visit, which has no buffered activation to
+    send a delta against (and of examples beyond the buffers' room): ``q8`` (the default), ``q4``,
+    ``q3``, ``q2`` (direct quantization at that width), ``fp16``, ``bf16`` or ``fp32`` (raw). In a
+    single pass over the data every activation is a first visit: see ``peerd.jobs.regime``."""
 
     def problems(self) -> list[ConfigError]:
         allowed = ", ".join(map(str, SUPPORTED_BITS))
@@ -163,7 +178,19 @@ class CompressionSpec:
             out.append(ConfigError("forward_bits", "must be null when forward is 'none'"))
         if self.forward != "none" and self.forward_bits is None:
             out.append(ConfigError("forward_bits", f"forward '{self.forward}' needs a bit width"))
+        if self.first_visit is not None and self.forward != "acsgd":
+            out.append(ConfigError("first_visit", f"applies to forward: acsgd only, not {self.forward!r}"))
+        elif self.first_visit is not None and self.first_visit not in FIRST_VISIT_CODECS:
+            known = ", ".join(FIRST_VISIT_CODECS)
+            out.append(ConfigError("first_visit", f"must be one of {known}, got {self.first_visit!r}"))
         return out
+
+    @property
+    def first_visit_codec(self) -> str | None:
+        """The codec first visits go through (None unless ``forward`` is ``acsgd``)."""
+        if self.forward != "acsgd":
+            return None
+        return self.first_visit or DEFAULT_FIRST_VISIT
 
 
 @dataclass(frozen=True)
@@ -195,6 +222,11 @@ class AveragingSpec:
 class PlanningSpec:
     time_budget_s: Annotated[float, Range(gt=0, le=3600)] = 30.0
     """Seconds each peer's search island runs per planning epoch."""
+    examples: Annotated[int | None, Range(ge=1, le=2**62)] = None
+    """Training examples (windows) the data holds: with ``steps x global_batch`` it gives the visits
+    per example, which decide how much AC-SGD compresses (``peerd.jobs.regime``). ``peerd submit``
+    fills it in from the corpus as read where the job is submitted; null (an ``hf`` source): priced
+    as a single pass, every activation a first visit."""
     objective: Literal["peerd", "dtfm"] = "peerd"
     """Cost model every peer scores candidates with (``peerd`` includes compute and memory)."""
     max_skew_s: Annotated[float, Range(ge=0, le=60)] = 3.0
@@ -517,15 +549,27 @@ class JobSpecError(ConfigProblems):
 
 def load_job_spec(path: str | Path) -> JobSpec:
     """Read and validate a job spec file (YAML or JSON); a ``model.hf`` path is read into its mapping,
-    a local text corpus's paths are made absolute and its digest pinned (``pin_local_source``), and a
-    validation split is checked against the corpus as read here (``check_split``)."""
+    a local text corpus's paths are made absolute and its digest pinned (``pin_local_source``), a
+    validation split is checked against the corpus as read here (``check_split``) and its training
+    examples counted (``pin_examples``)."""
     spec = parse_job_spec(inline_hf_config(load_mapping(path), source=str(path)), source=str(path))
     try:
         data = pin_local_source(spec.data)
         check_split(data, spec.global_batch)
+        return pin_examples(dataclasses.replace(spec, data=data))
     except ConfigError as exc:
         raise JobSpecError(exc.errors, str(path)) from None
-    return dataclasses.replace(spec, data=data)
+
+
+def pin_examples(spec: JobSpec) -> JobSpec:
+    """``spec`` with ``planning.examples`` counted on its corpus as read here (what the planner's
+    visits per example need); returned unchanged when it states them, for an ``hf`` source (not
+    read at submit) and for an rl job (no data section in use). ConfigError if the corpus cannot
+    be read or cut into windows."""
+    if spec.kind == "rl" or spec.planning.examples is not None or spec.data.source == "hf":
+        return spec
+    examples = len(build_dataset(spec.data))
+    return dataclasses.replace(spec, planning=dataclasses.replace(spec.planning, examples=examples))
 
 
 def inline_hf_config(data: Any, source: str = "") -> Any:

@@ -31,6 +31,7 @@ from peerd.jobs.records import (
     TaskState,
     downsample,
 )
+from peerd.jobs.regime import activation_regime, visits_per_example
 from peerd.jobs.rl.progress import summary as rl_summary
 from peerd.jobs.roles import JobRunner
 from peerd.jobs.spec import JobSpec
@@ -103,6 +104,12 @@ def resolve_job_id(text: str, known: Any) -> str | None:
     return matches[0] if matches else None
 
 
+def compression_by_kind(sent: dict[str, int]) -> dict[str, float]:
+    """Raw fp32 bytes over wire bytes of each kind that went out (activations, backward gradients,
+    averaging), from a progress record's byte counters."""
+    return {kind: round(sent.get(f"{kind}_raw", 0) / sent[kind], 3) for kind in WIRE_KINDS if sent.get(kind)}
+
+
 def spec_summary(spec: JobSpec) -> dict[str, Any]:
     return {
         "name": spec.name,
@@ -120,9 +127,13 @@ def spec_summary(spec: JobSpec) -> dict[str, Any]:
         "compression": {
             "forward": spec.compression.forward,
             "forward_bits": spec.compression.forward_bits,
+            "first_visit": spec.compression.first_visit_codec,
             "backward_bits": spec.compression.backward_bits,
             "gradient_bits": spec.compression.gradient_bits,
+            "regime": regime.describe() if (regime := activation_regime(spec)) is not None else None,
         },
+        "examples": spec.planning.examples,
+        "visits_per_example": visits_per_example(spec),
     }
 
 
@@ -458,6 +469,7 @@ def progress_summary(progress: dict[str, Progress], epoch: int | None, steps: in
     wire = sum(totals.get(k, 0) for k in WIRE_KINDS)
     raw = sum(totals.get(f"{k}_raw", 0) for k in WIRE_KINDS)
     out["compression_ratio"] = round(raw / wire, 3) if wire else None
+    out["compression_by_kind"] = compression_by_kind(totals)
     out["tasklets"] = [
         {
             "peer": p.peer,

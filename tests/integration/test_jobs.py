@@ -239,6 +239,11 @@ def test_six_peers_commit_one_allocation_and_train_it_to_the_end(ctx: Ctx, train
     assert last < first - 0.3, f"loss did not fall: {losses}"
     assert progress["bytes"]["activations"] > 0 and progress["bytes"]["averaging"] > 0
     assert progress["compression_ratio"] > 2  # fw 4-bit / bw 8-bit / grad 8-bit vs fp32
+    # 30 steps x 16 examples over the demo corpus's 255 windows: ~1.9 visits each, so about half the
+    # activations go as 4-bit deltas and the rest as 8-bit first visits (fp32 first visits: 1.7x)
+    by_kind = progress["compression_by_kind"]
+    assert by_kind["activations"] > 3.5 and by_kind["gradients"] > 3 and by_kind["averaging"] > 3, by_kind
+    assert mine["spec"]["examples"] == 255 and "examples repeat (1.9 visits each)" in training.err
 
     listed = peerd("jobs", "--json", "--home", ctx.home(5))
     assert listed.returncode == 0, listed.stderr

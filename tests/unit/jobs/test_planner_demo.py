@@ -55,4 +55,17 @@ def test_summary_and_loss_plot(tmp_path: Path) -> None:
     s = summarize(view, 0.0)
     assert (s["first_loss"], s["final_loss"]) == (5.5, 3.0)
     assert s["compression_ratio"] == pytest.approx(1000 / 150, rel=1e-3) and s["bytes_saved"] == 850
+    assert s["compression_by_kind"] == {"activations": 8.0, "gradients": 4.0}  # averaging sent nothing
     assert s["island_best_cost"] == 0.5
+
+
+def test_the_demo_job_is_one_where_ac_sgd_engages() -> None:
+    """Its examples repeat (steps x batch over the corpus's windows), so deltas go out after first visits."""
+    from peerd.jobs.regime import activation_regime
+    from peerd.jobs.spec import pin_examples
+
+    spec = pin_examples(parse_job_spec(DEMO_SPEC))
+    assert spec.planning.examples is not None and spec.planning.examples < spec.steps * spec.global_batch / 4
+    regime = activation_regime(spec)
+    assert regime is not None and regime.deltas_engage and regime.first_share < 0.2
+    assert regime.first_visit == "q8" and "examples repeat" in regime.describe()
