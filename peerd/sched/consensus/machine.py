@@ -123,7 +123,7 @@ class ConsensusMachine:
         if self.committed is None or self.replanning is not None:
             return []
         self.replanning = self.committed
-        self.epoch = self.config.replan_epoch(now, self.committed.epoch)
+        self.epoch = self._replan_epoch(now)
         self.stats["replan"] += 1
         log.info(
             "job %s: re-planning the allocation of epoch %d in epoch %d",
@@ -136,6 +136,24 @@ class ConsensusMachine:
         for msg in ahead:
             out += self.on_message(msg, now)
         return out + self.on_tick(now)
+
+    def _replan_epoch(self, now: float) -> int:
+        """The open epoch after the commit (``ConsensusConfig.replan_epoch``), or the one before it
+        when others' entries for that one wait here and this peer's entry, issued now, still counts
+        (up to ``roster_s + max_skew_s`` into the epoch): a peer whose cause came a moment after the
+        others' joins their epoch instead of going on alone."""
+        assert self.committed is not None
+        epoch = self.config.replan_epoch(now, self.committed.epoch)
+        t = self.config.timing
+        joined = {m.epoch for m in self._ahead if isinstance(m, RosterEntry)}
+        late = epoch - 1
+        if (
+            late > self.committed.epoch
+            and late in joined
+            and now - self.config.start(late) <= t.roster_s + t.max_skew_s
+        ):
+            return late
+        return epoch
 
     def start(self, now: float) -> list[Action]:
         """Join the epoch running at ``now`` (as an observer if its roster has closed)."""

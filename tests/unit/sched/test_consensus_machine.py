@@ -723,3 +723,25 @@ def test_a_newcomer_that_re_plans_into_the_epoch_it_started_in_publishes_one_ent
     assert m.committed is not None and m.committed.epoch == 0
     again = m.replan(END + 3)
     assert m.epoch == 1 and not [a for a in again if isinstance(a, Publish) and a.kind == "roster"]
+
+
+def test_a_late_re_planner_joins_the_epoch_the_others_re_plan_in_while_its_entry_still_counts() -> None:
+    net = four()
+    net.start()
+    run_epoch(net, 0)
+    start1 = net.config.start(1)
+    early = net.m["p0"].replan(start1 + 1)  # p0's cause came first: it re-plans in epoch 1
+    entry = next(a.payload for a in early if isinstance(a, Publish))
+    assert entry.epoch == 1
+    late = start1 + TIMING.roster_s + TIMING.max_skew_s / 2  # p1's roster window of epoch 1 passed
+    assert net.m["p1"].on_message(entry, late) == []  # held: p0 re-plans already
+    net.m["p1"].replan(late)
+    assert net.m["p1"].epoch == 1 and "p0" in net.m["p1"]._epochs[1].entries
+    # alone (no entry of the others waiting), the same moment goes on to epoch 2
+    net.m["p2"].replan(late)
+    assert net.m["p2"].epoch == 2
+    # and past the skew margin an entry would no longer count: epoch 2 even with the others waiting
+    too_late = start1 + TIMING.roster_s + TIMING.max_skew_s + 0.1
+    assert net.m["p3"].on_message(entry, too_late) == []
+    net.m["p3"].replan(too_late)
+    assert net.m["p3"].epoch == 2

@@ -218,9 +218,10 @@ def test_a_partition_over_a_replan_roster_never_commits_twice_per_epoch() -> Non
     long before, so each half freezes epoch 2 as itself plus the other half's early
     re-planners: 9 or 10 of the 11 live peers, min_peers met, and its view quorum is exactly
     that half. Nothing is lost (the DHT model: delayed until the heal). Without the anchor
-    rule both halves committed epoch 2 (seeds 39, 47, 51); with it a commit of a re-plan
-    epoch also needs a majority of the running commit's roster, which two disjoint sets of
-    voters cannot both hold.
+    rule both halves committed epoch 2; with it a commit of a re-plan epoch also needs a
+    majority of the running commit's roster, which two disjoint sets of voters cannot both hold.
+    (Seeds whose partition splits epoch 2's roster: since a late re-planner joins the epoch the
+    others re-plan in while its entry still counts, fewer go on to epoch 2 alone.)
     """
     cfg = sim.SimConfig(
         peers=12,
@@ -232,7 +233,7 @@ def test_a_partition_over_a_replan_roster_never_commits_twice_per_epoch() -> Non
         partition_at=(44.0, 52.0),  # around epoch 2's start
         partition_drop=False,
     )
-    for seed in (39, 47, 51):
+    for seed in (1, 7, 51):
         result = sim.run(seed, cfg)
         peers = result.peers
         views: dict[bytes, frozenset[str]] = {}
