@@ -7,8 +7,10 @@ messages and bytes on the cores of their machine (``peerd.sched.cost_peerd``), a
 module measures once per machine (cached with the device profile, ``peerd.swarm.profiling``).
 
 Measurement: two bare p2pd daemons on loopback, a ``StreamSender`` on one and a ``StreamReceiver``
-on the other (what stage workers send activations and gradients through), and rounds of
-activation messages of two sizes. The CPU time of the thread that runs both ends' event loop and
+on the other (what stage workers send activations and gradients through), and activation
+messages of two sizes, one at a time, each accepted before the next goes: a stage sends one
+micro-batch's activation between two computes, not a burst (bursts of 8 cost ~0.6 ms per end
+here against ~1.0 ms one at a time: writes, wake-ups and acknowledgements are not shared). The CPU time of the thread that runs both ends' event loop and
 of the two p2pd processes, divided by the messages, gives one message's cost at both ends for each
 size; the line through the two sizes splits it into a per-message and a per-byte part, each halved
 for one end. Where the p2pd processes' CPU cannot be read (no ``/proc``), there is no answer.
@@ -36,10 +38,10 @@ logger = get_logger(__name__)
 # (B, T, C) fp32 activations: 8 KiB (a small model's micro-batch) and 1 MiB (what bytes cost)
 SMALL_SHAPE = (2, 16, 64)
 LARGE_SHAPE = (2, 256, 512)
-MESSAGES_PER_ROUND = 8
-# ~0.4 s of CPU at ~0.5 ms per message (both ends): the p2pd processes' CPU is read in 10 ms ticks
-SMALL_ROUNDS = 100
-LARGE_ROUNDS = 6  # 48 MiB: ~0.1 s of CPU per byte cost
+MESSAGES_PER_ROUND = 1
+# ~0.8 s of CPU at ~1 ms per message (both ends): the p2pd processes' CPU is read in 10 ms ticks
+SMALL_ROUNDS = 400
+LARGE_ROUNDS = 48  # 48 MiB: ~0.1 s of CPU per byte cost
 
 
 class StreamPair:

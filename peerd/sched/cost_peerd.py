@@ -62,7 +62,8 @@ s = seq, h = hidden, p_l = parameters of layer l (mean p̄ used for the split).
   p2pd's copies and encryption; ``Device.message_us`` per message end and ``wire_byte_ns`` per
   payload byte end, measured per machine) and their upkeep (``Device.idle_cores``, measured live).
   A member of stage k sends or receives ``2 M`` messages of ``a (r_f + r_b) / 2`` bytes per
-  neighbour boundary and ``4 (D - 1)`` shares of ``c_k / D`` per iteration; with its compute (on
+  neighbour boundary (2 more with the norm's trip) and ``4 (D - 1)`` shares of ``c_k / D`` per
+  iteration; with its compute (on
   its threads), its update and its averaging arithmetic, the CPU seconds of the layout's members
   on a machine over the cores its daemons leave idle-free are a floor:
   ``HOST = max_machines sum CPU / (cores - sum idle_cores)``.
@@ -351,9 +352,11 @@ class PeerdObjective(Objective):
         layers = (self.micro_batches * n)[..., None]  # (P, G, 1) layer passes per member
         compute = layers * self.layer_flops / (self.speed[members] * 1e12) * self.threads[members]
         # per micro-batch, each neighbour boundary: an activation and a gradient, each sent or received;
-        # per iteration, 2 (D - 1) shares out (parts, then averages) and as many in
+        # per iteration, 2 (D - 1) shares out (parts, then averages) and as many in, and with the
+        # norm's trip a partial sum up and the total down each boundary
         d = self.shape.d_dp
-        ends = self.micro_batches * 2.0 * self.boundaries[:g] + 4.0 * (d - 1)
+        trips = self.micro_batches + (1.0 if self.norm_exchange else 0.0)
+        ends = trips * 2.0 * self.boundaries[:g] + 4.0 * (d - 1)
         payload = (
             self.micro_batches * self.boundaries[:g] * self.c_act * sum(self.ratios) + 4.0 * (d - 1) / d * c
         )

@@ -42,6 +42,7 @@ from peerd.wire.types import ElementCosts
 logger = get_logger(__name__)
 
 CACHE_FORMAT = 1
+MEASUREMENT_METHOD = 2  # bumped when a measurement changes how it is taken: cached figures are retaken
 LEFTOVER_AGE_S = 60.0  # a cache temporary this old belongs to no live write (they take ms)
 # Matrix side per device kind: big enough to reach steady-state throughput, small enough
 # that one matmul takes milliseconds (CPU 512: ~3 ms at 100 GFLOPS; H100-class 8192: ~2 ms in bf16).
@@ -266,6 +267,7 @@ def hardware_fingerprint(dev: torch.device) -> dict[str, Any]:
         "cuda": torch.version.cuda or "",
         "peerd": __version__,
         "machine": platform.machine(),
+        "method": MEASUREMENT_METHOD,
     }
 
 

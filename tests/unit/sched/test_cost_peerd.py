@@ -521,6 +521,11 @@ def test_a_machines_cores_bound_the_iteration_by_its_daemons_work_and_messages()
     apart = PeerdObjective(Problem(_busy_box(0.25, ["x", "y", "x", "y"])), Shape(2, 2))
     split = apart.grid_cost(np.arange(4).reshape(2, 2), NONE)
     assert split.parts["host_cpu"] == pytest.approx(cpu / 2 / (2 - 2 * 0.25))
+    # clipping's norm trip: a partial sum up and the total down each boundary, two more ends a member
+    sc = _busy_box(0.25, ["box"] * 4)
+    clipped = dataclasses.replace(sc, training=dataclasses.replace(sc.training, norm_exchange=True))
+    trip = PeerdObjective(Problem(clipped), Shape(2, 2)).grid_cost(np.arange(4).reshape(2, 2), NONE)
+    assert trip.parts["host_cpu"] == pytest.approx((cpu + 4 * 2 * 500e-6) / (2 - 4 * 0.25))
 
 
 def test_no_declared_machine_means_no_floor() -> None:
