@@ -794,6 +794,9 @@ def wan(
             # what a message costs this machine's CPU at each end, as every daemon declares it
             "message_us": measured.message_s * 1e6 if measured.message_s else None,
             "wire_byte_ns": measured.wire_byte_s * 1e9 if measured.wire_byte_s else None,
+            # and what a compressing codec call costs it (AC-SGD, 8-bit)
+            "codec_us": measured.codec_s * 1e6 if measured.codec_s else None,
+            "codec_value_ns": measured.codec_value_s * 1e9 if measured.codec_value_s else None,
         },
         "scenario": {"file": path.name, "mapped": shaped["description"], "regions": shaped["devices"]},
         "regime": reg,

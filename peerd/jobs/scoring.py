@@ -172,6 +172,8 @@ def messaging(device: RosterDevice) -> dict[str, float]:
     out = {"idle_cores": device.idle_cores} if device.idle_cores is not None else {}
     if device.message_s is not None and device.wire_byte_s is not None:
         out |= {"message_us": device.message_s * 1e6, "wire_byte_ns": device.wire_byte_s * 1e9}
+    if device.codec_s is not None and device.codec_value_s is not None:
+        out |= {"codec_us": device.codec_s * 1e6, "codec_value_ns": device.codec_value_s * 1e9}
     return out
 
 

@@ -79,6 +79,8 @@ def roster_profile(profile: DeviceProfile | None, region: str) -> RosterDevice:
         scaled(profile.message_us, 1e-6) if shared else None,
         scaled(profile.wire_byte_ns, 1e-9) if shared else None,
         profile.idle_cores if shared else None,
+        scaled(profile.codec_us, 1e-6) if shared else None,
+        scaled(profile.codec_value_ns, 1e-9) if shared else None,
     )
 
 

@@ -14,6 +14,10 @@ here against ~1.0 ms one at a time: writes, wake-ups and acknowledgements are no
 of the two p2pd processes, divided by the messages, gives one message's cost at both ends for each
 size; the line through the two sizes splits it into a per-message and a per-byte part, each halved
 for one end. Where the p2pd processes' CPU cannot be read (no ``/proc``), there is no answer.
+
+Compressing codecs cost their machine too, mostly in Python around a few ops per call (about 1 ms
+an encode or a decode of a micro-batch here, more than its values): ``measure_codecs`` times rounds
+of the 8-bit and AC-SGD codecs' calls on two micro-batch sizes and splits them the same way.
 """
 
 from __future__ import annotations
@@ -23,6 +27,9 @@ import time
 
 import torch
 
+from peerd.compress.codecs import make_codec
+from peerd.compress.delta import DeltaConfig, DeltaDecoder, DeltaEncoder
+from peerd.compress.quant import QuantConfig
 from peerd.errors import PeerdError
 from peerd.log import get_logger
 from peerd.pipeline.codec import RawDecoder
@@ -131,10 +138,44 @@ async def _seconds_per_message(
     return (after - before) / (rounds * MESSAGES_PER_ROUND)
 
 
+def _codec_seconds(shape: tuple[int, ...], rounds: int) -> float:
+    """CPU seconds per compressing codec call on activations of ``shape``: rounds of an 8-bit
+    encode and decode and an AC-SGD 4-bit delta encode and decode of the same examples (the calls a
+    boundary's two ends make per micro-batch, each direction)."""
+    x = torch.randn(*shape, generator=torch.Generator().manual_seed(0))
+    ids = list(range(shape[0]))
+    direct = make_codec("q8")
+    cfg = DeltaConfig(quant=QuantConfig(bits=4), seed_codec="q8")
+    sender, receiver = DeltaEncoder(cfg), DeltaDecoder(cfg)
+
+    def one_round() -> None:
+        data, _ = direct.encode(x)
+        direct.decode(data)
+        receiver.decode(sender.encode(x, ids))
+
+    one_round()  # first visits and scratch buffers are not a call's cost
+    started = time.process_time()
+    for _ in range(rounds):
+        one_round()
+    return (time.process_time() - started) / (4 * rounds)
+
+
+def measure_codecs(small_rounds: int = 200, large_rounds: int = 10) -> tuple[float, float]:
+    """(seconds per call, seconds per value) of the compressing boundary codecs on this machine,
+    from the line through a small and a large micro-batch's calls (``_codec_seconds``)."""
+    small = _codec_seconds(SMALL_SHAPE, small_rounds)
+    large = _codec_seconds(LARGE_SHAPE, large_rounds)
+    values = torch.Size(LARGE_SHAPE).numel() - torch.Size(SMALL_SHAPE).numel()
+    per_value = max(large - small, 0.0) / values
+    per_call = max(small - torch.Size(SMALL_SHAPE).numel() * per_value, 0.0)
+    return max(per_call, 1e-7), max(per_value, 1e-12)
+
+
 async def measure_messaging_async(
     small_rounds: int = SMALL_ROUNDS, large_rounds: int = LARGE_ROUNDS
 ) -> MessagingCost | None:
-    """Per-message and per-byte CPU seconds at one end, measured as the module docstring says."""
+    """Per-message and per-byte CPU seconds at one end, measured as the module docstring says, and
+    what a compressing codec call costs (``measure_codecs``)."""
     before = children()
     async with loopback_pair() as (_a, _b, client, server):
         p2pds = children() - before
@@ -150,7 +191,7 @@ async def measure_messaging_async(
     per_byte = max(large - small, 0.0) / (large_bytes - small_bytes)
     per_message = max(small - small_bytes * per_byte, 0.0)
     # halved: each end (and its p2pd) does about half; floors keep both positive on a noisy reading
-    return MessagingCost(max(per_message / 2, 1e-7), max(per_byte / 2, 1e-12))
+    return MessagingCost(max(per_message / 2, 1e-7), max(per_byte / 2, 1e-12), *measure_codecs())
 
 
 def measure_messaging() -> MessagingCost | None:
@@ -163,8 +204,11 @@ def measure_messaging() -> MessagingCost | None:
         return None
     if cost is not None:
         logger.info(
-            "a message costs this machine %.0f µs of CPU at each end, and %.2f ns per byte",
+            "a message costs this machine %.0f µs of CPU at each end, and %.2f ns per byte; a codec call"
+            " %.0f µs and %.2f ns per value",
             cost.message_s * 1e6,
             cost.byte_s * 1e9,
+            (cost.codec_s or 0.0) * 1e6,
+            (cost.codec_value_s or 0.0) * 1e9,
         )
     return cost

@@ -63,7 +63,9 @@ s = seq, h = hidden, p_l = parameters of layer l (mean p̄ used for the split).
   payload byte end, measured per machine) and their upkeep (``Device.idle_cores``, measured live).
   A member of stage k sends or receives ``2 M`` messages of ``a (r_f + r_b) / 2`` bytes per
   neighbour boundary (2 more with the norm's trip) and ``4 (D - 1)`` shares of ``c_k / D`` per
-  iteration; with its compute (on
+  iteration, and per micro-batch and boundary one codec call (an encode or a decode of the
+  micro-batch's ``b s h`` values; ``Device.codec_us`` + values x ``codec_value_ns``) per direction
+  that compresses; with its compute (on
   its threads), its update and its averaging arithmetic, the CPU seconds of the layout's members
   on a machine over the cores its daemons leave idle-free are a floor:
   ``HOST = max_machines sum CPU / (cores - sum idle_cores)``.
@@ -216,6 +218,12 @@ class PeerdObjective(Objective):
         # its machine's CPU per message end and payload byte end: 0 where not measured (or no host)
         self.message_s = np.array([(d.message_us or 0.0) * 1e-6 for d in problem.devices])
         self.wire_byte_s = np.array([(d.wire_byte_ns or 0.0) * 1e-9 for d in problem.devices])
+        # and per compressing codec call: per micro-batch, each boundary direction that compresses
+        # is one encode and one decode (one call each end) of the micro-batch's activation values
+        self.codec_s = np.array([(d.codec_us or 0.0) * 1e-6 for d in problem.devices])
+        self.codec_value_s = np.array([(d.codec_value_ns or 0.0) * 1e-9 for d in problem.devices])
+        self.codec_calls = float(sum(r < 1.0 for r in self.ratios))  # per member, boundary, micro-batch
+        self.codec_values = tokens * model.hidden
         self.boundaries = (g > 0).astype(float) + (g < shape.d_pp - 1)  # neighbours per stage position
         self.threads = np.array([d.host.threads if d.host is not None else 1 for d in problem.devices])
         work = model.layer_work or [LayerWork()] * model.layers
@@ -360,12 +368,14 @@ class PeerdObjective(Objective):
         payload = (
             self.micro_batches * self.boundaries[:g] * self.c_act * sum(self.ratios) + 4.0 * (d - 1) / d * c
         )
+        calls = self.micro_batches * self.boundaries[:g] * self.codec_calls  # (G,) per member
         cpu = (
             compute
             + ops[..., None] * self.op_s[members]
             + traffic[..., None] * self.byte_s[members]
             + ends[None, :, None] * self.message_s[members]
             + payload[..., None] * self.wire_byte_s[members]
+            + calls[None, :, None] * (self.codec_s[members] + self.codec_values * self.codec_value_s[members])
         )
         flat = members.reshape(len(members), -1)
         return self.host_load.busiest(flat, cpu.reshape(flat.shape))

@@ -85,12 +85,19 @@ class Device:
     modelled (see ``message_us``)."""
     idle_cores: Annotated[float | None, Range(gt=0)] = None
     """Cores of ``host`` the device's daemon keeps busy while it works for no job (its DHT's upkeep,
-    heartbeats, probes; measured live); None = none. The ``peerd`` objective leaves them out of the
+    heartbeats; measured live); None = none. The ``peerd`` objective leaves them out of the
     cores the machine has for the layout's work."""
+    codec_us: Annotated[float | None, Range(gt=0)] = None
+    """Microseconds of its machine's CPU per call of a compressing boundary codec (an encode or a
+    decode: its Python and dispatch, whatever the size; measured, ``peerd.pipeline.messaging``);
+    None = not modelled. With ``codec_value_ns``, the ``peerd`` objective counts a layout's codec
+    calls on the cores of ``host``."""
+    codec_value_ns: Annotated[float | None, Range(gt=0)] = None
+    """Nanoseconds of its machine's CPU per value a compressing codec call encodes or decodes."""
 
     def problems(self) -> list[ConfigError]:
         out = [] if self.id else [ConfigError("id", "must be a non-empty string")]
-        for key in ("message_us", "wire_byte_ns", "idle_cores"):
+        for key in ("message_us", "wire_byte_ns", "idle_cores", "codec_us", "codec_value_ns"):
             if getattr(self, key) is not None and self.host is None:
                 out.append(ConfigError(key, "is priced on a machine's cores: it needs host"))
         return out

@@ -63,6 +63,11 @@ class MessagingCost:
     """Seconds per message, whatever its size (framing, the event loop, p2pd's stream work)."""
     byte_s: float
     """Seconds per payload byte (copies, p2pd's encryption)."""
+    codec_s: float | None = None
+    """Seconds per call of a compressing boundary codec (an encode or a decode: its Python and its
+    ops' dispatch around the values), whatever the size; None where not measured."""
+    codec_value_s: float | None = None
+    """Seconds per value a compressing codec call encodes or decodes."""
 
 
 def resolve_device(device: str = "auto") -> torch.device:
@@ -344,7 +349,21 @@ def _cached_messaging(entry: Any, fingerprint: dict[str, Any]) -> tuple[bool, Me
         _positive(found.get("message_us")) and _positive(found.get("byte_ns"))
     ):
         return False, None
-    return True, MessagingCost(found["message_us"] * 1e-6, found["byte_ns"] * 1e-9)
+    codec = (
+        (found["codec_us"] * 1e-6, found["codec_value_ns"] * 1e-9)
+        if _positive(found.get("codec_us")) and _positive(found.get("codec_value_ns"))
+        else (None, None)
+    )
+    return True, MessagingCost(found["message_us"] * 1e-6, found["byte_ns"] * 1e-9, *codec)
+
+
+def _cache_messaging(costs: MessagingCost | None) -> dict[str, float] | None:
+    if costs is None:
+        return None
+    out = {"message_us": costs.message_s * 1e6, "byte_ns": costs.byte_s * 1e9}
+    if costs.codec_s is not None and costs.codec_value_s is not None:
+        out |= {"codec_us": costs.codec_s * 1e6, "codec_value_ns": costs.codec_value_s * 1e9}
+    return out
 
 
 def _store_cache(path: Path, entries: dict[str, Any]) -> None:
@@ -418,9 +437,7 @@ def profile_device(
         costs = messaging()
         entry = entries.get(key)
         if path is not None and isinstance(entry, dict):
-            entry["messaging"] = (
-                {"message_us": costs.message_s * 1e6, "byte_ns": costs.byte_s * 1e9} if costs else None
-            )
+            entry["messaging"] = _cache_messaging(costs)
             _store_cache(path, entries)
     total, free = memory_info(dev)
     kind = device_kind(dev)
@@ -442,4 +459,8 @@ def profile_device(
         threads=torch.get_num_threads() if shared else None,
         message_us=round(costs.message_s * 1e6, 3) if costs is not None else None,
         wire_byte_ns=round(costs.byte_s * 1e9, 4) if costs is not None else None,
+        codec_us=round(costs.codec_s * 1e6, 3) if costs is not None and costs.codec_s else None,
+        codec_value_ns=round(costs.codec_value_s * 1e9, 4)
+        if costs is not None and costs.codec_value_s
+        else None,
     )

@@ -92,6 +92,10 @@ class DeviceProfile(WireStruct, kw_only=True):
     # ns: what messaging costs a machine's cores (peerd.pipeline.messaging); absent from older peers
     message_us: PositiveReal | None = None
     wire_byte_ns: PositiveReal | None = None
+    # measured host CPU per call of a compressing boundary codec, µs, and per value it encodes or
+    # decodes, ns (peerd.pipeline.messaging); absent from older peers
+    codec_us: PositiveReal | None = None
+    codec_value_ns: PositiveReal | None = None
     # cores its daemon, DHT and p2pd keep busy while working for no job, measured live; absent
     # until measured and from older peers
     idle_cores: PositiveReal | None = None

@@ -54,6 +54,9 @@ class RosterDevice(FrozenWireStruct, frozen=True):
     message_s: PositiveReal | None = None
     wire_byte_s: PositiveReal | None = None
     idle_cores: PositiveReal | None = None  # cores its daemon keeps busy while working for no job
+    # host CPU seconds per call of a compressing boundary codec and per value it codes
+    codec_s: PositiveReal | None = None
+    codec_value_s: PositiveReal | None = None
 
 
 class RosterLink(FrozenWireStruct, frozen=True):

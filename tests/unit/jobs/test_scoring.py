@@ -198,12 +198,16 @@ def test_a_roster_entry_carries_the_free_memory_the_peer_measured() -> None:
     device = roster_profile(on_box, "eu")
     assert (device.host, device.host_cores, device.threads) == ("0123456789abcdef", 2, 1)
     assert device.message_s is None and device.idle_cores is None  # not measured
-    busy = msgspec.structs.replace(on_box, message_us=250.0, wire_byte_ns=1.5, idle_cores=0.04)
+    busy = msgspec.structs.replace(
+        on_box, message_us=250.0, wire_byte_ns=1.5, idle_cores=0.04, codec_us=900.0, codec_value_ns=4.0
+    )
     device = roster_profile(busy, "eu")
     assert (device.message_s, device.wire_byte_s, device.idle_cores) == pytest.approx((250e-6, 1.5e-9, 0.04))
+    assert (device.codec_s, device.codec_value_s) == pytest.approx((900e-6, 4e-9))
     # the machine they are spent on is what makes them priceable: without it they stay home
     homeless = roster_profile(msgspec.structs.replace(busy, host_id=None), "eu")
     assert (homeless.message_s, homeless.wire_byte_s, homeless.idle_cores) == (None, None, None)
+    assert (homeless.codec_s, homeless.codec_value_s) == (None, None)
 
 
 def test_a_peer_whose_free_memory_cannot_hold_a_stage_is_never_allocated_one() -> None:
@@ -286,6 +290,7 @@ def test_peers_sharing_a_machine_are_priced_its_cores_for_their_compute_and_mess
         profile = {"host": "0123456789abcdef", "host_cores": 2, "threads": 1}
         if message_s is not None:
             profile |= {"message_s": message_s, "wire_byte_s": 2e-9, "idle_cores": idle}
+            profile |= {"codec_s": 1e-3, "codec_value_s": 3e-9}
         return Roster.of(
             0,
             [
@@ -299,6 +304,7 @@ def test_peers_sharing_a_machine_are_priced_its_cores_for_their_compute_and_mess
     devices = scorer.scenario(busy).devices
     for d in devices:
         assert (d.message_us, d.wire_byte_ns, d.idle_cores) == pytest.approx((5e3, 2.0, 0.3))
+        assert (d.codec_us, d.codec_value_ns) == pytest.approx((1e3, 3.0))
     alloc = Allocation(((PEERS[1], PEERS[2]), (PEERS[3], PEERS[0])))
     shared, priced = scorer.cost(on_box(None, None), alloc), scorer.cost(busy, alloc)
     assert priced.parts["host_cpu"] > shared.parts["host_cpu"] > 0

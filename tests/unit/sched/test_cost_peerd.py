@@ -528,6 +528,31 @@ def test_a_machines_cores_bound_the_iteration_by_its_daemons_work_and_messages()
     assert trip.parts["host_cpu"] == pytest.approx((cpu + 4 * 2 * 500e-6) / (2 - 4 * 0.25))
 
 
+def test_compressing_codec_calls_count_on_the_machines_cores() -> None:
+    """Per micro-batch and boundary a member makes one codec call per direction that compresses (it
+    encodes what it sends, decodes what it gets); uncompressed directions call none."""
+    grid = np.arange(4).reshape(2, 2)
+
+    def host(forward: float, backward: float, priced: bool) -> float:
+        sc = _busy_box(0.25, ["box"] * 4)
+        sc = dataclasses.replace(
+            sc, training=dataclasses.replace(sc.training, forward_ratio=forward, backward_ratio=backward)
+        )
+        if priced:
+            sc = dataclasses.replace(
+                sc, devices=[dataclasses.replace(d, codec_us=800.0, codec_value_ns=3.0) for d in sc.devices]
+            )
+        return PeerdObjective(Problem(sc), Shape(2, 2)).grid_cost(grid, NONE).parts["host_cpu"]
+
+    call = 800e-6 + 1 * 32 * 64 * 3e-9  # one micro-batch: 1 sequence x 32 tokens x 64 wide
+    spare = 2 - 4 * 0.25
+    assert host(1.0, 1.0, priced=True) == pytest.approx(host(1.0, 1.0, priced=False))  # nothing compresses
+    for forward, backward, directions in ((0.125, 1.0, 1), (0.125, 0.25, 2)):
+        extra = host(forward, backward, priced=True) - host(forward, backward, priced=False)
+        # four members x 4 micro-batches x their one boundary x the compressing directions
+        assert extra == pytest.approx(4 * 4 * directions * call / spare)
+
+
 def test_no_declared_machine_means_no_floor() -> None:
     sc = _busy_box(None, ["box"] * 4)
     sc = dataclasses.replace(

@@ -238,11 +238,12 @@ class CountingMeasurer:
 
 def test_the_messaging_cost_is_measured_once_cached_and_carried(measured):
     cache, _ = measured
-    measurer = CountingMeasurer(MessagingCost(2.5e-4, 1.25e-9))
+    measurer = CountingMeasurer(MessagingCost(2.5e-4, 1.25e-9, 9e-4, 4e-9))
     first = profile_device("cpu", cache_path=cache, messaging=measurer)
     again = profile_device("cpu", cache_path=cache, messaging=measurer)
     assert measurer.calls == 1
     assert first.message_us == again.message_us == 250.0 and first.wire_byte_ns == again.wire_byte_ns == 1.25
+    assert first.codec_us == again.codec_us == 900.0 and first.codec_value_ns == again.codec_value_ns == 4.0
     # a daemon that passes no measurer still declares what the cache knows
     assert profile_device("cpu", cache_path=cache).message_us == 250.0
 
