@@ -345,16 +345,17 @@ def _cached_messaging(entry: Any, fingerprint: dict[str, Any]) -> tuple[bool, Me
     found = entry["messaging"]
     if found is None:
         return True, None
-    if not isinstance(found, dict) or not (
-        _positive(found.get("message_us")) and _positive(found.get("byte_ns"))
+    # an entry from before codec calls were measured is no answer: the messaging is measured again
+    if not isinstance(found, dict) or not all(
+        _positive(found.get(k)) for k in ("message_us", "byte_ns", "codec_us", "codec_value_ns")
     ):
         return False, None
-    codec = (
-        (found["codec_us"] * 1e-6, found["codec_value_ns"] * 1e-9)
-        if _positive(found.get("codec_us")) and _positive(found.get("codec_value_ns"))
-        else (None, None)
+    return True, MessagingCost(
+        found["message_us"] * 1e-6,
+        found["byte_ns"] * 1e-9,
+        found["codec_us"] * 1e-6,
+        found["codec_value_ns"] * 1e-9,
     )
-    return True, MessagingCost(found["message_us"] * 1e-6, found["byte_ns"] * 1e-9, *codec)
 
 
 def _cache_messaging(costs: MessagingCost | None) -> dict[str, float] | None:

@@ -259,7 +259,15 @@ def test_a_machine_that_cannot_measure_it_says_so_once(tmp_path):
     assert measurer.calls == 2
 
 
-@pytest.mark.parametrize("bad", [{"message_us": -1.0, "byte_ns": 1.0}, {"message_us": 5.0}, "fast"])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"message_us": -1.0, "byte_ns": 1.0, "codec_us": 1.0, "codec_value_ns": 1.0},
+        {"message_us": 5.0},
+        {"message_us": 5.0, "byte_ns": 1.0},  # cached before codec calls were measured
+        "fast",
+    ],
+)
 def test_a_tampered_messaging_entry_is_remeasured(tmp_path, bad):
     cache = tmp_path / "profiles.json"
     profile_device(
