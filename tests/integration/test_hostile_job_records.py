@@ -81,7 +81,12 @@ def _honest_spec(checkpoint_interval: int = 100_000) -> dict[str, Any]:
         checkpoint_interval=checkpoint_interval,
         parallel=dataclasses.replace(spec.parallel, d_pp=2, d_dp=1),
         compression=dataclasses.replace(
-            spec.compression, forward="none", forward_bits=None, backward_bits=None, gradient_bits=None
+            spec.compression,
+            forward="none",
+            forward_bits=None,
+            first_visit=None,
+            backward_bits=None,
+            gradient_bits=None,
         ),
         planning=dataclasses.replace(spec.planning, time_budget_s=2.0, max_skew_s=1.0),
     )
