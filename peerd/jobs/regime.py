@@ -23,11 +23,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from peerd.jobs.spec import JobSpec
+from peerd.jobs.spec import FIRST_VISIT_BITS, JobSpec
 from peerd.pipeline.codec import CompressionConfig
 
 BYTES_PER_BUFFERED_VALUE = 4  # the buffers' storage (float32)
-CODEC_BITS = {"fp32": 32, "fp16": 16, "bf16": 16, "q8": 8, "q4": 4, "q3": 3, "q2": 2}
 
 
 @dataclass(frozen=True)
@@ -84,13 +83,12 @@ def activation_regime(spec: JobSpec, hidden: int | None = None) -> ActivationReg
     buffered = int(runtime.buffer_total_mb * (1 << 20)) // (
         spec.data.seq_len * width * BYTES_PER_BUFFERED_VALUE
     )
-    visits = visits_per_example(spec)
-    if visits is None or spec.planning.examples is None:
-        share = 1.0
-    else:
-        held = min(1.0, buffered / spec.planning.examples)  # share of examples with a buffer
+    examples, visits = spec.planning.examples, visits_per_example(spec)
+    share = 1.0  # unknown examples: a single pass
+    if examples is not None and visits is not None:
+        held = min(1.0, buffered / examples)  # share of examples with a buffer
         share = 1.0 - held * max(0.0, 1.0 - min(1.0, runtime.warmup_visits / visits))
-    r_first, r_delta = CODEC_BITS[first] / 32, comp.forward_bits / 32
+    r_first, r_delta = FIRST_VISIT_BITS[first] / 32, comp.forward_bits / 32
     return ActivationRegime(
         first_visit=first,
         delta_bits=comp.forward_bits,

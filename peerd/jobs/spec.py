@@ -30,15 +30,8 @@ from peerd.rl.tasks import VOCAB_SIZE, make_task
 from peerd.sched.consensus.config import ConsensusTiming
 
 Auto = Literal["auto"]
-FIRST_VISIT_CODECS = (
-    "q8",
-    "q4",
-    "q3",
-    "q2",
-    "fp16",
-    "bf16",
-    "fp32",
-)  # registry names (peerd.compress.codecs)
+# first-visit codecs (peerd.compress.codecs registry names) and the bits a value costs on the wire
+FIRST_VISIT_BITS = {"q8": 8, "q4": 4, "q3": 3, "q2": 2, "fp16": 16, "bf16": 16, "fp32": 32}
 DEFAULT_FIRST_VISIT = "q8"
 Count = Annotated[int, Range(ge=1)]
 INT32_MAX = 2**31 - 1  # counts must fit the int32 indices and schedules that hold them
@@ -180,8 +173,8 @@ class CompressionSpec:
             out.append(ConfigError("forward_bits", f"forward '{self.forward}' needs a bit width"))
         if self.first_visit is not None and self.forward != "acsgd":
             out.append(ConfigError("first_visit", f"applies to forward: acsgd only, not {self.forward!r}"))
-        elif self.first_visit is not None and self.first_visit not in FIRST_VISIT_CODECS:
-            known = ", ".join(FIRST_VISIT_CODECS)
+        elif self.first_visit is not None and self.first_visit not in FIRST_VISIT_BITS:
+            known = ", ".join(FIRST_VISIT_BITS)
             out.append(ConfigError("first_visit", f"must be one of {known}, got {self.first_visit!r}"))
         return out
 

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 
 import pytest
 
@@ -26,6 +28,17 @@ def _read_until(read, done, seconds: float = 20.0):
     return value
 
 
+@contextlib.contextmanager
+def _session(script: str) -> Iterator[subprocess.Popen]:
+    """A session leader running ``script``; the whole session is killed on exit."""
+    leader = subprocess.Popen([sys.executable, "-c", script], start_new_session=True)
+    try:
+        yield leader
+    finally:
+        subprocess.run(["pkill", "-9", "-s", str(leader.pid)], check=False)
+        leader.wait()
+
+
 def test_a_session_counts_its_live_processes_and_the_children_they_reaped() -> None:
     # a session leader that runs a CPU-bound child to the end (reaped: in the leader's cutime), then burns itself
     script = (
@@ -34,15 +47,11 @@ def test_a_session_counts_its_live_processes_and_the_children_they_reaped() -> N
         + BURN.format(s=0.3)
         + "time.sleep(30)\n"
     )
-    leader = subprocess.Popen([sys.executable, "-c", script], start_new_session=True)
-    try:
+    with _session(script) as leader:
         used = _read_until(lambda: sessions_cpu_seconds([leader.pid]) or 0.0, lambda u: u >= 0.7)
         assert 0.7 <= used < 3.0  # the child's 0.4 s, the leader's 0.3 s, and the interpreters' start-up
         assert sessions_cpu_seconds([]) == 0.0
         assert sessions_cpu_seconds([leader.pid + 10_000_000]) == 0.0  # no such session
-    finally:
-        leader.kill()
-        leader.wait()
 
 
 def test_a_sessions_cpu_splits_into_the_daemon_its_dht_process_and_the_rest() -> None:
@@ -56,8 +65,7 @@ def test_a_sessions_cpu_splits_into_the_daemon_its_dht_process_and_the_rest() ->
         + BURN.format(s=0.1)
         + "time.sleep(30)\n"
     )
-    leader = subprocess.Popen([sys.executable, "-c", script], start_new_session=True)
-    try:
+    with _session(script) as leader:
         roles = _read_until(
             lambda: sessions_cpu_by_role([leader.pid]) or {},
             lambda r: r.get("dht", 0) >= 0.5 and r.get("other", 0) >= 0.25 and r.get("daemon", 0) >= 0.1,
@@ -66,9 +74,6 @@ def test_a_sessions_cpu_splits_into_the_daemon_its_dht_process_and_the_rest() ->
         assert 0.5 <= roles["dht"] < 1.5 and 0.25 <= roles["other"] < 1.25 and 0.1 <= roles["daemon"] < 1.1
         assert roles["p2pd"] == 0.0
         assert sum(roles.values()) == pytest.approx(sessions_cpu_seconds([leader.pid]), abs=0.05)
-    finally:
-        subprocess.run(["pkill", "-9", "-s", str(leader.pid)], check=False)
-        leader.wait()
 
 
 def test_the_machine_busy_counter_grows_with_work() -> None:
