@@ -158,7 +158,7 @@ class JobManager:
         if errors:
             raise errors[0]
         warnings = [*warnings, *start_warnings(spec, self._online_with_me())]
-        if spec.planning.examples is None:  # ``peerd submit`` counted them; control callers may not
+        if spec.prices_visits and spec.planning.examples is None:  # ``peerd submit`` counted them
             try:
                 spec = await asyncio.get_running_loop().run_in_executor(None, pin_examples, spec)
             except ConfigError as exc:  # the tasklets read the corpus again, and say what is wrong

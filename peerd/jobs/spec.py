@@ -217,9 +217,10 @@ class PlanningSpec:
     """Seconds each peer's search island runs per planning epoch."""
     examples: Annotated[int | None, Range(ge=1, le=2**62)] = None
     """Training examples (windows) the data holds: with ``steps x global_batch`` it gives the visits
-    per example, which decide how much AC-SGD compresses (``peerd.jobs.regime``). ``peerd submit``
-    fills it in from the corpus as read where the job is submitted; null (an ``hf`` source): priced
-    as a single pass, every activation a first visit."""
+    per example, which decide how much AC-SGD compresses (``peerd.jobs.regime``; refused where
+    activations do not go as AC-SGD deltas). ``peerd submit`` fills it in from the corpus as read
+    where the job is submitted; null (an ``hf`` source): priced as a single pass, every activation
+    a first visit."""
     objective: Literal["peerd", "dtfm"] = "peerd"
     """Cost model every peer scores candidates with (``peerd`` includes compute and memory)."""
     max_skew_s: Annotated[float, Range(ge=0, le=60)] = 3.0
@@ -310,6 +311,13 @@ class JobSpec:
         """The checks between fields and sections (each section checked itself already)."""
         out = self._kind_problems() + self._size_problems() + self._batch_problems() + self._peer_problems()
         out += self._validation_problems() + self._averaging_problems()
+        if self.planning.examples is not None and not self.prices_visits:
+            out.append(
+                ConfigError(
+                    "planning.examples",
+                    "prices AC-SGD's regime: applies to a pipeline job with compression.forward: acsgd only",
+                )
+            )
         if self.planning.placement == "random" and len(self.parallel.known()) < 2:
             out.append(
                 ConfigError("planning.placement", "random needs fixed parallel d_pp and d_dp, not auto")
@@ -317,6 +325,11 @@ class JobSpec:
         if not self.model.problems():
             out += self._model_fit(self.model.family())
         return out
+
+    @property
+    def prices_visits(self) -> bool:
+        """Whether the visits per example decide what its activations cost (``peerd.jobs.regime``)."""
+        return self.kind != "rl" and self.compression.forward == "acsgd"
 
     def _kind_problems(self) -> list[ConfigError]:
         if self.kind not in ("pretrain", "finetune", "rl"):
@@ -557,9 +570,9 @@ def load_job_spec(path: str | Path) -> JobSpec:
 def pin_examples(spec: JobSpec) -> JobSpec:
     """``spec`` with ``planning.examples`` counted on its corpus as read here (what the planner's
     visits per example need); returned unchanged when it states them, for an ``hf`` source (not
-    read at submit) and for an rl job (no data section in use). ConfigError if the corpus cannot
+    read at submit) and where they price nothing (an rl job, activations not sent as AC-SGD deltas). ConfigError if the corpus cannot
     be read or cut into windows."""
-    if spec.kind == "rl" or spec.planning.examples is not None or spec.data.source == "hf":
+    if not spec.prices_visits or spec.planning.examples is not None or spec.data.source == "hf":
         return spec
     examples = len(build_dataset(spec.data))
     return dataclasses.replace(spec, planning=dataclasses.replace(spec.planning, examples=examples))

@@ -88,7 +88,8 @@ def _honest_spec(checkpoint_interval: int = 100_000) -> dict[str, Any]:
             backward_bits=None,
             gradient_bits=None,
         ),
-        planning=dataclasses.replace(spec.planning, time_budget_s=2.0, max_skew_s=1.0),
+        # uncompressed activations: the corpus's examples, counted at load, price nothing now
+        planning=dataclasses.replace(spec.planning, time_budget_s=2.0, max_skew_s=1.0, examples=None),
     )
     return normalized_spec(spec)
 

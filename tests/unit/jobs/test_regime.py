@@ -115,3 +115,11 @@ def test_the_first_visit_codec_errs_no_more_than_a_plain_direct_quantizer(bits: 
     mine = float((ours - x).square().mean() / x.square().mean())
     theirs = float((_reference_direct(x, bits) - x).square().mean() / x.square().mean())
     assert mine <= theirs * 1.05, (mine, theirs)
+
+
+def test_examples_are_refused_where_they_price_nothing():
+    direct = {**DEMO_SPEC, "compression": {"forward": "direct", "forward_bits": 4}}
+    with pytest.raises(JobSpecError) as refused:
+        parse_job_spec({**direct, "planning": {**DEMO_SPEC["planning"], "examples": 255}})
+    assert "planning.examples" in str(refused.value)
+    assert pin_examples(parse_job_spec(direct)).planning.examples is None  # not counted either
