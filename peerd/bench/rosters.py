@@ -75,7 +75,7 @@ def committed_roster(
     delay = RTT / 2, upload bandwidth), each peer's machine, cores and threads; the memory bandwidth,
     seconds per op and element costs of ``measured`` (the shared profile cache's, as a daemon
     declares them: ``peerd.jobs.service.roster_profile``), which price small models' compute; what a
-    message costs each peer's machine and its idle load, as its row declares them.
+    message and a codec call cost each peer's machine and its idle load, as its row declares them.
     """
     rows = {p["peer_id"]: p for p in status.get("peers", [])}
     members = list(alloc["roster"])
@@ -99,6 +99,8 @@ def committed_roster(
             scaled(row.get("message_us"), 1e-6),
             scaled(row.get("wire_byte_ns"), 1e-9),
             row.get("idle_cores"),
+            scaled(row.get("codec_us"), 1e-6),
+            scaled(row.get("codec_value_ns"), 1e-9),
         )
         links = {
             x["dst"]: RosterLink(x["dst"], x["rtt_ms"] / 2e3, x["bw_up_mbps"] * 1e6)

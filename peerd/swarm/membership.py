@@ -244,6 +244,8 @@ def peers_view(entries: Iterable[PeerEntry], *, now: float, self_id: str | None 
                 "threads": prof.threads if prof else None,
                 "message_us": prof.message_us if prof else None,
                 "wire_byte_ns": prof.wire_byte_ns if prof else None,
+                "codec_us": prof.codec_us if prof else None,
+                "codec_value_ns": prof.codec_value_ns if prof else None,
                 "idle_cores": prof.idle_cores if prof else None,
                 "maddrs": list(rec.maddrs),
                 "software_version": rec.software_version,

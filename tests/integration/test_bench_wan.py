@@ -79,6 +79,7 @@ def test_quick_wan_bench_trains_the_searched_and_the_random_arm() -> None:
             # the layout's CPU work on the cores they share
             for entry in r["prediction"]["roster"]:
                 assert entry["profile"]["host"] and entry["profile"]["message_s"] > 0, entry["profile"]
+                assert entry["profile"]["codec_s"] > 0, entry["profile"]  # the codec calls priced too
             assert parts["host_cpu"] > 0, parts
         if r["s_per_step_polls"]:
             assert host["swarm_cpu_s_per_step"] > 0 and 0 < host["swarm_share_of_cores"] <= 1.25, host

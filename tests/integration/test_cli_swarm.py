@@ -92,10 +92,11 @@ def test_one_daemon_table_watch_and_home_lock(local_swarm, peerd_cli, wait_until
     assert "peer0*" in result.stdout and "ONLINE" in result.stdout and peer.info.peer_id[-8:] in result.stdout
     # the local swarm gives each daemon one compute thread, and the daemon applied it
     assert peer.status()["self"]["threads"] == 1 and "training uses 1 compute threads" in peer.log_tail(200)
-    # its record says what a message costs this machine (the cache's measurement) and, once two
-    # refreshes apart without a job, the cores it keeps busy idle (its DHT, p2pd and itself)
+    # its record says what a message and a codec call cost this machine (the cache's measurement)
+    # and, once two refreshes apart without a job, the cores it keeps busy idle (DHT, p2pd, itself)
     row = peer.status()["peers"][0]
     assert row["message_us"] > 0 and row["wire_byte_ns"] > 0
+    assert row["codec_us"] > 0 and row["codec_value_ns"] > 0
     idle = wait_until(lambda: peer.status()["peers"][0]["idle_cores"], 20, "the idle load in the record")
     assert 0 < idle < 2
 
