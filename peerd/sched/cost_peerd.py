@@ -33,10 +33,16 @@ s = seq, h = hidden, p_l = parameters of layer l (mean p̄ used for the split).
   boundary holds up each micro-batch for its busier direction's serialisation
   ``S_e = max(8 a r_f / β, 8 a r_b / β')`` (the two directions are two links carrying
   activations and gradients at once, and a link's delay overlaps its next message).
-  ``pipe = sum_k T_k + sum_e E_e + (M - 1) max(max_k T_k, max_e S_e)`` for both schedules
-  (one micro-batch there and back, then the slowest station paces every other one); 1F1B
-  with M > G also waits a round trip every G micro-batches (stage 0 holds at most G), so
-  its pace is at least ``(sum_k T_k + sum_e E_e) / G``.
+  A hop also waits for its ends' CPU, whatever the link: per micro-batch there and back, a
+  message end each side each way (``Device.message_us``: framing, p2pd; ``wire_byte_ns`` per
+  payload byte) and, per direction that
+  compresses, an encode at the sender and a decode at the receiver (``Device.codec_us`` +
+  values x ``codec_value_ns``), each at the stage's slowest member and slowed with its compute
+  on a shared machine: H_e.
+  ``pipe = sum_k T_k + sum_e (E_e + H_e) + (M - 1) max(max_k T_k, max_e S_e)`` for both
+  schedules (one micro-batch there and back, then the slowest station paces every other one);
+  1F1B with M > G also waits a round trip every G micro-batches (stage 0 holds at most G), so
+  its pace is at least ``(sum_k T_k + sum_e (E_e + H_e)) / G``.
 - Data parallel. Stage k exchanges c_k = sum of p_l over its n_k layers (taken in order)
   * gradient_bytes * r_g bytes, so an embedding or a head weighs what it holds (or c_dp_bytes
   scaled by n_k / (L / G)). The runtime (``peerd.averaging``) sends a member's D - 1 shares of
@@ -46,13 +52,15 @@ s = seq, h = hidden, p_l = parameters of layer l (mean p̄ used for the split).
   ``dp_k = max_{d in group k} 2 (max_{d'} α + 8 (c_k / D) max(max_{d'} 1 / β, (D - 1) / u_d))``;
   Each member also encodes, decodes and reduces (``TrainingSpec.averaging_work``, counted on the
   runtime's code): its ops x seconds per op + its bytes / memory bandwidth at the stage's slowest
-  member, slowed on a shared machine as the compute, is added to dp_k.
+  member, slowed on a shared machine as the compute, is added to dp_k, and so are its messages'
+  ends: 4 (D - 1) of them (shares out and in, then averages), each ``message_us`` and
+  ``c_k / D x wire_byte_ns``.
   DP = max_k dp_k (after the pipeline, not overlapped). DT-FM's yardstick sums the D - 1
   exchanges instead, as if each waited for the one before; with D = 2 the two agree.
 - Gradient norm (``norm_exchange``: clipping, or fp16's overflow verdict). After the all-reduce
   the stages pass partial sums of squares up the pipeline to stage 0 and the total back down:
-  ``norm = 2 sum_e max_j α_e,j``, one small message per boundary each way (the largest one-way
-  delay among the boundary's matched pairs).
+  ``norm = 2 sum_e (max_j α_e,j + m_e)``, one small message per boundary each way (the largest
+  one-way delay among the boundary's matched pairs; m_e its two ends' CPU, as in H_e).
 - Update. Each stage then steps its optimizer over its layers' parameters:
   ``update_k = max_{d in group k} (Σ_l update_ops_l x launch_d + Σ_l update_bytes_l / bandwidth_d)``
   (``ModelShape.layer_work``, counted on the worker's update with its rollback copy; each term at
@@ -115,9 +123,17 @@ class LayoutArrays(NamedTuple):
     smax: np.ndarray  # (P, G-1) boundary's busiest direction per micro-batch (serialisation, no delay)
     emean: np.ndarray  # (P, G-1) boundary mean pair costs
     hops: np.ndarray  # (P, G-1) boundary's largest one-way delay among its matched pairs
-    host_op_s: np.ndarray  # (P, G) seconds per op of the stage's slowest member (its update, its averaging)
-    host_byte_s: np.ndarray  # (P, G) seconds per byte of the same
     members: np.ndarray  # (P, G, D) the devices (indices) of each stage
+
+
+class HostRates(NamedTuple):
+    """(P, G) each: a stage's CPU seconds per unit at its slowest member, as its machine runs them."""
+
+    op_s: np.ndarray  # per op (its update, its averaging arithmetic)
+    byte_s: np.ndarray  # per byte of memory traffic
+    end_s: np.ndarray  # per message end (framing, p2pd)
+    wire_s: np.ndarray  # per payload byte of a message end
+    call_s: np.ndarray  # per codec call (a micro-batch's encode or decode)
 
 
 class BatchDetail(NamedTuple):
@@ -132,6 +148,7 @@ class BatchDetail(NamedTuple):
     norm: np.ndarray  # (P,) the gradient norm's trip along the pipeline and back
     update: np.ndarray  # (P,) the slowest stage's optimizer step
     host: np.ndarray  # (P,) the busiest shared machine's CPU seconds over its cores (a floor of total)
+    hop_cpu: np.ndarray  # (P, G-1) each boundary's message and codec CPU per micro-batch there and back
 
 
 class PeerdObjective(Objective):
@@ -300,11 +317,21 @@ class PeerdObjective(Objective):
         flat = members.reshape(len(members), -1)
         return self.host_load.factors(flat).reshape(members.shape)
 
-    def host_rates(self, members: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(P, G) twice: seconds per op and per byte of each stage's slowest member, slowed where
-        the layout oversubscribes its machine (what its update and its averaging arithmetic run at)."""
+    def host_rates(self, members: np.ndarray) -> HostRates:
+        """Each stage's host rates at its slowest member, slowed where the layout oversubscribes its
+        machine (what its update, its averaging arithmetic and its messages run at)."""
         slow = self.host_factors(members)
-        return (self.op_s[members] * slow).max(axis=2), (self.byte_s[members] * slow).max(axis=2)
+
+        def slowest(rate: np.ndarray) -> np.ndarray:
+            return (rate[members] * slow).max(axis=2)
+
+        return HostRates(
+            slowest(self.op_s),
+            slowest(self.byte_s),
+            slowest(self.message_s),
+            slowest(self.wire_byte_s),
+            slowest(self.codec_s + self.codec_values * self.codec_value_s),
+        )
 
     def stage_tflops(self, members: np.ndarray) -> np.ndarray:
         """(P, G) the slowest member's TFLOPS per stage (``busy_tflops``): what paces the stage."""
@@ -318,7 +345,8 @@ class PeerdObjective(Objective):
 
     def batch_detail(self, x: LayoutArrays) -> BatchDetail:
         """Totals, softs and their parts for P layouts."""
-        tflops, memory, a, b, emax, smax, emean, hops, host_op_s, host_byte_s, members = x
+        tflops, memory, a, b, emax, smax, emean, hops, members = x
+        cpu = self.host_rates(members)
         n_layers, g = self.layers, tflops.shape[1]
         t = self.layer_flops / (tflops * 1e12)  # (P, G) s per layer per micro-batch
         per_layer_mem = self.layer_static + self.inflight[None, :g] * self.layer_act
@@ -330,22 +358,30 @@ class PeerdObjective(Objective):
         update_ops = self.stage_sum(self.update_ops_prefix, n)
         update_bytes = self.stage_sum(self.update_bytes_prefix, n)
         average_bytes = self.stage_sum(self.average_bytes_prefix, n)
-        arithmetic = self.average_ops * host_op_s + average_bytes * host_byte_s
-        dp = (a + c[..., None] * b).max(axis=2) + arithmetic  # (P, G)
-        fill = stage.sum(axis=1) + emax.sum(axis=1)  # one micro-batch there and back
+        arithmetic = self.average_ops * cpu.op_s + average_bytes * cpu.byte_s
+        # and its messages' ends: D - 1 shares out and in, then as many averages (none alone)
+        d = self.shape.d_dp
+        messages = 4.0 * (d - 1) * cpu.end_s + 4.0 * (d - 1) / d * c * cpu.wire_s
+        dp = (a + c[..., None] * b).max(axis=2) + arithmetic + messages  # (P, G)
+        # a hop's own CPU, on the path whatever the link: a message end each side (framing, p2pd),
+        # and each direction that compresses an encode at the sender and a decode at the receiver
+        ends = cpu.end_s[:, :-1] + cpu.end_s[:, 1:]  # (P, G-1) one message over each boundary
+        payload = self.c_act * sum(self.ratios) * (cpu.wire_s[:, :-1] + cpu.wire_s[:, 1:])
+        hop_cpu = 2.0 * ends + payload + self.codec_calls * (cpu.call_s[:, :-1] + cpu.call_s[:, 1:])
+        fill = stage.sum(axis=1) + emax.sum(axis=1) + hop_cpu.sum(axis=1)  # one micro-batch there and back
         bubble = stage.max(axis=1)
         if g > 1:
             bubble = np.maximum(bubble, smax.max(axis=1))
         if self.cycle_bound:  # 1F1B: stage 0 sends micro-batch i + G only once i's gradient is back
             bubble = np.maximum(bubble, fill / g)
         pipe = fill + (self.micro_batches - 1) * bubble
-        norm = 2.0 * hops.sum(axis=1) if self.norm_exchange else np.zeros(len(pipe))
-        update = (update_ops * host_op_s + update_bytes * host_byte_s).max(axis=1)
+        norm = 2.0 * (hops + ends).sum(axis=1) if self.norm_exchange else np.zeros(len(pipe))
+        update = (update_ops * cpu.op_s + update_bytes * cpu.byte_s).max(axis=1)
         host = self.host_floor(members, n, c, update_ops + self.average_ops, update_bytes + average_bytes)
         total = np.maximum(pipe + dp.max(axis=1) + norm + update, host)
         total = np.where(short > 0, INFEASIBLE * (1.0 + short), total)
         soft = dp.mean(axis=1) + emean.sum(axis=1) + stage.mean(axis=1)
-        return BatchDetail(total, soft, n, dp, pipe, stage, norm, update, host)
+        return BatchDetail(total, soft, n, dp, pipe, stage, norm, update, host, hop_cpu)
 
     def host_floor(
         self, members: np.ndarray, n: np.ndarray, c: np.ndarray, ops: np.ndarray, traffic: np.ndarray
@@ -405,10 +441,12 @@ class PeerdObjective(Objective):
         ]
         smax = np.array([[self.station[u, d].max() for u, d in matched]]).reshape(1, len(edges))
         hops = np.array([[self.hop[u, d].max() for u, d in matched]]).reshape(1, len(edges))
-        return LayoutArrays(tflops, memory, a, b, emax, smax, emean, hops, *self.host_rates(members), members)
+        return LayoutArrays(tflops, memory, a, b, emax, smax, emean, hops, members)
 
     def combine(self, groups: list[PeerdGroup], edges: list[Edge], spares: np.ndarray) -> Cost:
-        total, soft, _n, dp, pipe, stage, norm, update, host = self.batch_detail(self._arrays(groups, edges))
+        total, soft, _n, dp, pipe, stage, norm, update, host, hop_cpu = self.batch_detail(
+            self._arrays(groups, edges)
+        )
         # total = dp + pp + norm + update (pp is the whole pipelined forward/backward, compute
         # included), or host_cpu where the busiest shared machine's cores take longer than that.
         parts = {
@@ -419,6 +457,7 @@ class PeerdObjective(Objective):
             "host_cpu": float(host[0]),
             "compute_per_micro_batch": float(stage[0].sum()),
             "links_per_micro_batch": float(sum(e.value for e in edges)),
+            "hop_cpu_per_micro_batch": float(hop_cpu[0].sum()),
             "micro_batches": float(self.micro_batches),
         }
         return Cost(float(total[0]), float(soft[0]), parts)
@@ -482,9 +521,7 @@ class PeerdObjective(Objective):
             hops = self.hop[members[:, :-1], members[:, 1:]].max(axis=2)
         else:
             emax = smax = emean = hops = np.zeros((npairs, 0))
-        return self.batch_cost(
-            LayoutArrays(tflops, memory, a, b, emax, smax, emean, hops, *self.host_rates(members), members)
-        )
+        return self.batch_cost(LayoutArrays(tflops, memory, a, b, emax, smax, emean, hops, members))
 
 
 def split_layers(t: np.ndarray, cap: np.ndarray, n_layers: int) -> tuple[np.ndarray, np.ndarray]:

@@ -308,4 +308,8 @@ def test_peers_sharing_a_machine_are_priced_its_cores_for_their_compute_and_mess
     alloc = Allocation(((PEERS[1], PEERS[2]), (PEERS[3], PEERS[0])))
     shared, priced = scorer.cost(on_box(None, None), alloc), scorer.cost(busy, alloc)
     assert priced.parts["host_cpu"] > shared.parts["host_cpu"] > 0
-    assert priced.total == pytest.approx(max(priced.parts["host_cpu"], shared.total))
+    # each hop also waits for its ends' message and codec CPU: the pipeline and the norm's trip grow
+    assert shared.parts["hop_cpu_per_micro_batch"] == 0 < priced.parts["hop_cpu_per_micro_batch"]
+    assert priced.parts["pp"] > shared.parts["pp"] and priced.parts["norm"] > shared.parts["norm"]
+    links = sum(priced.parts[k] for k in ("pp", "dp", "norm", "update"))
+    assert priced.total == pytest.approx(max(priced.parts["host_cpu"], links))

@@ -14,7 +14,7 @@ from peerd.sched.cost_dtfm import DtfmObjective
 from peerd.sched.cost_peerd import PeerdObjective, split_layers
 from peerd.sched.hosts import HostShare
 from peerd.sched.layout import score_allocation
-from peerd.sched.objective import Objective
+from peerd.sched.objective import Cost, Objective
 from peerd.sched.planner import plan
 from peerd.sched.problem import Problem, Shape
 from peerd.sched.scenario import Device, ModelShape, Regions, Scenario, TrainingSpec, load_scenario
@@ -551,6 +551,43 @@ def test_compressing_codec_calls_count_on_the_machines_cores() -> None:
         extra = host(forward, backward, priced=True) - host(forward, backward, priced=False)
         # four members x 4 micro-batches x their one boundary x the compressing directions
         assert extra == pytest.approx(4 * 4 * directions * call / spare)
+
+
+def test_a_hop_waits_for_its_ends_message_and_codec_cpu() -> None:
+    """Per micro-batch there and back, a boundary's hop waits for a message end each side each way
+    and, per compressing direction, an encode and a decode: slowed with the compute where the
+    layout oversubscribes the machine; the norm's trip and the all-reduce wait for their messages'
+    ends too."""
+    grid = np.arange(4).reshape(2, 2)
+    call = 800e-6 + 1 * 32 * 64 * 3e-9  # one micro-batch: 1 sequence x 32 tokens x 64 wide
+
+    def cost(hosts: list[str], message_us: float | None) -> Cost:
+        sc = _busy_box(None, hosts)
+        sc = dataclasses.replace(
+            sc,
+            devices=[
+                dataclasses.replace(d, message_us=message_us, codec_us=800.0, codec_value_ns=3.0)
+                for d in sc.devices
+            ],
+            training=dataclasses.replace(sc.training, forward_ratio=0.125, norm_exchange=True),
+        )
+        return PeerdObjective(Problem(sc), Shape(2, 2)).grid_cost(grid, NONE)
+
+    alone = cost(["a", "b", "c", "d"], 500.0)  # a machine each: nothing slows
+    # an activation (1e6 B x 1/8) and a gradient (1e6 B) through both ends at 2 ns a byte; the
+    # forward compresses: one encode, one decode
+    payload = 1e6 * (0.125 + 1.0) * (2e-9 + 2e-9)
+    hop = 2 * (500e-6 + 500e-6) + payload + 1 * (call + call)
+    assert alone.parts["hop_cpu_per_micro_batch"] == pytest.approx(hop)
+    free = cost(["a", "b", "c", "d"], None)
+    assert free.parts["hop_cpu_per_micro_batch"] == pytest.approx(payload + 2 * call)
+    assert alone.parts["norm"] - free.parts["norm"] == pytest.approx(2 * (500e-6 + 500e-6))
+    assert alone.parts["pp"] > free.parts["pp"]
+    # the all-reduce waits for its member's message ends too: 1 share out and in, then 1 average
+    assert alone.parts["dp"] - free.parts["dp"] == pytest.approx(4 * 500e-6)
+    # four single-thread tasklets on one 2-core machine: every end and call takes twice as long
+    shared = cost(["box"] * 4, 500.0)
+    assert shared.parts["hop_cpu_per_micro_batch"] == pytest.approx(2 * hop)
 
 
 def test_no_declared_machine_means_no_floor() -> None:
