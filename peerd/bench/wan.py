@@ -171,9 +171,16 @@ def base_spec(peers: int, steps: int) -> dict[str, Any]:
         "name": "wan",
         "kind": "pretrain",
         "model": {"preset": "tiny-4", "seed": 0},
-        # 63 windows of 64 tokens, 16 per step: every example comes back within 4 steps, so the
-        # delta path of AC-SGD engages (its paper's multi-epoch regime; first visits go direct)
-        "data": {"source": "builtin", "seq_len": 64, "max_bytes": 4096},
+        # 64-token windows, the last 16 held out and 62 to train on, 16 per step: every
+        # example comes back within 4 steps and the delta path of AC-SGD engages (its paper's
+        # multi-epoch regime; first visits go direct). The held-out loss after the last step
+        # compares the arms at equal tokens on data none of them trained on.
+        "data": {
+            "source": "builtin",
+            "seq_len": 64,
+            "max_bytes": 5120,
+            "validation": {"windows": 16, "interval": steps, "batches": 1},
+        },
         "steps": steps,
         "global_batch": 16,
         "micro_batch": 2,
@@ -664,6 +671,7 @@ def arm_result(
         "prediction": prediction_parts(spec, alloc, run.get("status") or {}, measured),
         "measured_parts": measured_parts(run.get("phases") or [], s_per_step),
         "final_loss": losses[-1][1] if losses else None,
+        "final_val_loss": progress.get("val_loss"),
         "loss_points": len(losses),
         "bytes": run["bytes"],
         "compression_ratio": wire_ratio(run["bytes"]),
@@ -822,7 +830,15 @@ def wan(
 def _brief(r: dict[str, Any]) -> str:
     if "error" in r:
         return f"error: {r['error']}"
-    keys = ("ended", "s_per_step", "tokens_per_s", "predicted_s_per_step", "final_loss", "replans")
+    keys = (
+        "ended",
+        "s_per_step",
+        "tokens_per_s",
+        "predicted_s_per_step",
+        "final_loss",
+        "final_val_loss",
+        "replans",
+    )
     return ", ".join(f"{k}={r.get(k)}" for k in keys)
 
 
@@ -854,6 +870,13 @@ def ratios(results: list[dict[str, Any]]) -> dict[str, Any]:
         lc = [v for k, v in out["loss_at_equal_tokens"].items() if k.startswith("c-") and v is not None]
         if la is not None and lc:
             out["a_loss_over_c_loss"] = la / median(lc)
+    # the held-out loss after the last step: every arm trains the same tokens, so it is at equal tokens
+    held = {r["arm"]: r["final_val_loss"] for r in results if r.get("final_val_loss") is not None}
+    if held:
+        out["val_loss"] = held
+        hc = [v for k, v in held.items() if k.startswith("c-")]
+        if "a-peerd" in held and hc:
+            out["a_val_loss_over_c_val_loss"] = held["a-peerd"] / median(hc)
     return out
 
 

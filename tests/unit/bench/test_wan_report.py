@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from peerd.bench.wan import arm_spec, arms, measured_parts, phase_summary, prediction_parts
+from peerd.bench.wan import arm_spec, arms, measured_parts, phase_summary, prediction_parts, ratios
 from peerd.jobs.scoring import RosterScorer
 from peerd.jobs.spec import parse_job_spec
 from peerd.sched.allocation import Allocation
@@ -99,3 +99,32 @@ def test_the_measured_step_is_split_like_the_prediction() -> None:
     got = measured_parts([tasklet(0.1, 0.1, 0.05, 0.2, 0.01), tasklet(0.1, 0.2, 0.05, 0.02, 0.03)], 0.7)
     assert got == pytest.approx({"pp": 0.35, "norm": 0.02, "update": 0.03, "dp": 0.3})
     assert measured_parts([], 0.7) is None and measured_parts([tasklet(0.1, 0, 0, 0, 0)], None) is None
+
+
+def test_every_arm_holds_out_the_same_windows_and_the_ratios_compare_their_held_out_loss() -> None:
+    for arm in arms(1):
+        job = parse_job_spec(arm_spec(arm, 8, 20))
+        assert job.data.validation is not None and job.data.validation.interval == 20  # after the last step
+    results = [
+        {"arm": "a-peerd", "tokens_per_s": 200.0, "final_val_loss": 3.06, "loss_vs_tokens": [[1024, 3.5]]},
+        {
+            "arm": "b-peerd-fp32",
+            "tokens_per_s": 100.0,
+            "final_val_loss": 3.0,
+            "loss_vs_tokens": [[1024, 3.4]],
+        },
+        *(
+            {
+                "arm": f"c-random-s{k}",
+                "tokens_per_s": 50.0,
+                "final_val_loss": v,
+                "loss_vs_tokens": [[1024, 3.4]],
+            }
+            for k, v in enumerate((2.9, 3.0, 3.2))
+        ),
+        {"arm": "d-dp-only", "tokens_per_s": 150.0, "final_val_loss": None},
+    ]
+    got = ratios(results)
+    assert got["a_val_loss_over_c_val_loss"] == pytest.approx(3.06 / 3.0)  # over the median seed
+    assert set(got["val_loss"]) == {"a-peerd", "b-peerd-fp32", "c-random-s0", "c-random-s1", "c-random-s2"}
+    assert got["a_over_c_tokens_per_s"] == pytest.approx(4.0)
