@@ -11,7 +11,7 @@ median contribution norm, so one member with a huge gradient moves the mean by a
 same hook). ``AGGREGATORS`` maps the config names to them.
 
 ``screen`` runs before any aggregator: a contribution from another member whose norm exceeds
-``max_ratio`` times this member's own contribution (the one input it can trust) is refused
+``max_ratio`` times the norm of this member's whole gradient (the one input it can trust) is refused
 with ``PeerMisbehaved(OUT_OF_RANGE)`` naming that member, so the step fails and the runner
 suspects it, instead of averaging the absurd values into every replica.
 """
@@ -86,23 +86,27 @@ def parse_aggregator(spec: Aggregator | str | None) -> Aggregator:
     return spec
 
 
-def screen(parts: Sequence[torch.Tensor], own: int, max_ratio: float, names: Sequence[str]) -> None:
-    """Refuse any contribution whose norm is above ``max_ratio`` x contribution ``own``'s (this member's).
+def screen(parts: Sequence[torch.Tensor], own: int, scale: float, max_ratio: float, names: Sequence[str]) -> None:
+    """Refuse any other rank's contribution whose norm is above ``max_ratio`` x ``scale``, the norm
+    of this member's whole gradient (not its part of this share).
 
-    ``names[r]`` names rank ``r`` in the error. With an all-zero own contribution there is no
-    scale to judge by, so nothing is refused.
+    A contribution is a slice of its sender's whole gradient, so its norm is at most that whole
+    gradient's, and honest replicas' whole gradients stay within a few tens of one another (a
+    replica whose batch spikes: 25x in the wan bench's data-parallel arm). A share's own slice is
+    no yardstick: there one replica's slice (of an embedding, say) was 1,600x another's, honestly. ``names[r]`` names rank
+    ``r`` in the error. With a zero (or non-finite) scale there is nothing to judge by, so nothing
+    is refused.
     """
-    mine = float(torch.linalg.vector_norm(parts[own]))
-    if mine == 0.0:
+    if not 0.0 < scale < float("inf"):
         return
     for rank, part in enumerate(parts):
         if rank == own:
             continue
         norm = float(torch.linalg.vector_norm(part))
-        if not norm <= max_ratio * mine:  # also catches a NaN norm
+        if not norm <= max_ratio * scale:  # also catches a NaN norm
             raise PeerMisbehaved(
                 f"averaging contribution of rank {rank} ({names[rank]}) has norm {norm:.3g}, "
-                f"{norm / mine:.3g}x this member's {mine:.3g} (bound {max_ratio:.3g}x)",
+                f"{norm / scale:.3g}x this member's whole gradient's {scale:.3g} (bound {max_ratio:.3g}x)",
                 peer=names[rank],
                 code=ErrorCode.OUT_OF_RANGE,
             )

@@ -292,7 +292,7 @@ class GroupAllReduce:
         total, layout = flat_N.numel(), state.layout
         assert layout is not None
         bounds = share_bounds(total, self.size)
-        own, frames = await _off_loop(total, self.math.contributions, flat_N)
+        state.scale, own, frames = await _off_loop(total, self._contributions, flat_N)
         self._add_part(state, self.rank, own, overflowed)
         jobs: dict[int, asyncio.Task[tuple[torch.Tensor, bool]]] = {
             self.rank: asyncio.create_task(self._own_share(state))
@@ -404,7 +404,7 @@ class GroupAllReduce:
     async def _reduce(self, state: StepState) -> None:
         try:
             parts = [state.parts[r] for r in range(self.size)]
-            encoded = await _off_loop(parts[0].numel(), self._screened_reduce, parts)
+            encoded = await _off_loop(parts[0].numel(), self._screened_reduce, parts, state.scale)
         except (
             PeerMisbehaved
         ) as exc:  # nobody averages the absurd values: the step fails, the runner suspects
@@ -423,8 +423,13 @@ class GroupAllReduce:
         if not state.result.done():
             state.result.set_result(encoded)
 
-    def _screened_reduce(self, parts: list[torch.Tensor]) -> Encoded:
-        screen(parts, self.rank, self.max_norm_ratio, [str(m) for m in self.members])
+    def _contributions(self, flat_N: torch.Tensor) -> tuple[float, torch.Tensor, dict[int, bytes]]:
+        """The norm of this member's whole gradient, its own share and a frame per other rank."""
+        own, frames = self.math.contributions(flat_N)
+        return float(torch.linalg.vector_norm(flat_N)), own, frames
+
+    def _screened_reduce(self, parts: list[torch.Tensor], scale: float) -> Encoded:
+        screen(parts, self.rank, scale, self.max_norm_ratio, [str(m) for m in self.members])
         return self.math.reduce(parts)
 
     # ------------------------------------------------------------------ serving

@@ -36,6 +36,8 @@ class StepState:
         self.touched = loop.time()  # last progress: a contribution arrived
         self.all_in: float | None = None
         """``time.perf_counter()`` when the last contribution arrived (the reduction started)."""
+        self.scale = 0.0
+        """The norm of this member's whole gradient, once it contributed: what the others' are judged by."""
 
     def add(self, src: int, part: torch.Tensor, overflowed: bool = False) -> None:
         """Record ``src``'s contribution; a resent one replaces it unless the reduction already started."""

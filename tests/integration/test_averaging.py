@@ -542,3 +542,38 @@ def test_a_member_that_closes_right_after_its_step_still_delivers_the_share_it_w
     still_sending, x_mean, y_mean, mean = cluster.run(go(), timeout=60)
     assert still_sending == 1  # the case under test: X's step ended before its reply had left
     assert torch.equal(x_mean, y_mean) and torch.allclose(x_mean, mean, atol=1e-6)
+
+
+def test_an_honest_spike_is_averaged_and_an_absurd_contribution_refused_by_the_whole_gradient_screen(
+    cluster: Cluster,
+):
+    """Each reducer judges the others' slices of its share against its own whole gradient's norm:
+    rank 0's slice of share 0 is ~0 (an embedding its batch never touched) while rank 1's is 1e6x
+    larger, honestly; rank 2's contribution, 1e6x everything, is refused, naming rank 2."""
+    quiet = grads(1)
+    quiet[0][:100] *= 1e-6  # rows 0-99 of the first tensor: all of share 0 of three
+    honest = [quiet, grads(2), grads(3)]
+    avgs = make_group(cluster, 3, "screen-honest", timeout=10)
+    out = cluster.run(steps(avgs, [honest]))[0]
+    expect = rank_order_mean([flatten(g) for g in honest])
+    assert all(torch.equal(flatten(o), expect) for o in out)
+
+    hostile = [quiet, grads(2), [t * 1e6 for t in grads(3)]]
+    avgs = make_group(cluster, 3, "screen-hostile", timeout=10)
+
+    async def go():
+        for a in avgs:
+            await a.start()
+        try:
+            return await asyncio.gather(
+                *(a.allreduce(0, g) for a, g in zip(avgs, hostile, strict=True)), return_exceptions=True
+            )
+        finally:
+            for a in avgs:
+                await a.close()
+
+    results = cluster.run(go())
+    for got in results[:2]:  # the honest reducers refuse it; every member's step fails
+        assert isinstance(got, PeerdError) and got.code == ErrorCode.OUT_OF_RANGE, got
+        assert f"rank 2 ({avgs[2].transport.peer_id})" in str(got)
+    assert isinstance(results[2], PeerdError)

@@ -45,16 +45,21 @@ def test_members_reduce_through_the_configured_aggregator():
     assert float(robust.max()) < 3.0  # the outlier clipped to 2x the median norm (2.5): (1+2+3+5)/4
 
 
-def test_the_screen_refuses_absurd_contributions_relative_to_the_members_own():
+def test_the_screen_refuses_absurd_contributions_relative_to_the_members_whole_gradient():
     parts = _parts(3, seed=2)
-    screen(parts, 0, 1e3, ["a", "b", "c"])
+    whole = float(torch.linalg.vector_norm(torch.cat(parts)))  # as if the member's gradient held these
+    screen(parts, 0, whole, 1e3, ["a", "b", "c"])
     parts[2] = parts[2] * 1e4
     with pytest.raises(PeerMisbehaved) as info:
-        screen(parts, 0, 1e3, ["a", "b", "c"])
+        screen(parts, 0, whole, 1e3, ["a", "b", "c"])
     assert info.value.peer == "c" and info.value.code == ErrorCode.OUT_OF_RANGE
-    screen([torch.zeros(5), torch.ones(5) * 1e9], 0, 1e3, ["a", "b"])  # no own scale: nothing to judge by
+    assert "whole gradient" in info.value.message
+    # an honest spike: this member's slice of the share is ~0 (an embedding its batch never
+    # touched), another's is 1,600x larger, and still far below this member's whole gradient
+    screen([torch.full((5,), 1e-4), torch.full((5,), 0.16)], 0, 1.5, 1e3, ["a", "b"])
+    screen([torch.zeros(5), torch.ones(5) * 1e9], 0, 0.0, 1e3, ["a", "b"])  # no scale: nothing to judge by
     with pytest.raises(PeerMisbehaved):
-        screen([torch.ones(5), torch.full((5,), math.nan)], 0, 1e3, ["a", "b"])
+        screen([torch.ones(5), torch.full((5,), math.nan)], 0, 1.0, 1e3, ["a", "b"])
 
 
 def test_aggregators_by_name_and_bad_names():
