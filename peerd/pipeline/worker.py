@@ -489,6 +489,9 @@ class StageWorker:
             reports.append(await self.train_step())
             if self.cfg.checkpoint_dir and every and self.step % every == 0:
                 await self.save_checkpoint()
+        for sender in (self.to_next, self.to_prev):  # the last norm message too: close does not wait for acks
+            if sender is not None:
+                await sender.flush()
         if self.cfg.checkpoint_dir:  # clean shutdown: the state to resume from
             await self.save_checkpoint()
         return reports
@@ -824,8 +827,9 @@ class StageWorker:
             seq=0,  # the sender numbers it
             nbytes=memoryview(payload).nbytes,
         )
+        # not flushed here: waiting for its ack would hold this stage's update (and stage 0's next
+        # forward) a round trip; the next step's flush, or the end of ``run``, waits for it
         await sender.send(msg, payload)
-        await sender.flush()  # accepted before this stage may finish (close does not wait for acks)
 
     def _received_norm(self, value: torch.Tensor, step: int, sender: PeerRef | None) -> float:
         """A neighbour's sum of squares; ``OVERFLOWED`` only where this job scales its loss (fp16)."""
