@@ -86,7 +86,9 @@ def parse_aggregator(spec: Aggregator | str | None) -> Aggregator:
     return spec
 
 
-def screen(parts: Sequence[torch.Tensor], own: int, scale: float, max_ratio: float, names: Sequence[str]) -> None:
+def screen(
+    parts: Sequence[torch.Tensor], own: int, scale: float, max_ratio: float, names: Sequence[str]
+) -> None:
     """Refuse any other rank's contribution whose norm is above ``max_ratio`` x ``scale``, the norm
     of this member's whole gradient (not its part of this share).
 
