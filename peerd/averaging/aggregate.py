@@ -11,9 +11,9 @@ median contribution norm, so one member with a huge gradient moves the mean by a
 same hook). ``AGGREGATORS`` maps the config names to them.
 
 ``screen`` runs before any aggregator: a contribution from another member whose norm exceeds
-``max_ratio`` times the norm of this member's whole gradient (the one input it can trust) is refused
-with ``PeerMisbehaved(OUT_OF_RANGE)`` naming that member, so the step fails and the runner
-suspects it, instead of averaging the absurd values into every replica.
+``max_ratio`` times the norm of this member's whole gradient (the one input it can trust) is
+refused with ``PeerMisbehaved(OUT_OF_RANGE)`` naming that member, so the step fails and the
+runner suspects it, instead of averaging the absurd values into every replica.
 """
 
 from __future__ import annotations
@@ -95,9 +95,9 @@ def screen(
     A contribution is a slice of its sender's whole gradient, so its norm is at most that whole
     gradient's, and honest replicas' whole gradients stay within a few tens of one another (a
     replica whose batch spikes: 25x in the wan bench's data-parallel arm). A share's own slice is
-    no yardstick: there one replica's slice (of an embedding, say) was 1,600x another's, honestly. ``names[r]`` names rank
-    ``r`` in the error. With a zero (or non-finite) scale there is nothing to judge by, so nothing
-    is refused.
+    no yardstick: there one replica's slice (of an embedding, say) was 1,600x another's, honestly.
+    ``names[r]`` names rank ``r`` in the error. With a zero (or non-finite) scale there is nothing
+    to judge by, so nothing is refused.
     """
     if not 0.0 < scale < float("inf"):
         return

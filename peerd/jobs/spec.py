@@ -570,8 +570,8 @@ def load_job_spec(path: str | Path) -> JobSpec:
 def pin_examples(spec: JobSpec) -> JobSpec:
     """``spec`` with ``planning.examples`` counted on its corpus as read here (what the planner's
     visits per example need); returned unchanged when it states them, for an ``hf`` source (not
-    read at submit) and where they price nothing (an rl job, activations not sent as AC-SGD deltas). ConfigError if the corpus cannot
-    be read or cut into windows."""
+    read at submit) and where they price nothing (an rl job, activations not sent as AC-SGD
+    deltas). ConfigError if the corpus cannot be read or cut into windows."""
     if not spec.prices_visits or spec.planning.examples is not None or spec.data.source == "hf":
         return spec
     examples = len(build_dataset(spec.data))

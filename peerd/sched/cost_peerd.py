@@ -35,10 +35,9 @@ s = seq, h = hidden, p_l = parameters of layer l (mean p̄ used for the split).
   activations and gradients at once, and a link's delay overlaps its next message).
   A hop also waits for its ends' CPU, whatever the link: per micro-batch there and back, a
   message end each side each way (``Device.message_us``: framing, p2pd; ``wire_byte_ns`` per
-  payload byte) and, per direction that
-  compresses, an encode at the sender and a decode at the receiver (``Device.codec_us`` +
-  values x ``codec_value_ns``), each at the stage's slowest member and slowed with its compute
-  on a shared machine: H_e.
+  payload byte) and, per direction that compresses, an encode at the sender and a decode at
+  the receiver (``Device.codec_us`` + values x ``codec_value_ns``), each at the stage's slowest
+  member and slowed with its compute on a shared machine: H_e.
   ``pipe = sum_k T_k + sum_e (E_e + H_e) + (M - 1) max(max_k T_k, max_e S_e)`` for both
   schedules (one micro-batch there and back, then the slowest station paces every other one);
   1F1B with M > G also waits a round trip every G micro-batches (stage 0 holds at most G), so

@@ -31,11 +31,12 @@ from peerd.swarm.transport import Transport
 AVERAGING_SLACK_S = 120.0  # beyond the rollout deadline, how long trainers wait for each other
 GRPO_NORM_RATIO = 1e30
 """The trainers' bound on another trainer's contribution norm over their own whole gradient's
-(``GroupAllReduce``'s screen): none in effect. Honest GRPO gradients differ by orders of magnitude (a trainer whose groups
-all scored alike has only the KL term, 1e3x smaller than another's was seen), and a refusal would
-recur on the same rollouts after every re-plan; contributions are still checked finite, the
-averaged update is clipped to the spec's ``grad_clip``, and ``averaging.aggregator: clipped`` bounds
-what one trainer among three or more can move the mean by (relative to the median, not to itself)."""
+(``GroupAllReduce``'s screen): none in effect. Honest GRPO gradients differ by orders of magnitude
+(a trainer whose groups all scored alike has only the KL term, 1e3x smaller than another's was
+seen), and a refusal would recur on the same rollouts after every re-plan; contributions are still
+checked finite, the averaged update is clipped to the spec's ``grad_clip``, and
+``averaging.aggregator: clipped`` bounds what one trainer among three or more can move the mean by
+(relative to the median, not to itself)."""
 
 
 class TrainerMeans:
