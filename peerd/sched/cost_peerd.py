@@ -236,10 +236,11 @@ class PeerdObjective(Objective):
         self.wire_byte_s = np.array([(d.wire_byte_ns or 0.0) * 1e-9 for d in problem.devices])
         # and per compressing codec call: per micro-batch, each boundary direction that compresses
         # is one encode and one decode (one call each end) of the micro-batch's activation values
-        self.codec_s = np.array([(d.codec_us or 0.0) * 1e-6 for d in problem.devices])
-        self.codec_value_s = np.array([(d.codec_value_ns or 0.0) * 1e-9 for d in problem.devices])
+        codec_s = np.array([(d.codec_us or 0.0) * 1e-6 for d in problem.devices])
+        codec_value_s = np.array([(d.codec_value_ns or 0.0) * 1e-9 for d in problem.devices])
+        self.call_s = codec_s + tokens * model.hidden * codec_value_s  # one call, per device
         self.codec_calls = float(sum(r < 1.0 for r in self.ratios))  # per member, boundary, micro-batch
-        self.codec_values = tokens * model.hidden
+        self.hop_bytes = self.c_act * sum(self.ratios)  # a micro-batch's activation and gradient on the wire
         self.boundaries = (g > 0).astype(float) + (g < shape.d_pp - 1)  # neighbours per stage position
         self.threads = np.array([d.host.threads if d.host is not None else 1 for d in problem.devices])
         work = model.layer_work or [LayerWork()] * model.layers
@@ -329,7 +330,7 @@ class PeerdObjective(Objective):
             slowest(self.byte_s),
             slowest(self.message_s),
             slowest(self.wire_byte_s),
-            slowest(self.codec_s + self.codec_values * self.codec_value_s),
+            slowest(self.call_s),
         )
 
     def stage_tflops(self, members: np.ndarray) -> np.ndarray:
@@ -365,7 +366,7 @@ class PeerdObjective(Objective):
         # a hop's own CPU, on the path whatever the link: a message end each side (framing, p2pd),
         # and each direction that compresses an encode at the sender and a decode at the receiver
         ends = cpu.end_s[:, :-1] + cpu.end_s[:, 1:]  # (P, G-1) one message over each boundary
-        payload = self.c_act * sum(self.ratios) * (cpu.wire_s[:, :-1] + cpu.wire_s[:, 1:])
+        payload = self.hop_bytes * (cpu.wire_s[:, :-1] + cpu.wire_s[:, 1:])
         hop_cpu = 2.0 * ends + payload + self.codec_calls * (cpu.call_s[:, :-1] + cpu.call_s[:, 1:])
         fill = stage.sum(axis=1) + emax.sum(axis=1) + hop_cpu.sum(axis=1)  # one micro-batch there and back
         bubble = stage.max(axis=1)
@@ -400,9 +401,7 @@ class PeerdObjective(Objective):
         d = self.shape.d_dp
         trips = self.micro_batches + (1.0 if self.norm_exchange else 0.0)
         ends = trips * 2.0 * self.boundaries[:g] + 4.0 * (d - 1)
-        payload = (
-            self.micro_batches * self.boundaries[:g] * self.c_act * sum(self.ratios) + 4.0 * (d - 1) / d * c
-        )
+        payload = self.micro_batches * self.boundaries[:g] * self.hop_bytes + 4.0 * (d - 1) / d * c
         calls = self.micro_batches * self.boundaries[:g] * self.codec_calls  # (G,) per member
         cpu = (
             compute
@@ -410,7 +409,7 @@ class PeerdObjective(Objective):
             + traffic[..., None] * self.byte_s[members]
             + ends[None, :, None] * self.message_s[members]
             + payload[..., None] * self.wire_byte_s[members]
-            + calls[None, :, None] * (self.codec_s[members] + self.codec_values * self.codec_value_s[members])
+            + calls[None, :, None] * self.call_s[members]
         )
         flat = members.reshape(len(members), -1)
         return self.host_load.busiest(flat, cpu.reshape(flat.shape))
